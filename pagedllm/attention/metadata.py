@@ -1,0 +1,72 @@
+"""Per-step attention metadata: how the flat token batch maps onto requests and KV cache slots."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes one forward step to the attention backend.
+
+    Requests are ordered decodes first (query length 1), then prefills/chunks (query length > 1).
+    All tensors live on the model's device.
+
+    Attributes:
+        num_actual_tokens: T, the number of tokens in the flat batch.
+        slot_mapping: [T] int64, KV slot of each token (``block_id * block_size + offset``).
+        query_start_loc: [R + 1] int32, offsets of each request's tokens in the flat batch.
+        seq_lens: [R] int32, tokens in each request's KV cache after this step (context + new).
+        block_tables: [R, max_blocks] int32, physical block ids per request (0-padded).
+        num_decodes: number of leading requests with exactly one query token.
+        query_start_loc_cpu / seq_lens_cpu: host copies, used to loop over prefills without syncs.
+        max_decode_seq_len: longest ``seq_len`` among the decodes (sizes the gather).
+    """
+
+    num_actual_tokens: int
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    num_decodes: int
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_decode_seq_len: int
+    block_size: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @classmethod
+    def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+              block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
+        """Build metadata from plain lists (tests and simple callers); requests must be decodes-first."""
+        num_decodes = 0
+        for q in query_lens:
+            if q != 1:
+                break
+            num_decodes += 1
+        qsl = [0]
+        for q in query_lens:
+            qsl.append(qsl[-1] + q)
+        slots: list[int] = []
+        for q, s, table in zip(query_lens, seq_lens, block_tables):
+            for pos in range(s - q, s):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        width = max((len(t) for t in block_tables), default=1) or 1
+        padded = [t + [0] * (width - len(t)) for t in block_tables]
+        return cls(
+            num_actual_tokens=qsl[-1],
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+            num_decodes=num_decodes,
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=list(seq_lens),
+            max_decode_seq_len=max(seq_lens[:num_decodes], default=0),
+            block_size=block_size,
+        )
