@@ -1,0 +1,192 @@
+"""Logits -> next token ids (+ logprobs) for one batch, in one vectorized pass.
+
+Order: logit_bias, min_tokens mask, penalties, then argmax for greedy rows; random rows get temperature,
+top-k, top-p, min-p and an exponential race. Returned logprobs are the model's raw log-softmax, taken
+before any of those steps (vLLM's default). Nothing here reads a value back to the host, so it runs
+without device syncs on any backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagedllm.sample.metadata import SamplingMetadata
+
+
+@dataclass
+class LogprobsTensors:
+    """Logprobs for B positions. Column 0 is the chosen (sampled or target) token; 1..k are the top-k.
+
+    token_ids: [B, k+1] int64, logprobs: [B, k+1] float32, ranks: [B] int64 (1-based rank of column 0).
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    ranks: torch.Tensor
+
+
+@dataclass
+class SamplerOutput:
+    """sampled_token_ids: [B] int64; logprobs present when any row asked for them."""
+
+    sampled_token_ids: torch.Tensor
+    logprobs: LogprobsTensors | None
+
+
+def _gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> LogprobsTensors:
+    """logprobs [N, V] (already log-softmaxed), token_ids [N] -> LogprobsTensors with k = num_logprobs."""
+    token_ids = token_ids.long()
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [N, 1]
+    # Rank = 1 + number of tokens strictly more likely; ties share the better rank.
+    ranks = (logprobs > chosen).sum(dim=1) + 1
+    if num_logprobs > 0:
+        top_values, top_ids = logprobs.topk(num_logprobs, dim=1)
+        ids = torch.cat([token_ids.unsqueeze(1), top_ids], dim=1)
+        values = torch.cat([chosen, top_values], dim=1)
+    else:
+        ids, values = token_ids.unsqueeze(1), chosen
+    return LogprobsTensors(token_ids=ids, logprobs=values, ranks=ranks)
+
+
+def compute_logprobs_for_targets(logits: torch.Tensor, target_ids: torch.Tensor,
+                                 num_logprobs: int) -> LogprobsTensors:
+    """Prompt logprobs: logits [N, V] at N positions, target_ids [N] the actual next tokens.
+
+    Returns column 0 = the target token's logprob, columns 1..num_logprobs = the top tokens.
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    return _gather_logprobs(logprobs, target_ids, num_logprobs)
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
+    """In place on logits [B, V]: repetition (prompt + output), then frequency/presence (output only)."""
+    num_rows, vocab = logits.shape
+    output_ids = meta.output_token_ids
+    assert output_ids is not None and meta.repetition_penalties is not None
+    # Pad id == vocab_size lands in an extra column that is dropped, so padding costs no masking.
+    output_counts = torch.zeros(num_rows, vocab + 1, dtype=logits.dtype, device=logits.device)
+    output_counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=logits.dtype))
+    output_counts = output_counts[:, :vocab]
+    output_seen = output_counts > 0
+
+    if meta.prompt_token_ids is not None:
+        prompt_seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=logits.device)
+        prompt_seen.scatter_(1, meta.prompt_token_ids, True)
+        seen = prompt_seen[:, :vocab] | output_seen
+        penalty = meta.repetition_penalties.unsqueeze(1)
+        # HF/vLLM rule: shrink the logit toward "less likely" whatever its sign.
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits.copy_(torch.where(seen, penalized, logits))
+
+    assert meta.frequency_penalties is not None and meta.presence_penalties is not None
+    logits.sub_(meta.frequency_penalties.unsqueeze(1) * output_counts)
+    logits.sub_(meta.presence_penalties.unsqueeze(1) * output_seen.to(logits.dtype))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                      max_top_k: int) -> torch.Tensor:
+    """Mask logits [B, V] outside each row's top-k / nucleus to -inf.
+
+    top_k: [B] int64 (V = off) or None; top_p: [B] float32 (1.0 = off) or None; not both None.
+
+    Top-p keeps the smallest prefix (by descending probability) whose mass reaches top_p; the most likely
+    token always survives. Returns the masked logits (may be the same tensor).
+    """
+    vocab = logits.shape[1]
+    if top_p is None:
+        assert top_k is not None
+        # Top-k alone: a topk of the largest k is much cheaper than a full sort of V.
+        k = min(max(max_top_k, 1), vocab)
+        top_values = logits.topk(k, dim=1).values  # [B, k], descending
+        kth = top_values.gather(1, (top_k.clamp(max=k) - 1).unsqueeze(1))  # [B, 1]
+        # Rows with top-k off (top_k == V) keep everything.
+        kth = torch.where((top_k >= vocab).unsqueeze(1), torch.full_like(kth, float("-inf")), kth)
+        return logits.masked_fill_(logits < kth, float("-inf"))
+
+    sorted_logits, sorted_idx = logits.sort(dim=1, descending=True)
+    positions = torch.arange(vocab, device=logits.device).unsqueeze(0)  # [1, V]
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        drop |= positions >= top_k.unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = sorted_logits.softmax(dim=1)
+    # Mass strictly before each token: a token is kept while that mass is still below top_p.
+    mass_before = probs.cumsum(dim=1) - probs
+    drop |= (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    drop[:, 0] = False
+    unsorted_drop = torch.empty_like(drop).scatter_(1, sorted_idx, drop)
+    return logits.masked_fill_(unsorted_drop, float("-inf"))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask logits [B, V] whose probability is below min_p [B] times the row's top probability."""
+    # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); log(0) = -inf keeps off rows untouched.
+    threshold = logits.amax(dim=1, keepdim=True) + min_p.log().unsqueeze(1)
+    return logits.masked_fill_(logits < threshold, float("-inf"))
+
+
+def exponential_race(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Sample one token per row of probs [B, V]: argmax(p / E), E ~ Exp(1) i.i.d., is a draw from p.
+
+    Seeded rows draw their V noise values from their own generator, so their tokens do not depend on
+    what else is in the batch; all other rows share one batched draw.
+    """
+    noise = torch.empty_like(probs)
+    if meta.has_unseeded_random:
+        noise.exponential_()
+    for row, generator in meta.generators.items():
+        noise[row].exponential_(generator=generator)
+    # Exp(1) can return exactly 0; 0/0 = NaN would win argmax, so keep the divisor positive.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    return probs.div_(noise).argmax(dim=1)
+
+
+class Sampler(nn.Module):
+    """Turns a step's logits into token ids. Does not modify the caller's logits."""
+
+    def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """logits: [B, V] float32 -> SamplerOutput (sampled ids [B], optional logprobs [B, k+1])."""
+        raw_logprobs = None
+        if meta.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
+
+        # One private copy; every later stage works in place on it.
+        logits = logits.to(torch.float32, copy=True)
+
+        if not meta.no_logit_bias:
+            logits.index_put_((meta.logit_bias_rows, meta.logit_bias_tokens), meta.logit_bias_values,
+                              accumulate=True)
+        if not meta.no_min_tokens:
+            logits[meta.min_tokens_rows, meta.min_tokens_tokens] = float("-inf")
+        if not meta.no_penalties:
+            apply_penalties(logits, meta)
+
+        greedy_ids = None
+        if not meta.all_random:
+            greedy_ids = logits.argmax(dim=1)
+        if meta.all_greedy:
+            sampled = greedy_ids
+        else:
+            sampled = self._sample_random(logits, meta)
+            if greedy_ids is not None:
+                sampled = torch.where(meta.greedy_mask, greedy_ids, sampled)
+
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = _gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    @staticmethod
+    def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """logits [B, V] (penalized) -> [B] sampled ids; greedy rows' results are discarded by the caller."""
+        assert meta.temperature is not None
+        logits.div_(meta.temperature.unsqueeze(1))
+        if not meta.no_top_p_top_k:
+            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p, meta.max_top_k)
+        if not meta.no_min_p:
+            logits = apply_min_p(logits, meta.min_p)
+        probs = logits.softmax(dim=1)
+        return exponential_race(probs, meta)
