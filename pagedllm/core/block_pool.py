@@ -1,0 +1,169 @@
+"""Physical KV blocks: reference counts, an LRU free queue and the prefix-cache hash map."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BlockHash:
+    """Identity of a full block: chained hash plus the exact tokens (so a hit can be verified).
+
+    ``value`` hashes the parent's value, this block's token ids and its extra keys (e.g. a cache salt).
+    """
+
+    value: int
+    token_ids: tuple[int, ...]
+    extra_keys: tuple = ()
+
+
+def hash_block(parent_value: int, token_ids: tuple[int, ...], extra_keys: tuple = ()) -> BlockHash:
+    return BlockHash(hash((parent_value, token_ids, extra_keys)), token_ids, extra_keys)
+
+
+class KVCacheBlock:
+    """One physical block. ``prev_free``/``next_free`` link it into the free queue while unused."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "parent_value", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+        self.parent_value: int | None = None
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks, least recently used at the front.
+
+    Removing a block from the middle (a prefix-cache hit on a free block) is O(1).
+    """
+
+    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)  # sentinels
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free, self._tail.prev_free = self._tail, self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free
+        if block is self._tail or block is None:
+            raise ValueError("no free blocks left")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        assert block.prev_free is not None and block.next_free is not None, "block is not in the free queue"
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free, block.prev_free = block, last
+        block.next_free, self._tail.prev_free = self._tail, block
+        self.num_free_blocks += 1
+
+    def __iter__(self):
+        block = self._head.next_free
+        while block is not None and block is not self._tail:
+            yield block
+            block = block.next_free
+
+
+class BlockPool:
+    """Owns every block. Block 0 is a reserved null block (padding in block tables), never handed out."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be at least 2 (one is reserved), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.null_block.ref_cnt = 1
+        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.cached: dict[int, KVCacheBlock] = {}  # hash value -> block
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks held by requests (cached-but-free blocks count as free)."""
+        usable = self.num_blocks - 1
+        return 1.0 - self.num_free_blocks / usable
+
+    def lookup(self, block_hash: BlockHash, parent_value: int) -> KVCacheBlock | None:
+        """The cached block for this hash, only if its parent and tokens really match."""
+        block = self.cached.get(block_hash.value)
+        if block is None or block.block_hash != block_hash or block.parent_value != parent_value:
+            return None
+        return block
+
+    def get_new_blocks(self, num: int) -> list[KVCacheBlock]:
+        """Take ``num`` blocks from the LRU end; a cached one loses its hash now (lazy eviction)."""
+        if num > self.num_free_blocks:
+            raise ValueError(f"cannot allocate {num} blocks, only {self.num_free_blocks} free")
+        out = []
+        for _ in range(num):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on prefix-cache hits; a free hit leaves the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference each; blocks reaching zero join the back of the free queue.
+
+        Callers pass a request's blocks last-first so a request's tail is evicted before its prefix.
+        """
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"double free of {block}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, parent_value: int) -> None:
+        """Make a full block findable. First writer wins: a duplicate stays uncached."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash.value in self.cached:
+            return
+        block.block_hash = block_hash
+        block.parent_value = parent_value
+        self.cached[block_hash.value] = block
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash.value) is block:
+                del self.cached[block.block_hash.value]
+            block.block_hash = None
+            block.parent_value = None
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached hash (blocks in use keep their data). Returns how many were dropped."""
+        dropped = len(self.cached)
+        for block in list(self.cached.values()):
+            self._evict(block)
+        self.cached.clear()
+        return dropped

@@ -1,0 +1,97 @@
+"""A request as the scheduler sees it: token ids, progress and status. No torch here."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagedllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after this point is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """One sequence being generated. ``num_computed_tokens`` catches up with ``num_tokens`` each step."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 eos_token_ids: list[int], max_tokens: int, arrival_time: float | None = None,
+                 cache_salt: str | None = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
+        self.max_tokens = max_tokens
+        self.arrival_time = arrival_time if arrival_time is not None else time.time()
+        self.cache_salt = cache_salt
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until admitted
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.block_hashes: list[Any] = []  # chained hashes of its full blocks, filled by the KV manager
+        self.first_scheduled_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """Apply token-level stop rules after a token was appended; sets status and stop_reason."""
+        num_out = self.num_output_tokens
+        last = self.output_token_ids[-1]
+        if num_out >= self.sampling_params.min_tokens:
+            if last in self.eos_token_ids and not self.sampling_params.ignore_eos:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in self.stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = last
+                return True
+        if num_out >= self.max_tokens or self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False

@@ -1,0 +1,72 @@
+"""What the scheduler hands the model runner each step: diffs, not whole state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """Sent the first time a request is scheduled (and again when it resumes after preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty only for a resumed request
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """For a request the runner already knows: only its newly allocated blocks."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens computed this step
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str] = field(default_factory=set)  # finished/aborted since the last step
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per scheduled request: the sampled token (None for a partial prefill chunk) and logprobs."""
+
+    sampled_token_ids: dict[str, int]
+    # req_id -> list (one per new token) of {token_id: (logprob, rank)}; first entry is the sampled token.
+    logprobs: dict[str, list[dict[int, tuple[float, int]]]] = field(default_factory=dict)
+    # req_id -> list (one per prompt position after the first) of the same mapping.
+    prompt_logprobs: dict[str, list[dict[int, tuple[float, int]]]] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request, for the front end to detokenize and stream."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: list[dict[int, tuple[float, int]]] | None = None
+    prompt_logprobs: list[dict[int, tuple[float, int]]] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,218 @@
+"""Continuous batching: every step, running requests first, then waiting ones, under one token budget.
+
+There is no prefill or decode phase. Each request's ``num_computed_tokens`` catches up with its
+``num_tokens``; a long prompt simply takes several steps (chunked prefill), a prefix hit starts it further
+along, and a preempted request starts again from zero (recompute).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+
+from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.sched_output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from pagedllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        self.config = scheduler_config
+        self.max_model_len = scheduler_config.max_model_len
+        self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
+                                 cache_config.enable_prefix_caching, cache_config.prefix_caching_hash_seed)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_since_last_step: set[str] = set()
+        self._known_to_runner: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- admission ---------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Raises ValueError if it could never run (the engine checks this first)."""
+        self.check_fits(request.num_prompt_tokens)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def check_fits(self, num_prompt_tokens: int) -> None:
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {num_prompt_tokens} tokens is too long; the maximum context length is "
+                f"{self.max_model_len} tokens and at least one token must be generated")
+        if not self.kv.can_ever_fit(num_prompt_tokens + 1):
+            raise ValueError(
+                f"prompt: {num_prompt_tokens} tokens can never fit in the KV cache "
+                f"({self.kv.num_usable_blocks} blocks of {self.kv.block_size} tokens); "
+                "raise --kv-cache-memory")
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish requests from outside (abort, or a stop string seen by the detokenizer)."""
+        done = []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+            done.append(request)
+        return done
+
+    def _free(self, request: Request) -> None:
+        self.kv.free(request)
+        self._finished_since_last_step.add(request.request_id)
+        self._known_to_runner.discard(request.request_id)
+        del self.requests[request.request_id]
+
+    # ---- one step ----------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted: set[str] = set()
+        now = time.time()
+
+        # Running requests first, oldest admission first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while True:
+                new_blocks = self.kv.allocate_slots(request, num_new)
+                if new_blocks is not None:
+                    break
+                victim = self.running.pop()  # the most recently admitted request
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            if request.request_id in self._known_to_runner:
+                cached_reqs.append(CachedRequestData(request.request_id, [b.block_id for b in new_blocks],
+                                                     request.num_computed_tokens))
+            else:
+                new_reqs.append(self._new_request_data(request))
+            i += 1
+
+        # Then waiting requests, unless we just had to preempt (memory is tight).
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit_tokens = ([], 0)
+            if request.num_computed_tokens == 0:
+                hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            new_blocks = self.kv.allocate_slots(request, num_new, hits, num_hit_tokens)
+            if new_blocks is None:
+                break  # head of the queue waits for memory; later requests must not jump ahead of it
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            new_reqs.append(self._new_request_data(request))
+
+        for request in self.running:
+            if request.request_id in num_scheduled:
+                request.num_computed_tokens += num_scheduled[request.request_id]
+                self._known_to_runner.add(request.request_id)
+
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self._finished_since_last_step,
+            preempted_req_ids=preempted,
+        )
+        self._finished_since_last_step = set()
+        return out
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        return NewRequestData(
+            req_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=list(request.output_token_ids),
+            sampling_params=request.sampling_params,
+            block_ids=self.kv.get_block_ids(request.request_id),
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        """Free a running request's blocks and put it back at the front of the queue (recompute)."""
+        self.kv.free(request)
+        self._known_to_runner.discard(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        logger.debug("preempted %s (%d tokens)", request.request_id, request.num_tokens)
+
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop rules, free finished requests."""
+        outputs: list[EngineCoreOutput] = []
+        for req_id in sched.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue  # aborted while the step ran
+            prompt_lps = result.prompt_logprobs.get(req_id)
+            token = result.sampled_token_ids.get(req_id)
+            if token is None:
+                if prompt_lps:
+                    outputs.append(EngineCoreOutput(req_id, [], prompt_logprobs=prompt_lps))
+                continue  # a partial prefill chunk samples nothing
+            request.append_output_token(token)
+            finished = request.check_stop(self.max_model_len)
+            outputs.append(EngineCoreOutput(
+                req_id, [token],
+                finish_reason=request.status.finish_reason if finished else None,
+                stop_reason=request.stop_reason,
+                new_logprobs=result.logprobs.get(req_id),
+                prompt_logprobs=prompt_lps,
+                num_cached_tokens=max(request.num_cached_tokens, 0)))
+            if finished:
+                self.running.remove(request)
+                self._free(request)
+        return outputs
+
+    # ---- introspection -----------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)

@@ -1,0 +1,68 @@
+"""The synchronous engine behind the offline ``LLM`` class: front end and engine core in one loop."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.engine_core import EngineCore
+from pagedllm.engine.output_processor import OutputKind, OutputProcessor
+from pagedllm.engine.processor import Processor, PromptType
+from pagedllm.engine_args import EngineArgs
+from pagedllm.logger import init_logger
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = init_logger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        from pagedllm.model_executor.loader import load_tokenizer
+
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model)
+        self.core = EngineCore(config)
+        self.processor = Processor(config.model, self.tokenizer, config.scheduler.max_model_len,
+                                   self.core.scheduler.check_fits)
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args.create_engine_config())
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    arrival_time: float | None = None, kind: OutputKind = OutputKind.FINAL_ONLY,
+                    cache_salt: str | None = None, add_special_tokens: bool = True) -> None:
+        """Validate and queue a request; raises ValueError naming the bad field."""
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        arrival_time = arrival_time if arrival_time is not None else time.time()
+        text, token_ids = self.processor.tokenize(prompt, add_special_tokens)
+        requests = self.processor.make_requests(request_id, token_ids, params, arrival_time, cache_salt)
+        self.output_processor.add_request(request_id, text, token_ids, params, kind, arrival_time)
+        for request in requests:
+            self.core.add_request(request)
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            children = self.output_processor.child_ids(request_id)
+            self.output_processor.abort(request_id)
+            self.core.abort_requests(children)
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.core.step()
+        request_outputs, to_stop = self.output_processor.process_outputs(outputs)
+        if to_stop:
+            self.core.finish_stopped(to_stop)
+        return request_outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> int:
+        return self.core.reset_prefix_cache()

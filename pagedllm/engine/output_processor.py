@@ -1,0 +1,168 @@
+"""Front-end output processing: engine-core outputs → detokenized ``RequestOutput``s.
+
+Stop strings are found here; the engine core is told to finish those requests.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.core.sched_output import EngineCoreOutput
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.processor import child_request_id
+from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+class OutputKind(enum.Enum):
+    CUMULATIVE = 0  # every output carries everything so far
+    DELTA = 1  # every output carries only what is new (streaming)
+    FINAL_ONLY = 2  # one output when the request finishes (offline generate)
+
+
+@dataclass
+class _ChildState:
+    index: int
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_token_start: int = 0  # first token not yet handed out (DELTA)
+    new_logprob_start: int = 0
+
+
+@dataclass
+class _ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    kind: OutputKind
+    children: dict[str, _ChildState]
+    metrics: RequestMetrics
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0
+    num_finished: int = 0
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, _ParentState] = {}
+        self.child_to_parent: dict[str, str] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, kind: OutputKind, arrival_time: float) -> None:
+        children = {}
+        for i in range(params.n):
+            cid = child_request_id(request_id, i, params.n)
+            children[cid] = _ChildState(
+                i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None)
+            self.child_to_parent[cid] = request_id
+        self.parents[request_id] = _ParentState(
+            request_id, prompt, prompt_token_ids, params, kind, children, RequestMetrics(arrival_time),
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+
+    def child_ids(self, request_id: str) -> list[str]:
+        parent = self.parents.get(request_id)
+        return list(parent.children) if parent else []
+
+    def abort(self, request_id: str) -> None:
+        parent = self.parents.pop(request_id, None)
+        if parent:
+            for cid in parent.children:
+                self.child_to_parent.pop(cid, None)
+
+    def _to_logprobs(self, entries: list[dict[int, tuple[float, int]]]) -> list[dict[int, Logprob]]:
+        out = []
+        for entry in entries:
+            out.append({tid: Logprob(lp, rank, self.tokenizer.decode([tid])) for tid, (lp, rank) in entry.items()})
+        return out
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the RequestOutputs to hand out and the child ids the engine must stop (stop strings)."""
+        now = time.time()
+        touched: dict[str, _ParentState] = {}
+        to_stop: list[str] = []
+        for out in outputs:
+            parent_id = self.child_to_parent.get(out.req_id)
+            if parent_id is None:
+                continue
+            parent = self.parents[parent_id]
+            child = parent.children[out.req_id]
+            touched[parent_id] = parent
+            if out.prompt_logprobs and parent.prompt_logprobs is not None and child.index == 0:
+                parent.prompt_logprobs.extend(self._to_logprobs(out.prompt_logprobs))
+            if not out.new_token_ids:
+                continue
+            parent.num_cached_tokens = out.num_cached_tokens
+            if parent.metrics.first_token_time is None:
+                parent.metrics.first_token_time = now
+            parent.metrics.last_token_time = now
+            child.token_ids.extend(out.new_token_ids)
+            if child.logprobs is not None and out.new_logprobs:
+                lps = self._to_logprobs(out.new_logprobs)
+                child.logprobs.extend(lps)
+                for tid, lp in zip(out.new_token_ids, lps):
+                    child.cumulative_logprob += lp[tid].logprob
+            stop_str = child.detok.update(out.new_token_ids)
+            if stop_str is not None and out.finish_reason is None:
+                child.finish_reason, child.stop_reason = "stop", stop_str
+                to_stop.append(out.req_id)
+            elif out.finish_reason is not None:
+                child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
+            if child.finish_reason is not None:
+                parent.num_finished += 1
+
+        results = []
+        for parent_id, parent in touched.items():
+            finished = parent.num_finished == len(parent.children)
+            if finished:
+                parent.metrics.finished_time = now
+                self.abort(parent_id)
+            if parent.kind == OutputKind.FINAL_ONLY and not finished:
+                continue
+            results.append(self._make_output(parent, finished))
+        return results, to_stop
+
+    def make_abort_output(self, request_id: str) -> RequestOutput | None:
+        """A final output for a request aborted from outside, marking unfinished children 'abort'."""
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return None
+        for child in parent.children.values():
+            if child.finish_reason is None:
+                child.finish_reason = "abort"
+        parent.metrics.finished_time = time.time()
+        self.abort(request_id)
+        return self._make_output(parent, True)
+
+    def _make_output(self, parent: _ParentState, finished: bool) -> RequestOutput:
+        delta = parent.kind == OutputKind.DELTA
+        completions = []
+        for child in sorted(parent.children.values(), key=lambda c: c.index):
+            text = child.detok.get_delta(child.finish_reason is not None) if delta else child.detok.output_text
+            if delta:
+                token_ids = child.token_ids[child.new_token_start:]
+                child.new_token_start = len(child.token_ids)
+                logprobs = None
+                if child.logprobs is not None:
+                    logprobs = child.logprobs[child.new_logprob_start:]
+                    child.new_logprob_start = len(child.logprobs)
+            else:
+                token_ids, logprobs = list(child.token_ids), child.logprobs
+            completions.append(CompletionOutput(
+                index=child.index, text=text, token_ids=token_ids,
+                cumulative_logprob=child.cumulative_logprob, logprobs=logprobs,
+                finish_reason=child.finish_reason, stop_reason=child.stop_reason))
+        return RequestOutput(
+            request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions, finished=finished, prompt_logprobs=parent.prompt_logprobs,
+            num_cached_tokens=parent.num_cached_tokens, metrics=parent.metrics)

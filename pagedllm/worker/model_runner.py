@@ -1,0 +1,208 @@
+"""SchedulerOutput → flat batch tensors → model → sampler → ModelRunnerOutput.
+
+The runner keeps its own copy of each running request (tokens, block ids, generator) and applies the
+scheduler's diffs to it, so per step only new tokens and new block ids travel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedllm.attention.forward_context import forward_context
+from pagedllm.attention.layer import Attention, bind_kv_caches
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.sample.metadata import build_sampling_metadata
+from pagedllm.sample.sampler import Sampler, compute_logprobs_for_targets
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # prompt + outputs so far
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, block_size: int,
+                 vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
+        # Generators outlive preemption so a seeded request resumes its random stream where it was.
+        self.generators: dict[str, torch.Generator] = {}
+        self.kv_caches: list[torch.Tensor] = []
+
+    # ---- KV cache ----------------------------------------------------------------------------------
+    def kv_cache_spec(self) -> tuple[int, int, int]:
+        """(num_layers, num_kv_heads, head_size) of the model's attention layers."""
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        return len(layers), layers[0].num_kv_heads, layers[0].head_size
+
+    def bytes_per_block(self) -> int:
+        num_layers, num_kv_heads, head_size = self.kv_cache_spec()
+        return 2 * num_layers * self.block_size * num_kv_heads * head_size * torch.finfo(self.dtype).bits // 8
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate per layer [2, num_blocks, block_size, Hkv, D] and bind it to the attention layers."""
+        num_layers, num_kv_heads, head_size = self.kv_cache_spec()
+        self.kv_caches = [
+            torch.zeros(2, num_blocks, self.block_size, num_kv_heads, head_size, dtype=self.dtype,
+                        device=self.device)
+            for _ in range(num_layers)]
+        bind_kv_caches(self.model, self.kv_caches)
+
+    # ---- state updates -----------------------------------------------------------------------------
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.finished_req_ids:
+            self.requests.pop(req_id, None)
+            self.generators.pop(req_id, None)
+        for req_id in sched.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in sched.scheduled_new_reqs:
+            gen = self.generators.get(new.req_id)
+            if gen is None and new.sampling_params.seed is not None:
+                gen = torch.Generator(device=self.device).manual_seed(new.sampling_params.seed)
+                self.generators[new.req_id] = gen
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id, prompt_token_ids=new.prompt_token_ids,
+                token_ids=list(new.prompt_token_ids) + list(new.output_token_ids), params=new.sampling_params,
+                block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens, generator=gen,
+                output_token_ids=list(new.output_token_ids))
+        for cached in sched.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    # ---- one step ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(sched)
+        if sched.is_empty:
+            return ModelRunnerOutput(sampled_token_ids={})
+        # Decodes (one token) first: the attention backend batches them in one call.
+        order = sorted(sched.num_scheduled_tokens, key=lambda r: sched.num_scheduled_tokens[r] != 1)
+        states = [self.requests[r] for r in order]
+        query_lens = [sched.num_scheduled_tokens[r] for r in order]
+        meta, input_ids, positions = self._prepare_inputs(states, query_lens)
+
+        with forward_context(meta):
+            hidden = self.model(input_ids, positions)
+
+        # Only the last token of a request that has caught up with all its tokens samples.
+        qsl = meta.query_start_loc_cpu
+        sample_rows, sample_states = [], []
+        prompt_lp_jobs = []
+        for i, state in enumerate(states):
+            end = state.num_computed_tokens + query_lens[i]
+            if state.params.prompt_logprobs is not None and state.num_computed_tokens < len(state.prompt_token_ids):
+                prompt_lp_jobs.append((i, state))
+            if end >= len(state.token_ids):
+                sample_rows.append(qsl[i + 1] - 1)
+                sample_states.append(state)
+
+        result = ModelRunnerOutput(sampled_token_ids={})
+        if prompt_lp_jobs:
+            self._prompt_logprobs(prompt_lp_jobs, hidden, qsl, query_lens, result)
+        for i, state in enumerate(states):
+            state.num_computed_tokens += query_lens[i]
+        if not sample_rows:
+            return result
+
+        logits = self.model.compute_logits(hidden[sample_rows])
+        sampling_meta = build_sampling_metadata(
+            [s.params for s in sample_states], [s.output_token_ids for s in sample_states],
+            [s.prompt_token_ids for s in sample_states], [s.generator for s in sample_states],
+            self.eos_token_ids, self.vocab_size, self.device)
+        out = self.sampler(logits, sampling_meta)
+        sampled = out.sampled_token_ids.tolist()
+        lp = out.logprobs
+        if lp is not None:
+            lp_ids, lp_vals, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
+        for row, state in enumerate(sample_states):
+            token = sampled[row]
+            state.token_ids.append(token)
+            state.output_token_ids.append(token)
+            result.sampled_token_ids[state.req_id] = token
+            if lp is not None and state.params.logprobs is not None:
+                k = state.params.logprobs
+                entry = {lp_ids[row][0]: (lp_vals[row][0], ranks[row])}
+                for j in range(1, k + 1):
+                    entry.setdefault(lp_ids[row][j], (lp_vals[row][j], j))
+                result.logprobs[state.req_id] = [entry]
+        return result
+
+    def _prepare_inputs(self, states: list[CachedRequestState], query_lens: list[int]
+                        ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+        bs = self.block_size
+        num_decodes = 0
+        while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+            num_decodes += 1
+        qsl = [0]
+        seq_lens = []
+        ids_parts, pos_parts = [], []
+        for state, q in zip(states, query_lens):
+            start = state.num_computed_tokens
+            qsl.append(qsl[-1] + q)
+            seq_lens.append(start + q)
+            ids_parts.append(state.token_ids[start:start + q])
+            pos_parts.append(np.arange(start, start + q))
+        positions = np.concatenate(pos_parts)
+        width = max(len(s.block_ids) for s in states)
+        tables = np.zeros((len(states), width), dtype=np.int32)
+        for i, state in enumerate(states):
+            tables[i, :len(state.block_ids)] = state.block_ids
+        row_of_token = np.repeat(np.arange(len(states)), query_lens)
+        slot_mapping = tables[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        input_ids = torch.tensor([t for part in ids_parts for t in part], dtype=torch.long)
+        dev = self.device
+        meta = AttentionMetadata(
+            num_actual_tokens=qsl[-1],
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+            num_decodes=num_decodes,
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+            max_decode_seq_len=max(seq_lens[:num_decodes], default=0),
+            block_size=bs,
+        )
+        return meta, input_ids.to(dev), torch.from_numpy(positions).to(dev)
+
+    def _prompt_logprobs(self, jobs, hidden: torch.Tensor, qsl: list[int], query_lens: list[int],
+                         result: ModelRunnerOutput) -> None:
+        """Logprobs of each prompt token given the tokens before it, for the chunk computed now."""
+        for i, state in jobs:
+            start = state.num_computed_tokens
+            num_prompt = len(state.prompt_token_ids)
+            # Positions start..end-1 predict tokens start+1..end; stop at the last prompt token.
+            end = min(start + query_lens[i], num_prompt - 1)
+            entries: list[dict[int, tuple[float, int]]] = []
+            if end > start:
+                rows = hidden[qsl[i]:qsl[i] + (end - start)]
+                targets = torch.tensor(state.prompt_token_ids[start + 1:end + 1], device=self.device)
+                k = state.params.prompt_logprobs
+                lp = compute_logprobs_for_targets(self.model.compute_logits(rows), targets, k)
+                ids, vals, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
+                for r in range(len(ids)):
+                    entry = {ids[r][0]: (vals[r][0], ranks[r])}
+                    for j in range(1, k + 1):
+                        entry.setdefault(ids[r][j], (vals[r][j], j))
+                    entries.append(entry)
+            result.prompt_logprobs[state.req_id] = entries
