@@ -1,0 +1,27 @@
+"""RMSNorm, optionally fused with the residual add that precedes it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dim; statistics in float32, output in the input dtype."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden]. With ``residual`` ([T, hidden]) returns (norm(x + residual), x + residual)."""
+        if residual is not None:
+            # The residual stream stays in the model dtype, as in the reference implementations.
+            x = x + residual
+            residual = x
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * x32.to(x.dtype)
+        return out if residual is None else (out, residual)

@@ -1,0 +1,43 @@
+"""Resolve the ``dtype`` setting to a concrete torch dtype name."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+_ALIASES = {
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+}
+
+
+@functools.cache
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU has native bf16 matmul (AVX-512 BF16 or AMX); otherwise bf16 is emulated (slow)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def resolve_dtype(dtype: str | None, device: str = "cpu") -> str:
+    """"auto" -> "bfloat16" on CUDA or a bf16-capable CPU, else "float32"; aliases -> canonical names."""
+    name = (dtype or "auto").lower().replace("torch.", "")
+    if name == "auto":
+        if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
+            return "bfloat16"
+        return "bfloat16" if cpu_has_fast_bf16() else "float32"
+    if name not in _ALIASES:
+        raise ValueError(f"dtype: unknown dtype {dtype!r}; use one of auto, {', '.join(sorted(_ALIASES))}")
+    return _ALIASES[name]
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, resolve_dtype(name))

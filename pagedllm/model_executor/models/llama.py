@@ -1,0 +1,196 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral without sliding window) on flat tokens.
+
+The model sees one flat batch per step: ``input_ids[T]`` and ``positions[T]``, no batch dim and no
+padding. Attention reads its per-step metadata from the forward context and its K/V from the paged cache.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.attention.layer import Attention
+from pagedllm.model_executor.layers.layernorm import RMSNorm
+from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, apply_rotary, rope_settings
+
+# HF checkpoint name fragment -> (our fused parameter fragment, shard index within it).
+_STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_STACKED_RE = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
+
+
+def _head_dim(cfg: Any) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: Any, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = _head_dim(cfg)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = bool(getattr(cfg, "attention_bias", False))
+        # One matmul for q, k and v: rows [q | k | v].
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias, dtype=dtype)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=bias, dtype=dtype)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads,
+                              layer_idx=layer_idx)
+        # Shard sizes for load_weights, in _STACKED order.
+        self.qkv_proj.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden], cos/sin: [T, 1, D/2] -> [T, hidden]."""
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q, cos, sin, self.num_heads)
+        k = apply_rotary(k, cos, sin, self.num_kv_heads)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        self.intermediate_size = cfg.intermediate_size
+        # One matmul for gate and up: rows [gate | up].
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias, dtype=dtype)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias, dtype=dtype)
+        self.gate_up_proj.shard_sizes = (cfg.intermediate_size, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden] (SwiGLU)."""
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx, dtype)
+        self.mlp = LlamaMLP(cfg, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, residual: [T, hidden]; returns this layer's output and the residual stream (not yet summed)."""
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        theta, scaling = rope_settings(cfg)
+        self.rotary_emb = RotaryEmbedding(_head_dim(cfg), cfg.max_position_embeddings, theta, scaling, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb.lookup(positions)  # once per step, shared by all layers
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM head over ``LlamaModel``; parameter names mirror HF's except the fused projections."""
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.dtype = dtype
+        self.model = LlamaModel(hf_config, dtype)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False, dtype=dtype)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] int64 -> hidden states [T, hidden_size] (model dtype).
+
+        Must run inside ``forward_context(attn_metadata)`` with KV caches bound (``bind_kv_caches``).
+        """
+        return self.model(input_ids, positions)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden_size] (usually only the rows that sample) -> logits [N, vocab] float32."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors (``model.layers.0.self_attn.q_proj.weight`` ...) into our parameters.
+
+        q/k/v and gate/up land in row slices of the fused projections. Returns the names of our parameters
+        that were filled; raises if a parameter was never filled or a name is unknown.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        filled_shards: dict[str, int] = {}
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue  # recomputed from the config
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # tied: the embedding is the head
+            match = _STACKED_RE.search(name)
+            if match:
+                fused_name, shard = _STACKED[match.group(1)]
+                target = name.replace(match.group(1), fused_name)
+                param = params.get(target)
+                if param is None:
+                    raise ValueError(f"checkpoint tensor {name!r} has no matching parameter {target!r}")
+                sizes = self._shard_sizes(target)
+                start = sum(sizes[:shard])
+                dest = param.data.narrow(0, start, sizes[shard])
+                self._copy(dest, tensor, name)
+                filled_shards[target] = filled_shards.get(target, 0) + 1
+                if filled_shards[target] == len(sizes):
+                    loaded.add(target)
+                continue
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} does not match any parameter of {type(self).__name__}")
+            self._copy(param.data, tensor, name)
+            loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"weights missing from the checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        return loaded
+
+    def _shard_sizes(self, fused_name: str) -> tuple[int, ...]:
+        module = self.get_submodule(fused_name.rsplit(".", 1)[0])
+        return module.shard_sizes
+
+    @staticmethod
+    def _copy(dest: torch.Tensor, src: torch.Tensor, name: str) -> None:
+        if dest.shape != src.shape:
+            raise ValueError(f"shape mismatch for {name!r}: checkpoint {tuple(src.shape)}, model {tuple(dest.shape)}")
+        dest.copy_(src)
