@@ -34,6 +34,8 @@ class SamplingMetadata:
     top_k: torch.Tensor | None
     # Largest active top-k in the batch (host int, so the sampler can call topk without a device sync).
     max_top_k: int
+    # Some random row uses top-p without top-k (forces a full-vocabulary sort).
+    top_p_without_top_k: bool
     # [B] float32, 0.0 = off. None when no random row uses min-p.
     min_p: torch.Tensor | None
     # Row index -> that request's own generator, for random rows only.
@@ -106,6 +108,7 @@ def build_sampling_metadata(
     row_generators: dict[int, torch.Generator] = {}
     has_unseeded_random = False
     use_top_p = use_top_k = use_min_p = False
+    top_p_without_top_k = False
     max_top_k = 0
     presence: list[float] = []
     frequency: list[float] = []
@@ -139,6 +142,8 @@ def build_sampling_metadata(
             if k < vocab_size:
                 use_top_k = True
                 max_top_k = max(max_top_k, k)
+            elif p.top_p < 1.0:
+                top_p_without_top_k = True
             min_p.append(p.min_p)
             use_min_p |= p.min_p > 0.0
             gen = generators[i]
@@ -202,6 +207,7 @@ def build_sampling_metadata(
         top_p=f32(top_p) if use_top_p else None,
         top_k=i64(top_k) if use_top_k else None,
         max_top_k=max_top_k,
+        top_p_without_top_k=top_p_without_top_k,
         min_p=f32(min_p) if use_min_p else None,
         generators=row_generators,
         has_unseeded_random=has_unseeded_random,

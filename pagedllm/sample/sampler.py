@@ -87,38 +87,43 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                      max_top_k: int) -> torch.Tensor:
-    """Mask logits [B, V] outside each row's top-k / nucleus to -inf.
+                      max_top_k: int, top_p_without_top_k: bool) -> torch.Tensor:
+    """Mask logits [B, V] outside each row's top-k, then its nucleus (top-p), to -inf, in place.
 
     top_k: [B] int64 (V = off) or None; top_p: [B] float32 (1.0 = off) or None; not both None.
-
-    Top-p keeps the smallest prefix (by descending probability) whose mass reaches top_p; the most likely
-    token always survives. Returns the masked logits (may be the same tensor).
+    ``max_top_k`` is the largest active top-k; ``top_p_without_top_k`` says some row uses top-p with no
+    top-k. Top-p keeps the smallest prefix (descending probability, renormalized after top-k) whose mass
+    reaches top_p; the most likely token always survives.
     """
-    vocab = logits.shape[1]
-    if top_p is None:
-        assert top_k is not None
-        # Top-k alone: a topk of the largest k is much cheaper than a full sort of V.
-        k = min(max(max_top_k, 1), vocab)
-        top_values = logits.topk(k, dim=1).values  # [B, k], descending
-        kth = top_values.gather(1, (top_k.clamp(max=k) - 1).unsqueeze(1))  # [B, 1]
-        # Rows with top-k off (top_k == V) keep everything.
-        kth = torch.where((top_k >= vocab).unsqueeze(1), torch.full_like(kth, float("-inf")), kth)
-        return logits.masked_fill_(logits < kth, float("-inf"))
+    num_rows, vocab = logits.shape
+    # When every top-p row is also top-k limited, only the best max_top_k tokens can survive, and a
+    # topk of those is far cheaper than sorting the whole vocabulary.
+    if top_k is not None and not (top_p is not None and top_p_without_top_k):
+        width = min(max(max_top_k, 1), vocab)
+    else:
+        width = vocab
+    if width < vocab:
+        sorted_logits, sorted_idx = logits.topk(width, dim=1)  # descending
+    else:
+        sorted_logits, sorted_idx = logits.sort(dim=1, descending=True)
 
-    sorted_logits, sorted_idx = logits.sort(dim=1, descending=True)
-    positions = torch.arange(vocab, device=logits.device).unsqueeze(0)  # [1, V]
+    positions = torch.arange(width, device=logits.device).unsqueeze(0)  # [1, width]
     drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
     if top_k is not None:
         drop |= positions >= top_k.unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    probs = sorted_logits.softmax(dim=1)
-    # Mass strictly before each token: a token is kept while that mass is still below top_p.
-    mass_before = probs.cumsum(dim=1) - probs
-    drop |= (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
-    drop[:, 0] = False
-    unsorted_drop = torch.empty_like(drop).scatter_(1, sorted_idx, drop)
-    return logits.masked_fill_(unsorted_drop, float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=1)
+        # Mass strictly before each token: a token is kept while that mass is still below top_p.
+        mass_before = probs.cumsum(dim=1) - probs
+        drop |= (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        drop[:, 0] = False
+
+    keep = torch.zeros(num_rows, vocab, dtype=torch.bool, device=logits.device)
+    keep.scatter_(1, sorted_idx, ~drop)
+    if width < vocab:
+        # Rows with top-k off were not truncated at all (they have no top-p either, by the width rule).
+        keep |= (top_k >= vocab).unsqueeze(1)
+    return logits.masked_fill_(~keep, float("-inf"))
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -149,6 +154,11 @@ class Sampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: [B, V] float32 -> SamplerOutput (sampled ids [B], optional logprobs [B, k+1])."""
+        if (meta.all_greedy and meta.no_logit_bias and meta.no_min_tokens and meta.no_penalties
+                and meta.max_num_logprobs is None):
+            # Pure greedy: nothing rewrites the logits, so skip the private copy.
+            return SamplerOutput(sampled_token_ids=logits.argmax(dim=1), logprobs=None)
+
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
@@ -185,7 +195,8 @@ class Sampler(nn.Module):
         assert meta.temperature is not None
         logits.div_(meta.temperature.unsqueeze(1))
         if not meta.no_top_p_top_k:
-            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p, meta.max_top_k)
+            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p, meta.max_top_k,
+                                       meta.top_p_without_top_k)
         if not meta.no_min_p:
             logits = apply_min_p(logits, meta.min_p)
         probs = logits.softmax(dim=1)

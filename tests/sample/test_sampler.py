@@ -295,20 +295,41 @@ def _allowed(logits_row, temperature, top_k, top_p, min_p, token):
     return float(probs[token]) > 0.0
 
 
+row_params = st.tuples(
+    st.floats(0.05, 3.0),  # temperature
+    st.integers(-1, 30),  # top_k
+    st.floats(0.01, 1.0),  # top_p
+    st.floats(0.0, 1.0),  # min_p
+)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     logits=st.lists(st.floats(-20, 20, allow_nan=False, width=32), min_size=2, max_size=24),
-    temperature=st.floats(0.05, 3.0),
-    top_k=st.integers(-1, 30),
-    top_p=st.floats(0.01, 1.0),
-    min_p=st.floats(0.0, 1.0),
+    first=row_params,
+    second=row_params,
     seed=st.integers(0, 2**31 - 1),
 )
-def test_sampled_token_survives_filters(logits, temperature, top_k, top_p, min_p, seed):
+def test_sampled_token_survives_filters(logits, first, second, seed):
+    """Mixed batches too: rows alternate between two parameter sets (exercises every truncation path)."""
     row = torch.tensor(logits, dtype=torch.float32)
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     rows = 8
+    knobs = [first if i % 2 == 0 else second for i in range(rows)]
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, seed=seed + i)
+              for i, (t, k, p, m) in enumerate(knobs)]
     generators = [seeded(seed + i) for i in range(rows)]
-    out = sample(row.repeat(rows, 1), [params] * rows, generators=generators)
-    for token in out.sampled_token_ids.tolist():
-        assert _allowed(row, temperature, top_k, top_p, min_p, token)
+    out = sample(row.repeat(rows, 1), params, generators=generators)
+    for token, (t, k, p, m) in zip(out.sampled_token_ids.tolist(), knobs, strict=True):
+        assert _allowed(row, t, k, p, m, token)
+
+
+def test_mixed_truncation_rows_do_not_leak():
+    """A top-k+top-p row next to an unfiltered row and a top-p-only row: each keeps its own support."""
+    torch.manual_seed(13)
+    logits = torch.linspace(1.0, 0.0, 20).unsqueeze(0)  # nearly flat, descending
+    rows = 3000
+    params = [SamplingParams(top_k=3, top_p=0.5), SamplingParams(), SamplingParams(top_p=0.3)] * (rows // 3)
+    out = sample(logits.repeat(rows, 1), params).sampled_token_ids.view(-1, 3)
+    assert set(out[:, 0].tolist()) == {0, 1}  # top-3 renormalized: first two reach 0.5
+    assert len(set(out[:, 1].tolist())) == 20
+    assert set(out[:, 2].tolist()) == set(range(5))  # mass before token 4 is 0.29 < 0.3
