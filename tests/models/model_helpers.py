@@ -68,7 +68,7 @@ def paged_step(model: Any, token_ids: list[list[int]], seq_lens: list[int], bloc
     query_lens = [len(t) for t in token_ids]
     meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, block_size)
     input_ids = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long)
-    positions = torch.tensor([p for q, s in zip(query_lens, seq_lens) for p in range(s - q, s)],
+    positions = torch.tensor([p for q, s in zip(query_lens, seq_lens, strict=True) for p in range(s - q, s)],
                              dtype=torch.long)
     with forward_context(meta):
         hidden = model(input_ids, positions)

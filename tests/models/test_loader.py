@@ -70,7 +70,8 @@ def test_missing_package_says_how_to_install(monkeypatch) -> None:
 
 
 def test_short_names_and_gguf_paths(default_model_path: str) -> None:
-    for name in ("smollm2", "SMOLLM2-135M-INSTRUCT", None, default_model_path, os.path.dirname(default_model_path)):
+    folder = os.path.dirname(default_model_path)
+    for name in ("smollm2", "SMOLLM2-135M-INSTRUCT", None, default_model_path, folder):
         mc = resolve_model_config(ModelConfig(model=name))
         assert mc.gguf_file == default_model_path
         assert mc.hf_config.num_hidden_layers == 30 and mc.hf_config.tie_word_embeddings

@@ -50,15 +50,16 @@ def gguf_to_hf_config(gguf: GGUFFile) -> Any:
         return _UnsupportedConfig(hf_arch)
     if "rope_freqs.weight" in gguf.tensors:
         # llama.cpp stores Llama-3.1 rope scaling as a per-frequency factor tensor, not metadata.
-        raise ValueError(f"model: {gguf.path}: GGUF rope_freqs (Llama 3.1 rope scaling) is not supported yet; "
-                         "use the Hugging Face folder of this model")
+        raise ValueError(f"model: {gguf.path}: GGUF rope_freqs (Llama 3.1 rope scaling) is not supported "
+                         "yet; use the Hugging Face folder of this model")
 
     def get(key: str, default: Any = None) -> Any:
         return md.get(f"{arch}.{key}", default)
 
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
-    vocab = get("vocab_size") or len(md.get("tokenizer.ggml.tokens", [])) or gguf.tensors["token_embd.weight"].shape[1]
+    vocab = (get("vocab_size") or len(md.get("tokenizer.ggml.tokens", []))
+             or gguf.tensors["token_embd.weight"].shape[1])
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))}
     scaling_type = get("rope.scaling.type")
     if scaling_type == "linear":

@@ -49,7 +49,8 @@ def find_model_source(model: str | None) -> ModelSource:
     path = os.path.abspath(os.path.expanduser(name))
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
-            raise ValueError(f"model: {name} is a file but not a .gguf file; pass a GGUF file or an HF folder")
+            raise ValueError(f"model: {name} is a file but not a .gguf file; "
+                             "pass a GGUF file or an HF folder")
         return ModelSource(os.path.dirname(path), path)
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, "config.json")):

@@ -177,12 +177,14 @@ class LlamaForCausalLM(nn.Module):
                 continue
             param = params.get(name)
             if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} does not match any parameter of {type(self).__name__}")
+                raise ValueError(f"checkpoint tensor {name!r} does not match any parameter of "
+                                 f"{type(self).__name__}")
             self._copy(param.data, tensor, name)
             loaded.add(name)
         missing = sorted(set(params) - loaded)
         if missing:
-            raise ValueError(f"weights missing from the checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+            more = " ..." if len(missing) > 8 else ""
+            raise ValueError(f"weights missing from the checkpoint: {missing[:8]}{more}")
         return loaded
 
     def _shard_sizes(self, fused_name: str) -> tuple[int, ...]:
@@ -192,5 +194,6 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def _copy(dest: torch.Tensor, src: torch.Tensor, name: str) -> None:
         if dest.shape != src.shape:
-            raise ValueError(f"shape mismatch for {name!r}: checkpoint {tuple(src.shape)}, model {tuple(dest.shape)}")
+            raise ValueError(f"shape mismatch for {name!r}: checkpoint {tuple(src.shape)}, "
+                             f"model {tuple(dest.shape)}")
         dest.copy_(src)
