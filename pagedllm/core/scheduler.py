@@ -37,6 +37,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_since_last_step: set[str] = set()
         self._known_to_runner: set[str] = set()
+        self._pending_outputs: list[EngineCoreOutput] = []  # requests finished inside schedule()
         self.num_preemptions = 0
 
     # ---- admission ---------------------------------------------------------------------------------
@@ -99,6 +100,11 @@ class Scheduler:
             while True:
                 new_blocks = self.kv.allocate_slots(request, num_new)
                 if new_blocks is not None:
+                    break
+                if i == 0 and len(self.running) == 1:
+                    # Alone and still out of blocks: the whole cache is too small for it to grow.
+                    self.running.pop()
+                    self._cap_length(request)
                     break
                 victim = self.running.pop()  # the most recently admitted request
                 self._preempt(victim)
@@ -167,6 +173,14 @@ class Scheduler:
             num_computed_tokens=request.num_computed_tokens,
         )
 
+    def _cap_length(self, request: Request) -> None:
+        logger.warning("request %s filled the whole KV cache (%d tokens); finishing it as 'length'",
+                       request.request_id, request.num_tokens)
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        self._pending_outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="length",
+                                                      num_cached_tokens=max(request.num_cached_tokens, 0)))
+        self._free(request)
+
     def _preempt(self, request: Request) -> None:
         """Free a running request's blocks and put it back at the front of the queue (recompute)."""
         self.kv.free(request)
@@ -180,7 +194,7 @@ class Scheduler:
 
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop rules, free finished requests."""
-        outputs: list[EngineCoreOutput] = []
+        outputs, self._pending_outputs = self._pending_outputs, []
         for req_id in sched.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:

@@ -6,7 +6,7 @@ import time
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.sched_output import EngineCoreOutput
+from pagedllm.core.sched_output import EngineCoreOutput, ModelRunnerOutput
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.logger import init_logger
 from pagedllm.worker.worker import Worker
@@ -43,7 +43,7 @@ class EngineCore:
         if sched.is_empty:
             # Still tell the runner about finished requests so it drops their state.
             self.worker.execute_model(sched)
-            return []
+            return self.scheduler.update_from_output(sched, ModelRunnerOutput(sampled_token_ids={}))
         result = self.worker.execute_model(sched)
         self.num_steps += 1
         self.last_step_tokens = sched.total_num_scheduled_tokens
