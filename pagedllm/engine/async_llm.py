@@ -1,0 +1,256 @@
+"""``AsyncLLM``: the engine loop in its own thread, one asyncio stream of outputs per request.
+
+The engine (scheduler, model, detokenizer) is not thread-safe, so only the engine thread touches it.
+The asyncio side talks to it through a command queue (add / abort / call) and gets outputs back through
+``loop.call_soon_threadsafe``; neither side ever waits on the other while holding anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.engine.output_processor import OutputKind
+from pagedllm.engine.processor import PromptType
+from pagedllm.logger import init_logger
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = init_logger(__name__)
+
+# How long the idle engine thread sleeps between checks that it should log stats or stop.
+_IDLE_WAIT_S = 1.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread died; no request can be served until the server restarts."""
+
+
+@dataclass
+class _Command:
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+class _Stream:
+    """Per-request output queue living on the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+
+class AsyncLLM:
+    """Serve many concurrent requests from one engine running in a background thread.
+
+    ``engine`` is an ``LLMEngine`` (or anything with its add_request/abort_request/step/
+    has_unfinished_requests methods). ``stat_logger`` (optional) gets ``record_step(engine, outputs, t)``
+    after every step and ``maybe_log(engine, now)`` from the loop.
+    """
+
+    def __init__(self, engine: Any, stat_logger: Any | None = None) -> None:
+        self.engine = engine
+        self.stat_logger = stat_logger
+        self._streams: dict[str, _Stream] = {}
+        self._commands: list[_Command] = []
+        self._cond = threading.Condition()
+        self._stopping = False
+        self.errored: BaseException | None = None
+        self._exited = False  # set under _cond when the thread returns, so no command is left hanging
+        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, args: Any, stat_logger: Any | None = None) -> AsyncLLM:
+        from pagedllm.engine.llm_engine import LLMEngine
+
+        return cls(LLMEngine.from_engine_args(args), stat_logger)
+
+    # ---- state ---------------------------------------------------------------------------------------
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self.errored is None and not self._stopping
+
+    @property
+    def dead_error(self) -> EngineDeadError:
+        return EngineDeadError(f"The engine loop has died ({self.errored!r}); restart the server.")
+
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # ---- engine thread -------------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._cond:
+                    while not self._commands and not self._stopping and not engine.has_unfinished_requests():
+                        self._cond.wait(_IDLE_WAIT_S)
+                        if self.stat_logger is not None:
+                            self.stat_logger.maybe_log(engine, time.time())
+                    commands, self._commands = self._commands, []
+                    stopping = self._stopping
+                for cmd in commands:
+                    try:
+                        cmd.future.set_result(cmd.fn())
+                    except Exception as e:  # a bad request must not kill the loop
+                        cmd.future.set_exception(e)
+                if stopping and not engine.has_unfinished_requests():
+                    return
+                if engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    if self.stat_logger is not None:
+                        now = time.time()
+                        self.stat_logger.record_step(engine, outputs, now)
+                        self.stat_logger.maybe_log(engine, now)
+                    if outputs:
+                        self._deliver(outputs)
+        except BaseException as e:  # noqa: BLE001 - any failure means the loop is gone
+            logger.exception("engine loop died")
+            self.errored = e
+            self._fail_everything()
+        finally:
+            with self._cond:
+                self._exited = True
+                commands, self._commands = self._commands, []
+            for cmd in commands:
+                if not cmd.future.done():
+                    cmd.future.set_exception(EngineDeadError("The engine loop has stopped."))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        # Group per event loop so a step costs one cross-thread wake-up, not one per request.
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream, out))
+                if out.finished:
+                    self._streams.pop(out.request_id, None)
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that event loop is closed; nobody is listening
+                pass
+
+    def _fail_everything(self) -> None:
+        err = self.dead_error
+        with self._cond:
+            commands, self._commands = self._commands, []
+        for cmd in commands:
+            if not cmd.future.done():
+                cmd.future.set_exception(err)
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, err)
+            except RuntimeError:
+                pass
+
+    # ---- commands ------------------------------------------------------------------------------------
+    def _submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        cmd = _Command(fn)
+        with self._cond:
+            if self.errored is not None or self._exited:
+                cmd.future.set_exception(self.dead_error if self.errored else
+                                         EngineDeadError("The engine loop has stopped."))
+                return cmd.future
+            self._commands.append(cmd)
+            self._cond.notify()
+        return cmd.future
+
+    async def call_in_engine(self, fn: Callable[[Any], Any]) -> Any:
+        """Run ``fn(engine)`` on the engine thread between steps (e.g. reset_prefix_cache)."""
+        return await asyncio.wrap_future(self._submit(lambda: fn(self.engine)))
+
+    # ---- the per-request stream ------------------------------------------------------------------------
+    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
+                       kind: OutputKind = OutputKind.DELTA, cache_salt: str | None = None,
+                       add_special_tokens: bool = True, arrival_time: float | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until it finishes.
+
+        Validation errors (ValueError) are raised by the first ``__anext__`` before any output. Leaving
+        the iteration early (client gone, task cancelled) aborts the request and frees its KV blocks.
+        """
+        if self.errored is not None:
+            raise self.dead_error
+        if self._stopping:
+            raise EngineDeadError("The server is shutting down.")
+        stream = _Stream(asyncio.get_running_loop())
+        arrival_time = arrival_time if arrival_time is not None else time.time()
+
+        def add() -> None:
+            self.engine.add_request(request_id, prompt, params, arrival_time=arrival_time, kind=kind,
+                                    cache_salt=cache_salt, add_special_tokens=add_special_tokens)
+            # Registered on the engine thread, so no output can be produced before the stream exists.
+            self._streams[request_id] = stream
+            if self.stat_logger is not None:
+                self.stat_logger.add_request(request_id, kind, params.n)
+
+        await asyncio.wrap_future(self._submit(add))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            # The one place a request is aborted from the front end: any exit before it finished.
+            if not finished:
+                self._streams.pop(request_id, None)
+                if self.errored is None:
+                    self._submit(lambda: self._abort_in_engine([request_id]))
+
+    def _abort_in_engine(self, request_ids: list[str]) -> None:
+        self.engine.abort_request(request_ids)
+        if self.stat_logger is not None:
+            for request_id in request_ids:
+                self.stat_logger.forget(request_id)
+
+    # ---- shutdown ------------------------------------------------------------------------------------
+    def shutdown(self, timeout: float = 0.0) -> None:
+        """Stop taking requests, let in-flight ones finish for up to ``timeout`` s, abort the rest, stop."""
+        deadline = time.monotonic() + max(timeout, 0.0)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            self._thread.join(0.05)
+        if self._thread.is_alive():
+            def abort_all() -> None:
+                self._abort_all_now()
+
+            self._submit(abort_all)
+            self._thread.join(10.0)
+        if self.stat_logger is not None:
+            self.stat_logger.maybe_log(self.engine, time.time(), force=True)
+
+    def _abort_all_now(self) -> None:
+        """Engine thread: end every in-flight request with finish_reason 'abort'."""
+        engine = self.engine
+        outputs = []
+        for request_id in list(self._streams):
+            children = engine.output_processor.child_ids(request_id)
+            out = engine.output_processor.make_abort_output(request_id)
+            engine.core.abort_requests(children)
+            if self.stat_logger is not None:
+                self.stat_logger.forget(request_id)
+            if out is not None:
+                outputs.append(out)
+        if outputs:
+            self._deliver(outputs)
+        self._streams.clear()
+
+
+def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream.queue.put_nowait(out)

@@ -1,0 +1,77 @@
+"""Prometheus metrics with vLLM's names, so dashboards built for vLLM work unchanged.
+
+Every metric carries a ``model_name`` label. Each server owns its own ``CollectorRegistry`` (tests start
+several in one process). Counters are exposed with the ``_total`` suffix by ``prometheus_client``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def _token_buckets(max_model_len: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to the context length (vLLM's shape)."""
+    buckets, exp = [], 0
+    while True:
+        for m in (1, 2, 5):
+            value = m * 10**exp
+            if value > max_model_len:
+                return buckets
+            buckets.append(value)
+        exp += 1
+
+
+class PrometheusMetrics:
+    def __init__(self, model_name: str, max_model_len: int, max_num_batched_tokens: int) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        r, labels = self.registry, ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.num_requests_running = gauge("vllm:num_requests_running", "Requests in model execution batches.")
+        self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be processed.")
+        self.kv_cache_usage_perc = gauge("vllm:kv_cache_usage_perc", "KV cache usage; 1 means 100 percent.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens processed.")
+        self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
+                                            "Prefix cache queries, in terms of tokens.")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of tokens.")
+        self._request_success = Counter("vllm:request_success", "Successfully processed requests.",
+                                        ["model_name", "finished_reason"], registry=r)
+        for reason in ("stop", "length"):
+            self._request_success.labels(model_name, reason)  # show zeros before the first request
+        token_buckets = _token_buckets(max_model_len)
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens per engine step.",
+                                          _token_buckets(max(max_num_batched_tokens, 1)))
+        self.time_to_first_token = histogram("vllm:time_to_first_token_seconds",
+                                             "Time to first token in seconds.", _LATENCY_BUCKETS)
+        self.inter_token_latency = histogram("vllm:inter_token_latency_seconds",
+                                             "Inter-token latency in seconds.", _LATENCY_BUCKETS)
+        self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds",
+                                             "End-to-end request latency in seconds.", _REQUEST_BUCKETS)
+        self.request_queue_time = histogram("vllm:request_queue_time_seconds",
+                                            "Time spent waiting in the queue, in seconds.", _REQUEST_BUCKETS)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens",
+                                               "Prompt tokens per finished request.", token_buckets)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
+                                                   "Generation tokens per finished request.", token_buckets)
+
+    def request_success(self, finished_reason: str) -> None:
+        self._request_success.labels(self.model_name, finished_reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
