@@ -1,0 +1,67 @@
+"""Benchmark prompts: random token ids of an exact length, reproducible from a seed.
+
+Prompts are token-id lists, not text, so every backend (pagedllm, Hugging Face, a server taking ids)
+sees exactly ``input_len`` tokens; decoding random ids to text and re-encoding would change the length.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class SampledRequest:
+    """One benchmark request: the prompt's token ids and how many tokens to generate."""
+
+    prompt_token_ids: list[int]
+    expected_output_len: int
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+def allowed_token_ids(tokenizer: Any) -> np.ndarray:
+    """Every token id except special tokens (BOS/EOS/chat markers would make prompts unrealistic)."""
+    vocab_size = len(tokenizer)
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    ids = np.array([i for i in range(vocab_size) if i not in special], dtype=np.int64)
+    if ids.size == 0:
+        raise ValueError("tokenizer: has no non-special tokens to sample prompts from")
+    return ids
+
+
+def random_requests(tokenizer: Any, num_prompts: int, input_len: int, output_len: int,
+                    prefix_len: int = 0, seed: int = 0) -> list[SampledRequest]:
+    """``num_prompts`` prompts of exactly ``prefix_len + input_len`` token ids.
+
+    The first ``prefix_len`` ids are one shared prefix (to exercise prefix caching); the rest are drawn
+    uniformly from the non-special vocabulary with ``numpy.random.default_rng(seed)``, so the same
+    arguments give the same prompts in every process and for every backend.
+    """
+    for name, value in (("num_prompts", num_prompts), ("input_len", input_len), ("output_len", output_len)):
+        if value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value}")
+    if prefix_len < 0:
+        raise ValueError(f"prefix_len must be >= 0, got {prefix_len}")
+    rng = np.random.default_rng(seed)
+    vocab = allowed_token_ids(tokenizer)
+    prefix = rng.choice(vocab, size=prefix_len).tolist()
+    bodies = rng.choice(vocab, size=(num_prompts, input_len))
+    return [SampledRequest(prefix + row.tolist(), output_len) for row in bodies]
+
+
+def add_dataset_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("dataset (random token ids)")
+    group.add_argument("--num-prompts", type=int, default=200, help="Number of prompts (default: 200).")
+    group.add_argument("--input-len", type=int, default=128,
+                       help="Random tokens per prompt, after the shared prefix (default: 128).")
+    group.add_argument("--output-len", type=int, default=128,
+                       help="Tokens to generate per prompt; EOS is ignored so every request makes exactly "
+                            "this many (default: 128).")
+    group.add_argument("--prefix-len", type=int, default=0,
+                       help="Length of a random prefix shared by all prompts (default: 0).")
