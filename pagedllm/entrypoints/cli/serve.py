@@ -1,0 +1,83 @@
+"""``pagedllm serve [MODEL]``: the OpenAI-compatible server. ``add_serve_parser`` + ``run_serve``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from pagedllm.engine_args import EngineArgs
+
+DESCRIPTION = """Start the OpenAI-compatible HTTP server.
+
+Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /version,
+/metrics (Prometheus, vLLM metric names), /reset_prefix_cache. Works with the official `openai` client:
+  OpenAI(base_url="http://HOST:PORT/v1", api_key="KEY or anything")
+"""
+
+
+def _list_arg(value: str) -> list[str]:
+    """A JSON list (vLLM's form, e.g. '["https://a.com"]') or a comma-separated list."""
+    value = value.strip()
+    if value.startswith("["):
+        items = json.loads(value)
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value!r}")
+        return items
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="0.0.0.0", help="Address to listen on (default: all interfaces).")
+    group.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default: 8000).")
+    group.add_argument("--api-key", default=None,
+                       help="Require 'Authorization: Bearer KEY' on all /v1 routes. Also read from the "
+                            "PAGEDLLM_API_KEY environment variable (prefer that: argv is visible to others).")
+    group.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="On SIGTERM/SIGINT stop accepting connections and let in-flight requests finish "
+                            "for up to this many seconds, then abort the rest and exit 0 (default: 30).")
+    group.add_argument("--uvicorn-log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug", "trace"],
+                       help="Log level of uvicorn (access log at info).")
+    group.add_argument("--allowed-origins", type=_list_arg, default=["*"],
+                       help="CORS allowed origins: JSON list or comma-separated (default: *).")
+    group.add_argument("--allowed-methods", type=_list_arg, default=["*"],
+                       help="CORS allowed methods (default: *).")
+    group.add_argument("--allowed-headers", type=_list_arg, default=["*"],
+                       help="CORS allowed headers (default: *).")
+    group.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials.")
+    group.add_argument("--max-request-body-bytes", type=int, default=32 * 1024 * 1024,
+                       help="Largest accepted request body; bigger ones get 413 (default: 32 MiB).")
+    return parser
+
+
+def make_serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    EngineArgs.add_cli_args(parser, positional_model=True)
+    add_server_args(parser)
+    parser.set_defaults(func=run_serve, dispatch_function=run_serve)
+    return parser
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``serve`` on the ``pagedllm`` CLI; the parsed namespace's ``func`` is ``run_serve``."""
+    parser = subparsers.add_parser("serve", help="Start the OpenAI-compatible server.",
+                                   description=DESCRIPTION,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    return make_serve_parser(parser)
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    from pagedllm.entrypoints.openai.api_server import run_server
+
+    run_server(args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pagedllm serve", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    make_serve_parser(parser)
+    run_serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

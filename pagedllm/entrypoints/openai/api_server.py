@@ -1,0 +1,276 @@
+"""The OpenAI-compatible HTTP server: app factory (``build_app``) and ``run_server(args)``.
+
+The engine runs in ``AsyncLLM``'s thread; this module only routes, authenticates and shapes errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import hmac
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import pagedllm
+from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, error_response, param_of
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from pagedllm.entrypoints.openai.serving_chat import ServingChat
+from pagedllm.entrypoints.openai.serving_completion import ServingCompletion
+from pagedllm.entrypoints.openai.serving_models import ServingModels
+from pagedllm.entrypoints.openai.serving_tokenization import ServingTokenization
+from pagedllm.logger import init_logger
+from pagedllm.metrics.prometheus import PrometheusMetrics
+
+logger = init_logger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+@dataclass
+class ServerOptions:
+    served_model_names: list[str]
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    shutdown_timeout: float = 0.0
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+
+
+class GuardMiddleware:
+    """Pure ASGI: X-Request-Id echo, request body limit, and the API key on ``/v1`` routes.
+
+    Pure ASGI (not BaseHTTPMiddleware) so streaming responses and disconnects pass straight through.
+    """
+
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
+        request_id = headers.get("x-request-id")
+        if request_id is not None:
+            async def send_with_id(message: dict) -> None:
+                if message["type"] == "http.response.start":
+                    message.setdefault("headers", [])
+                    message["headers"] = list(message["headers"]) + [(b"x-request-id", request_id)]
+                await send(message)
+            out_send = send_with_id
+        else:
+            out_send = send
+
+        async def reply(status: int, message: str) -> None:
+            extra = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+            await error_response(message, status, headers=extra)(scope, receive, out_send)
+
+        if self.api_key is not None and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            given = headers.get("authorization", b"")
+            scheme, _, token = given.partition(b" ")
+            # Constant-time compare so the key can't be guessed byte by byte from timings.
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+                return await reply(401, "Unauthorized: a valid API key is required "
+                                        "(Authorization: Bearer <key>)")
+
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            return await reply(413, f"Request body of {int(length)} bytes exceeds the limit of "
+                                    f"{self.max_body_bytes} bytes")
+        if scope["method"] in ("POST", "PUT", "PATCH") and length is None:
+            # Chunked upload: buffer it here so the limit holds without a Content-Length.
+            chunks, size, more = [], 0, True
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return
+                chunks.append(message.get("body", b""))
+                size += len(chunks[-1])
+                more = message.get("more_body", False)
+                if size > self.max_body_bytes:
+                    return await reply(413, f"Request body exceeds the limit of {self.max_body_bytes} bytes")
+            replayed = False
+
+            async def replay() -> dict:
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                return await receive()
+
+            return await self.app(scope, replay, out_send)
+        return await self.app(scope, receive, out_send)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "Invalid request", None
+    err = errors[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    if err.get("type") == "json_invalid":
+        return f"Invalid JSON in request body: {err.get('msg')}", None
+    param = loc[0] if loc else None
+    where = ".".join(loc) or "body"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{where}: {err.get('msg')}{more}", param
+
+
+def build_app(engine: AsyncLLM, options: ServerOptions, metrics: PrometheusMetrics | None = None) -> FastAPI:
+    """The FastAPI app around a running ``AsyncLLM``."""
+    core = engine.engine
+    tokenizer = copy.deepcopy(core.get_tokenizer())
+    model_path = core.config.model.model_path or core.config.model.model
+    models = ServingModels(options.served_model_names, model_path, core.processor.max_model_len)
+    completion = ServingCompletion(engine, models, tokenizer)
+    chat = ServingChat(engine, models, tokenizer)
+    tokenization = ServingTokenization(chat)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        # Uvicorn has already drained HTTP connections for up to --shutdown-timeout; end what is left.
+        await asyncio.to_thread(engine.shutdown, 0.0)
+
+    app = FastAPI(title="pagedllm OpenAI-compatible server", version=pagedllm.__version__, lifespan=lifespan)
+    app.state.engine = engine
+    app.state.metrics = metrics
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(exc.message, exc.status, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(message, 400, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        return error_response(message, exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(str(exc), 503)
+
+    @app.exception_handler(ValueError)
+    async def _value_error(_: Request, exc: ValueError) -> JSONResponse:
+        return error_response(str(exc), 400, param_of(str(exc)))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return error_response(f"Internal server error: {type(exc).__name__}", 500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_running:
+            return Response(status_code=200)
+        reason = "engine is dead" if engine.errored is not None else "engine is stopping"
+        return JSONResponse(error_body(f"Unhealthy: {reason}", 503), status_code=503)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": pagedllm.__version__}
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        return JSONResponse(models.list().model_dump())
+
+    @app.post("/v1/completions")
+    async def create_completion(req: CompletionRequest, raw: Request):
+        return await completion.create(req, raw)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(req: ChatCompletionRequest, raw: Request):
+        return await chat.create(req, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> JSONResponse:
+        return JSONResponse(tokenization.tokenize(req).model_dump(exclude_none=True))
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> JSONResponse:
+        return JSONResponse(tokenization.detokenize(req).model_dump())
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        body = metrics.render() if metrics is not None else b""
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        await engine.call_in_engine(lambda e: e.reset_prefix_cache())
+        return Response(status_code=200)
+
+    # Outermost first: CORS answers preflights before the guard asks for a key.
+    app.add_middleware(GuardMiddleware, api_key=options.api_key, max_body_bytes=options.max_body_bytes)
+    app.add_middleware(CORSMiddleware, allow_origins=options.allowed_origins,
+                       allow_credentials=options.allow_credentials, allow_methods=options.allowed_methods,
+                       allow_headers=options.allowed_headers)
+    return app
+
+
+def run_server(args: argparse.Namespace) -> None:
+    """Build the engine from CLI args, print the banner, serve until SIGINT/SIGTERM, then drain."""
+    import os
+
+    import prometheus_client
+    import uvicorn
+
+    from pagedllm.engine_args import EngineArgs
+    from pagedllm.metrics.stats import StatsRecorder
+
+    prometheus_client.disable_created_metrics()  # no *_created series, as vLLM
+    engine_args = EngineArgs.from_cli_args(args)
+    api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
+    engine = AsyncLLM.from_engine_args(engine_args)
+    config = engine.engine.config
+    names = [config.model.name]
+    metrics = PrometheusMetrics(names[0], config.scheduler.max_model_len,
+                                config.scheduler.max_num_batched_tokens)
+    engine.stat_logger = StatsRecorder(metrics, log_stats=config.log_stats)
+    options = ServerOptions(
+        served_model_names=names, api_key=api_key, max_body_bytes=args.max_request_body_bytes,
+        shutdown_timeout=args.shutdown_timeout, allowed_origins=args.allowed_origins,
+        allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
+        allow_credentials=args.allow_credentials)
+    app = build_app(engine, options, metrics)
+
+    display_host = args.host if args.host not in ("", "0.0.0.0", "::") else "localhost"
+    logger.info("pagedllm %s serving %s as %s", pagedllm.__version__, config.model.model, ", ".join(names))
+    logger.info("dtype %s, max_model_len %d, KV cache %d blocks x %d tokens, API key %s",
+                config.model.dtype, config.scheduler.max_model_len, config.cache.num_blocks,
+                config.cache.block_size, "required" if api_key else "off")
+    logger.info("OpenAI-compatible API at http://%s:%d/v1 (health: /health, metrics: /metrics)",
+                display_host, args.port)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout if args.shutdown_timeout > 0 else None,
+        timeout_keep_alive=5))
+    try:
+        server.run()
+    finally:
+        engine.shutdown(0.0)
+    logger.info("server stopped")
