@@ -100,6 +100,9 @@ class AsyncLLM:
                         cmd.future.set_result(cmd.fn())
                     except Exception as e:  # a bad request must not kill the loop
                         cmd.future.set_exception(e)
+                if commands and self.stat_logger is not None:
+                    # An abort may have freed blocks with no step to follow; refresh the gauges now.
+                    self.stat_logger.record_step(engine, [], time.time())
                 if stopping and not engine.has_unfinished_requests():
                     return
                 if engine.has_unfinished_requests():
