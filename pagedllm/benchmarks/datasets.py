@@ -55,9 +55,10 @@ def random_requests(tokenizer: Any, num_prompts: int, input_len: int, output_len
     return [SampledRequest(prefix + row.tolist(), output_len) for row in bodies]
 
 
-def add_dataset_args(parser: argparse.ArgumentParser) -> None:
+def add_dataset_args(parser: argparse.ArgumentParser, num_prompts: int = 200) -> None:
     group = parser.add_argument_group("dataset (random token ids)")
-    group.add_argument("--num-prompts", type=int, default=200, help="Number of prompts (default: 200).")
+    group.add_argument("--num-prompts", type=int, default=num_prompts,
+                       help=f"Number of prompts (default: {num_prompts}).")
     group.add_argument("--input-len", type=int, default=128,
                        help="Random tokens per prompt, after the shared prefix (default: 128).")
     group.add_argument("--output-len", type=int, default=128,
