@@ -82,6 +82,12 @@ class RemoteServer:
 
 
 @pytest.fixture(scope="session")
+def remote_server_cls() -> type[RemoteServer]:
+    """For modules that need a server with other flags (they must stop it themselves)."""
+    return RemoteServer
+
+
+@pytest.fixture(scope="session")
 def server() -> Iterator[RemoteServer]:
     srv = RemoteServer(["--served-model-name", "test-model"])
     try:

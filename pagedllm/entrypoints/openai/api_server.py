@@ -232,6 +232,23 @@ def build_app(engine: AsyncLLM, options: ServerOptions, metrics: PrometheusMetri
     return app
 
 
+def _draining_server(config: Any) -> Any:
+    import signal
+
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            # Uvicorn re-raises the caught signal after its graceful shutdown, so the process would die
+            # by SIGTERM; a drained stop is a clean one and must exit 0.
+            captured = getattr(self, "_captured_signals", None)
+            if sig in (signal.SIGTERM, signal.SIGINT) and captured and captured[-1] == sig:
+                captured.pop()
+
+    return DrainingServer(config)
+
+
 def run_server(args: argparse.Namespace) -> None:
     """Build the engine from CLI args, print the banner, serve until SIGINT/SIGTERM, then drain."""
     import os
@@ -265,7 +282,7 @@ def run_server(args: argparse.Namespace) -> None:
                 config.cache.block_size, "required" if api_key else "off")
     logger.info("OpenAI-compatible API at http://%s:%d/v1 (health: /health, metrics: /metrics)",
                 display_host, args.port)
-    server = uvicorn.Server(uvicorn.Config(
+    server = _draining_server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
         timeout_graceful_shutdown=args.shutdown_timeout if args.shutdown_timeout > 0 else None,
         timeout_keep_alive=5))
