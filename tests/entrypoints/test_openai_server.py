@@ -65,7 +65,8 @@ def test_completion_prompt_forms(client, model_name):
     by_text = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0)
     by_ids = client.completions.create(model=model_name, prompt=ids, max_tokens=4, temperature=0)
     assert by_ids.choices[0].text == by_text.choices[0].text
-    many = client.completions.create(model=model_name, prompt=[PROMPT, "One, two,"], max_tokens=4, temperature=0)
+    many = client.completions.create(model=model_name, prompt=[PROMPT, "One, two,"], max_tokens=4,
+                                     temperature=0)
     assert [c.index for c in many.choices] == [0, 1]
     assert many.choices[0].text == by_text.choices[0].text
 
@@ -77,7 +78,8 @@ def test_echo_and_logprobs_shape(client, model_name):
     assert choice.text.startswith(PROMPT)
     lp = choice.logprobs
     n_prompt = resp.usage.prompt_tokens
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n_prompt + 4
+    lengths = {len(lp.tokens), len(lp.token_logprobs), len(lp.top_logprobs), len(lp.text_offset)}
+    assert lengths == {n_prompt + 4}
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts the first token
     assert all(isinstance(x, float) and x <= 0 for x in lp.token_logprobs[1:])
     assert all(3 <= len(t) <= 4 for t in lp.top_logprobs[1:])
@@ -121,7 +123,7 @@ def test_n_and_seed(client, model_name):
     resp = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=6, temperature=1.0, n=3,
                                      seed=7)
     assert sorted(c.index for c in resp.choices) == [0, 1, 2]
-    assert resp.usage.completion_tokens == sum(1 for _ in range(3)) * 6 or resp.usage.completion_tokens <= 18
+    assert resp.usage.completion_tokens <= 18
     again = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=6, temperature=1.0, n=3,
                                       seed=7)
     assert [c.text for c in again.choices] == [c.text for c in resp.choices]
@@ -142,7 +144,8 @@ def test_stop(client, model_name):
 
 
 def test_tokenize_detokenize_round_trip(server, model_name):
-    tok = httpx.post(f"{server.url}/tokenize", json={"model": model_name, "prompt": "Hello paged world!"}).json()
+    body = {"model": model_name, "prompt": "Hello paged world!"}
+    tok = httpx.post(f"{server.url}/tokenize", json=body).json()
     assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == 2048
     detok = httpx.post(f"{server.url}/detokenize", json={"model": model_name, "tokens": tok["tokens"]}).json()
     assert detok["prompt"].endswith("Hello paged world!")
@@ -152,8 +155,8 @@ def test_tokenize_detokenize_round_trip(server, model_name):
 
 def test_concurrent_streams_match_solo(server, client, model_name):
     prompts = [f"Story {i}: once upon a time" for i in range(16)] * 2
-    solo = {p: client.completions.create(model=model_name, prompt=p, max_tokens=8, temperature=0).choices[0].text
-            for p in set(prompts)}
+    solo = {p: client.completions.create(model=model_name, prompt=p, max_tokens=8,
+                                         temperature=0).choices[0].text for p in set(prompts)}
 
     async def stream_one(aclient, prompt: str) -> str:
         parts = []
@@ -192,7 +195,8 @@ def test_client_disconnect_frees_kv(server, client, model_name):
     assert metric(m, "vllm:kv_cache_usage_perc") == 0
     assert metric(m, "vllm:num_requests_running") == 0
     # And it still serves.
-    assert client.completions.create(model=model_name, prompt=PROMPT, max_tokens=2, temperature=0).choices[0].text
+    again = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=2, temperature=0)
+    assert again.choices[0].text
 
 
 def test_metrics_counters_move(server, client, model_name):
@@ -211,7 +215,8 @@ def test_metrics_counters_move(server, client, model_name):
                  "vllm:request_queue_time_seconds_count"):
         assert metric(after, hist) - metric(before, hist) == 1, hist
     assert metric(after, "vllm:inter_token_latency_seconds_count") >= 0
-    assert metric(after, "vllm:iteration_tokens_total_count") > metric(before, "vllm:iteration_tokens_total_count")
+    steps = "vllm:iteration_tokens_total_count"
+    assert metric(after, steps) > metric(before, steps)
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:num_preemptions_total",
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
         assert any(n == name for n, _ in after), name

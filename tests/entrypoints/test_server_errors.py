@@ -52,7 +52,8 @@ def test_bad_chat_params(server, patch):
 
 def test_invalid_json_and_wrong_body(server):
     for body in (b"{not json", b"[1, 2]", b"", b'"just a string"'):
-        r = httpx.post(f"{server.url}/v1/completions", content=body, headers={"content-type": "application/json"})
+        r = httpx.post(f"{server.url}/v1/completions", content=body,
+                       headers={"content-type": "application/json"})
         _assert_error(r, 400)
 
 
@@ -61,8 +62,8 @@ def test_too_long_prompt_says_the_numbers(server, client):
     err = _assert_error(httpx.post(f"{server.url}/v1/completions", json={**GOOD, "prompt": long_prompt}), 400)
     assert "maximum context length is 2048 tokens" in err["message"]
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi " * 100}],
-                                       max_tokens=2000)
+        client.chat.completions.create(model="test-model", max_tokens=2000,
+                                       messages=[{"role": "user", "content": "hi " * 100}])
     message = info.value.body["message"] if isinstance(info.value.body, dict) else str(info.value)
     assert "2048" in message and "in the messages" in message and "2000 in the completion" in message
 
