@@ -117,6 +117,8 @@ async def send_completion(client: Any, url: str, payload: dict[str, Any], prompt
                 now = time.perf_counter()
                 if data.get("usage"):
                     usage_tokens = data["usage"].get("completion_tokens", usage_tokens)
+                    # Text prompts are re-tokenized by the server: trust its count of the prompt too.
+                    result.prompt_len = data["usage"].get("prompt_tokens") or result.prompt_len
                 choices = data.get("choices") or []
                 if not choices:
                     continue
