@@ -96,10 +96,15 @@ class AsyncLLM:
                     commands, self._commands = self._commands, []
                     stopping = self._stopping
                 for cmd in commands:
+                    # A caller that gave up (cancelled) before we got here: skip its command.
+                    if not cmd.future.set_running_or_notify_cancel():
+                        continue
                     try:
-                        cmd.future.set_result(cmd.fn())
+                        result = cmd.fn()
                     except Exception as e:  # a bad request must not kill the loop
                         cmd.future.set_exception(e)
+                    else:
+                        cmd.future.set_result(result)
                 if commands and self.stat_logger is not None:
                     # An abort may have freed blocks with no step to follow; refresh the gauges now.
                     self.stat_logger.record_step(engine, [], time.time())
@@ -195,9 +200,10 @@ class AsyncLLM:
             if self.stat_logger is not None:
                 self.stat_logger.add_request(request_id, kind, params.n)
 
-        await asyncio.wrap_future(self._submit(add))
+        added = self._submit(add)
         finished = False
         try:
+            await asyncio.wrap_future(added)
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -207,13 +213,16 @@ class AsyncLLM:
                 if finished:
                     return
         finally:
-            # The one place a request is aborted from the front end: any exit before it finished.
-            if not finished:
-                self._streams.pop(request_id, None)
+            # The one place a request is aborted from the front end: any exit before it finished,
+            # including a cancellation while the add was still queued (the abort is queued after it).
+            rejected = added.done() and not added.cancelled() and added.exception() is not None
+            if not finished and not rejected:
                 if self.errored is None:
                     self._submit(lambda: self._abort_in_engine([request_id]))
 
     def _abort_in_engine(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._streams.pop(request_id, None)  # here, after any queued add registered it
         self.engine.abort_request(request_ids)
         if self.stat_logger is not None:
             for request_id in request_ids:

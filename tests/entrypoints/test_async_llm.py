@@ -113,6 +113,25 @@ def test_leaving_early_aborts_once():
         llm.shutdown(1)
 
 
+def test_cancel_while_add_is_queued_leaks_nothing():
+    engine = FakeEngine(step_s=0.2)
+    llm = AsyncLLM(engine)
+    try:
+        async def main():
+            busy = asyncio.ensure_future(_collect(llm, "busy", n=3))
+            await asyncio.sleep(0.05)  # the engine thread is inside a step now
+            for i in range(3):
+                task = asyncio.ensure_future(_collect(llm, f"gone{i}", n=100))
+                await asyncio.sleep(0)
+                task.cancel()
+            await busy
+            await asyncio.sleep(0.3)
+        asyncio.run(main())
+        assert not engine.left and llm.is_running and llm.num_in_flight() == 0
+    finally:
+        llm.shutdown(1)
+
+
 def test_engine_death_fails_fast_and_health_503():
     engine = FakeEngine(step_s=0.01)
     llm = AsyncLLM(engine)
