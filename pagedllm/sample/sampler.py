@@ -1,7 +1,7 @@
 """Logits -> next token ids (+ logprobs) for one batch, in one vectorized pass.
 
 Order: logit_bias, min_tokens mask, penalties, then argmax for greedy rows; random rows get temperature,
-top-k, top-p, min-p and an exponential race. Returned logprobs are the model's raw log-softmax, taken
+top-k, top-p, min-p and inverse-CDF sampling. Returned logprobs are the model's raw log-softmax, taken
 before any of those steps (vLLM's default). Nothing here reads a value back to the host, so it runs
 without device syncs on any backend.
 """
@@ -133,20 +133,21 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(logits < threshold, float("-inf"))
 
 
-def exponential_race(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Sample one token per row of probs [B, V]: argmax(p / E), E ~ Exp(1) i.i.d., is a draw from p.
+def inverse_cdf_sample(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Sample one token per row of probs [B, V] with one uniform draw per row (inverse CDF).
 
-    Seeded rows draw their V noise values from their own generator, so their tokens do not depend on
-    what else is in the batch; all other rows share one batched draw.
+    One random number per row instead of V (an exponential race) keeps sampling cheap on CPUs, where
+    drawing B x V noise values cost more than the rest of the sampler. Seeded rows draw from their own
+    generator, so their tokens do not depend on what else is in the batch.
     """
-    noise = torch.empty_like(probs)
-    if meta.has_unseeded_random:
-        noise.exponential_()
+    cdf = probs.cumsum_(dim=1)  # probs is the sampler's private copy
+    u = torch.rand(probs.shape[0], 1, device=probs.device, dtype=probs.dtype) if meta.has_unseeded_random \
+        else torch.empty(probs.shape[0], 1, device=probs.device, dtype=probs.dtype)
     for row, generator in meta.generators.items():
-        noise[row].exponential_(generator=generator)
-    # Exp(1) can return exactly 0; 0/0 = NaN would win argmax, so keep the divisor positive.
-    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    return probs.div_(noise).argmax(dim=1)
+        u[row] = torch.rand(1, generator=generator, device=probs.device, dtype=probs.dtype)
+    # 1 - U lies in (0, 1]: a zero-probability token (flat step of the CDF) can never be the first >= u.
+    target = (1.0 - u) * cdf[:, -1:]
+    return torch.searchsorted(cdf, target).clamp_(max=probs.shape[1] - 1).squeeze(1)
 
 
 class Sampler(nn.Module):
@@ -200,4 +201,4 @@ class Sampler(nn.Module):
         if not meta.no_min_p:
             logits = apply_min_p(logits, meta.min_p)
         probs = logits.softmax(dim=1)
-        return exponential_race(probs, meta)
+        return inverse_cdf_sample(probs, meta)

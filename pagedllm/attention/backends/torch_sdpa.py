@@ -60,21 +60,37 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         out[:nd] = o.reshape(nd, num_heads, head_dim)
 
     qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    # Fresh prefills (no earlier context) of equal length run as one batched causal SDPA call.
+    fresh: dict[int, list[int]] = {}
     for i in range(nd, meta.num_reqs):
+        q_len = qsl[i + 1] - qsl[i]
+        if seq_lens[i] == q_len:
+            fresh.setdefault(q_len, []).append(i)
+            continue
         start, end, seq_len = qsl[i], qsl[i + 1], seq_lens[i]
-        q_len = end - start
         q = query[start:end].transpose(0, 1)  # [H, q_len, D]
-        if seq_len == q_len:
-            k = key[start:end].transpose(0, 1)
-            v = value[start:end].transpose(0, 1)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
-        else:
-            table = meta.block_tables[i:i + 1]
-            k = _gather(key_cache, table, seq_len)[0]  # [Hkv, L, D]
-            v = _gather(value_cache, table, seq_len)[0]
-            # Query j sits at position seq_len - q_len + j and sees keys up to and including itself.
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-            mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+        table = meta.block_tables[i:i + 1]
+        k = _gather(key_cache, table, seq_len)[0]  # [Hkv, L, D]
+        v = _gather(value_cache, table, seq_len)[0]
+        # Query j sits at position seq_len - q_len + j and sees keys up to and including itself.
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
         out[start:end] = o.transpose(0, 1)
+    for q_len, rows in fresh.items():
+        starts = [qsl[i] for i in rows]
+        if len(rows) > 1 and starts == list(range(starts[0], starts[0] + q_len * len(rows), q_len)):
+            # Contiguous in the flat batch: a view, no copy.
+            span = slice(starts[0], starts[0] + q_len * len(rows))
+            q = query[span].view(len(rows), q_len, num_heads, head_dim).transpose(1, 2)
+            k = key[span].view(len(rows), q_len, num_kv_heads, head_dim).transpose(1, 2)
+            v = value[span].view(len(rows), q_len, num_kv_heads, head_dim).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
+            out[span] = o.transpose(1, 2).reshape(-1, num_heads, head_dim)
+            continue
+        for start in starts:
+            end = start + q_len
+            q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
+            out[start:end] = o.transpose(0, 1)
     return out
