@@ -54,8 +54,8 @@ class KVCacheManager:
 
         The last token is always left to compute: its logits are needed to sample.
         """
-        if not self.enable_caching:
-            return [], 0
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need the logits of every prompt position
         self._update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []

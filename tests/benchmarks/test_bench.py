@@ -65,12 +65,10 @@ def test_random_requests_exact_lengths_seeded_and_no_special_tokens() -> None:
 
 # ----------------------------------------------------------------------------------------- throughput
 @pytest.mark.slow
-def test_bench_throughput_pagedllm_writes_vllm_keys(tmp_path: Path) -> None:
-    if default_model_path() is None:
-        pytest.skip("default model not installed")
+def test_bench_throughput_pagedllm_writes_vllm_keys(tmp_path: Path, tiny_model_dir: str) -> None:
     out = tmp_path / "tp.json"
-    rc = main(["bench", "throughput", "--num-prompts", "4", "--input-len", "16", "--output-len", "4",
-               "--output-json", str(out), "--disable-tqdm", *SMALL_ENGINE])
+    rc = main(["bench", "throughput", "--model", tiny_model_dir, "--num-prompts", "4", "--input-len", "16",
+               "--output-len", "4", "--output-json", str(out), "--disable-tqdm", *SMALL_ENGINE])
     assert rc == 0
     result = json.loads(out.read_text())
     assert VLLM_KEYS | {"output_tokens_per_second", "backend"} <= set(result)
