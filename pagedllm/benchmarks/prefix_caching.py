@@ -27,10 +27,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--questions-per-doc", type=int, default=8, help="Requests per document.")
     parser.add_argument("--question-len", type=int, default=32, help="Tokens per question (after the doc).")
     parser.add_argument("--output-len", type=int, default=32, help="Tokens generated per request.")
-    parser.add_argument("--seed", type=int, default=0, help="Seed of the random prompts.")
     parser.add_argument("--output-json", default=None, help="Write the results here as JSON.")
-    EngineArgs.add_cli_args(parser)
-    parser.set_defaults(seed=0)
+    EngineArgs.add_cli_args(parser)  # its --seed also seeds the random prompts
     return parser
 
 
