@@ -21,6 +21,18 @@ from pagedllm.sample.sampler import Sampler, compute_logprobs_for_targets
 from pagedllm.sampling_params import SamplingParams
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor; on CPU backed by calloc'd memory, so untouched blocks cost no resident memory.
+
+    Zeros (not empty) matter: padded positions are masked, but NaN garbage would still poison SDPA.
+    """
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.finfo(dtype).bits // 8
+    raw = np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8)  # large calloc → lazily zeroed pages
+    return torch.from_numpy(raw).view(dtype).view(shape)
+
+
 @dataclass
 class CachedRequestState:
     req_id: str
@@ -61,10 +73,8 @@ class ModelRunner:
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate per layer [2, num_blocks, block_size, Hkv, D] and bind it to the attention layers."""
         num_layers, num_kv_heads, head_size = self.kv_cache_spec()
-        self.kv_caches = [
-            torch.zeros(2, num_blocks, self.block_size, num_kv_heads, head_size, dtype=self.dtype,
-                        device=self.device)
-            for _ in range(num_layers)]
+        shape = (2, num_blocks, self.block_size, num_kv_heads, head_size)
+        self.kv_caches = [_zeros(shape, self.dtype, self.device) for _ in range(num_layers)]
         bind_kv_caches(self.model, self.kv_caches)
 
     # ---- state updates -----------------------------------------------------------------------------
