@@ -42,6 +42,8 @@ class LLMEngine:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         arrival_time = arrival_time if arrival_time is not None else time.time()
+        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+            cache_salt = str(prompt["cache_salt"])  # vLLM's place for it in offline prompts
         text, token_ids = self.processor.tokenize(prompt, add_special_tokens)
         requests = self.processor.make_requests(request_id, token_ids, params, arrival_time, cache_salt)
         self.output_processor.add_request(request_id, text, token_ids, params, kind, arrival_time)

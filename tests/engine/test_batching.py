@@ -42,3 +42,13 @@ def test_prefix_caching_on_equals_off(llm: LLM):
     got = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == want
     assert got[0].num_cached_tokens > 0
+
+
+def test_cache_salt_keeps_tenants_apart(llm: LLM):
+    prompt = "Shared system prompt for every tenant of this service. " * 4
+    llm.generate(prompt, GREEDY, use_tqdm=False)
+    plain = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    salted = llm.generate({"prompt": prompt, "cache_salt": "tenant-a"}, GREEDY, use_tqdm=False)[0]
+    again = llm.generate({"prompt": prompt, "cache_salt": "tenant-a"}, GREEDY, use_tqdm=False)[0]
+    assert plain.num_cached_tokens > 0 and salted.num_cached_tokens == 0 and again.num_cached_tokens > 0
+    assert salted.outputs[0].token_ids == plain.outputs[0].token_ids
