@@ -69,9 +69,10 @@ class Worker:
         cache = self.config.cache
         tokens = (num_blocks - 1) * cache.block_size
         max_len = self.config.scheduler.max_model_len
+        size = format_bytes(num_blocks * self.runner.bytes_per_block())
         logger.info("KV cache: %d blocks of %d tokens (%s, %s), %d tokens; max concurrency %.1fx at %d tokens "
-                    "per request", num_blocks, cache.block_size, format_bytes(num_blocks * self.runner.bytes_per_block()),
-                    self.config.model.dtype, tokens, tokens / max_len, max_len)
+                    "per request", num_blocks, cache.block_size, size, self.config.model.dtype, tokens,
+                    tokens / max_len, max_len)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(sched)
