@@ -51,11 +51,10 @@ def _summary(requests: list[SampledRequest], num_output_tokens: int, elapsed: fl
     }
 
 
-def run_pagedllm(requests: list[SampledRequest], engine_args: EngineArgs, warmup: bool = True,
+def run_pagedllm(requests: list[SampledRequest], llm: Any, warmup: bool = True,
                  use_tqdm: bool = True) -> dict[str, Any]:
-    from pagedllm import LLM, SamplingParams
+    from pagedllm import SamplingParams
 
-    llm = LLM(**dataclasses.asdict(engine_args))
     # Same settings as vLLM's benchmark: plain sampling at temperature 1, every request runs to output_len.
     params = [SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=r.expected_output_len)
               for r in requests]
@@ -150,17 +149,25 @@ def _parse_batch_sizes(text: str) -> list[int]:
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     engine_args = EngineArgs.from_cli_args(args)
-    from pagedllm.model_executor.loader import load_tokenizer
-
-    config = engine_args.create_engine_config()
-    tokenizer = load_tokenizer(config.model)
-    requests = random_requests(tokenizer, args.num_prompts, args.input_len, args.output_len,
-                               prefix_len=args.prefix_len, seed=args.seed)
     use_tqdm = not args.disable_tqdm
+
+    def make_requests(tokenizer: Any) -> list[SampledRequest]:
+        # Same tokenizer, seed and lengths for both backends, so both see identical token ids.
+        return random_requests(tokenizer, args.num_prompts, args.input_len, args.output_len,
+                               prefix_len=args.prefix_len, seed=args.seed)
+
     if args.backend == "hf":
-        result = run_hf(requests, engine_args, _parse_batch_sizes(args.hf_batch_sizes), args.warmup, use_tqdm)
+        from pagedllm.model_executor.loader import load_tokenizer
+
+        batch_sizes = _parse_batch_sizes(args.hf_batch_sizes)
+        requests = make_requests(load_tokenizer(engine_args.create_engine_config().model))
+        result = run_hf(requests, engine_args, batch_sizes, args.warmup, use_tqdm)
     else:
-        result = run_pagedllm(requests, engine_args, args.warmup, use_tqdm)
+        from pagedllm import LLM
+
+        llm = LLM(**dataclasses.asdict(engine_args))
+        requests = make_requests(llm.get_tokenizer())
+        result = run_pagedllm(requests, llm, args.warmup, use_tqdm)
     result.update(
         backend=args.backend, model=engine_args.model, num_prompts=args.num_prompts,
         input_len=args.input_len, output_len=args.output_len, prefix_len=args.prefix_len, seed=args.seed,
