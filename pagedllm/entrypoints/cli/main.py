@@ -108,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "Latency of one batch: average, percentiles, TTFT and time per output token.")
     _add_module_command(bench_sub, "serve", "pagedllm.benchmarks.serve",
                         "Load a running server with Poisson-arriving streamed requests; TTFT, ITL, E2E.")
+    _add_module_command(bench_sub, "prefix-caching", "pagedllm.benchmarks.prefix_caching",
+                        "Shared-prefix workload with prefix caching on and off.")
     bench.set_defaults(func=lambda args: _print_help(bench))
     return parser
 
