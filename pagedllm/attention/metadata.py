@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass
+class AttentionPlan:
+    """How a backend splits the batch, worked out once per step and shared by all layers.
+
+    ``fresh_groups``: query length -> requests with no earlier context (a whole prompt in one step);
+    ``with_context``: every other request (decodes, later prefill chunks, prefix-cache hits).
+    """
+
+    fresh_groups: dict[int, list[int]]
+    with_context: list[int]
+    with_context_tensor: torch.Tensor  # [n] int32
 
 
 @dataclass
@@ -35,6 +48,22 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_decode_seq_len: int
     block_size: int
+    _plan: AttentionPlan | None = field(default=None, repr=False)
+
+    def plan(self) -> AttentionPlan:
+        if self._plan is None:
+            qsl, seq_lens = self.query_start_loc_cpu, self.seq_lens_cpu
+            fresh: dict[int, list[int]] = {}
+            other: list[int] = []
+            for i in range(self.num_reqs):
+                q_len = qsl[i + 1] - qsl[i]
+                if q_len > 1 and seq_lens[i] == q_len:
+                    fresh.setdefault(q_len, []).append(i)
+                else:
+                    other.append(i)
+            self._plan = AttentionPlan(fresh, other, torch.tensor(other, dtype=torch.int32,
+                                                                  device=self.seq_lens.device))
+        return self._plan
 
     @property
     def num_reqs(self) -> int:

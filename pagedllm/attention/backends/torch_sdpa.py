@@ -1,7 +1,6 @@
-"""Portable paged attention on top of ``torch.nn.functional.scaled_dot_product_attention``.
-
-This is the reference backend (CPU and CUDA). Decodes are batched into one SDPA call over K/V gathered
-through the block tables; prefill chunks run one SDPA call each (a few per step).
+"""Paged attention: torch SDPA for fresh prompts, and for requests with earlier context either the C++
+CPU kernel (reads K/V through block tables in place) or the portable path (SDPA over K/V gathered
+through the block tables). The portable path is the reference and serves CUDA.
 """
 
 from __future__ import annotations
@@ -9,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention.backends.cpu_kernels import load_cpu_kernels
 from pagedllm.attention.metadata import AttentionMetadata
 
 
@@ -37,16 +37,39 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """query: [T, H, D]; key/value: [T, Hkv, D] (this step's new tokens) -> output [T, H, D].
 
-    K/V of this step are written to the cache first, so every request reads its whole context from it
-    (except a prefill with no earlier context, which attends to its own fresh K/V directly).
+    K/V of this step are written to the cache first; requests with earlier context read it from there
+    (on CPU through the C++ kernel when it is available), fresh prompts attend to their own new K/V.
     """
-    num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = key.shape[1]
-    group = num_heads // num_kv_heads
-    write_kv(kv_cache, key, value, meta.slot_mapping)
+    kernels = load_cpu_kernels() if query.device.type == "cpu" else None
+    if kernels is not None:
+        kernels.write_kv(key, value, kv_cache[0], kv_cache[1], meta.slot_mapping)
+    else:
+        write_kv(kv_cache, key, value, meta.slot_mapping)
     out = torch.empty_like(query)
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    plan = meta.plan()
+    if plan.with_context:
+        if kernels is not None:
+            q32 = query if query.dtype == torch.float32 else query.float()
+            out32 = out if query.dtype == torch.float32 else torch.empty_like(q32)
+            kernels.paged_attention(q32, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens,
+                                    meta.query_start_loc, out32, scale, plan.with_context_tensor)
+            if out32 is not out:
+                out.copy_(out32)  # rows of fresh prompts are overwritten below
+        else:
+            _attend_with_context(query, kv_cache, meta, plan.with_context, scale, out)
+    for q_len, rows in plan.fresh_groups.items():
+        _attend_fresh(query, key, value, meta, q_len, rows, scale, out)
+    return out
 
+
+def _attend_with_context(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                         rows: list[int], scale: float, out: torch.Tensor) -> None:
+    """Portable path: decodes batched over K/V gathered through block tables, other chunks one by one."""
+    _, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[-2]
+    group = num_heads // num_kv_heads
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     nd = meta.num_decodes
     if nd:
         seq_len = meta.max_decode_seq_len
@@ -58,16 +81,11 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         mask = torch.arange(seq_len, device=query.device)[None, :] < meta.seq_lens[:nd, None]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
         out[:nd] = o.reshape(nd, num_heads, head_dim)
-
-    qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-    # Fresh prefills (no earlier context) of equal length run as one batched causal SDPA call.
-    fresh: dict[int, list[int]] = {}
-    for i in range(nd, meta.num_reqs):
-        q_len = qsl[i + 1] - qsl[i]
-        if seq_lens[i] == q_len:
-            fresh.setdefault(q_len, []).append(i)
+    for i in rows:
+        if i < nd:
             continue
         start, end, seq_len = qsl[i], qsl[i + 1], seq_lens[i]
+        q_len = end - start
         q = query[start:end].transpose(0, 1)  # [H, q_len, D]
         table = meta.block_tables[i:i + 1]
         k = _gather(key_cache, table, seq_len)[0]  # [Hkv, L, D]
@@ -77,20 +95,26 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
         out[start:end] = o.transpose(0, 1)
-    for q_len, rows in fresh.items():
-        starts = [qsl[i] for i in rows]
-        if len(rows) > 1 and starts == list(range(starts[0], starts[0] + q_len * len(rows), q_len)):
-            # Contiguous in the flat batch: a view, no copy.
-            span = slice(starts[0], starts[0] + q_len * len(rows))
-            q = query[span].view(len(rows), q_len, num_heads, head_dim).transpose(1, 2)
-            k = key[span].view(len(rows), q_len, num_kv_heads, head_dim).transpose(1, 2)
-            v = value[span].view(len(rows), q_len, num_kv_heads, head_dim).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
-            out[span] = o.transpose(1, 2).reshape(-1, num_heads, head_dim)
-            continue
-        for start in starts:
-            end = start + q_len
-            q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
-            out[start:end] = o.transpose(0, 1)
-    return out
+
+
+def _attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata,
+                  q_len: int, rows: list[int], scale: float, out: torch.Tensor) -> None:
+    """Prompts with no earlier context, all of length q_len: causal attention over their own K/V."""
+    _, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    gqa = num_heads != num_kv_heads
+    starts = [meta.query_start_loc_cpu[i] for i in rows]
+    if len(rows) > 1 and starts == list(range(starts[0], starts[0] + q_len * len(rows), q_len)):
+        # Contiguous in the flat batch: one batched call on views, no copy.
+        span = slice(starts[0], starts[0] + q_len * len(rows))
+        q = query[span].view(len(rows), q_len, num_heads, head_dim).transpose(1, 2)
+        k = key[span].view(len(rows), q_len, num_kv_heads, head_dim).transpose(1, 2)
+        v = value[span].view(len(rows), q_len, num_kv_heads, head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        out[span] = o.transpose(1, 2).reshape(-1, num_heads, head_dim)
+        return
+    for start in starts:
+        end = start + q_len
+        q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        out[start:end] = o.transpose(0, 1)
