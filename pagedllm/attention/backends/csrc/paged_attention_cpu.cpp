@@ -18,10 +18,80 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 template <typename T>
 inline float to_float(T v) { return static_cast<float>(v); }
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_hadd_ps(lo, lo);
+  lo = _mm_hadd_ps(lo, lo);
+  return _mm_cvtss_f32(lo);
+}
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  // bf16 is the top half of an fp32: widen and shift.
+  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+#endif
+
+// Rows ahead to prefetch: K/V rows of one head are strided, so the hardware prefetcher needs help.
+constexpr int64_t kPrefetch = 4;
+
+template <typename KV>
+inline void prefetch_row(const KV* row, int64_t D) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(KV)); off += 64) __builtin_prefetch(p + off);
+}
+
+// s[g] = dot(q + g * D, row) for the G query heads of one KV head.
+template <typename KV>
+inline void dots(const float* q, const KV* row, int64_t G, int64_t D, float* s) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (D % 8 == 0 && G <= 8) {
+    __m256 acc[8];
+    for (int64_t g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 k = load8(row + d);
+      for (int64_t g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d), k, acc[g]);
+    }
+    for (int64_t g = 0; g < G; ++g) s[g] = hsum(acc[g]);
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < G; ++g) {
+    float t = 0.f;
+    for (int64_t d = 0; d < D; ++d) t += q[g * D + d] * to_float(row[d]);
+    s[g] = t;
+  }
+}
+
+// acc[g] += p[g] * row for the G query heads.
+template <typename KV>
+inline void axpys(const float* p, const KV* row, int64_t G, int64_t D, float* acc) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (D % 8 == 0) {
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 v = load8(row + d);
+      for (int64_t g = 0; g < G; ++g) {
+        float* a = acc + g * D + d;
+        _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(p[g]), v, _mm256_loadu_ps(a)));
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) acc[g * D + d] += p[g] * to_float(row[d]);
+}
 
 template <typename KV>
 void run(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
@@ -31,6 +101,7 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache, const torch
   const int64_t H = query.size(1), D = query.size(2);
   const int64_t block_size = key_cache.size(1), Hkv = key_cache.size(2);
   const int64_t G = H / Hkv;
+  TORCH_CHECK(G <= 64, "at most 64 query heads per KV head");
   const int64_t max_blocks = block_tables.size(1);
   const float* q_ptr = query.data_ptr<float>();
   float* o_ptr = out.data_ptr<float>();
@@ -51,38 +122,51 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache, const torch
       const int64_t seq_len = sl[r];
       const int64_t q_begin = qs[r], q_len = qs[r + 1] - qs[r];
       const int32_t* table = bt + r * max_blocks;
-      scores.resize(static_cast<size_t>(seq_len));
+      scores.resize(static_cast<size_t>(G * seq_len));
       for (int64_t j = 0; j < q_len; ++j) {
         const int64_t ctx = seq_len - q_len + j + 1;  // keys visible to this query token
+        // The G query heads sharing this KV head: each K/V row is read once for all of them.
+        const float* q = q_ptr + ((q_begin + j) * H + kvh * G) * D;
+        float sg_buf[64];
+        for (int64_t t = 0; t < ctx; ++t) {
+          const KV* k = k_ptr + table[t / block_size] * blk_stride + (t % block_size) * tok_stride + kvh * D;
+          if (t + kPrefetch < ctx) {
+            const int64_t u = t + kPrefetch;
+            prefetch_row(k_ptr + table[u / block_size] * blk_stride + (u % block_size) * tok_stride + kvh * D, D);
+          }
+          dots(q, k, G, D, sg_buf);
+          for (int64_t g = 0; g < G; ++g) scores[g * ctx + t] = sg_buf[g] * fscale;
+        }
+        std::vector<float> inv_sum(G);
         for (int64_t g = 0; g < G; ++g) {
-          const float* q = q_ptr + ((q_begin + j) * H + kvh * G + g) * D;
+          float* sg = scores.data() + g * ctx;
           float max_s = -std::numeric_limits<float>::infinity();
-          for (int64_t t = 0; t < ctx; ++t) {
-            const KV* k = k_ptr + table[t / block_size] * blk_stride + (t % block_size) * tok_stride + kvh * D;
-            float s = 0.f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < D; ++d) s += q[d] * to_float(k[d]);
-            s *= fscale;
-            scores[t] = s;
-            max_s = std::max(max_s, s);
-          }
+#pragma omp simd reduction(max : max_s)
+          for (int64_t t = 0; t < ctx; ++t) max_s = std::max(max_s, sg[t]);
           float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
           for (int64_t t = 0; t < ctx; ++t) {
-            scores[t] = std::exp(scores[t] - max_s);
-            sum += scores[t];
+            sg[t] = expf(sg[t] - max_s);  // vectorized by libmvec under -ffast-math
+            sum += sg[t];
           }
-          float* a = acc.data() + g * D;
-          std::fill(a, a + D, 0.f);
-          for (int64_t t = 0; t < ctx; ++t) {
-            const KV* v = v_ptr + table[t / block_size] * blk_stride + (t % block_size) * tok_stride + kvh * D;
-            const float p = scores[t];
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) a[d] += p * to_float(v[d]);
+          inv_sum[g] = 1.f / sum;
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        float p_buf[64];
+        for (int64_t t = 0; t < ctx; ++t) {
+          const KV* v = v_ptr + table[t / block_size] * blk_stride + (t % block_size) * tok_stride + kvh * D;
+          if (t + kPrefetch < ctx) {
+            const int64_t u = t + kPrefetch;
+            prefetch_row(v_ptr + table[u / block_size] * blk_stride + (u % block_size) * tok_stride + kvh * D, D);
           }
+          for (int64_t g = 0; g < G; ++g) p_buf[g] = scores[g * ctx + t];
+          axpys(p_buf, v, G, D, acc.data());
+        }
+        for (int64_t g = 0; g < G; ++g) {
           float* o = o_ptr + ((q_begin + j) * H + kvh * G + g) * D;
-          const float inv = 1.f / sum;
+          const float* a = acc.data() + g * D;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) o[d] = a[d] * inv;
+          for (int64_t d = 0; d < D; ++d) o[d] = a[d] * inv_sum[g];
         }
       }
     }
