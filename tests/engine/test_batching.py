@@ -1,7 +1,7 @@
 """Continuous batching must not change greedy outputs: together == alone, also under pressure."""
 
 import pytest
-from conftest import PROMPTS
+from prompts import PROMPTS
 
 from pagedllm import LLM, SamplingParams
 

@@ -1,7 +1,7 @@
 """Sampling, stopping and outputs through the whole engine on the default model."""
 
 import pytest
-from conftest import PROMPTS
+from prompts import PROMPTS
 
 from pagedllm import LLM, SamplingParams
 
