@@ -6,7 +6,7 @@
 #        serve (100 x 128/128 at 4 req/s), hf (Hugging Face generate, batch 8 and 32), prefix (caching on/off).
 # Each engine runs alone on the machine, one after the other, on the same HF model folder, same dtype,
 # same KV budget (4 GiB) and the same two threads. Results go to $OUT/*.json.
-set -euo pipefail
+set -uo pipefail  # a failing step is reported and the others still run
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results}
 PY=.venv/bin/python
@@ -17,7 +17,7 @@ STEPS=${STEPS:-"tp prefill latency serve hf prefix"}
 ENGINES=${ENGINES:-"pagedllm vllm"}
 mkdir -p "$OUT"
 
-[ -f "$MODEL_DIR/config.json" ] || $PY benchmarks/make_hf_folder.py "$MODEL_DIR" "$DTYPE"
+[ -f "$MODEL_DIR/config.json" ] || $PY benchmarks/make_hf_folder.py "$MODEL_DIR" "$DTYPE" || exit 1
 
 if [[ " $ENGINES " == *" vllm "* ]] && [ ! -x "$VLLM_VENV/bin/python" ]; then
   # vLLM's CPU build in its own venv, never a dependency of ours. Its CUDA torchvision/torchaudio/
