@@ -17,7 +17,7 @@ from pagedllm.attention.layer import Attention, bind_kv_caches
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.sample.metadata import build_sampling_metadata
-from pagedllm.sample.sampler import Sampler, compute_logprobs_for_targets
+from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_logprobs_for_targets
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -31,6 +31,18 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     itemsize = torch.finfo(dtype).bits // 8
     raw = np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8)  # large calloc → lazily zeroed pages
     return torch.from_numpy(raw).view(dtype).view(shape)
+
+
+def _logprob_dicts(lp: LogprobsTensors, ks: list[int]) -> list[dict[int, tuple[float, int]]]:
+    """One {token_id: (logprob, rank)} per row: the chosen token first, then the row's top ks[row]."""
+    ids, vals, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
+    out = []
+    for row, k in enumerate(ks):
+        entry = {ids[row][0]: (vals[row][0], ranks[row])}
+        for j in range(1, k + 1):
+            entry.setdefault(ids[row][j], (vals[row][j], j))
+        out.append(entry)
+    return out
 
 
 @dataclass
@@ -141,20 +153,16 @@ class ModelRunner:
             self.eos_token_ids, self.vocab_size, self.device)
         out = self.sampler(logits, sampling_meta)
         sampled = out.sampled_token_ids.tolist()
-        lp = out.logprobs
-        if lp is not None:
-            lp_ids, lp_vals, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
+        entries = None
+        if out.logprobs is not None:
+            entries = _logprob_dicts(out.logprobs, [s.params.logprobs or 0 for s in sample_states])
         for row, state in enumerate(sample_states):
             token = sampled[row]
             state.token_ids.append(token)
             state.output_token_ids.append(token)
             result.sampled_token_ids[state.req_id] = token
-            if lp is not None and state.params.logprobs is not None:
-                k = state.params.logprobs
-                entry = {lp_ids[row][0]: (lp_vals[row][0], ranks[row])}
-                for j in range(1, k + 1):
-                    entry.setdefault(lp_ids[row][j], (lp_vals[row][j], j))
-                result.logprobs[state.req_id] = [entry]
+            if entries is not None and state.params.logprobs is not None:
+                result.logprobs[state.req_id] = [entries[row]]
         return result
 
     def _prepare_inputs(self, states: list[CachedRequestState], query_lens: list[int]
@@ -209,10 +217,5 @@ class ModelRunner:
                 targets = torch.tensor(state.prompt_token_ids[start + 1:end + 1], device=self.device)
                 k = state.params.prompt_logprobs
                 lp = compute_logprobs_for_targets(self.model.compute_logits(rows), targets, k)
-                ids, vals, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
-                for r in range(len(ids)):
-                    entry = {ids[r][0]: (vals[r][0], ranks[r])}
-                    for j in range(1, k + 1):
-                        entry.setdefault(ids[r][j], (vals[r][j], j))
-                    entries.append(entry)
+                entries = _logprob_dicts(lp, [k] * (end - start))
             result.prompt_logprobs[state.req_id] = entries
