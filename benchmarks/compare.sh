@@ -30,10 +30,10 @@ fi
 VLLM=("$VLLM_VENV/bin/python" benchmarks/vllm_cli.py)
 # vLLM's default binds the model to one core here; give it both, like ours. 4 GiB KV cache for both.
 export VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4
+# vLLM's throughput bench reads lengths from its random dataset's own flags (--input-len is ignored there).
+VLLM_RANDOM=(--dataset-name random --random-range-ratio 0.0)
 OURS=(.venv/bin/pagedllm)
 COMMON=(--model "$MODEL_DIR" --dtype "$DTYPE")
-
-has() { [[ " $STEPS " == *" $1 "* ]] && [[ " $ENGINES " == *" $2 "* ]]; }
 
 wait_health() {
   for _ in $(seq 1 300); do curl -sf "$1/health" >/dev/null && return 0; sleep 1; done
@@ -52,41 +52,56 @@ serve_bench() {  # engine port command...
   wait "$pid" 2>/dev/null || true
 }
 
-if has tp pagedllm; then
-  $PY benchmarks/peak_rss.py "$OUT/rss_pagedllm.json" -- "${OURS[@]}" bench throughput "${COMMON[@]}" \
-    --kv-cache-memory 4GiB --input-len 128 --output-len 128 --num-prompts 200 --output-json "$OUT/tp_pagedllm.json"
-fi
-if has tp vllm; then
-  $PY benchmarks/peak_rss.py "$OUT/rss_vllm.json" -- "${VLLM[@]}" bench throughput "${COMMON[@]}" \
-    --input-len 128 --output-len 128 --num-prompts 200 --output-json "$OUT/tp_vllm.json"
-fi
-if has prefill pagedllm; then
-  "${OURS[@]}" bench throughput "${COMMON[@]}" --kv-cache-memory 4GiB --input-len 512 --output-len 64 \
-    --num-prompts 64 --output-json "$OUT/prefill_pagedllm.json"
-fi
-if has prefill vllm; then
-  "${VLLM[@]}" bench throughput "${COMMON[@]}" --input-len 512 --output-len 64 --num-prompts 64 \
-    --output-json "$OUT/prefill_vllm.json"
-fi
-if has latency pagedllm; then
-  "${OURS[@]}" bench latency "${COMMON[@]}" --kv-cache-memory 4GiB --input-len 128 --output-len 128 \
-    --batch-size 1 --num-iters 5 --num-iters-warmup 1 --output-json "$OUT/latency_pagedllm.json"
-fi
-if has latency vllm; then
-  "${VLLM[@]}" bench latency "${COMMON[@]}" --input-len 128 --output-len 128 --batch-size 1 --num-iters 5 \
-    --num-iters-warmup 1 --output-json "$OUT/latency_vllm.json"
-fi
-if has serve pagedllm; then
-  serve_bench pagedllm 8011 "${OURS[@]}" serve "${COMMON[@]}" --kv-cache-memory 4GiB --port 8011
-fi
-if has serve vllm; then
-  serve_bench vllm 8012 "${VLLM[@]}" serve "$MODEL_DIR" --dtype "$DTYPE" --port 8012
-fi
-if has hf pagedllm; then
+step_tp() {  # engine
+  if [ "$1" = pagedllm ]; then
+    $PY benchmarks/peak_rss.py "$OUT/rss_pagedllm.json" -- "${OURS[@]}" bench throughput "${COMMON[@]}" \
+      --kv-cache-memory 4GiB --input-len 128 --output-len 128 --num-prompts 200 --output-json "$OUT/tp_pagedllm.json"
+  else
+    $PY benchmarks/peak_rss.py "$OUT/rss_vllm.json" -- "${VLLM[@]}" bench throughput "${COMMON[@]}" \
+      "${VLLM_RANDOM[@]}" --random-input-len 128 --random-output-len 128 --num-prompts 200 \
+      --output-json "$OUT/tp_vllm.json"
+  fi
+}
+step_prefill() {
+  if [ "$1" = pagedllm ]; then
+    "${OURS[@]}" bench throughput "${COMMON[@]}" --kv-cache-memory 4GiB --input-len 512 --output-len 64 \
+      --num-prompts 64 --output-json "$OUT/prefill_pagedllm.json"
+  else
+    "${VLLM[@]}" bench throughput "${COMMON[@]}" "${VLLM_RANDOM[@]}" --random-input-len 512 \
+      --random-output-len 64 --num-prompts 64 --output-json "$OUT/prefill_vllm.json"
+  fi
+}
+step_latency() {
+  if [ "$1" = pagedllm ]; then
+    "${OURS[@]}" bench latency "${COMMON[@]}" --kv-cache-memory 4GiB --input-len 128 --output-len 128 \
+      --batch-size 1 --num-iters 5 --num-iters-warmup 1 --output-json "$OUT/latency_pagedllm.json"
+  else
+    "${VLLM[@]}" bench latency "${COMMON[@]}" --input-len 128 --output-len 128 --batch-size 1 --num-iters 5 \
+      --num-iters-warmup 1 --output-json "$OUT/latency_vllm.json"
+  fi
+}
+step_serve() {
+  if [ "$1" = pagedllm ]; then
+    serve_bench pagedllm 8011 "${OURS[@]}" serve "${COMMON[@]}" --kv-cache-memory 4GiB --port 8011
+  else
+    serve_bench vllm 8012 "${VLLM[@]}" serve "$MODEL_DIR" --dtype "$DTYPE" --port 8012
+  fi
+}
+step_hf() {
+  [ "$1" = pagedllm ] || return 0  # one run: Hugging Face generate() on the same prompts
   "${OURS[@]}" bench throughput "${COMMON[@]}" --backend hf --hf-batch-sizes 8,32 --input-len 128 \
     --output-len 128 --num-prompts 200 --output-json "$OUT/tp_hf.json"
-fi
-if has prefix pagedllm; then
+}
+step_prefix() {
+  [ "$1" = pagedllm ] || return 0
   "${OURS[@]}" bench prefix-caching --kv-cache-memory 4GiB --output-json "$OUT/prefix_caching.json"
-fi
+}
+
+# Steps run in the order given; within a step, engines in the order given.
+for step in $STEPS; do
+  for engine in $ENGINES; do
+    echo "=== $step / $engine ($(date +%T))"
+    "step_$step" "$engine" || echo "=== $step / $engine FAILED"
+  done
+done
 $PY benchmarks/summarize.py "$OUT"
