@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from pagedllm.config import EngineConfig
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutput, ModelRunnerOutput
@@ -51,7 +49,3 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> int:
         return self.scheduler.kv.reset_prefix_cache()
-
-    @property
-    def now(self) -> float:
-        return time.time()
