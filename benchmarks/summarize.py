@@ -23,13 +23,13 @@ def main() -> None:
         fmt = lambda v: "-" if v is None else f"{v:,.1f}"
         rows.append((label, fmt(ours), fmt(theirs), "-" if ratio is None else f"{ratio:.2f}x"))
 
+    # vLLM's throughput JSON has no output-token figure; these runs' output share is fixed by compare.sh.
+    output_share = {"tp": 128 / 256, "prefill": 64 / 576}
     for step in ("tp", "prefill"):
         p, v = load(out, f"{step}_pagedllm"), load(out, f"{step}_vllm")
         pair(f"{step}: total tokens/s", p and p["tokens_per_second"], v and v["tokens_per_second"])
-        if p and v:
-            v_out = v.get("output_tokens_per_second") or v["tokens_per_second"] * (
-                v.get("total_output_tokens", 0) / v["total_num_tokens"] if v.get("total_output_tokens") else 0)
-            pair(f"{step}: output tokens/s", p["output_tokens_per_second"], v_out or None)
+        v_out = v and (v.get("output_tokens_per_second") or v["tokens_per_second"] * output_share[step])
+        pair(f"{step}: output tokens/s", p and p["output_tokens_per_second"], v_out)
     p, v = load(out, "latency_pagedllm"), load(out, "latency_vllm")
     pair("batch-1 latency, 128/128 (s)", p and p["avg_latency"], v and v["avg_latency"], higher_better=False)
     if p and v:
