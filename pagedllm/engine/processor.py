@@ -52,13 +52,7 @@ class Processor:
 
     def validate_params(self, params: SamplingParams, num_prompt_tokens: int) -> int:
         """Checks that need the model; returns the effective max_tokens."""
-        if params.logit_bias:
-            for token_id in params.logit_bias:
-                if not 0 <= token_id < self.vocab_size:
-                    raise ValueError(f"logit_bias: token id {token_id} is out of range [0, {self.vocab_size})")
-        for token_id in params.stop_token_ids or ():
-            if not 0 <= token_id < self.vocab_size:
-                raise ValueError(f"stop_token_ids: token id {token_id} is out of range [0, {self.vocab_size})")
+        params.verify_token_ids(self.vocab_size)
         self.check_fits(num_prompt_tokens)
         room = self.max_model_len - num_prompt_tokens
         return room if params.max_tokens is None else min(params.max_tokens, room)
@@ -70,10 +64,7 @@ class Processor:
         arrival_time = arrival_time if arrival_time is not None else time.time()
         requests = []
         for i in range(params.n):
-            child = params.clone()
-            child.n = 1
-            if params.n > 1 and params.seed is not None:
-                child.seed = params.seed + i
+            child = params.child_params(i)
             requests.append(Request(child_request_id(request_id, i, params.n), prompt_token_ids, child,
                                     self.model_config.eos_token_ids, max_tokens, arrival_time, cache_salt))
         return requests

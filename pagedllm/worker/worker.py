@@ -14,9 +14,6 @@ from pagedllm.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -41,6 +38,7 @@ def _set_cpu_threads() -> None:
 class Worker:
     def __init__(self, config: EngineConfig) -> None:
         from pagedllm.model_executor.loader import load_model
+        from pagedllm.model_executor.loader.dtype import torch_dtype
 
         self.config = config
         self.device = resolve_device(config.device.device)
@@ -48,7 +46,7 @@ class Worker:
         if self.device.type == "cpu":
             _set_cpu_threads()
         mc = config.model
-        self.dtype = _DTYPES[mc.dtype]
+        self.dtype = torch_dtype(mc.dtype)
         torch.manual_seed(mc.seed)
         model = load_model(mc, self.device)
         self.runner = ModelRunner(model, self.device, self.dtype, config.cache.block_size, mc.vocab_size,
