@@ -19,18 +19,17 @@ from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.sample.metadata import build_sampling_metadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_logprobs_for_targets
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.cpu_memory import zeroed_host_tensor
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed tensor; on CPU backed by calloc'd memory, so untouched blocks cost no resident memory.
+    """A zeroed tensor; on CPU on its own lazily-backed mapping, so untouched blocks cost no resident memory.
 
     Zeros (not empty) matter: padded positions are masked, but NaN garbage would still poison SDPA.
     """
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    itemsize = torch.finfo(dtype).bits // 8
-    raw = np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8)  # large calloc → lazily zeroed pages
-    return torch.from_numpy(raw).view(dtype).view(shape)
+    return zeroed_host_tensor(shape, dtype)
 
 
 def _logprob_dicts(lp: LogprobsTensors, ks: list[int]) -> list[dict[int, tuple[float, int]]]:

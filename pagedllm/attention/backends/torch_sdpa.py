@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.backends.cpu_kernels import load_cpu_kernels
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kernels.cpu import load_cpu_kernels
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -45,7 +45,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kernels.write_kv(key, value, kv_cache[0], kv_cache[1], meta.slot_mapping)
     else:
         write_kv(kv_cache, key, value, meta.slot_mapping)
-    out = torch.empty_like(query)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # query may be a strided view
     plan = meta.plan()
     if plan.with_context:
         if kernels is not None:

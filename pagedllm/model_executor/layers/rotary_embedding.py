@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.kernels.cpu import kernels_for
+
 
 def rope_settings(hf_config: Any) -> tuple[float, dict[str, Any]]:
     """(rope_theta, scaling dict) from a transformers config.
@@ -63,6 +65,35 @@ class RotaryEmbedding(nn.Module):
             cache = self.cos_sin_cache = cache.to(positions.device)
         cos, sin = cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
         return cos, sin
+
+
+class RopeStep:
+    """One step's rotary inputs, shared by every layer: positions plus, for the torch path, cos/sin rows."""
+
+    def __init__(self, emb: RotaryEmbedding, positions: torch.Tensor) -> None:
+        self.emb = emb
+        self.positions = positions
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rotate_qk(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """qkv: [T, (H + 2*Hkv) * D] laid out [q | k | v] -> rotated q [T, H*D] and k [T, Hkv*D].
+
+        On CPU in float32 the rotation is done in place inside ``qkv`` and q/k are views of it.
+        """
+        d = self.emb.head_dim
+        q_size, kv_size = num_heads * d, num_kv_heads * d
+        kernels = kernels_for(qkv)
+        cache = self.emb.cos_sin_cache
+        if kernels is not None and qkv.dim() == 2 and cache.dtype == torch.float32:
+            if cache.device != qkv.device:
+                cache = self.emb.cos_sin_cache = cache.to(qkv.device)
+            kernels.rotary_(qkv, self.positions, cache, num_heads + num_kv_heads, d)
+            return qkv[:, :q_size], qkv[:, q_size:q_size + kv_size]
+        if self._cos_sin is None:
+            self._cos_sin = self.emb.lookup(self.positions)
+        cos, sin = self._cos_sin
+        q, k = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size]
+        return apply_rotary(q, cos, sin, num_heads), apply_rotary(k, cos, sin, num_kv_heads)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -11,12 +11,13 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.layer import Attention
+from pagedllm.model_executor.layers.activation import silu_and_mul
 from pagedllm.model_executor.layers.layernorm import RMSNorm
-from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, apply_rotary, rope_settings
+from pagedllm.model_executor.layers.linear import Linear, linear
+from pagedllm.model_executor.layers.rotary_embedding import RopeStep, RotaryEmbedding, rope_settings
 
 # HF checkpoint name fragment -> (our fused parameter fragment, shard index within it).
 _STACKED = {
@@ -43,18 +44,18 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = bool(getattr(cfg, "attention_bias", False))
         # One matmul for q, k and v: rows [q | k | v].
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias, dtype=dtype)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=bias, dtype=dtype)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias, dtype=dtype)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=bias, dtype=dtype)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads,
                               layer_idx=layer_idx)
         # Shard sizes for load_weights, in _STACKED order.
         self.qkv_proj.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden], cos/sin: [T, 1, D/2] -> [T, hidden]."""
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q, cos, sin, self.num_heads)
-        k = apply_rotary(k, cos, sin, self.num_kv_heads)
+    def forward(self, x: torch.Tensor, rope: RopeStep) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]."""
+        qkv = self.qkv_proj(x)
+        q, k = rope.rotate_qk(qkv, self.num_heads, self.num_kv_heads)
+        v = qkv[:, self.q_size + self.kv_size:]
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -67,14 +68,13 @@ class LlamaMLP(nn.Module):
         bias = bool(getattr(cfg, "mlp_bias", False))
         self.intermediate_size = cfg.intermediate_size
         # One matmul for gate and up: rows [gate | up].
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias, dtype=dtype)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias, dtype=dtype)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias, dtype=dtype)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias, dtype=dtype)
         self.gate_up_proj.shard_sizes = (cfg.intermediate_size, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden] (SwiGLU)."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -85,15 +85,15 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                rope: RopeStep) -> tuple[torch.Tensor, torch.Tensor]:
         """x, residual: [T, hidden]; returns this layer's output and the residual stream (not yet summed)."""
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin)
+        x = self.self_attn(x, rope)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -109,10 +109,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb.lookup(positions)  # once per step, shared by all layers
+        rope = RopeStep(self.rotary_emb, positions)  # once per step, shared by all layers
         residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin)
+            x, residual = layer(x, residual, rope)
         x, _ = self.norm(x, residual)
         return x
 
@@ -129,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False, dtype=dtype)
+            self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False, dtype=dtype)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -143,7 +143,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden_size] (usually only the rows that sample) -> logits [N, vocab] float32."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -1,0 +1,50 @@
+"""Builds (once, cached on disk) and loads the C++ CPU kernels: paged attention, KV writes, small-batch
+matmul and the fused element-wise ops of a decoder layer.
+
+They are compiled on first use with the system C++ compiler through ``torch.utils.cpp_extension``
+(about a minute; later processes load the cached build in well under a second). Where no compiler is
+available the torch SDPA path is used instead, with a warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+from pagedllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = ["bindings.cpp", "paged_attention.cpp", "small_gemm.cpp", "fused_ops.cpp"]
+
+
+@functools.cache
+def load_cpu_kernels() -> Any | None:
+    """The compiled extension module, or None if it cannot be built here (or PAGEDLLM_CPU_KERNELS=0)."""
+    if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        import torch
+        from torch.utils.cpp_extension import load
+
+        # -march=native: the cached build is only valid on this CPU kind, so the kind is in its name.
+        name = f"pagedllm_cpu_kernels_{torch.backends.cpu.get_cpu_capability().lower()}"
+        flags = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+        logger.info("Loading CPU kernels %s (the first use on a machine compiles them: about a minute)", name)
+        return load(name=name, sources=[str(_CSRC / f) for f in _SOURCES], extra_cflags=flags,
+                    extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # no compiler, no ninja, no headers: stay correct, just slower
+        logger.warning("CPU kernels unavailable (%s); using the slower torch paths", e)
+        return None
+
+
+def kernels_for(t: Any) -> Any | None:
+    """The CPU kernels when they apply to tensor ``t`` (a float32 CPU tensor), else None."""
+    import torch
+
+    if t.device.type != "cpu" or t.dtype != torch.float32:
+        return None
+    return load_cpu_kernels()

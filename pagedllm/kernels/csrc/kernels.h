@@ -1,0 +1,24 @@
+// Declarations of pagedllm's CPU kernels (one extension module; see bindings.cpp).
+#pragma once
+#include <torch/extension.h>
+
+#include <optional>
+
+// paged_attention.cpp
+void paged_attention(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                     const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                     const torch::Tensor& query_start, torch::Tensor& out, double scale,
+                     const torch::Tensor& req_indices);
+void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
+              torch::Tensor& value_cache, const torch::Tensor& slot_mapping);
+
+// small_gemm.cpp
+torch::Tensor small_gemm(const torch::Tensor& x, const torch::Tensor& weight,
+                         const std::optional<torch::Tensor>& bias);
+
+// fused_ops.cpp
+void rms_norm_(torch::Tensor& x, const std::optional<torch::Tensor>& residual, const torch::Tensor& weight,
+               double eps);
+void rotary_(torch::Tensor& qk, const torch::Tensor& positions, const torch::Tensor& cos_sin, int64_t num_heads,
+             int64_t head_dim);
+torch::Tensor silu_and_mul(const torch::Tensor& gate_up);

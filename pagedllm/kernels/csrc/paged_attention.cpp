@@ -1,0 +1,295 @@
+// Paged attention for CPUs: every query token reads its context straight from the block-structured
+// KV cache (no gather into a padded copy). A task is one request (or one of its KV heads when there are
+// few requests); within it scores are computed block by block, then softmax, then the V rows are summed.
+//
+// Shapes:
+//   query        [T, H, D]                 T flat query tokens of R requests (rows may be strided)
+//   key_cache    [num_blocks, block_size, Hkv, D]   (value_cache the same)
+//   block_tables [R, max_blocks] int32
+//   seq_lens     [R] int32                 context length after this step (includes the new tokens)
+//   query_start  [R + 1] int32             offsets of each request's tokens in the flat batch
+//   out          [T, H, D]
+// Query token j of request r sits at position seq_len - q_len + j and attends keys 0..that position.
+#include "kernels.h"
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+template <typename T>
+inline float to_float(T v) { return static_cast<float>(v); }
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  // bf16 is the top half of an fp32: widen and shift.
+  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+#endif
+
+// Issue prefetches for a whole KV block (block_size rows of all KV heads, contiguous): the next block
+// sits at an unrelated address, so the hardware prefetcher cannot guess it.
+template <typename KV>
+inline void prefetch_block(const KV* block, int64_t elems) {
+  const char* p = reinterpret_cast<const char*>(block);
+  for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(KV)); off += 64) __builtin_prefetch(p + off);
+}
+
+// scores[g * stride + i] = scale * dot(q_g, rows[i]) for GT query heads and n rows (rows `row_stride` apart).
+template <int GT, typename KV>
+inline void score_rows(const float* q, int64_t D, const KV* rows, int64_t row_stride, int64_t n, float scale,
+                       float* scores, int64_t stride) {
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (D % 8 == 0) {
+    // 4 keys x GT heads of partial sums stay in registers; one horizontal reduction per 4 keys.
+    for (; i + 4 <= n; i += 4) {
+      __m256 acc[GT][4];
+      for (int g = 0; g < GT; ++g)
+        for (int k = 0; k < 4; ++k) acc[g][k] = _mm256_setzero_ps();
+      const KV* r0 = rows + i * row_stride;
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 k0 = load8(r0 + d), k1 = load8(r0 + row_stride + d);
+        const __m256 k2 = load8(r0 + 2 * row_stride + d), k3 = load8(r0 + 3 * row_stride + d);
+        for (int g = 0; g < GT; ++g) {
+          const __m256 qv = _mm256_loadu_ps(q + g * D + d);
+          acc[g][0] = _mm256_fmadd_ps(qv, k0, acc[g][0]);
+          acc[g][1] = _mm256_fmadd_ps(qv, k1, acc[g][1]);
+          acc[g][2] = _mm256_fmadd_ps(qv, k2, acc[g][2]);
+          acc[g][3] = _mm256_fmadd_ps(qv, k3, acc[g][3]);
+        }
+      }
+      for (int g = 0; g < GT; ++g) {
+        const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(acc[g][0], acc[g][1]), _mm256_hadd_ps(acc[g][2], acc[g][3]));
+        const __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+        _mm_storeu_ps(scores + g * stride + i, _mm_mul_ps(r, _mm_set1_ps(scale)));
+      }
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    const KV* row = rows + i * row_stride;
+    for (int g = 0; g < GT; ++g) {
+      float t = 0.f;
+      for (int64_t d = 0; d < D; ++d) t += q[g * D + d] * to_float(row[d]);
+      scores[g * stride + i] = t * scale;
+    }
+  }
+}
+
+// acc[g] += sum_i p[g * stride + i] * rows[i] for GT query heads (acc is [GT, D]).
+template <int GT, typename KV>
+inline void accumulate_rows(const float* p, int64_t stride, const KV* rows, int64_t row_stride, int64_t n,
+                            int64_t D, float* acc) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (D % 16 == 0) {
+    // 16 columns x GT heads of output stay in registers across all n rows.
+    for (int64_t d = 0; d < D; d += 16) {
+      __m256 a[GT][2];
+      for (int g = 0; g < GT; ++g) {
+        a[g][0] = _mm256_loadu_ps(acc + g * D + d);
+        a[g][1] = _mm256_loadu_ps(acc + g * D + d + 8);
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        const KV* row = rows + i * row_stride + d;
+        const __m256 v0 = load8(row), v1 = load8(row + 8);
+        for (int g = 0; g < GT; ++g) {
+          const __m256 w = _mm256_broadcast_ss(p + g * stride + i);
+          a[g][0] = _mm256_fmadd_ps(w, v0, a[g][0]);
+          a[g][1] = _mm256_fmadd_ps(w, v1, a[g][1]);
+        }
+      }
+      for (int g = 0; g < GT; ++g) {
+        _mm256_storeu_ps(acc + g * D + d, a[g][0]);
+        _mm256_storeu_ps(acc + g * D + d + 8, a[g][1]);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) {
+    const KV* row = rows + i * row_stride;
+    for (int g = 0; g < GT; ++g)
+      for (int64_t d = 0; d < D; ++d) acc[g * D + d] += p[g * stride + i] * to_float(row[d]);
+  }
+}
+
+// Dispatch over query-head tiles of at most 3 (what fits the 16 AVX2 registers).
+template <typename KV>
+inline void score_heads(const float* q, int64_t G, int64_t D, const KV* rows, int64_t row_stride, int64_t n,
+                        float scale, float* scores, int64_t stride) {
+  for (int64_t g0 = 0; g0 < G; g0 += 3) {
+    const float* qg = q + g0 * D;
+    float* sg = scores + g0 * stride;
+    switch (std::min<int64_t>(3, G - g0)) {
+      case 3: score_rows<3>(qg, D, rows, row_stride, n, scale, sg, stride); break;
+      case 2: score_rows<2>(qg, D, rows, row_stride, n, scale, sg, stride); break;
+      default: score_rows<1>(qg, D, rows, row_stride, n, scale, sg, stride); break;
+    }
+  }
+}
+
+template <typename KV>
+inline void accumulate_heads(const float* p, int64_t stride, int64_t G, const KV* rows, int64_t row_stride,
+                             int64_t n, int64_t D, float* acc) {
+  for (int64_t g0 = 0; g0 < G; g0 += 3) {
+    const float* pg = p + g0 * stride;
+    float* ag = acc + g0 * D;
+    switch (std::min<int64_t>(3, G - g0)) {
+      case 3: accumulate_rows<3>(pg, stride, rows, row_stride, n, D, ag); break;
+      case 2: accumulate_rows<2>(pg, stride, rows, row_stride, n, D, ag); break;
+      default: accumulate_rows<1>(pg, stride, rows, row_stride, n, D, ag); break;
+    }
+  }
+}
+
+template <typename KV>
+void run(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+         const torch::Tensor& block_tables, const torch::Tensor& seq_lens, const torch::Tensor& query_start,
+         torch::Tensor& out, double scale, const torch::Tensor& req_indices) {
+  const int64_t num_reqs = req_indices.size(0);
+  const int64_t H = query.size(1), D = query.size(2);
+  const int64_t block_size = key_cache.size(1), Hkv = key_cache.size(2);
+  const int64_t G = H / Hkv;
+  const int64_t max_blocks = block_tables.size(1);
+  const float* q_ptr = query.data_ptr<float>();
+  const int64_t q_row = query.stride(0);  // q may be a slice of the fused qkv output
+  float* o_ptr = out.data_ptr<float>();
+  const KV* k_ptr = key_cache.data_ptr<KV>();
+  const KV* v_ptr = value_cache.data_ptr<KV>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+  const int32_t* qs = query_start.data_ptr<int32_t>();
+  const int32_t* ri = req_indices.data_ptr<int32_t>();
+  const int64_t tok_stride = Hkv * D;  // between tokens inside a block
+  const int64_t blk_stride = block_size * tok_stride;
+  const float fscale = static_cast<float>(scale);
+  // With many requests a task is one request and all its KV heads, so a block (all heads' rows,
+  // contiguous) is streamed once; with few requests, split by KV head to keep every thread busy.
+  const int64_t heads_per_task = num_reqs >= 4 * at::get_num_threads() ? Hkv : 1;
+  const int64_t tasks_per_req = Hkv / heads_per_task;
+
+  at::parallel_for(0, num_reqs * tasks_per_req, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = ri[task / tasks_per_req];
+      const int64_t h_begin = (task % tasks_per_req) * heads_per_task, h_end = h_begin + heads_per_task;
+      const int64_t seq_len = sl[r];
+      const int64_t q_begin = qs[r], q_len = qs[r + 1] - qs[r];
+      const int32_t* table = bt + r * max_blocks;
+      const int64_t HG = (h_end - h_begin) * G;  // query heads of this task
+      scores.resize(static_cast<size_t>(HG * seq_len));
+      acc.resize(static_cast<size_t>(HG * D));
+      for (int64_t j = 0; j < q_len; ++j) {
+        const int64_t ctx = seq_len - q_len + j + 1;  // keys visible to this query token
+        const int64_t nblocks = (ctx + block_size - 1) / block_size;
+        // Query heads h_begin*G .. h_end*G of this token, contiguous: [HG, D].
+        const float* q = q_ptr + (q_begin + j) * q_row + h_begin * G * D;
+        // Pass 1: scaled scores [HG, ctx], block by block; the G query heads of a KV head share each K row.
+        for (int64_t b = 0; b < nblocks; ++b) {
+          const int64_t n = std::min(block_size, ctx - b * block_size);
+          if (b + 1 < nblocks) prefetch_block(k_ptr + table[b + 1] * blk_stride, blk_stride);
+          const KV* blk = k_ptr + table[b] * blk_stride;
+          for (int64_t h = h_begin; h < h_end; ++h)
+            score_heads(q + (h - h_begin) * G * D, G, D, blk + h * D, tok_stride, n, fscale,
+                        scores.data() + (h - h_begin) * G * ctx + b * block_size, ctx);
+        }
+        // Softmax numerators in place; the normalisation is applied to the output.
+        float inv_sum[512];
+        TORCH_CHECK(HG <= 512, "at most 512 query heads");
+        for (int64_t g = 0; g < HG; ++g) {
+          float* sg = scores.data() + g * ctx;
+          float max_s = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : max_s)
+          for (int64_t t = 0; t < ctx; ++t) max_s = std::max(max_s, sg[t]);
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t t = 0; t < ctx; ++t) {
+            sg[t] = expf(sg[t] - max_s);  // vectorized by libmvec under -ffast-math
+            sum += sg[t];
+          }
+          inv_sum[g] = 1.f / sum;
+        }
+        // Pass 2: weighted sum of V rows, block by block.
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t b = 0; b < nblocks; ++b) {
+          const int64_t n = std::min(block_size, ctx - b * block_size);
+          if (b + 1 < nblocks) prefetch_block(v_ptr + table[b + 1] * blk_stride, blk_stride);
+          const KV* blk = v_ptr + table[b] * blk_stride;
+          for (int64_t h = h_begin; h < h_end; ++h)
+            accumulate_heads(scores.data() + (h - h_begin) * G * ctx + b * block_size, ctx, G, blk + h * D,
+                             tok_stride, n, D, acc.data() + (h - h_begin) * G * D);
+        }
+        float* o = o_ptr + ((q_begin + j) * H + h_begin * G) * D;
+        for (int64_t g = 0; g < HG; ++g) {
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) o[g * D + d] = acc[g * D + d] * inv_sum[g];
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// Attention for the requests listed in req_indices [n] int32; query/out float32, the cache float32 or bf16.
+void paged_attention(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                     const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                     const torch::Tensor& query_start, torch::Tensor& out, double scale,
+                     const torch::Tensor& req_indices) {
+  TORCH_CHECK(query.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32,
+              "query/out must be float32");
+  TORCH_CHECK(req_indices.scalar_type() == torch::kInt32 && block_tables.scalar_type() == torch::kInt32 &&
+              seq_lens.scalar_type() == torch::kInt32 && query_start.scalar_type() == torch::kInt32,
+              "index tensors must be int32");
+  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2), "query heads must be contiguous per token");
+  TORCH_CHECK(out.is_contiguous() && key_cache.is_contiguous() &&
+              value_cache.is_contiguous() && block_tables.is_contiguous(), "inputs must be contiguous");
+  if (key_cache.scalar_type() == torch::kFloat32) {
+    run<float>(query, key_cache, value_cache, block_tables, seq_lens, query_start, out, scale, req_indices);
+  } else if (key_cache.scalar_type() == torch::kBFloat16) {
+    run<at::BFloat16>(query, key_cache, value_cache, block_tables, seq_lens, query_start, out, scale, req_indices);
+  } else {
+    TORCH_CHECK(false, "KV cache dtype must be float32 or bfloat16");
+  }
+}
+
+// Store this step's K/V: key/value [T, Hkv, D] (token rows may be strided, e.g. slices of the fused qkv
+// output) into caches [num_blocks * block_size, Hkv, D] at slot_mapping [T].
+void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
+              torch::Tensor& value_cache, const torch::Tensor& slot_mapping) {
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == value_cache.scalar_type(),
+              "K/V dtype must match the cache");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64, "slot_mapping must be int64");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  auto rows = [](const torch::Tensor& t) {  // each token's [Hkv, D] must be one contiguous run
+    return t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous();
+  };
+  const torch::Tensor k = rows(key), v = rows(value);
+  const int64_t T = k.size(0);
+  const int64_t row_bytes = k.size(1) * k.size(2) * k.element_size();
+  const int64_t k_stride = k.stride(0) * k.element_size(), v_stride = v.stride(0) * v.element_size();
+  const int64_t num_slots = key_cache.numel() * key_cache.element_size() / std::max<int64_t>(row_bytes, 1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const char* ks = static_cast<const char*>(k.data_ptr());
+  const char* vs = static_cast<const char*>(v.data_ptr());
+  char* kd = static_cast<char*>(key_cache.data_ptr());
+  char* vd = static_cast<char*>(value_cache.data_ptr());
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot out of range");
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(kd + slots[t] * row_bytes, ks + t * k_stride, row_bytes);
+      std::memcpy(vd + slots[t] * row_bytes, vs + t * v_stride, row_bytes);
+    }
+  });
+}

@@ -1,0 +1,87 @@
+"""The C++ CPU paged-attention kernel against the portable gather + SDPA path."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedllm.attention.backends.torch_sdpa import _attend_with_context
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kernels.cpu import load_cpu_kernels
+
+
+def _case(num_reqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+          chunk_len: int, seed: int, cache_dtype: torch.dtype = torch.float32):
+    """Random caches and a decodes-first batch: half decodes, half chunks of chunk_len with context."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    query_lens = [1] * (num_reqs - num_reqs // 2) + [chunk_len] * (num_reqs // 2)
+    seq_lens = [q + rng.randrange(0, 70) for q in query_lens]
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
+    ids = list(range(1, num_blocks))
+    rng.shuffle(ids)  # non-contiguous, out-of-order physical blocks
+    tables = []
+    for s in seq_lens:
+        n = -(-s // block_size)
+        tables.append(ids[:n])
+        ids = ids[n:]
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(cache_dtype)
+    query = torch.randn(sum(query_lens), num_heads, head_dim)
+    return meta, cache, query
+
+
+@pytest.mark.parametrize("num_reqs", [2, 24])  # few: a task per KV head; many: a task per request
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [
+    (9, 3, 64),   # SmolLM2: 3 query heads per KV head, vector paths
+    (8, 2, 32),   # 4 per KV head: tiles of 3 + 1
+    (7, 1, 16),   # 7 per KV head: tiles of 3 + 3 + 1
+    (4, 4, 8),    # no GQA; D % 16 != 0 takes the scalar V path
+    (6, 3, 12),   # D % 8 != 0: scalar everywhere
+])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_kernel_matches_portable_path(num_reqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                                      block_size: int) -> None:
+    kernels = load_cpu_kernels()
+    assert kernels is not None, "the C++ CPU kernel must build on the test machine"
+    meta, cache, query = _case(num_reqs, num_heads, num_kv_heads, head_dim, block_size, chunk_len=7, seed=num_reqs)
+    scale = head_dim ** -0.5
+    expected = torch.zeros_like(query)
+    _attend_with_context(query, cache, meta, list(range(meta.num_reqs)), scale, expected)
+    got = torch.zeros_like(query)
+    kernels.paged_attention(query, cache[0], cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                            got, scale, torch.arange(meta.num_reqs, dtype=torch.int32))
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_kernel_reads_bf16_cache() -> None:
+    kernels = load_cpu_kernels()
+    assert kernels is not None
+    meta, cache, query = _case(6, 9, 3, 64, 16, chunk_len=4, seed=3, cache_dtype=torch.bfloat16)
+    expected = torch.zeros_like(query)
+    _attend_with_context(query, cache.float(), meta, list(range(meta.num_reqs)), 0.125, expected)
+    got = torch.zeros_like(query)
+    kernels.paged_attention(query, cache[0], cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                            got, 0.125, torch.arange(meta.num_reqs, dtype=torch.int32))
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_kernel_only_touches_listed_requests() -> None:
+    kernels = load_cpu_kernels()
+    assert kernels is not None
+    meta, cache, query = _case(6, 9, 3, 64, 16, chunk_len=4, seed=5)
+    got = torch.full_like(query, 7.0)
+    listed = [0, 2, 4]
+    kernels.paged_attention(query, cache[0], cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                            got, 0.125, torch.tensor(listed, dtype=torch.int32))
+    expected = torch.full_like(query, 7.0)
+    _attend_with_context(query, cache, meta, listed, 0.125, expected)
+    qsl = meta.query_start_loc_cpu
+    for i in range(meta.num_reqs):
+        rows = slice(qsl[i], qsl[i + 1])
+        if i in listed:
+            torch.testing.assert_close(got[rows], expected[rows], atol=2e-5, rtol=1e-4)
+        else:
+            assert torch.all(got[rows] == 7.0)
