@@ -28,3 +28,26 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+
+class PrepackedWeight:
+    """A frozen [N, K] weight that batches of more than a few rows multiply in oneDNN's own layout.
+
+    For the LM head (49152 x 576 on the default model) oneDNN with a packed weight beats BLAS on the plain
+    one by ~1.5x at 16-200 rows (2 cores: 17 vs 30 ms at 16 rows, ~90 vs ~130 ms at 200). The packed copy
+    is made on first use and costs the weight's size again, so it is kept for the head only.
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+        self._packed: torch.Tensor | None = None
+        self._usable = (weight.device.type == "cpu" and weight.dtype == torch.float32
+                        and torch.backends.mkldnn.is_available())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [M, K] -> [M, N]."""
+        if self._usable and x.dim() == 2 and x.shape[0] > SMALL_GEMM_MAX_ROWS and x.dtype == torch.float32:
+            if self._packed is None:
+                self._packed = self.weight.detach().to_mkldnn()
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, None, "none", [], "")
+        return linear(x, self.weight)

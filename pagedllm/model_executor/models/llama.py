@@ -16,7 +16,7 @@ from torch import nn
 from pagedllm.attention.layer import Attention
 from pagedllm.model_executor.layers.activation import silu_and_mul
 from pagedllm.model_executor.layers.layernorm import RMSNorm
-from pagedllm.model_executor.layers.linear import Linear, linear
+from pagedllm.model_executor.layers.linear import Linear, PrepackedWeight
 from pagedllm.model_executor.layers.rotary_embedding import RopeStep, RotaryEmbedding, rope_settings
 
 # HF checkpoint name fragment -> (our fused parameter fragment, shard index within it).
@@ -130,6 +130,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False, dtype=dtype)
+        self._head: PrepackedWeight | None = None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -143,7 +144,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden_size] (usually only the rows that sample) -> logits [N, vocab] float32."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).float()
+        if self._head is None or self._head.weight is not weight:  # weights are loaded after __init__
+            self._head = PrepackedWeight(weight)
+        return self._head(hidden).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
