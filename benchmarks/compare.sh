@@ -36,7 +36,7 @@ OURS=(.venv/bin/pagedllm)
 COMMON=(--model "$MODEL_DIR" --dtype "$DTYPE")
 
 wait_health() {
-  for _ in $(seq 1 300); do curl -sf "$1/health" >/dev/null && return 0; sleep 1; done
+  for _ in $(seq 1 900); do curl -sf "$1/health" >/dev/null && return 0; sleep 1; done
   echo "server at $1 did not come up" >&2; return 1
 }
 

@@ -153,6 +153,10 @@ class BlockPool:
         block.parent_value = parent_value
         self.cached[block_hash.value] = block
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Make a block unfindable by prefix lookups (its K/V can no longer be trusted)."""
+        self._evict(block)
+
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash.value) is block:

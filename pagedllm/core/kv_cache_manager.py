@@ -107,6 +107,16 @@ class KVCacheManager:
         if blocks:
             self.pool.free_blocks(reversed(blocks))
 
+    def uncache_from(self, request: Request, num_valid_tokens: int) -> None:
+        """Forget the prefix-cache entries of the request's blocks past its first ``num_valid_tokens``
+        tokens: after a failed step their K/V may be half-written."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        first = num_valid_tokens // self.block_size
+        for block in blocks[first:]:
+            self.pool.uncache(block)
+        if request.request_id in self.num_cached_blocks:
+            self.num_cached_blocks[request.request_id] = min(self.num_cached_blocks[request.request_id], first)
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 

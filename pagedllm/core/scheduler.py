@@ -25,6 +25,10 @@ from pagedllm.logger import init_logger
 
 logger = init_logger(__name__)
 
+# A request in this many failed steps is failed itself, even if it never failed alone (the fault then
+# depends on the batch, not on one request, and isolating again would loop).
+MAX_FAILED_STEPS = 3
+
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
@@ -38,6 +42,7 @@ class Scheduler:
         self._finished_since_last_step: set[str] = set()
         self._known_to_runner: set[str] = set()
         self._pending_outputs: list[EngineCoreOutput] = []  # requests finished inside schedule()
+        self._isolate: set[str] = set()  # requests from a failed step, to be run one per step
         self.num_preemptions = 0
 
     # ---- admission ---------------------------------------------------------------------------------
@@ -75,6 +80,7 @@ class Scheduler:
         return done
 
     def _free(self, request: Request) -> None:
+        self._isolate.discard(request.request_id)
         self.kv.free(request)
         self._finished_since_last_step.add(request.request_id)
         self._known_to_runner.discard(request.request_id)
@@ -88,10 +94,12 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         preempted: set[str] = set()
         now = time.time()
+        # After a failed step, its requests run alone, one per step, until each has run once.
+        isolated = self._next_isolated()
 
         # Running requests first, oldest admission first.
         i = 0
-        while i < len(self.running) and budget > 0:
+        while isolated is None and i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:
@@ -146,6 +154,12 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             new_reqs.append(self._new_request_data(request))
+            if isolated is not None:
+                break
+        if isolated is not None and isolated.request_id not in num_scheduled:
+            # No room to run it alone while others hold the memory: go back to normal batching (if it
+            # fails again there, MAX_FAILED_STEPS ends it).
+            self._isolate.clear()
 
         for request in self.running:
             if request.request_id in num_scheduled:
@@ -162,6 +176,18 @@ class Scheduler:
         )
         self._finished_since_last_step = set()
         return out
+
+    def _next_isolated(self) -> Request | None:
+        """Move the first request awaiting isolation to the head of the queue and return it."""
+        if not self._isolate:
+            return None
+        for request in self.waiting:
+            if request.request_id in self._isolate:
+                self.waiting.remove(request)
+                self.waiting.appendleft(request)
+                return request
+        self._isolate.clear()  # all of them were aborted or finished meanwhile
+        return None
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         return NewRequestData(
@@ -196,6 +222,7 @@ class Scheduler:
         """Append sampled tokens, apply stop rules, free finished requests."""
         outputs, self._pending_outputs = self._pending_outputs, []
         for req_id in sched.num_scheduled_tokens:
+            self._isolate.discard(req_id)  # it ran without failing
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue  # aborted while the step ran
@@ -217,6 +244,31 @@ class Scheduler:
             if finished:
                 self.running.remove(request)
                 self._free(request)
+        return outputs
+
+    def recover_from_failed_step(self, sched: SchedulerOutput) -> list[EngineCoreOutput]:
+        """The step's forward pass raised. A request that ran alone in it is failed ("error"); the others
+        go back to the queue to be recomputed one per step, so a request that breaks the model costs only
+        itself. K/V written by the failed step is dropped from the prefix cache.
+        """
+        outputs, self._pending_outputs = self._pending_outputs, []
+        in_step = [self.requests[r] for r in sched.num_scheduled_tokens
+                   if r in self.requests and not self.requests[r].is_finished]
+        for request in in_step:
+            req_id = request.request_id
+            request.num_failed_steps += 1
+            self.kv.uncache_from(request, request.num_computed_tokens - sched.num_scheduled_tokens[req_id])
+            self.running.remove(request)
+            if len(sched.num_scheduled_tokens) == 1 or request.num_failed_steps >= MAX_FAILED_STEPS:
+                logger.error("request %s failed: the model step raised with it in the batch", req_id)
+                request.status = RequestStatus.FINISHED_ERROR
+                outputs.append(EngineCoreOutput(req_id, [], finish_reason="error",
+                                                num_cached_tokens=max(request.num_cached_tokens, 0)))
+                self._free(request)
+            else:
+                self._preempt(request)
+                self._finished_since_last_step.add(req_id)  # the runner drops its copy of the state
+                self._isolate.add(req_id)
         return outputs
 
     # ---- introspection -----------------------------------------------------------------------------

@@ -27,6 +27,10 @@ logger = init_logger(__name__)
 _IDLE_WAIT_S = 1.0
 
 
+class RequestFailedError(RuntimeError):
+    """The model step raised with this request in the batch, also when it was run alone."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine thread died; no request can be served until the server restarts."""
 
@@ -209,6 +213,9 @@ class AsyncLLM:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if finished and any(c.finish_reason == "error" for c in item.outputs):
+                    raise RequestFailedError(f"The model failed while computing request {request_id}; "
+                                             "the server keeps serving other requests.")
                 yield item
                 if finished:
                     return

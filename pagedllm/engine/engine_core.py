@@ -42,7 +42,12 @@ class EngineCore:
             # Still tell the runner about finished requests so it drops their state.
             self.worker.execute_model(sched)
             return self.scheduler.update_from_output(sched, ModelRunnerOutput(sampled_token_ids={}))
-        result = self.worker.execute_model(sched)
+        try:
+            result = self.worker.execute_model(sched)
+        except Exception:  # one bad request must not take the engine down; isolate it instead
+            logger.exception("model step failed with %d requests in the batch; running them one at a time "
+                             "to find the one at fault", len(sched.num_scheduled_tokens))
+            return self.scheduler.recover_from_failed_step(sched)
         self.num_steps += 1
         self.last_step_tokens = sched.total_num_scheduled_tokens
         return self.scheduler.update_from_output(sched, result)

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from pagedllm.entrypoints.openai.api_server import ServerOptions, build_app
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -22,6 +22,7 @@ class FakeEngine:
     def __init__(self, step_s: float = 0.005) -> None:
         self.left: dict[str, int] = {}
         self.aborted: list[str] = []
+        self.poisoned: set[str] = set()
         self.fail = threading.Event()
         self.step_s = step_s
         self.step_thread: str | None = None
@@ -34,6 +35,8 @@ class FakeEngine:
         if prompt == "bad":
             raise ValueError("prompt: bad prompt")
         self.left[request_id] = params.max_tokens
+        if prompt == "poison":  # the model step fails on it (the engine core then ends it as "error")
+            self.poisoned.add(request_id)
 
     def abort_request(self, request_ids) -> None:
         for rid in request_ids:
@@ -55,9 +58,12 @@ class FakeEngine:
         outs = []
         for rid in list(self.left):
             self.left[rid] -= 1
-            done = self.left[rid] == 0
-            outs.append(RequestOutput(rid, None, [1], [CompletionOutput(
-                0, "x", [7], finish_reason="length" if done else None)], finished=done))
+            done = self.left[rid] == 0 or rid in self.poisoned
+            reason = "error" if rid in self.poisoned else "length" if done else None
+            outs.append(RequestOutput(rid, None, [1], [CompletionOutput(0, "", [], finish_reason=reason)
+                                                      if rid in self.poisoned else
+                                                      CompletionOutput(0, "x", [7], finish_reason=reason)],
+                                      finished=done))
             if done:
                 del self.left[rid]
         return outs
@@ -87,6 +93,21 @@ def test_validation_error_before_streaming():
         with pytest.raises(ValueError, match="prompt"):
             asyncio.run(_collect(llm, "r", prompt="bad"))
         assert len(asyncio.run(_collect(llm, "r2"))) == 3  # still serving
+    finally:
+        llm.shutdown(1)
+
+
+def test_failed_request_raises_and_others_carry_on():
+    llm = AsyncLLM(FakeEngine())
+    try:
+        async def main():
+            bad = asyncio.ensure_future(_collect(llm, "p", prompt="poison", n=5))
+            good = asyncio.ensure_future(_collect(llm, "g", n=5))
+            with pytest.raises(RequestFailedError, match="request p"):
+                await bad
+            return await good
+        assert len(asyncio.run(main())) == 5
+        assert llm.is_running
     finally:
         llm.shutdown(1)
 

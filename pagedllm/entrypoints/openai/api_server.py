@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
-from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, error_response, param_of
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -173,6 +173,10 @@ def build_app(engine: AsyncLLM, options: ServerOptions, metrics: PrometheusMetri
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(str(exc), 503)
+
+    @app.exception_handler(RequestFailedError)
+    async def _failed(_: Request, exc: RequestFailedError) -> JSONResponse:
+        return error_response(str(exc), 500)
 
     @app.exception_handler(ValueError)
     async def _value_error(_: Request, exc: ValueError) -> JSONResponse:
