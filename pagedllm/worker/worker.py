@@ -10,7 +10,6 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.logger import init_logger
 from pagedllm.utils import format_bytes
-from pagedllm.worker.cpu_memory import keep_freed_memory
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
@@ -46,7 +45,6 @@ class Worker:
         config.device.device = self.device.type
         if self.device.type == "cpu":
             _set_cpu_threads()
-            keep_freed_memory()
         mc = config.model
         self.dtype = torch_dtype(mc.dtype)
         torch.manual_seed(mc.seed)
