@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels.cpu import load_cpu_kernels
+from pagedllm.model_executor.layers.linear import PrepackedWeight
 from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 
 
@@ -76,3 +77,22 @@ def test_silu_and_mul(kernels, t: int, i: int) -> None:
     gate_up = torch.randn(t, 2 * i) * 4
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(kernels.silu_and_mul(gate_up), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("m", [3, 20])  # small-batch kernel / oneDNN packed weight
+def test_prepacked_weight_matches_linear(m: int) -> None:
+    torch.manual_seed(m)
+    w, x = torch.randn(300, 64), torch.randn(m, 64)
+    head = PrepackedWeight(w)
+    torch.testing.assert_close(head(x), F.linear(x, w), atol=1e-4, rtol=1e-4)
+
+
+def test_prepacked_weight_falls_back_when_onednn_fails(monkeypatch) -> None:
+    def broken(*args, **kwargs):
+        raise RuntimeError("no such op in this build")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", broken)
+    w, x = torch.randn(300, 64), torch.randn(20, 64)
+    head = PrepackedWeight(w)
+    torch.testing.assert_close(head(x), F.linear(x, w), atol=1e-4, rtol=1e-4)
+    assert not head._usable

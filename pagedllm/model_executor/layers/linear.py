@@ -7,6 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels.cpu import kernels_for
+from pagedllm.logger import init_logger
+
+logger = init_logger(__name__)
 
 # Up to this many rows the CPU kernel reads each weight row once for all of them (measured on the default
 # model's shapes, 2 cores: M=1 27 ms vs 40 ms per full pass over the weights, M=8 44 ms vs 81 ms); above it
@@ -47,7 +50,11 @@ class PrepackedWeight:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [M, K] -> [M, N]."""
         if self._usable and x.dim() == 2 and x.shape[0] > SMALL_GEMM_MAX_ROWS and x.dtype == torch.float32:
-            if self._packed is None:
-                self._packed = self.weight.detach().to_mkldnn()
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, None, "none", [], "")
+            try:
+                if self._packed is None:
+                    self._packed = self.weight.detach().to_mkldnn()
+                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, None, "none", [], "")
+            except RuntimeError as e:  # a torch build without this oneDNN op: plain BLAS from now on
+                logger.warning("oneDNN packed matmul unavailable (%s); using BLAS for the LM head", e)
+                self._usable, self._packed = False, None
         return linear(x, self.weight)
