@@ -8,6 +8,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.logger import init_logger
 from pagedllm.utils import format_bytes
 from pagedllm.worker.model_runner import ModelRunner
@@ -45,6 +46,9 @@ class Worker:
         config.device.device = self.device.type
         if self.device.type == "cpu":
             _set_cpu_threads()
+            # Build/load the C++ kernels now, so a fresh machine compiles them during start-up (logged)
+            # and not inside the first request, after the server already reported healthy.
+            load_cpu_kernels()
         mc = config.model
         self.dtype = torch_dtype(mc.dtype)
         torch.manual_seed(mc.seed)
