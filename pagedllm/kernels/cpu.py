@@ -1,9 +1,9 @@
 """Builds (once, cached on disk) and loads the C++ CPU kernels: paged attention, KV writes, small-batch
 matmul and the fused element-wise ops of a decoder layer.
 
-They are compiled on first use with the system C++ compiler through ``torch.utils.cpp_extension``
-(one to two minutes; later processes load the cached build in well under a second). Where no compiler is
-available the torch SDPA path is used instead, with a warning.
+They are compiled when a CPU engine starts (the worker loads them) with the system C++ compiler through
+``torch.utils.cpp_extension`` (one to two minutes; later processes load the cached build in well under a
+second). Where no compiler is available the torch ops are used instead, with a warning.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def load_cpu_kernels() -> Any | None:
         # -march=native: the cached build is only valid on this CPU kind, so the kind is in its name.
         name = f"pagedllm_cpu_kernels_{torch.backends.cpu.get_cpu_capability().lower()}"
         flags = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
-        logger.info("Loading CPU kernels %s (the first use on a machine compiles them: one to two minutes)", name)
+        logger.info("Loading CPU kernels %s (the first time on a machine compiles them: one to two minutes)", name)
         return load(name=name, sources=[str(_CSRC / f) for f in _SOURCES], extra_cflags=flags,
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, no headers: stay correct, just slower
