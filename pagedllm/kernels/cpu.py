@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from pagedllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -27,7 +29,6 @@ def load_cpu_kernels() -> Any | None:
     if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
         return None
     try:
-        import torch
         from torch.utils.cpp_extension import load
 
         # -march=native: the cached build is only valid on this CPU kind, so the kind is in its name.
@@ -41,10 +42,8 @@ def load_cpu_kernels() -> Any | None:
         return None
 
 
-def kernels_for(t: Any) -> Any | None:
+def kernels_for(t: torch.Tensor) -> Any | None:
     """The CPU kernels when they apply to tensor ``t`` (a float32 CPU tensor), else None."""
-    import torch
-
     if t.device.type != "cpu" or t.dtype != torch.float32:
         return None
     return load_cpu_kernels()

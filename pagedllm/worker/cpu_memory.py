@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import mmap
 
 import torch
@@ -14,10 +15,7 @@ def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
     follows the blocks in use, not the budget). Transparent huge pages were tried and left out: they did
     not move throughput measurably and round resident memory up by up to 2 MiB per layer half.
     """
-    nbytes = 1
-    for s in shape:
-        nbytes *= s
-    nbytes *= torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     # The tensor's storage holds a reference to buf, which keeps the mapping alive.
     return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)

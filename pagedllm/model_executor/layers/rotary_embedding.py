@@ -82,17 +82,14 @@ class RopeStep:
         """
         d = self.emb.head_dim
         q_size, kv_size = num_heads * d, num_kv_heads * d
-        kernels = kernels_for(qkv)
-        cache = self.emb.cos_sin_cache
-        if kernels is not None and qkv.dim() == 2 and cache.dtype == torch.float32:
-            if cache.device != qkv.device:
-                cache = self.emb.cos_sin_cache = cache.to(qkv.device)
-            kernels.rotary_(qkv, self.positions, cache, num_heads + num_kv_heads, d)
-            return qkv[:, :q_size], qkv[:, q_size:q_size + kv_size]
+        q, k = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size]
+        kernels = kernels_for(qkv)  # CPU float32 only, where the cos/sin table already lives
+        if kernels is not None and qkv.dim() == 2 and self.emb.cos_sin_cache.dtype == torch.float32:
+            kernels.rotary_(qkv, self.positions, self.emb.cos_sin_cache, num_heads + num_kv_heads, d)
+            return q, k
         if self._cos_sin is None:
             self._cos_sin = self.emb.lookup(self.positions)
         cos, sin = self._cos_sin
-        q, k = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size]
         return apply_rotary(q, cos, sin, num_heads), apply_rotary(k, cos, sin, num_kv_heads)
 
 
