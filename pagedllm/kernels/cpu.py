@@ -20,7 +20,7 @@ from pagedllm.logger import init_logger
 logger = init_logger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ["bindings.cpp", "paged_attention.cpp", "small_gemm.cpp", "fused_ops.cpp"]
+_SOURCES = ["bindings.cpp", "paged_attention.cpp", "packed_gemm.cpp", "sampling.cpp", "fused_ops.cpp"]
 
 
 @functools.cache

@@ -1,9 +1,10 @@
 """Logits -> next token ids (+ logprobs) for one batch, in one vectorized pass.
 
 Order: logit_bias, min_tokens mask, penalties, then argmax for greedy rows; random rows get temperature,
-top-k, top-p, min-p and inverse-CDF sampling. Returned logprobs are the model's raw log-softmax, taken
-before any of those steps (vLLM's default). Nothing here reads a value back to the host, so it runs
-without device syncs on any backend.
+top-k, top-p, min-p and inverse-CDF sampling (on CPUs, rows with only a temperature are sampled by one
+C++ pass, ``kernels/csrc/sampling.cpp``, that writes no [B, V] temporaries). Returned logprobs are the
+model's raw log-softmax, taken before any of those steps (vLLM's default). Nothing here reads a value
+back to the host, so it runs without device syncs on any backend.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagedllm.kernels.cpu import kernels_for
 from pagedllm.sample.metadata import SamplingMetadata
 
 
@@ -133,6 +135,15 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(logits < threshold, float("-inf"))
 
 
+def draw_uniforms(meta: SamplingMetadata, num_rows: int, device: torch.device) -> torch.Tensor:
+    """One uniform in [0, 1) per row, [B, 1] float32; seeded rows draw from their own generator."""
+    u = torch.rand(num_rows, 1, device=device) if meta.has_unseeded_random \
+        else torch.empty(num_rows, 1, device=device)
+    for row, generator in meta.generators.items():
+        u[row] = torch.rand(1, generator=generator, device=device)
+    return u
+
+
 def inverse_cdf_sample(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Sample one token per row of probs [B, V] with one uniform draw per row (inverse CDF).
 
@@ -141,10 +152,7 @@ def inverse_cdf_sample(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Ten
     generator, so their tokens do not depend on what else is in the batch.
     """
     cdf = probs.cumsum_(dim=1)  # probs is the sampler's private copy
-    u = torch.rand(probs.shape[0], 1, device=probs.device, dtype=probs.dtype) if meta.has_unseeded_random \
-        else torch.empty(probs.shape[0], 1, device=probs.device, dtype=probs.dtype)
-    for row, generator in meta.generators.items():
-        u[row] = torch.rand(1, generator=generator, device=probs.device, dtype=probs.dtype)
+    u = draw_uniforms(meta, probs.shape[0], probs.device).to(probs.dtype)
     # 1 - U lies in (0, 1]: a zero-probability token (flat step of the CDF) can never be the first >= u.
     target = (1.0 - u) * cdf[:, -1:]
     return torch.searchsorted(cdf, target).clamp_(max=probs.shape[1] - 1).squeeze(1)
@@ -164,9 +172,11 @@ class Sampler(nn.Module):
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
 
-        # One private copy; every later stage works in place on it.
-        logits = logits.to(torch.float32, copy=True)
-
+        # Stages that rewrite the logits work in place on one private copy; without them the caller's
+        # logits are only read.
+        private = not (meta.no_logit_bias and meta.no_min_tokens and meta.no_penalties)
+        if private:
+            logits = logits.to(torch.float32, copy=True)
         if not meta.no_logit_bias:
             logits.index_put_((meta.logit_bias_rows, meta.logit_bias_tokens), meta.logit_bias_values,
                               accumulate=True)
@@ -181,7 +191,7 @@ class Sampler(nn.Module):
         if meta.all_greedy:
             sampled = greedy_ids
         else:
-            sampled = self._sample_random(logits, meta)
+            sampled = self._sample_random(logits, meta, private)
             if greedy_ids is not None:
                 sampled = torch.where(meta.greedy_mask, greedy_ids, sampled)
 
@@ -191,9 +201,19 @@ class Sampler(nn.Module):
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     @staticmethod
-    def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """logits [B, V] (penalized) -> [B] sampled ids; greedy rows' results are discarded by the caller."""
+    def _sample_random(logits: torch.Tensor, meta: SamplingMetadata, private: bool) -> torch.Tensor:
+        """logits [B, V] -> [B] sampled ids; greedy rows' results are discarded by the caller.
+
+        ``private``: logits is the sampler's own copy and may be changed in place.
+        """
         assert meta.temperature is not None
+        kernels = kernels_for(logits)
+        if kernels is not None and meta.no_top_p_top_k and meta.no_min_p:
+            # Temperature + inverse CDF in one C++ pass that writes no [B, V] temporaries.
+            u = draw_uniforms(meta, logits.shape[0], logits.device)
+            return kernels.sample_from_logits(logits, meta.temperature, u.squeeze(1))
+        if not private:
+            logits = logits.to(torch.float32, copy=True)
         logits.div_(meta.temperature.unsqueeze(1))
         if not meta.no_top_p_top_k:
             logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p, meta.max_top_k,

@@ -21,6 +21,9 @@ from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_logprobs_f
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.cpu_memory import zeroed_host_tensor
 
+# Rows of the reused logits buffer (a decode step samples one row per running request).
+LOGITS_BUFFER_ROWS = 256
+
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed tensor; on CPU on its own lazily-backed mapping, so untouched blocks cost no resident memory.
@@ -70,6 +73,7 @@ class ModelRunner:
         # Generators outlive preemption so a seeded request resumes its random stream where it was.
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[torch.Tensor] = []
+        self._logits_buffer: torch.Tensor | None = None
 
     # ---- KV cache ----------------------------------------------------------------------------------
     def kv_cache_spec(self) -> tuple[int, int, int]:
@@ -87,6 +91,20 @@ class ModelRunner:
         shape = (2, num_blocks, self.block_size, num_kv_heads, head_size)
         self.kv_caches = [_zeros(shape, self.dtype, self.device) for _ in range(num_layers)]
         bind_kv_caches(self.model, self.kv_caches)
+
+    def _logits_out(self, rows: int) -> torch.Tensor | None:
+        """A reused [rows, vocab] float32 buffer for this step's logits on CPU, or None (allocate fresh).
+
+        At 200 rows of a 49k vocabulary the logits are ~40 MB; a fresh tensor every step cost ~25 ms of
+        page faults and TLB misses in the LM head (2 cores), a reused one on huge pages does not. Big
+        prompt-logprob batches (over LOGITS_BUFFER_ROWS rows) still allocate, so the buffer stays small.
+        """
+        if self.device.type != "cpu" or rows > LOGITS_BUFFER_ROWS:
+            return None
+        if self._logits_buffer is None:
+            self._logits_buffer = zeroed_host_tensor((LOGITS_BUFFER_ROWS, self.vocab_size), torch.float32,
+                                                     huge_pages=True)
+        return self._logits_buffer[:rows]
 
     # ---- state updates -----------------------------------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -145,7 +163,8 @@ class ModelRunner:
         if not sample_rows:
             return result
 
-        logits = self.model.compute_logits(hidden[sample_rows])
+        # Valid until the next compute_logits call: the sampler reads it and keeps nothing of it.
+        logits = self.model.compute_logits(hidden[sample_rows], out=self._logits_out(len(sample_rows)))
         sampling_meta = build_sampling_metadata(
             [s.params for s in sample_states], [s.output_token_ids for s in sample_states],
             [s.prompt_token_ids for s in sample_states], [s.generator for s in sample_states],

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels.cpu import load_cpu_kernels
-from pagedllm.model_executor.layers.linear import PrepackedWeight
+from pagedllm.model_executor.layers.linear import Linear, pack_weight
 from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 
 
@@ -18,22 +18,66 @@ def kernels():
     return k
 
 
-@pytest.mark.parametrize("m", range(1, 9))
-@pytest.mark.parametrize("k_dim,n", [(576, 960), (37, 13), (8, 1)])  # odd sizes take the tail loops
-def test_small_gemm(kernels, m: int, k_dim: int, n: int) -> None:
-    torch.manual_seed(m)
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 200])  # row tails of the 6-row register tile
+@pytest.mark.parametrize("k_dim,n", [(576, 960), (37, 13), (8, 1), (600, 40), (1, 17)])  # column tails, K chunks
+def test_packed_gemm_matches_linear(kernels, m: int, k_dim: int, n: int) -> None:
+    torch.manual_seed(m * 1000 + n)
     x, w, b = torch.randn(m, k_dim), torch.randn(n, k_dim), torch.randn(n)
-    torch.testing.assert_close(kernels.small_gemm(x, w), F.linear(x, w), atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(kernels.small_gemm(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+    packed = pack_weight(w)
+    assert packed.shape == (-(-n // 16), k_dim, 16)
+    torch.testing.assert_close(kernels.packed_gemm(x, packed, n), F.linear(x, w), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kernels.packed_gemm(x, packed, n, b), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
     xs = torch.randn(m, 2 * k_dim)[:, :k_dim]  # strided input rows
-    torch.testing.assert_close(kernels.small_gemm(xs, w), F.linear(xs, w), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kernels.packed_gemm(xs, packed, n), F.linear(xs, w), atol=1e-4, rtol=1e-4)
 
 
-def test_small_gemm_rejects_bad_shapes(kernels) -> None:
-    with pytest.raises(RuntimeError, match="1..8 rows"):
-        kernels.small_gemm(torch.randn(9, 4), torch.randn(3, 4))
+def test_packed_gemm_large_k_and_rows_span_several_blocks(kernels) -> None:
+    # 1536 columns -> several K chunks; 301 rows -> several row blocks at that K.
+    torch.manual_seed(0)
+    x, w, b = torch.randn(301, 1536), torch.randn(48, 1536), torch.randn(48)
+    torch.testing.assert_close(kernels.packed_gemm(x, pack_weight(w), 48, b), F.linear(x, w, b),
+                               atol=2e-4, rtol=1e-4)
+
+
+def test_packed_gemm_writes_into_out(kernels) -> None:
+    torch.manual_seed(0)
+    x, w = torch.randn(7, 40), torch.randn(33, 40)
+    buffer = torch.full((9, 50), 7.0)
+    out = buffer[:7, :33]  # rows of a wider buffer
+    got = kernels.packed_gemm(x, pack_weight(w), 33, None, out)
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out, F.linear(x, w), atol=1e-4, rtol=1e-4)
+    assert bool((buffer[:7, 33:] == 7.0).all()) and bool((buffer[7:] == 7.0).all())  # nothing else touched
+    with pytest.raises(RuntimeError, match="out must be"):
+        kernels.packed_gemm(x, pack_weight(w), 33, None, torch.empty(6, 33))
+
+
+def test_packed_gemm_rejects_bad_shapes(kernels) -> None:
+    packed = pack_weight(torch.randn(20, 8))
+    with pytest.raises(RuntimeError, match="columns"):
+        kernels.packed_gemm(torch.randn(2, 9), packed, 20)
+    with pytest.raises(RuntimeError, match="does not match"):
+        kernels.packed_gemm(torch.randn(2, 8), packed, 40)
     with pytest.raises(RuntimeError, match="float32"):
-        kernels.small_gemm(torch.randn(2, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64))
+        kernels.packed_gemm(torch.randn(2, 8, dtype=torch.float64), packed, 20)
+    assert kernels.packed_gemm(torch.randn(0, 8), packed, 20).shape == (0, 20)
+
+
+def test_linear_packs_its_weight_and_keeps_its_output(kernels) -> None:
+    torch.manual_seed(0)
+    layer = Linear(64, 40, bias=True)
+    x = torch.randn(3, 5, 64)  # leading dims are kept
+    with torch.no_grad():
+        expected = layer(x)
+        assert layer.pack_for_cpu()
+        assert layer.weight is None and layer.packed_weight is not None
+        torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_linear_stays_plain_where_the_kernels_do_not_apply() -> None:
+    layer = Linear(16, 8, dtype=torch.bfloat16)
+    assert not layer.pack_for_cpu()
+    assert layer.weight is not None and layer.packed_weight is None
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -77,22 +121,3 @@ def test_silu_and_mul(kernels, t: int, i: int) -> None:
     gate_up = torch.randn(t, 2 * i) * 4
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(kernels.silu_and_mul(gate_up), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("m", [3, 20])  # small-batch kernel / oneDNN packed weight
-def test_prepacked_weight_matches_linear(m: int) -> None:
-    torch.manual_seed(m)
-    w, x = torch.randn(300, 64), torch.randn(m, 64)
-    head = PrepackedWeight(w)
-    torch.testing.assert_close(head(x), F.linear(x, w), atol=1e-4, rtol=1e-4)
-
-
-def test_prepacked_weight_falls_back_when_onednn_fails(monkeypatch) -> None:
-    def broken(*args, **kwargs):
-        raise RuntimeError("no such op in this build")
-
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", broken)
-    w, x = torch.randn(300, 64), torch.randn(20, 64)
-    head = PrepackedWeight(w)
-    torch.testing.assert_close(head(x), F.linear(x, w), atol=1e-4, rtol=1e-4)
-    assert not head._usable

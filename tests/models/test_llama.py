@@ -8,6 +8,7 @@ from model_helpers import make_kv_caches, make_tiny_llama, paged_step, prefill_l
 
 from pagedllm.attention.layer import bind_kv_caches
 from pagedllm.config import ModelConfig
+from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.model_executor.loader import load_model, resolve_model_config
 from pagedllm.model_executor.models.llama import LlamaForCausalLM
 
@@ -53,6 +54,9 @@ def _load(path: str, dtype: str) -> LlamaForCausalLM:
 def test_prefill_matches_transformers_fp32(variant) -> None:
     path, hf = variant
     model = _load(path, "float32")
+    # On CPU the fp32 matmuls run on weights repacked for the C++ kernel; the logits must not notice.
+    if load_cpu_kernels() is not None:
+        assert model.model.layers[0].mlp.gate_up_proj.packed_weight is not None
     ids = _token_ids(20, seed=1)
     ours = prefill_logits(model, ids, block_size=4)
     assert ours.dtype == torch.float32 and ours.shape == (20, 256)

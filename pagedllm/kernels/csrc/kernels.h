@@ -12,9 +12,13 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
 void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
               torch::Tensor& value_cache, const torch::Tensor& slot_mapping);
 
-// small_gemm.cpp
-torch::Tensor small_gemm(const torch::Tensor& x, const torch::Tensor& weight,
-                         const std::optional<torch::Tensor>& bias);
+// packed_gemm.cpp
+torch::Tensor packed_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
+                          const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& out);
+
+// sampling.cpp
+torch::Tensor sample_from_logits(const torch::Tensor& logits, const torch::Tensor& temperature,
+                                 const torch::Tensor& uniform);
 
 // fused_ops.cpp
 void rms_norm_(torch::Tensor& x, const std::optional<torch::Tensor>& residual, const torch::Tensor& weight,

@@ -28,6 +28,7 @@ def load_model(mc: ModelConfig, device: torch.device | str = "cpu") -> nn.Module
     Resolves ``mc`` first if needed. HF folders load from safetensors shards; GGUF files are dequantized
     tensor by tensor.
     """
+    from pagedllm.model_executor.layers.linear import pack_linear_weights
     from pagedllm.model_executor.models.registry import get_model_cls
 
     if not mc.model_path:
@@ -62,8 +63,10 @@ def load_model(mc: ModelConfig, device: torch.device | str = "cpu") -> nn.Module
         total = count_safetensors(files)
     model.load_weights(_with_progress(weights, total, "Loading weights"))
     model.eval().requires_grad_(False)
-
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    logger.info("loaded %s (%s, %s) in %.2f s; weights use %s on %s", mc.architecture, mc.model_path,
-                mc.dtype, time.perf_counter() - start, format_bytes(weight_bytes), device)
+    # On CPUs the matmul kernel reads weights in its own panel order: repack once, now.
+    packed = pack_linear_weights(model)
+    logger.info("loaded %s (%s, %s) in %.2f s; weights use %s on %s%s", mc.architecture, mc.model_path,
+                mc.dtype, time.perf_counter() - start, format_bytes(weight_bytes), device,
+                f" ({packed} layers packed for the CPU matmul kernel)" if packed else "")
     return model

@@ -11,12 +11,14 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.layer import Attention
+from pagedllm.kernels.cpu import kernels_for
 from pagedllm.model_executor.layers.activation import silu_and_mul
 from pagedllm.model_executor.layers.layernorm import RMSNorm
-from pagedllm.model_executor.layers.linear import Linear, PrepackedWeight
+from pagedllm.model_executor.layers.linear import Linear, pack_weight, packed_linear
 from pagedllm.model_executor.layers.rotary_embedding import RopeStep, RotaryEmbedding, rope_settings
 
 # HF checkpoint name fragment -> (our fused parameter fragment, shard index within it).
@@ -130,7 +132,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False, dtype=dtype)
-        self._head: PrepackedWeight | None = None
+        # Packed copy of the tied head (the embedding keeps reading the plain rows); see pack_for_cpu.
+        self._head_packed: torch.Tensor | None = None
+        self._head_kernels: Any = None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -141,12 +145,31 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden_size] (usually only the rows that sample) -> logits [N, vocab] float32."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if self._head is None or self._head.weight is not weight:  # weights are loaded after __init__
-            self._head = PrepackedWeight(weight)
-        return self._head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [N, hidden_size] (usually only the rows that sample) -> logits [N, vocab] float32.
+
+        ``out``: an optional [N, vocab] float32 buffer the CPU kernel writes into (the result is then
+        ``out``); other paths allocate.
+        """
+        if self.lm_head is not None:
+            if self.lm_head.packed_weight is not None:
+                return packed_linear(self.lm_head._kernels, hidden, self.lm_head.packed_weight,
+                                     self.config.vocab_size, out=out)
+            return self.lm_head(hidden).float()
+        if self._head_packed is not None:
+            return packed_linear(self._head_kernels, hidden, self._head_packed, self.config.vocab_size, out=out)
+        return F.linear(hidden, self.model.embed_tokens.weight).float()
+
+    def pack_for_cpu(self) -> bool:
+        """After loading: a packed copy of a tied LM head for the CPU matmul kernel (+ the head's size)."""
+        if not self.tie_word_embeddings or self._head_packed is not None:
+            return self._head_packed is not None
+        kernels = kernels_for(self.model.embed_tokens.weight)
+        if kernels is None:
+            return False
+        self._head_packed = pack_weight(self.model.embed_tokens.weight)
+        self._head_kernels = kernels
+        return True
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
