@@ -18,6 +18,26 @@ class AttentionPlan:
     fresh_groups: dict[int, list[int]]
     with_context: list[int]
     with_context_tensor: torch.Tensor  # [n] int32
+    _kernel_splits: dict[int, tuple[torch.Tensor | None, dict[int, list[int]]]] = field(default_factory=dict)
+
+    def kernel_split(self, max_fresh_len: int) -> tuple[torch.Tensor | None, dict[int, list[int]]]:
+        """For a backend whose kernel also takes fresh prompts of up to ``max_fresh_len`` tokens:
+        (the kernel's requests as an int32 tensor, or None if none; the fresh groups left for SDPA).
+        Memoized, since every layer asks the same."""
+        if max_fresh_len not in self._kernel_splits:
+            rows = list(self.with_context)
+            rest: dict[int, list[int]] = {}
+            for q_len, group in self.fresh_groups.items():
+                if q_len <= max_fresh_len:
+                    rows.extend(group)
+                else:
+                    rest[q_len] = group
+            if len(rows) == len(self.with_context):
+                tensor = self.with_context_tensor if rows else None
+            else:
+                tensor = torch.tensor(sorted(rows), dtype=torch.int32, device=self.with_context_tensor.device)
+            self._kernel_splits[max_fresh_len] = (tensor, rest)
+        return self._kernel_splits[max_fresh_len]
 
 
 @dataclass

@@ -85,3 +85,38 @@ def test_kernel_only_touches_listed_requests() -> None:
             torch.testing.assert_close(got[rows], expected[rows], atol=2e-5, rtol=1e-4)
         else:
             assert torch.all(got[rows] == 7.0)
+
+
+def test_backend_routes_fresh_prompts_by_length(monkeypatch) -> None:
+    """A mixed step (decodes, a chunk with context, short and long fresh prompts) through the backend:
+    the kernel path (short fresh prompts in the kernel, long ones in SDPA) equals the portable path."""
+    import pagedllm.attention.backends.torch_sdpa as backend
+
+    assert load_cpu_kernels() is not None
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    block_size, num_heads, num_kv_heads, head_dim = 16, 9, 3, 64
+    monkeypatch.setattr(backend, "FRESH_PROMPT_KERNEL_MAX_LEN", 40)
+    query_lens = [1, 1, 1, 9, 5, 40, 41, 70]
+    seq_lens = [30, 17, 64, 50, 5, 40, 41, 70]  # the last four are fresh prompts (seq_len == q_len)
+    ids = list(range(1, 200))
+    rng.shuffle(ids)
+    tables = []
+    for s in seq_lens:
+        n = -(-s // block_size)
+        tables.append(ids[:n])
+        ids = ids[n:]
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size)
+    tokens = sum(query_lens)
+    query = torch.randn(tokens, num_heads, head_dim)
+    key, value = torch.randn(tokens, num_kv_heads, head_dim), torch.randn(tokens, num_kv_heads, head_dim)
+    cache = torch.randn(2, 200, block_size, num_kv_heads, head_dim)  # earlier context of the first four
+
+    rows, sdpa_fresh = meta.plan().kernel_split(40)
+    assert rows.tolist() == [0, 1, 2, 3, 4, 5] and sdpa_fresh == {41: [6], 70: [7]}
+    got = backend.paged_attention(query, key, value, cache.clone(), meta, head_dim ** -0.5)
+    monkeypatch.setattr(backend, "load_cpu_kernels", lambda: None)
+    expected = backend.paged_attention(query, key, value, cache.clone(),
+                                       AttentionMetadata.build(query_lens, seq_lens, tables, block_size),
+                                       head_dim ** -0.5)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)

@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -179,9 +180,20 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache, const torch
   const int64_t heads_per_task = num_reqs >= 4 * at::get_num_threads() ? Hkv : 1;
   const int64_t tasks_per_req = Hkv / heads_per_task;
 
-  at::parallel_for(0, num_reqs * tasks_per_req, 1, [&](int64_t begin, int64_t end) {
+  // Tasks differ in cost by orders of magnitude (a 1-token decode next to a whole prompt), so instead of
+  // a static split the threads pull tasks from a shared counter, longest first (cost ~ q_len x seq_len).
+  const int64_t num_tasks = num_reqs * tasks_per_req;
+  std::vector<int64_t> order(static_cast<size_t>(num_tasks));
+  std::vector<int64_t> cost(static_cast<size_t>(num_reqs));
+  for (int64_t i = 0; i < num_reqs; ++i) cost[i] = static_cast<int64_t>(qs[ri[i] + 1] - qs[ri[i]]) * sl[ri[i]];
+  for (int64_t t = 0; t < num_tasks; ++t) order[t] = t;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return cost[a / tasks_per_req] > cost[b / tasks_per_req]; });
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> scores, acc;
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t pulled = next.fetch_add(1); pulled < num_tasks; pulled = next.fetch_add(1)) {
+      const int64_t task = order[pulled];
       const int64_t r = ri[task / tasks_per_req];
       const int64_t h_begin = (task % tasks_per_req) * heads_per_task, h_end = h_begin + heads_per_task;
       const int64_t seq_len = sl[r];
