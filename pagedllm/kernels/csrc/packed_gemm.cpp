@@ -167,6 +167,7 @@ torch::Tensor packed_gemm(const torch::Tensor& x, const torch::Tensor& packed, i
               packed.is_contiguous(), "packed weight must be contiguous float32 [ceil(N/16), K, 16]");
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
   TORCH_CHECK(packed.size(1) == K, "x has ", K, " columns, the packed weight ", packed.size(1));
+  TORCH_CHECK(K > 0, "x has no columns");
   TORCH_CHECK(N > 0 && (N + NR - 1) / NR == packed.size(0), "out_features ", N, " does not match the packing");
   // Rows may be strided (a view into a wider tensor) but each row must be contiguous.
   const torch::Tensor xc = x.stride(1) == 1 && x.stride(0) >= K ? x : x.contiguous();
