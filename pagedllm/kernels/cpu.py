@@ -1,5 +1,5 @@
-"""Builds (once, cached on disk) and loads the C++ CPU kernels: paged attention, KV writes, small-batch
-matmul and the fused element-wise ops of a decoder layer.
+"""Builds (once, cached on disk) and loads the C++ CPU kernels: paged attention, KV writes, matmul on
+packed weights, inverse-CDF sampling and the fused element-wise ops of a decoder layer.
 
 They are compiled when a CPU engine starts (the worker loads them) with the system C++ compiler through
 ``torch.utils.cpp_extension`` (one to two minutes; later processes load the cached build in well under a

@@ -45,9 +45,10 @@ class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None
     _kernels: Any = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] -> [..., N]. ``out``: optional [M, N] float32 destination, used by the packed path."""
         if self.packed_weight is not None:
-            return packed_linear(self._kernels, x, self.packed_weight, self.out_features, self.bias)
+            return packed_linear(self._kernels, x, self.packed_weight, self.out_features, self.bias, out)
         return F.linear(x, self.weight, self.bias)
 
     def pack_for_cpu(self) -> bool:

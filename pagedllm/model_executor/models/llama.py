@@ -152,10 +152,7 @@ class LlamaForCausalLM(nn.Module):
         ``out``); other paths allocate.
         """
         if self.lm_head is not None:
-            if self.lm_head.packed_weight is not None:
-                return packed_linear(self.lm_head._kernels, hidden, self.lm_head.packed_weight,
-                                     self.config.vocab_size, out=out)
-            return self.lm_head(hidden).float()
+            return self.lm_head(hidden, out=out).float()
         if self._head_packed is not None:
             return packed_linear(self._head_kernels, hidden, self._head_packed, self.config.vocab_size, out=out)
         return F.linear(hidden, self.model.embed_tokens.weight).float()
