@@ -41,10 +41,12 @@ class ModelConfig:
 
 @dataclass
 class CacheConfig:
-    """KV cache geometry. ``num_blocks`` is derived from ``kv_cache_memory`` once the model is known."""
+    """KV cache geometry. ``num_blocks`` is derived once the model is known: from ``kv_cache_memory`` when
+    set, else 2 GiB on CPUs and, on GPUs, the share of ``gpu_memory_utilization`` left after a profiling step."""
 
     block_size: int = 16
-    kv_cache_memory: int = 2 * 1024**3  # bytes
+    kv_cache_memory: int | None = None  # bytes; None: device default (see above)
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     prefix_caching_hash_seed: int | None = None  # None: a random seed per process
     num_blocks: int = 0  # filled by the worker
@@ -61,6 +63,7 @@ class SchedulerConfig:
 @dataclass
 class DeviceConfig:
     device: str = "auto"  # auto | cpu | cuda; resolved to cpu/cuda
+    enforce_eager: bool = False  # GPU: no CUDA graphs
 
 
 @dataclass

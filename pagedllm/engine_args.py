@@ -23,7 +23,9 @@ class EngineArgs:
     dtype: str = "auto"
     max_model_len: int | None = None
     block_size: int = 16
-    kv_cache_memory: str | int = "2GiB"
+    kv_cache_memory: str | int | None = None  # None: 2 GiB on CPUs, --gpu-memory-utilization on GPUs
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
@@ -54,7 +56,14 @@ class EngineArgs:
                            help="Context length (prompt + output) in tokens; default: the model's.")
         group.add_argument("--block-size", type=int, default=d.block_size, help="Tokens per KV cache block.")
         group.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
-                           help="Memory for the KV cache, e.g. 4GiB or 512MiB (sets the number of blocks).")
+                           help="Memory for the KV cache, e.g. 4GiB or 512MiB (sets the number of blocks). "
+                                "Default: 2GiB on CPUs; on GPUs what --gpu-memory-utilization leaves.")
+        group.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                           help="GPU only: fraction of the GPU's memory this engine may use (weights, activations "
+                                "of the largest step, CUDA graphs and the KV cache, which gets the rest). "
+                                "Ignored when --kv-cache-memory is given.")
+        group.add_argument("--enforce-eager", action="store_true",
+                           help="GPU only: run every step eagerly, without capturing CUDA graphs for decode steps.")
         group.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                            help="Most requests running in one step.")
         group.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
@@ -90,13 +99,17 @@ class EngineArgs:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len}")
         model = resolve_model_config(ModelConfig(
             model=self.model or DEFAULT_MODEL, tokenizer=self.tokenizer, dtype=self.dtype,
             max_model_len=self.max_model_len, seed=self.seed, served_model_name=self.served_model_name,
             chat_template=self.chat_template))
-        cache = CacheConfig(block_size=self.block_size, kv_cache_memory=parse_size(self.kv_cache_memory),
+        kv_memory = None if self.kv_cache_memory in (None, "", "auto") else parse_size(self.kv_cache_memory)
+        cache = CacheConfig(block_size=self.block_size, kv_cache_memory=kv_memory,
+                            gpu_memory_utilization=float(self.gpu_memory_utilization),
                             enable_prefix_caching=self.enable_prefix_caching,
                             prefix_caching_hash_seed=self.prefix_caching_hash_seed)
         max_len = int(model.max_model_len)
@@ -105,5 +118,6 @@ class EngineArgs:
             budget = max(budget, max_len)  # a whole prompt must fit in one step
         scheduler = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
                                     max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill)
-        return EngineConfig(model=model, cache=cache, scheduler=scheduler, device=DeviceConfig(self.device),
+        return EngineConfig(model=model, cache=cache, scheduler=scheduler,
+                            device=DeviceConfig(self.device, enforce_eager=self.enforce_eager),
                             log_stats=not self.disable_log_stats)

@@ -92,6 +92,13 @@ class ModelRunner:
         self.kv_caches = [_zeros(shape, self.dtype, self.device) for _ in range(num_layers)]
         bind_kv_caches(self.model, self.kv_caches)
 
+    def release_kv_cache(self) -> None:
+        """Drop the KV cache tensors (after the GPU profiling step) and unbind them from the layers."""
+        self.kv_caches = []
+        for m in self.model.modules():
+            if isinstance(m, Attention):
+                m.kv_cache = None
+
     def _logits_out(self, rows: int) -> torch.Tensor | None:
         """A reused [rows, vocab] float32 buffer for this step's logits on CPU, or None (allocate fresh).
 

@@ -15,6 +15,9 @@ from pagedllm.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
 
+CPU_DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3  # without --kv-cache-memory on a CPU
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -59,12 +62,52 @@ class Worker:
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
         per_block = self.runner.bytes_per_block()
-        num_blocks = cache.kv_cache_memory // per_block
+        if cache.kv_cache_memory is not None:
+            budget, flag = cache.kv_cache_memory, "kv_cache_memory"
+        elif self.device.type == "cuda":
+            budget, flag = self._profile_gpu_kv_budget(), "gpu_memory_utilization"
+        else:
+            budget, flag = CPU_DEFAULT_KV_CACHE_MEMORY, "kv_cache_memory"
+        num_blocks = budget // per_block
         if num_blocks < 2:
             raise ValueError(
-                f"kv_cache_memory: {format_bytes(cache.kv_cache_memory)} holds no KV block "
-                f"(one block needs {format_bytes(per_block)}); raise --kv-cache-memory")
+                f"{flag}: {format_bytes(budget)} for the KV cache holds no KV block "
+                f"(one block needs {format_bytes(per_block)}); raise --{flag.replace('_', '-')}")
         return int(num_blocks)
+
+    @torch.inference_mode()
+    def _profile_gpu_kv_budget(self) -> int:
+        """Run the largest step the scheduler can issue (one prompt of the whole token budget, logits for
+        max_num_seqs rows) on a throw-away KV cache, and size the real cache from what is left."""
+        from pagedllm.attention.forward_context import forward_context
+        from pagedllm.attention.metadata import AttentionMetadata
+        from pagedllm.worker.gpu_memory import gpu_kv_cache_budget
+
+        sched, bs = self.config.scheduler, self.config.cache.block_size
+        num_tokens = max(1, min(sched.max_num_batched_tokens, sched.max_model_len))
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_before = total - free
+        torch.cuda.reset_peak_memory_stats(self.device)
+        allocated_before = torch.cuda.memory_allocated(self.device)
+        num_blocks = -(-num_tokens // bs) + 1
+        self.runner.init_kv_cache(num_blocks)
+        meta = AttentionMetadata.build([num_tokens], [num_tokens], [list(range(1, num_blocks))], bs, self.device)
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        with forward_context(meta):
+            hidden = self.runner.model(input_ids, positions)
+        rows = min(num_tokens, sched.max_num_seqs)
+        self.runner.model.compute_logits(hidden[:rows]).softmax(dim=-1)  # the sampler's biggest temporaries
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - allocated_before
+        self.runner.release_kv_cache()
+        torch.cuda.empty_cache()
+        budget = gpu_kv_cache_budget(total, used_before, peak, self.config.cache.gpu_memory_utilization)
+        logger.info("GPU memory: %s in use before profiling, largest step peaks at %s more; KV cache gets %s "
+                    "(--gpu-memory-utilization %g of %s)", format_bytes(used_before), format_bytes(peak),
+                    format_bytes(budget), self.config.cache.gpu_memory_utilization, format_bytes(total))
+        return budget
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.init_kv_cache(num_blocks)

@@ -1,0 +1,177 @@
+"""Paged attention for CUDA as one Triton kernel: decodes, prefill chunks with context and fresh prompts
+alike read K/V in place through the block tables (no gather into contiguous copies).
+
+One program handles one request, one KV head and a tile of that request's query tokens. The query heads
+that share the KV head are folded into the tile's rows (row r = token r // G, head r % G for G query heads
+per KV head), so a decode step still fills the rows of a matrix multiply and each K/V block is read once
+per KV head, not once per query head. Scores use an online softmax over KV blocks (flash-attention style),
+with a causal mask and an optional sliding window.
+
+On a machine without a GPU the same kernel runs under ``TRITON_INTERPRET=1`` (the tests do that against
+the portable torch path).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
+
+try:  # Triton ships with the CUDA builds of torch; the CPU build has none.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is missing
+    triton = None
+    tl = None
+
+
+# Triton's CPU interpreter multiplies bf16 operands of tl.dot as raw bits (triton 3.9): there the kernel
+# upcasts to fp32 before each dot; on a GPU the dots take the cache's dtype (tensor cores).
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_available() -> bool:
+    return triton is not None
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_attention_kernel(
+        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+        scale,
+        stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
+        stride_k_block, stride_k_slot, stride_k_head,
+        stride_v_block, stride_v_slot, stride_v_head,
+        stride_table,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+        WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
+    ):
+        req = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        q_tile = tl.program_id(2)
+        q_start = tl.load(query_start_loc_ptr + req)
+        q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+        if q_tile * BLOCK_Q < q_len:
+            seq_len = tl.load(seq_lens_ptr + req)
+            context_len = seq_len - q_len
+
+            rows = tl.arange(0, BLOCK_M)
+            tok = q_tile * BLOCK_Q + rows // GROUP  # query token within the request
+            head = kv_head * GROUP + rows % GROUP  # query head
+            row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+            dims = tl.arange(0, BLOCK_D)
+            dim_ok = dims < HEAD_DIM
+            q_offsets = (q_start + tok).to(tl.int64)[:, None] * stride_q_tok + head[:, None] * stride_q_head
+            q = tl.load(q_ptr + q_offsets + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+            if DOT_FP32:
+                q = q.to(tl.float32)
+            q_pos = context_len + tok  # absolute position of each row's token
+
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+            # Keys this tile can see: up to its last token (causal), from the window's start if any.
+            last_tok = tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
+            end_block = (context_len + last_tok + BLOCK_SIZE - 1) // BLOCK_SIZE
+            start_block = 0
+            if WINDOW > 0:
+                first_pos = tl.maximum(context_len + q_tile * BLOCK_Q - WINDOW + 1, 0)
+                start_block = first_pos // BLOCK_SIZE
+            slots = tl.arange(0, BLOCK_N)
+            slot_ok = slots < BLOCK_SIZE
+            for b in range(start_block, end_block):
+                block_id = tl.load(block_tables_ptr + req * stride_table + b).to(tl.int64)
+                k = tl.load(k_cache_ptr + block_id * stride_k_block + slots[:, None] * stride_k_slot
+                            + kv_head * stride_k_head + dims[None, :],
+                            mask=slot_ok[:, None] & dim_ok[None, :], other=0.0)
+                if DOT_FP32:
+                    k = k.to(tl.float32)
+                scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BLOCK_M, BLOCK_N]
+                k_pos = b * BLOCK_SIZE + slots
+                allowed = slot_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+                if WINDOW > 0:
+                    allowed = allowed & (k_pos[None, :] > q_pos[:, None] - WINDOW)
+                scores = tl.where(allowed, scores, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(scores, 1))
+                # A row that has seen no allowed key yet keeps -inf; shift by 0 so exp() gives 0, not NaN.
+                m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp(scores - m_shift[:, None])
+                alpha = tl.exp(m_i - m_shift)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(v_cache_ptr + block_id * stride_v_block + slots[:, None] * stride_v_slot
+                            + kv_head * stride_v_head + dims[None, :],
+                            mask=slot_ok[:, None] & dim_ok[None, :], other=0.0)
+                if DOT_FP32:
+                    v = v.to(tl.float32)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+                m_i = m_new
+            acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            o_offsets = (q_start + tok).to(tl.int64)[:, None] * stride_o_tok + head[:, None] * stride_o_head
+            tl.store(out_ptr + o_offsets + dims[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & dim_ok[None, :])
+
+
+def tile_shape(group: int, max_query_len: int) -> tuple[int, int]:
+    """(BLOCK_M rows per program, BLOCK_Q query tokens per program) for G = ``group`` heads per KV head.
+
+    Rows are tokens x heads of one KV group. Decode steps use 16 rows (the smallest ``tl.dot`` tile);
+    steps with longer queries use 64 so fewer programs reload the same K/V.
+    """
+    rows = 16 if max_query_len * group <= 16 else 64
+    block_m = max(rows, _next_pow2(group))
+    return block_m, max(1, block_m // group)
+
+
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store new K/V by slot. kv_cache: [2, num_blocks, block_size, Hkv, D]; key/value: [T, Hkv, D]."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def triton_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                           meta: AttentionMetadata, scale: float, sliding_window: int = 0) -> torch.Tensor:
+    """query: [T, H, D]; key/value: [T, Hkv, D] (this step's tokens) -> [T, H, D].
+
+    Writes this step's K/V into ``kv_cache`` ([2, num_blocks, block_size, Hkv, D]) by ``meta.slot_mapping``,
+    then every request attends through its block table. ``sliding_window`` > 0: each query sees only the
+    last ``sliding_window`` positions (itself included).
+    """
+    if triton is None:
+        raise RuntimeError("the Triton attention backend needs triton (it ships with CUDA builds of torch)")
+    if query.stride(-1) != 1:
+        raise ValueError("query's head dimension must be contiguous")
+    write_kv(kv_cache, key, value, meta.slot_mapping)
+    num_tokens, num_heads, head_dim = query.shape
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    qsl = meta.query_start_loc_cpu
+    max_query_len = max((qsl[i + 1] - qsl[i] for i in range(meta.num_reqs)), default=0)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_tokens == 0:
+        return out
+    block_m, block_q = tile_shape(group, max_query_len)
+    grid = (meta.num_reqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
+    _paged_attention_kernel[grid](
+        out, query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        scale,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        meta.block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, _next_pow2(head_dim)),
+        BLOCK_SIZE=block_size, BLOCK_N=max(16, _next_pow2(block_size)), BLOCK_M=block_m, BLOCK_Q=block_q,
+        WINDOW=max(0, int(sliding_window)), DOT_FP32=_INTERPRETED,
+    )
+    return out

@@ -1,0 +1,146 @@
+"""CUDA graphs for decode steps: capture the model once per batch size of a ladder, replay per step.
+
+A decode step of a small model is a few milliseconds of GPU work issued as hundreds of small kernel
+launches; on a GPU the launches and the Python around them, not the arithmetic, set the step time. A CUDA
+graph records those launches once and replays them with one call. Graphs need fixed shapes and fixed
+addresses, so every input lives in a persistent buffer sized for the largest captured batch; a step of
+``n`` decodes is padded to the next captured size, its inputs are copied into the buffers, and the padded
+rows act as harmless dummy requests (one token at position 0, writing and reading only the null block 0).
+
+Only steps where every request decodes one token go through graphs; steps with prefill chunks run eagerly.
+The same class runs without capturing (``capture=False``): that is how the CPU tests check the padding
+and buffer logic that graphs rely on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from pagedllm.attention.forward_context import forward_context
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def graph_batch_sizes(max_num_seqs: int, largest: int = 512) -> list[int]:
+    """The ladder of decode batch sizes to capture: 1, 2, 4, then every multiple of 8 up to the cap.
+
+    Padding a batch wastes at most 7 rows (or half of a batch below 8). The cap is the smaller of
+    ``max_num_seqs`` and ``largest``; the result is ascending and always ends with the cap.
+    """
+    cap = max(1, min(max_num_seqs, largest))
+    sizes = [s for s in (1, 2, 4) if s <= cap]
+    sizes += list(range(8, cap + 1, 8))
+    if sizes[-1] != cap:
+        sizes.append(cap)
+    return sizes
+
+
+def padded_batch_size(num_reqs: int, sizes: list[int]) -> int | None:
+    """The smallest captured size that holds ``num_reqs`` rows, or None if none does."""
+    for size in sizes:
+        if size >= num_reqs:
+            return size
+    return None
+
+
+class DecodeGraphRunner:
+    """Persistent input buffers + one captured graph per batch size of decode-only steps.
+
+    ``model(input_ids [N], positions [N]) -> hidden [N, hidden_size]`` must read attention metadata from
+    the forward context and never synchronise with the host or branch on tensor values (the Triton
+    attention backend qualifies; the portable torch path does not, it sizes gathers on the host).
+    """
+
+    def __init__(self, model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device,
+                 sizes: list[int], max_blocks_per_seq: int, block_size: int, hidden_size: int,
+                 dtype: torch.dtype) -> None:
+        self.model = model
+        self.device = device
+        self.sizes = sorted(sizes)
+        self.block_size = block_size
+        n = self.sizes[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.zeros(n, dtype=torch.long, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._pool = None
+
+    def can_run(self, meta: AttentionMetadata) -> bool:
+        """True for a decode-only step that fits the largest captured size and the block-table width."""
+        return (meta.num_decodes == meta.num_reqs and meta.num_reqs > 0
+                and meta.num_reqs <= self.sizes[-1]
+                and meta.block_tables.shape[1] <= self.block_tables.shape[1])
+
+    def _metadata(self, size: int) -> AttentionMetadata:
+        """Metadata over the first ``size`` rows of the buffers (what the graph of that size reads)."""
+        return AttentionMetadata(
+            num_actual_tokens=size, slot_mapping=self.slot_mapping[:size],
+            query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size], num_decodes=size,
+            query_start_loc_cpu=list(range(size + 1)), seq_lens_cpu=[1] * size,
+            # The host copies above describe the shapes, not the lengths: graph-safe backends read the
+            # device tensors only. max_decode_seq_len bounds a gather nobody does under a graph.
+            max_decode_seq_len=self.block_tables.shape[1] * self.block_size, block_size=self.block_size)
+
+    def _load(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, size: int) -> None:
+        """Copy a step's inputs into the buffers; rows n..size-1 become dummy one-token requests."""
+        n = meta.num_reqs
+        width = meta.block_tables.shape[1]
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.seq_lens[:n].copy_(meta.seq_lens)
+        self.block_tables[:n, :width].copy_(meta.block_tables)
+        self.block_tables[:n, width:].zero_()
+        if size > n:  # dummy rows: token 0 at position 0 in slot 0 of the null block
+            self.input_ids[n:size].zero_()
+            self.positions[n:size].zero_()
+            self.slot_mapping[n:size].zero_()
+            self.seq_lens[n:size].fill_(1)
+            self.block_tables[n:size].zero_()
+
+    def _forward(self, size: int) -> torch.Tensor:
+        with forward_context(self._metadata(size)):
+            return self.model(self.input_ids[:size], self.positions[:size])
+
+    def capture(self) -> None:
+        """Record one graph per size, largest first so smaller ones reuse its memory pool. CUDA only."""
+        start = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        self._pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            self._forward(size)  # warm-up outside the graph: Triton compiles, allocators settle
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self.hidden[:size] = self._forward(size)
+            self.graphs[size] = graph
+        torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        logger.info("captured CUDA graphs for %d decode batch sizes (1..%d) in %.1f s, %.0f MiB",
+                    len(self.sizes), self.sizes[-1], time.perf_counter() - start, used / 2**20)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """hidden states [n, hidden_size] of a decode-only step of n requests (``can_run(meta)`` must hold).
+
+        Replays the captured graph of the padded size; without captured graphs runs the padded batch eagerly.
+        The result is a view of a persistent buffer, valid until the next call.
+        """
+        size = padded_batch_size(meta.num_reqs, self.sizes)
+        assert size is not None and self.can_run(meta)
+        self._load(input_ids, positions, meta, size)
+        graph = self.graphs.get(size)
+        if graph is not None:
+            graph.replay()
+        else:
+            self.hidden[:size] = self._forward(size)
+        return self.hidden[:meta.num_reqs]

@@ -1,0 +1,73 @@
+"""The decode-graph runner's ladder, padding and persistent buffers, checked on the CPU without capture:
+a padded decode step through the buffers must give the same hidden states as the plain step."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, "tests/models")
+from model_helpers import make_kv_caches, make_tiny_llama, paged_step  # noqa: E402
+
+from pagedllm.attention.layer import bind_kv_caches  # noqa: E402
+from pagedllm.attention.metadata import AttentionMetadata  # noqa: E402
+from pagedllm.config import ModelConfig  # noqa: E402
+from pagedllm.model_executor.loader import load_model  # noqa: E402
+from pagedllm.worker.cuda_graphs import DecodeGraphRunner, graph_batch_sizes, padded_batch_size  # noqa: E402
+
+
+@pytest.mark.parametrize("max_num_seqs,expected", [
+    (1, [1]), (3, [1, 2, 3]), (8, [1, 2, 4, 8]), (20, [1, 2, 4, 8, 16, 20]),
+    (256, [1, 2, 4] + list(range(8, 257, 8))), (2000, [1, 2, 4] + list(range(8, 513, 8))),
+])
+def test_ladder(max_num_seqs: int, expected: list[int]) -> None:
+    assert graph_batch_sizes(max_num_seqs) == expected
+
+
+def test_padded_size() -> None:
+    sizes = graph_batch_sizes(64)
+    assert [padded_batch_size(n, sizes) for n in (1, 2, 3, 5, 8, 9, 63, 64)] == [1, 2, 4, 8, 8, 16, 64, 64]
+    assert padded_batch_size(65, sizes) is None
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory):
+    path = make_tiny_llama(tmp_path_factory.mktemp("tiny"))
+    return load_model(ModelConfig(model=path, dtype="float32"), "cpu")
+
+
+def test_padded_decode_equals_plain_step(model) -> None:
+    block_size = 4
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20]]
+    tables = [[1, 2], [3], [4, 5, 6]]
+    bind_kv_caches(model, make_kv_caches(model.config, 8, block_size))
+    paged_step(model, prompts, [len(p) for p in prompts], tables, block_size)  # fill the cache
+    # One decode token per request, at the next position.
+    new_tokens = [[21], [22], [23]]
+    seq_lens = [len(p) + 1 for p in prompts]
+    expected = paged_step(model, new_tokens, seq_lens, tables, block_size)
+
+    runner = DecodeGraphRunner(model, torch.device("cpu"), graph_batch_sizes(8), max_blocks_per_seq=5,
+                               block_size=block_size, hidden_size=model.config.hidden_size, dtype=torch.float32)
+    meta = AttentionMetadata.build([1, 1, 1], seq_lens, tables, block_size)
+    assert runner.can_run(meta)
+    # Dirty the buffers first, so stale rows from a bigger earlier step would show.
+    runner.input_ids.fill_(7)
+    runner.block_tables.fill_(3)
+    hidden = runner.run(torch.tensor([21, 22, 23]), torch.tensor([s - 1 for s in seq_lens]), meta)
+    assert hidden.shape == (3, model.config.hidden_size)
+    torch.testing.assert_close(model.compute_logits(hidden), expected, atol=1e-5, rtol=1e-5)
+    # Padded to 4 rows: the dummy row is token 0 at position 0, reading only the null block.
+    assert runner.input_ids[3].item() == 0 and runner.seq_lens[3].item() == 1
+    assert runner.block_tables[3].abs().sum().item() == 0
+    assert runner.block_tables[0, 2:].abs().sum().item() == 0  # cleared past the step's table width
+
+
+def test_rejects_steps_it_cannot_run(model) -> None:
+    runner = DecodeGraphRunner(model, torch.device("cpu"), [1, 2], max_blocks_per_seq=2, block_size=4,
+                               hidden_size=model.config.hidden_size, dtype=torch.float32)
+    assert not runner.can_run(AttentionMetadata.build([1, 3], [5, 3], [[1, 2], [3]], 4))  # a prefill chunk
+    assert not runner.can_run(AttentionMetadata.build([1, 1, 1], [2, 2, 2], [[1], [2], [3]], 4))  # too many
+    assert not runner.can_run(AttentionMetadata.build([1], [12], [[1, 2, 3]], 4))  # table too wide

@@ -1,0 +1,118 @@
+"""The Triton paged-attention kernel (the CUDA backend) against a dense reference, run by Triton's
+interpreter on the CPU (``TRITON_INTERPRET=1``), so CI checks the kernel without a GPU.
+
+On a GPU machine: ``PAGEDLLM_TEST_DEVICE=cuda TRITON_INTERPRET=0 pytest tests/attention`` compiles and runs
+the same cases on the GPU (``benchmarks/gpu_check.sh`` does)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+DEVICE = os.environ.get("PAGEDLLM_TEST_DEVICE", "cpu")
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run kernels on the CPU
+
+from pagedllm.attention.backends.triton_paged import tile_shape, triton_available, triton_paged_attention  # noqa: E402
+from pagedllm.attention.metadata import AttentionMetadata  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is a test dependency; install .[test]")
+
+
+def _reference(query, key, value, query_lens, context_lens, scale, window):
+    """Dense attention per request over [its context | its new tokens], causal (+ window)."""
+    out = torch.empty_like(query)
+    start = 0
+    for q_len, (ctx_k, ctx_v) in zip(query_lens, context_lens):
+        k = torch.cat([ctx_k, key[start:start + q_len]])  # [L, Hkv, D]
+        v = torch.cat([ctx_v, value[start:start + q_len]])
+        seq_len = k.shape[0]
+        group = query.shape[1] // k.shape[1]
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        q = query[start:start + q_len]
+        scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        k_pos = torch.arange(seq_len)[None, :]
+        allowed = k_pos <= q_pos
+        if window:
+            allowed &= k_pos > q_pos - window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out[start:start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).to(query.dtype)
+        start += q_len
+    return out
+
+
+def _run(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, window=0, seed=0,
+         dtype=torch.float32):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 2
+    ids = list(range(1, num_blocks))
+    rng.shuffle(ids)  # out-of-order, non-contiguous physical blocks
+    tables = []
+    for s in seq_lens:
+        n = -(-s // block_size)
+        tables.append(ids[:n])
+        ids = ids[n:]
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, DEVICE)
+    cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    contexts = []
+    for c, table in zip(context_lens, tables):
+        ck = torch.randn(c, num_kv_heads, head_dim, dtype=dtype)
+        cv = torch.randn(c, num_kv_heads, head_dim, dtype=dtype)
+        for pos in range(c):
+            cache[0, table[pos // block_size], pos % block_size] = ck[pos]
+            cache[1, table[pos // block_size], pos % block_size] = cv[pos]
+        contexts.append((ck, cv))
+    t = sum(query_lens)
+    # query as a strided view of a fused qkv buffer, as the models hand it over
+    qkv = torch.randn(t, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
+    query = qkv[:, :num_heads * head_dim].view(t, num_heads, head_dim)
+    key = torch.randn(t, num_kv_heads, head_dim, dtype=dtype)
+    value = torch.randn(t, num_kv_heads, head_dim, dtype=dtype)
+    scale = head_dim ** -0.5
+    expected = _reference(query, key, value, query_lens, contexts, scale, window)
+    on = {"device": DEVICE}
+    qkv, key, value, cache = qkv.to(**on), key.to(**on), value.to(**on), cache.to(**on)
+    query = qkv[:, :num_heads * head_dim].view(t, num_heads, head_dim)
+    got = triton_paged_attention(query, key, value, cache, meta, scale, sliding_window=window).cpu()
+    return got, expected, cache.cpu(), meta, key.cpu()
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 8), (6, 3, 12), (8, 1, 16)])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_mixed_step_matches_reference(num_heads, num_kv_heads, head_dim, block_size) -> None:
+    # decodes first, then a chunk with context, then a fresh prompt (as the scheduler orders them)
+    query_lens = [1, 1, 1, 7, 23]
+    context_lens = [0, 13, 40, 21, 0]
+    got, expected, *_ = _run(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_new_kv_written_by_slot() -> None:
+    got, expected, cache, meta, key = _run([1, 5], [9, 3], 4, 2, 16, 16)
+    flat_k = cache[0].view(-1, 2, 16)
+    torch.testing.assert_close(flat_k[meta.slot_mapping.cpu()], key)
+
+
+@pytest.mark.parametrize("window", [1, 4, 19])
+def test_sliding_window(window: int) -> None:
+    got, expected, *_ = _run([1, 6, 30], [50, 17, 0], 6, 2, 16, 8, window=window, seed=window)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_bf16_cache_and_query() -> None:
+    got, expected, *_ = _run([1, 3, 9], [20, 11, 0], 9, 3, 64, 16, dtype=torch.bfloat16, seed=2)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("group,max_query_len", [(1, 1), (3, 1), (3, 200), (16, 1), (32, 1), (7, 9)])
+def test_tile_shape_covers_group(group: int, max_query_len: int) -> None:
+    block_m, block_q = tile_shape(group, max_query_len)
+    assert block_m & (block_m - 1) == 0 and block_m >= 16  # a power of two, at least one tl.dot tile
+    assert block_q >= 1 and block_q * group <= block_m
