@@ -1,0 +1,125 @@
+"""Fused element-wise ops of a decoder layer for CUDA, as Triton kernels: RMSNorm (+ the residual add
+before it), SiLU-and-mul, and rotary embedding in place inside the fused qkv output.
+
+They mirror the CPU kernels' calling conventions (``kernels/csrc/fused_ops.cpp``), so a layer asks
+``elementwise_kernels_for(x)`` and calls the same names on either device. Eager PyTorch spends 4-8 kernel
+launches on each of these ops; here each is one. Statistics are taken in float32 whatever the dtype.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - the CPU build of torch ships no triton
+    triton = None
+    tl = None
+
+
+def triton_available() -> bool:
+    return triton is not None
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, stride_x, stride_r, n_cols, eps,
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < n_cols
+        # Arithmetic in float32 throughout (also: Triton's interpreter computes bf16 arithmetic on raw bits).
+        x32 = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            x32 += tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
+            # The residual stream keeps the model dtype: round the sum before taking statistics of it.
+            x = x32.to(x_ptr.dtype.element_ty)
+            tl.store(res_ptr + row * stride_r + cols, x, mask=ok)
+            x32 = x.to(tl.float32)
+        inv_rms = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / n_cols + eps)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        normed = (x32 * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(x_ptr + row * stride_x + cols, (w * normed).to(x_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _silu_and_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, n_cols, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < n_cols
+        gate = tl.load(gu_ptr + row * stride_gu + cols, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(gu_ptr + row * stride_gu + n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+        y = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _rotary_kernel(qkv_ptr, pos_ptr, cache_ptr, stride_qkv, stride_cache, num_heads,
+                       HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+        tok = tl.program_id(0).to(tl.int64)
+        pos = tl.load(pos_ptr + tok).to(tl.int64)
+        i = tl.arange(0, BLOCK_HALF)
+        i_ok = i < HALF
+        cos = tl.load(cache_ptr + pos * stride_cache + i, mask=i_ok, other=0.0).to(tl.float32)
+        sin = tl.load(cache_ptr + pos * stride_cache + HALF + i, mask=i_ok, other=0.0).to(tl.float32)
+        heads = tl.arange(0, BLOCK_H)
+        ok = (heads < num_heads)[:, None] & i_ok[None, :]
+        base = qkv_ptr + tok * stride_qkv + heads[:, None] * (2 * HALF) + i[None, :]
+        x1 = tl.load(base, mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(base + HALF, mask=ok, other=0.0).to(tl.float32)
+        tl.store(base, (x1 * cos[None, :] - x2 * sin[None, :]).to(qkv_ptr.dtype.element_ty), mask=ok)
+        tl.store(base + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(qkv_ptr.dtype.element_ty), mask=ok)
+
+
+def rms_norm_(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> None:
+    """In place. x, residual: [T, hidden] (last dim contiguous). With a residual: residual <- x + residual,
+    x <- norm(residual) * weight; without: x <- norm(x) * weight."""
+    t, n = x.shape
+    res = residual if residual is not None else x
+    _rms_norm_kernel[(t,)](x, res, weight, x.stride(0), res.stride(0), n, eps,
+                           HAS_RESIDUAL=residual is not None, BLOCK=_pow2(n))
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [T, 2I] laid out [gate | up] -> silu(gate) * up, [T, I]."""
+    t, two_i = gate_up.shape
+    n = two_i // 2
+    out = torch.empty(t, n, dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, _pow2(n))
+    _silu_and_mul_kernel[(t, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block)
+    return out
+
+
+def rotary_(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_heads: int,
+            head_dim: int) -> None:
+    """In place: rotate (rotate-half pairing) the first ``num_heads`` heads of each row of qkv [T, >= H*D]
+    at ``positions`` [T]; cos_sin_cache: [max_position, D] laid out [cos(D/2) | sin(D/2)]."""
+    half = head_dim // 2
+    _rotary_kernel[(qkv.shape[0],)](qkv, positions, cos_sin_cache, qkv.stride(0), cos_sin_cache.stride(0),
+                                    num_heads, HALF=half, BLOCK_H=_pow2(num_heads), BLOCK_HALF=_pow2(half))
+
+
+class _TritonOps:
+    """The three ops under the CPU kernels' names."""
+
+    rms_norm_ = staticmethod(rms_norm_)
+    silu_and_mul = staticmethod(silu_and_mul)
+    rotary_ = staticmethod(rotary_)
+
+
+TRITON_OPS = _TritonOps()
+# Tests run these kernels through Triton's interpreter on CPU tensors; in the engine they serve CUDA only.
+_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def elementwise_kernels_for(x: torch.Tensor):
+    """The Triton ops for a CUDA tensor (or a CPU one under ``TRITON_INTERPRET=1``), else None."""
+    if triton is None or not (x.is_cuda or _ON_CPU):
+        return None
+    return TRITON_OPS
