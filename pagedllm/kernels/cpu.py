@@ -4,12 +4,19 @@ packed weights, inverse-CDF sampling and the fused element-wise ops of a decoder
 They are compiled when a CPU engine starts (the worker loads them) with the system C++ compiler through
 ``torch.utils.cpp_extension`` (one to two minutes; later processes load the cached build in well under a
 second). Where no compiler is available the torch ops are used instead, with a warning.
+
+Two environment variables serve container images (see docs/deployment.md), whose runtime stage has no compiler:
+``PAGEDLLM_CPU_MARCH`` (default ``native``) is the ``-march`` the kernels are built for, e.g. ``x86-64-v3`` for
+an image that must run on any AVX2 + FMA machine; ``PAGEDLLM_CPU_KERNELS_PREBUILT`` names a library built
+earlier (the file, or a folder holding one ``pagedllm_cpu_kernels_*.so``), imported as is with no build step.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -28,18 +35,46 @@ def load_cpu_kernels() -> Any | None:
     """The compiled extension module, or None if it cannot be built here (or PAGEDLLM_CPU_KERNELS=0)."""
     if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
         return None
+    prebuilt = os.environ.get("PAGEDLLM_CPU_KERNELS_PREBUILT")
+    if prebuilt:
+        return _load_prebuilt(Path(prebuilt))
     try:
         from torch.utils.cpp_extension import load
 
+        march = os.environ.get("PAGEDLLM_CPU_MARCH", "native")
         # -march=native: the cached build is only valid on this CPU kind, so the kind is in its name.
-        name = f"pagedllm_cpu_kernels_{torch.backends.cpu.get_cpu_capability().lower()}"
-        flags = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+        kind = torch.backends.cpu.get_cpu_capability() if march == "native" else re.sub(r"\W", "_", march)
+        name = f"pagedllm_cpu_kernels_{kind.lower()}"
+        flags = ["-O3", f"-march={march}", "-fopenmp", "-ffast-math"]
         logger.info("Loading CPU kernels %s (the first time on a machine compiles them: one to two minutes)", name)
         return load(name=name, sources=[str(_CSRC / f) for f in _SOURCES], extra_cflags=flags,
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, no headers: stay correct, just slower
         logger.warning("CPU kernels unavailable (%s); using the slower torch paths", e)
         return None
+
+
+def _load_prebuilt(path: Path) -> Any | None:
+    """Import a kernels library built ahead of time: no compiler, ninja or source files needed."""
+    try:
+        if not path.exists():
+            raise FileNotFoundError(f"{path} does not exist")
+        if path.is_dir():
+            found = sorted(path.glob("pagedllm_cpu_kernels_*.so"))
+            if len(found) != 1:
+                raise FileNotFoundError(f"expected one pagedllm_cpu_kernels_*.so in {path}, found {len(found)}")
+            path = found[0]
+        # The module name must be the one the library was compiled with (its PyInit_ symbol): the file stem.
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"{path} is not an importable extension module")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except Exception as e:
+        logger.warning("Prebuilt CPU kernels at %s unusable (%s); using the slower torch paths", path, e)
+        return None
+    logger.info("Loaded prebuilt CPU kernels from %s", path)
+    return module
 
 
 def kernels_for(t: torch.Tensor) -> Any | None:

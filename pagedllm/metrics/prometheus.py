@@ -14,6 +14,10 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
+# vLLM's finish reasons; "abort" counts requests the client or a shutdown ended, "error" failed model steps.
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+
+
 def _token_buckets(max_model_len: int) -> list[int]:
     """1, 2, 5, 10, 20, 50, ... up to the context length (vLLM's shape)."""
     buckets, exp = [], 0
@@ -52,7 +56,7 @@ class PrometheusMetrics:
         self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of tokens.")
         self._request_success = Counter("vllm:request_success", "Successfully processed requests.",
                                         ["model_name", "finished_reason"], registry=r)
-        for reason in ("stop", "length"):
+        for reason in FINISHED_REASONS:
             self._request_success.labels(model_name, reason)  # show zeros before the first request
         token_buckets = _token_buckets(max_model_len)
         self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens per engine step.",
@@ -69,6 +73,20 @@ class PrometheusMetrics:
                                                "Prompt tokens per finished request.", token_buckets)
         self.request_generation_tokens = histogram("vllm:request_generation_tokens",
                                                    "Generation tokens per finished request.", token_buckets)
+
+        # Where a finished request spent its time (vLLM's names): scheduled -> first token -> finished.
+        self.request_prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                              "Time spent in the prefill phase (first scheduled to first token).",
+                                              _REQUEST_BUCKETS)
+        self.request_decode_time = histogram("vllm:request_decode_time_seconds",
+                                             "Time spent in the decode phase (first token to finished).",
+                                             _REQUEST_BUCKETS)
+        self.request_inference_time = histogram("vllm:request_inference_time_seconds",
+                                                "Time spent running (first scheduled to finished).",
+                                                _REQUEST_BUCKETS)
+        self.request_time_per_output_token = histogram("vllm:request_time_per_output_token_seconds",
+                                                       "Mean time per output token after the first, per request.",
+                                                       _LATENCY_BUCKETS)
 
     def request_success(self, finished_reason: str) -> None:
         self._request_success.labels(self.model_name, finished_reason).inc()

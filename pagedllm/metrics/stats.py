@@ -13,7 +13,7 @@ from typing import Any
 from pagedllm.engine.output_processor import OutputKind
 from pagedllm.engine.processor import child_request_id
 from pagedllm.logger import init_logger
-from pagedllm.metrics.prometheus import PrometheusMetrics
+from pagedllm.metrics.prometheus import FINISHED_REASONS, PrometheusMetrics
 from pagedllm.outputs import RequestOutput
 
 logger = init_logger("pagedllm.metrics")
@@ -28,6 +28,7 @@ class _Tracked:
     num_generation_tokens: int = 0
     last_token_time: float | None = None
     queue_time_recorded: bool = False
+    first_scheduled_time: float | None = None
 
 
 class StatsRecorder:
@@ -99,6 +100,7 @@ class StatsRecorder:
             if request is None:
                 self._unscheduled.discard(request_id)
             elif request.first_scheduled_time is not None:
+                tracked.first_scheduled_time = request.first_scheduled_time
                 queued = request.first_scheduled_time - request.arrival_time
                 self.metrics.request_queue_time.observe(max(queued, 0.0))
                 self._unscheduled.discard(request_id)
@@ -132,19 +134,36 @@ class StatsRecorder:
             self._unscheduled.discard(out.request_id)
             if m is not None:
                 reason = out.outputs[0].finish_reason if out.outputs else None
-                if reason in ("stop", "length"):
+                if reason in FINISHED_REASONS:
                     m.request_success(reason)
                 if out.metrics is not None:
                     finished_time = out.metrics.finished_time or now
                     m.e2e_request_latency.observe(finished_time - out.metrics.arrival_time)
+                    self._record_phase_times(tracked, out.metrics.first_token_time, finished_time)
                 m.request_prompt_tokens.observe(len(out.prompt_token_ids))
                 m.request_generation_tokens.observe(tracked.num_generation_tokens)
         return max(new, 0)
 
+    def _record_phase_times(self, tracked: _Tracked, first_token_time: float | None, finished_time: float) -> None:
+        """Prefill / decode / inference time and time per output token of a finished request."""
+        m = self.metrics
+        scheduled = tracked.first_scheduled_time
+        if scheduled is not None:
+            m.request_inference_time.observe(max(finished_time - scheduled, 0.0))
+            if first_token_time is not None:
+                m.request_prefill_time.observe(max(first_token_time - scheduled, 0.0))
+        if first_token_time is not None:
+            m.request_decode_time.observe(max(finished_time - first_token_time, 0.0))
+            if tracked.num_generation_tokens > 1:
+                m.request_time_per_output_token.observe(
+                    max(finished_time - first_token_time, 0.0) / (tracked.num_generation_tokens - 1))
+
     def forget(self, request_id: str) -> None:
         """An aborted request produces no final output through the engine; drop its bookkeeping."""
-        self._tracked.pop(request_id, None)
+        tracked = self._tracked.pop(request_id, None)
         self._unscheduled.discard(request_id)
+        if tracked is not None and self.metrics is not None:
+            self.metrics.request_success("abort")
 
     def maybe_log(self, engine: Any, now: float, force: bool = False) -> None:
         elapsed = now - self._last_log
