@@ -115,7 +115,7 @@ def test_markdown_renderer_is_safe_and_renders(page):
             hrefs: [...box.querySelectorAll('a')].map(a => a.getAttribute('href')),
             strong: box.querySelector('strong')?.textContent, em: box.querySelector('em')?.textContent,
             code: box.querySelector('p code')?.textContent,
-            items: [...box.querySelectorAll('ul > li')].length, nested: box.querySelectorAll('ul ul li').length,
+            items: box.querySelector('ul').children.length, nested: box.querySelectorAll('ul ul li').length,
             ol: box.querySelectorAll('ol > li').length,
             pre: box.querySelector('pre code.language-python')?.textContent,
             pwned: window.pwned ?? null,
@@ -133,7 +133,7 @@ def test_markdown_renderer_is_safe_and_renders(page):
 def set_params(page, max_tokens: int, extra: str = "") -> None:
     page.get_by_label("Temperature").fill("0")
     page.get_by_label("Max tokens").fill(str(max_tokens))
-    if extra and not page.locator("#extra-body").is_visible():
+    if not page.locator("#extra-body").is_visible():
         page.locator("details.advanced summary").click()
     page.locator("#extra-body").fill(extra)
 
@@ -155,7 +155,7 @@ def test_chat_streams_an_answer_with_ttft_and_speed(page):
 
 
 def test_raw_completion_mode(page):
-    page.get_by_label("Raw completion").check()
+    page.get_by_role("radio", name="Raw completion").check()
     assert page.locator("#system-field").is_hidden()
     set_params(page, 8)
     page.get_by_label(re.compile("^Prompt")).fill("The capital of France is")
@@ -165,7 +165,7 @@ def test_raw_completion_mode(page):
     text = answer.locator(".content").inner_text()
     assert text.startswith("The capital of France is") and len(text) > len("The capital of France is")
     assert "TTFT" in answer.locator(".stats").inner_text()
-    page.get_by_label("Chat", exact=True).check()
+    page.get_by_role("radio", name="Chat").check()
 
 
 def canvas_pixel(page, block: int) -> tuple[int, int, int]:

@@ -15,6 +15,7 @@ function announce(text) {
 
 function showKeyForm(message) {
   $("key-form").hidden = false;
+  $("key-form").classList.remove("saved");
   $("key-status").textContent = message;
 }
 
@@ -26,7 +27,9 @@ async function loadModels() {
     select.replaceChildren(...data.data.map((m) => new Option(m.id, m.id)));
     $("conn-status").textContent = `Connected · ${data.data.length} model${data.data.length === 1 ? "" : "s"}`;
     if (getApiKey()) {
-      $("key-status").textContent = "Using the API key saved for this tab.";
+      // Connected with a key: keep only "Forget" (the key stays in this tab's session storage).
+      $("key-form").classList.add("saved");
+      $("key-status").textContent = "API key saved for this tab.";
     } else {
       $("key-form").hidden = true;
     }
