@@ -78,7 +78,10 @@ $("key-form").addEventListener("submit", async (e) => {
   e.preventDefault();
   setApiKey($("api-key").value.trim());
   $("api-key").value = "";
-  if (await loadModels()) announce("API key accepted.");
+  if (await loadModels()) {
+    announce("API key accepted.");
+    $("message").focus(); // the key field is hidden now
+  }
 });
 $("key-forget").addEventListener("click", () => {
   setApiKey("");
