@@ -108,6 +108,8 @@ def test_markdown_renderer_is_safe_and_renders(page):
             '```python',
             'print("<b>hi</b>")',
             '```',
+            '',
+            '    indented = 1',
         ].join('\\n')));
         return {
             html: box.innerHTML, text: box.textContent,
@@ -118,6 +120,7 @@ def test_markdown_renderer_is_safe_and_renders(page):
             items: box.querySelector('ul').children.length, nested: box.querySelectorAll('ul ul li').length,
             ol: box.querySelectorAll('ol > li').length,
             pre: box.querySelector('pre code.language-python')?.textContent,
+            indented: [...box.querySelectorAll('pre code')].map(c => c.textContent),
             pwned: window.pwned ?? null,
         };
     }""")
@@ -128,6 +131,7 @@ def test_markdown_renderer_is_safe_and_renders(page):
     assert result["strong"] == "bold" and result["em"] == "it" and result["code"] == "x<y>"
     assert result["items"] == 2 and result["nested"] == 1 and result["ol"] == 1
     assert result["pre"] == 'print("<b>hi</b>")'
+    assert result["indented"] == ['print("<b>hi</b>")', "indented = 1"]
 
 
 def set_params(page, max_tokens: int, extra: str = "") -> None:

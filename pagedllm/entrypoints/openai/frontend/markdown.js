@@ -80,6 +80,7 @@ const HEADING = /^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$/;
 const RULE = /^ {0,3}([-*_])(\s*\1){2,}\s*$/;
 const ITEM = /^(\s*)([-*+]|\d{1,9}[.)])\s+(.*)$/;
 const QUOTE = /^ {0,3}>\s?(.*)$/;
+const INDENTED = /^( {4}|\t)/;
 
 function codeBlock(lang, code) {
   const wrap = el("div", "code-block");
@@ -179,6 +180,15 @@ export function renderMarkdown(text) {
         i += 1;
       }
       withBreaks(quoted, out.appendChild(el("blockquote")));
+    } else if (INDENTED.test(line) && !para.length && line.trim()) {
+      // Indented code (cannot interrupt a paragraph, as in CommonMark).
+      const body = [];
+      while (i < lines.length && (INDENTED.test(lines[i]) || !lines[i].trim())) {
+        body.push(lines[i].replace(INDENTED, ""));
+        i += 1;
+      }
+      while (body.length && !body[body.length - 1].trim()) body.pop();
+      out.append(codeBlock("", body.join("\n")));
     } else if (!line.trim()) {
       flush();
       i += 1;
