@@ -186,7 +186,7 @@ export class KvMap {
     let steps = st.num_steps ? `${st.last.toFixed(1)} ms last · ${st.mean.toFixed(1)} ms mean · ` +
                                `${st.max.toFixed(1)} ms max`
                              : st.last > 0 ? `idle (last step ${st.last.toFixed(1)} ms)` : "idle";
-    if (p && s.time > p.time && s.scheduler.steps > p.scheduler.steps) {
+    if (st.num_steps && p && s.time > p.time && s.scheduler.steps > p.scheduler.steps) {
       steps += ` · ${((s.scheduler.steps - p.scheduler.steps) / (s.time - p.time)).toFixed(1)} steps/s`;
     }
     set("kv-step-time", steps);
