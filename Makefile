@@ -4,7 +4,11 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve test lint bench-throughput clean
+.PHONY: install serve test lint bench-throughput clean chromium
+
+# The playground's browser test drives Debian's chromium through Playwright (never `playwright install`,
+# which downloads browsers). Another Chromium binary: PAGEDLLM_CHROMIUM=/path/to/chromium make test.
+CHROMIUM := $(or $(PAGEDLLM_CHROMIUM),/usr/bin/chromium)
 
 install: $(STAMP)
 
@@ -22,8 +26,19 @@ $(STAMP): pyproject.toml
 serve: install
 	$(VENV)/bin/pagedllm serve $(ARGS)
 
-test: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+test: install chromium
+	PAGEDLLM_CHROMIUM=$(CHROMIUM) $(PY) -m pytest $(PYTEST_ARGS)
+
+# Installs chromium when it is missing (as root, or through sudo); fails loudly when it cannot, since the
+# browser test must not be skipped.
+chromium:
+	@if [ ! -x "$(CHROMIUM)" ]; then \
+	  echo "Installing Debian's chromium for the playground's browser test"; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  { $$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; } || \
+	    { echo "ERROR: could not install chromium; the browser test needs it (or set PAGEDLLM_CHROMIUM)"; \
+	      exit 1; }; \
+	fi
 
 lint: install
 	$(VENV)/bin/ruff check .

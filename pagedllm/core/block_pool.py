@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from pagedllm.core.kv_cache_snapshot import BLOCK_CACHED, BLOCK_FREE, BLOCK_NULL, BLOCK_SHARED, BLOCK_USED
+
 
 @dataclass(frozen=True)
 class BlockHash:
@@ -163,6 +165,14 @@ class BlockPool:
                 del self.cached[block.block_hash.value]
             block.block_hash = None
             block.parent_value = None
+
+    def block_states(self) -> list[str]:
+        """One state character per block, in id order (see ``core/kv_cache_snapshot.py``)."""
+        # Inlined (no call per block): this runs over every block while someone watches the map.
+        states = [(BLOCK_FREE if b.block_hash is None else BLOCK_CACHED) if b.ref_cnt == 0
+                  else BLOCK_USED if b.ref_cnt == 1 else BLOCK_SHARED for b in self.blocks]
+        states[0] = BLOCK_NULL
+        return states
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached hash (blocks in use keep their data). Returns how many were dropped."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 from pagedllm.core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block
+from pagedllm.core.kv_cache_snapshot import KVCacheSnapshot, build_snapshot
 from pagedllm.core.request import Request
 from pagedllm.utils import cdiv
 
@@ -122,6 +123,11 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_prefix_cache()
+
+    def snapshot(self) -> KVCacheSnapshot:
+        """Every block's state and owning request, for the playground's cache map. O(num_blocks)."""
+        tables = {rid: [b.block_id for b in blocks] for rid, blocks in self.req_to_blocks.items()}
+        return build_snapshot(self.pool.block_states(), self.block_size, tables)
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         return cdiv(num_tokens, self.block_size) <= self.num_usable_blocks

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.engine.engine_snapshot import EngineSnapshot, SnapshotPublisher
 from pagedllm.engine.output_processor import OutputKind
 from pagedllm.engine.processor import PromptType
 from pagedllm.logger import init_logger
@@ -66,6 +67,7 @@ class AsyncLLM:
         self._stopping = False
         self.errored: BaseException | None = None
         self._exited = False  # set under _cond when the thread returns, so no command is left hanging
+        self.snapshots = SnapshotPublisher()  # the cache map's view of the engine (playground)
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
         self._thread.start()
 
@@ -92,6 +94,8 @@ class AsyncLLM:
         engine = self.engine
         try:
             while True:
+                if not engine.has_unfinished_requests():
+                    self.snapshots.flush(engine)  # the idle state, before waiting
                 with self._cond:
                     while not self._commands and not self._stopping and not engine.has_unfinished_requests():
                         self._cond.wait(_IDLE_WAIT_S)
@@ -112,16 +116,21 @@ class AsyncLLM:
                 if commands and self.stat_logger is not None:
                     # An abort may have freed blocks with no step to follow; refresh the gauges now.
                     self.stat_logger.record_step(engine, [], time.time())
+                if commands:
+                    self.snapshots.after_step(engine, None)
                 if stopping and not engine.has_unfinished_requests():
                     return
                 if engine.has_unfinished_requests():
+                    step_start = time.perf_counter()
                     outputs = engine.step()
+                    step_time = time.perf_counter() - step_start
                     if self.stat_logger is not None:
                         now = time.time()
                         self.stat_logger.record_step(engine, outputs, now)
                         self.stat_logger.maybe_log(engine, now)
                     if outputs:
                         self._deliver(outputs)
+                    self.snapshots.after_step(engine, step_time)  # after delivery: never delays tokens
         except BaseException as e:  # noqa: BLE001 - any failure means the loop is gone
             logger.exception("engine loop died")
             self.errored = e
@@ -178,6 +187,14 @@ class AsyncLLM:
     async def call_in_engine(self, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn(engine)`` on the engine thread between steps (e.g. reset_prefix_cache)."""
         return await asyncio.wrap_future(self._submit(lambda: fn(self.engine)))
+
+    async def kv_cache_snapshot(self) -> EngineSnapshot | None:
+        """The latest published engine snapshot (KV blocks, counters); asks the loop for a fresh one when
+        the latest is missing or out of date. None if the engine cannot build one."""
+        self.snapshots.watch()
+        if self.snapshots.is_stale():
+            return await self.call_in_engine(self.snapshots.publish)
+        return self.snapshots.latest
 
     # ---- the per-request stream ------------------------------------------------------------------------
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,

@@ -10,7 +10,9 @@ from pagedllm.engine_args import EngineArgs
 DESCRIPTION = """Start the OpenAI-compatible HTTP server.
 
 Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /version,
-/metrics (Prometheus, vLLM metric names), /reset_prefix_cache. Works with the official `openai` client:
+/metrics (Prometheus, vLLM metric names), /reset_prefix_cache, /v1/kv_cache/snapshot (the block map), and a
+browser playground at / (chat + a live map of the paged KV cache; --disable-frontend turns it off).
+Works with the official `openai` client:
   OpenAI(base_url="http://HOST:PORT/v1", api_key="KEY or anything")
 """
 
@@ -46,6 +48,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--allowed-headers", type=_list_arg, default=["*"],
                        help="CORS allowed headers (default: *).")
     group.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials.")
+    group.add_argument("--disable-frontend", action="store_true",
+                       help="Do not serve the browser playground (chat page and live KV cache map) at / and "
+                            "/playground/*; / then answers 404. The API, including /v1/kv_cache/snapshot, "
+                            "is unchanged.")
     group.add_argument("--max-request-body-bytes", type=int, default=32 * 1024 * 1024,
                        help="Largest accepted request body; bigger ones get 413 (default: 32 MiB).")
     return parser

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import pagedllm
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, error_response, param_of
+from pagedllm.entrypoints.openai.playground import add_frontend_routes, add_kv_cache_routes
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -53,6 +54,7 @@ class ServerOptions:
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
+    enable_frontend: bool = True  # the browser playground at / (--disable-frontend turns it off)
 
 
 class GuardMiddleware:
@@ -228,6 +230,10 @@ def build_app(engine: AsyncLLM, options: ServerOptions, metrics: PrometheusMetri
         await engine.call_in_engine(lambda e: e.reset_prefix_cache())
         return Response(status_code=200)
 
+    add_kv_cache_routes(app, engine)
+    if options.enable_frontend:
+        add_frontend_routes(app)
+
     # Outermost first: CORS answers preflights before the guard asks for a key.
     app.add_middleware(GuardMiddleware, api_key=options.api_key, max_body_bytes=options.max_body_bytes)
     app.add_middleware(CORSMiddleware, allow_origins=options.allowed_origins,
@@ -276,7 +282,7 @@ def run_server(args: argparse.Namespace) -> None:
         served_model_names=names, api_key=api_key, max_body_bytes=args.max_request_body_bytes,
         shutdown_timeout=args.shutdown_timeout, allowed_origins=args.allowed_origins,
         allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
-        allow_credentials=args.allow_credentials)
+        allow_credentials=args.allow_credentials, enable_frontend=not getattr(args, "disable_frontend", False))
     app = build_app(engine, options, metrics)
 
     display_host = args.host if args.host not in ("", "0.0.0.0", "::") else "localhost"
@@ -286,6 +292,9 @@ def run_server(args: argparse.Namespace) -> None:
                 config.cache.block_size, "required" if api_key else "off")
     logger.info("OpenAI-compatible API at http://%s:%d/v1 (health: /health, metrics: /metrics)",
                 display_host, args.port)
+    if options.enable_frontend:
+        logger.info("Playground (chat + live KV cache map) at http://%s:%d/ (turn off with --disable-frontend)",
+                    display_host, args.port)
     server = _draining_server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
         timeout_graceful_shutdown=args.shutdown_timeout if args.shutdown_timeout > 0 else None,
