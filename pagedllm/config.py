@@ -50,6 +50,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     prefix_caching_hash_seed: int | None = None  # None: a random seed per process
     num_blocks: int = 0  # filled by the worker
+    # Filled by the worker when every attention layer slides with one window (KV beyond it is freed).
+    sliding_window: int | None = None
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -89,33 +90,63 @@ class AttentionMetadata:
     def num_reqs(self) -> int:
         return len(self.seq_lens_cpu)
 
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_cpu, default=0)
+
     @classmethod
-    def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+    def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]] | np.ndarray,
               block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
-        """Build metadata from plain lists (tests and simple callers); requests must be decodes-first."""
-        num_decodes = 0
-        for q in query_lens:
-            if q != 1:
-                break
-            num_decodes += 1
-        qsl = [0]
-        for q in query_lens:
-            qsl.append(qsl[-1] + q)
-        slots: list[int] = []
-        for q, s, table in zip(query_lens, seq_lens, block_tables):
-            for pos in range(s - q, s):
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        """Same as ``build_attention_metadata`` (kept as the class's constructor for callers and tests)."""
+        return build_attention_metadata(query_lens, seq_lens, block_tables, block_size, device)
+
+
+def token_positions(query_lens: list[int], seq_lens: list[int]) -> np.ndarray:
+    """[T] int64 position of every new token: request i's ``query_lens[i]`` tokens end at ``seq_lens[i] - 1``."""
+    q = np.asarray(query_lens, dtype=np.int64)
+    starts = np.asarray(seq_lens, dtype=np.int64) - q
+    qsl = np.concatenate([[0], np.cumsum(q)])
+    row_of_token = np.repeat(np.arange(len(q)), q)
+    return np.arange(int(qsl[-1]), dtype=np.int64) - qsl[row_of_token] + starts[row_of_token]
+
+
+def build_attention_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]] | np.ndarray,
+                             block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
+    """The one metadata builder (model runner and tests alike).
+
+    Requests must come decodes first. ``query_lens[i]`` new tokens of request i end at position
+    ``seq_lens[i] - 1``; ``block_tables``: per request its physical block ids (ragged lists, or an
+    [R, max_blocks] int32 array already 0-padded).
+    """
+    num_reqs = len(query_lens)
+    num_decodes = 0
+    while num_decodes < num_reqs and query_lens[num_decodes] == 1:
+        num_decodes += 1
+    if any(q == 1 for q in query_lens[num_decodes:]):
+        raise ValueError("attention metadata: requests must be ordered decodes (one query token) first")
+    if isinstance(block_tables, np.ndarray):
+        tables = block_tables.astype(np.int32, copy=False)
+    else:
         width = max((len(t) for t in block_tables), default=1) or 1
-        padded = [t + [0] * (width - len(t)) for t in block_tables]
-        return cls(
-            num_actual_tokens=qsl[-1],
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
-            num_decodes=num_decodes,
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=list(seq_lens),
-            max_decode_seq_len=max(seq_lens[:num_decodes], default=0),
-            block_size=block_size,
-        )
+        tables = np.zeros((num_reqs, width), dtype=np.int32)
+        for i, table in enumerate(block_tables):
+            tables[i, :len(table)] = table
+    qsl = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=qsl[1:])
+    row_of_token = np.repeat(np.arange(num_reqs), query_lens)
+    positions = token_positions(query_lens, seq_lens)
+    slot_mapping = tables[row_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    qsl_list = qsl.tolist()
+    seq_list = [int(s) for s in seq_lens]
+    return AttentionMetadata(
+        num_actual_tokens=qsl_list[-1],
+        slot_mapping=torch.from_numpy(slot_mapping).to(device),
+        query_start_loc=torch.tensor(qsl_list, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_list, dtype=torch.int32, device=device),
+        block_tables=torch.from_numpy(np.ascontiguousarray(tables)).to(device),
+        num_decodes=num_decodes,
+        query_start_loc_cpu=qsl_list,
+        seq_lens_cpu=seq_list,
+        max_decode_seq_len=max(seq_list[:num_decodes], default=0),
+        block_size=block_size,
+    )

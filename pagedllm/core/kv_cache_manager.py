@@ -14,9 +14,11 @@ class KVCacheManager:
     """Allocates blocks for requests; the scheduler only sees opaque results (blocks or None)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 hash_seed: int | None = None) -> None:
+                 hash_seed: int | None = None, sliding_window: int | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        # Set when every attention layer slides with this window: blocks that fell out of it are freed.
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, enable_caching)
         # The first block's parent value: random per process unless configured, so hashes can't be
         # predicted across deployments.
@@ -75,6 +77,8 @@ class KVCacheManager:
         """Make room for ``num_new_tokens`` more tokens (after any prefix hits). None if it can't."""
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        if self.sliding_window is not None and blocks:
+            self._free_outside_window(request, blocks)
         total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_needed = cdiv(total_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
         # Hits that sit in the free queue stop being allocatable once we take them.
@@ -91,6 +95,22 @@ class KVCacheManager:
             self._cache_full_blocks(request, blocks, total_tokens)
         return new_blocks
 
+    def _free_outside_window(self, request: Request, blocks: list[KVCacheBlock]) -> None:
+        """Swap blocks that no query of this request can see any more for the null block and free them.
+
+        The next query sits at position ``num_computed_tokens`` and sees keys after
+        ``num_computed_tokens - window``; a block ending at or before that is out of every later window.
+        """
+        null = self.pool.null_block
+        num_out = max(0, request.num_computed_tokens - self.sliding_window) // self.block_size
+        freed = []
+        for i in range(min(num_out, len(blocks))):
+            if blocks[i] is not null:
+                freed.append(blocks[i])
+                blocks[i] = null
+        if freed:
+            self.pool.free_blocks(reversed(freed))
+
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
         # K/V of these tokens is written during the coming step, before any later step can read it,
         # and within a step every layer writes the whole batch's K/V before attending.
@@ -106,7 +126,8 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         if blocks:
-            self.pool.free_blocks(reversed(blocks))
+            null = self.pool.null_block
+            self.pool.free_blocks(b for b in reversed(blocks) if b is not null)
 
     def uncache_from(self, request: Request, num_valid_tokens: int) -> None:
         """Forget the prefix-cache entries of the request's blocks past its first ``num_valid_tokens``
@@ -114,7 +135,8 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(request.request_id, [])
         first = num_valid_tokens // self.block_size
         for block in blocks[first:]:
-            self.pool.uncache(block)
+            if block is not self.pool.null_block:
+                self.pool.uncache(block)
         if request.request_id in self.num_cached_blocks:
             self.num_cached_blocks[request.request_id] = min(self.num_cached_blocks[request.request_id], first)
 

@@ -35,7 +35,8 @@ class Scheduler:
         self.config = scheduler_config
         self.max_model_len = scheduler_config.max_model_len
         self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
-                                 cache_config.enable_prefix_caching, cache_config.prefix_caching_hash_seed)
+                                 cache_config.enable_prefix_caching, cache_config.prefix_caching_hash_seed,
+                                 sliding_window=cache_config.sliding_window)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

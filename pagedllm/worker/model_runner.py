@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from pagedllm.attention.forward_context import forward_context
-from pagedllm.attention.layer import Attention, bind_kv_caches
-from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.layer import attention_layers, bind_kv_caches
+from pagedllm.attention.metadata import AttentionMetadata, build_attention_metadata, token_positions
+from pagedllm.attention.spec import common_sliding_window
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.sample.metadata import build_sampling_metadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_logprobs_for_targets
@@ -77,9 +78,16 @@ class ModelRunner:
 
     # ---- KV cache ----------------------------------------------------------------------------------
     def kv_cache_spec(self) -> tuple[int, int, int]:
-        """(num_layers, num_kv_heads, head_size) of the model's attention layers."""
-        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        """(num_layers, num_kv_heads, head_size) of the model's attention layers that keep a KV cache."""
+        layers = [m for m in attention_layers(self.model) if m.spec.uses_kv_cache]
+        if not layers:
+            return 0, 1, 1
         return len(layers), layers[0].num_kv_heads, layers[0].head_size
+
+    def kv_sliding_window(self) -> int | None:
+        """The window when every cached layer slides with it (the KV cache manager may then free blocks
+        that fell out of it); None otherwise."""
+        return common_sliding_window([m.spec for m in attention_layers(self.model)])
 
     def bytes_per_block(self) -> int:
         num_layers, num_kv_heads, head_size = self.kv_cache_spec()
@@ -192,41 +200,17 @@ class ModelRunner:
 
     def _prepare_inputs(self, states: list[CachedRequestState], query_lens: list[int]
                         ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
-        bs = self.block_size
-        num_decodes = 0
-        while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
-            num_decodes += 1
-        qsl = [0]
-        seq_lens = []
-        ids_parts, pos_parts = [], []
-        for state, q in zip(states, query_lens):
-            start = state.num_computed_tokens
-            qsl.append(qsl[-1] + q)
-            seq_lens.append(start + q)
-            ids_parts.append(state.token_ids[start:start + q])
-            pos_parts.append(np.arange(start, start + q))
-        positions = np.concatenate(pos_parts)
+        seq_lens = [state.num_computed_tokens + q for state, q in zip(states, query_lens)]
         width = max(len(s.block_ids) for s in states)
         tables = np.zeros((len(states), width), dtype=np.int32)
         for i, state in enumerate(states):
             tables[i, :len(state.block_ids)] = state.block_ids
-        row_of_token = np.repeat(np.arange(len(states)), query_lens)
-        slot_mapping = tables[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        input_ids = torch.tensor([t for part in ids_parts for t in part], dtype=torch.long)
-        dev = self.device
-        meta = AttentionMetadata(
-            num_actual_tokens=qsl[-1],
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(tables).to(dev),
-            num_decodes=num_decodes,
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens,
-            max_decode_seq_len=max(seq_lens[:num_decodes], default=0),
-            block_size=bs,
-        )
-        return meta, input_ids.to(dev), torch.from_numpy(positions).to(dev)
+        meta = build_attention_metadata(query_lens, seq_lens, tables, self.block_size, self.device)
+        input_ids = torch.tensor([t for state, q in zip(states, query_lens)
+                                  for t in state.token_ids[state.num_computed_tokens:state.num_computed_tokens + q]],
+                                 dtype=torch.long)
+        positions = torch.from_numpy(token_positions(query_lens, seq_lens))
+        return meta, input_ids.to(self.device), positions.to(self.device)
 
     def _prompt_logprobs(self, jobs, hidden: torch.Tensor, qsl: list[int], query_lens: list[int],
                          result: ModelRunnerOutput) -> None:

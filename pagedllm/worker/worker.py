@@ -58,6 +58,7 @@ class Worker:
         model = load_model(mc, self.device)
         self.runner = ModelRunner(model, self.device, self.dtype, config.cache.block_size, mc.vocab_size,
                                   mc.eos_token_ids)
+        config.cache.sliding_window = self.runner.kv_sliding_window()
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache

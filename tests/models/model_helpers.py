@@ -61,6 +61,14 @@ def make_kv_caches(hf_config: Any, num_blocks: int, block_size: int,
     return [torch.zeros(shape, dtype=dtype) for _ in range(hf_config.num_hidden_layers)]
 
 
+def make_model_kv_caches(model: Any, num_blocks: int, block_size: int) -> list[torch.Tensor]:
+    """Zeroed caches shaped from the model's own cached attention layers (any architecture)."""
+    from pagedllm.attention.layer import attention_layers
+
+    return [torch.zeros(2, num_blocks, block_size, m.num_kv_heads, m.head_size, dtype=model.dtype)
+            for m in attention_layers(model) if m.spec.uses_kv_cache]
+
+
 def paged_step(model: Any, token_ids: list[list[int]], seq_lens: list[int], block_tables: list[list[int]],
                block_size: int) -> torch.Tensor:
     """One step over several requests (decodes first). ``token_ids[i]`` are request i's new tokens, which
@@ -78,5 +86,5 @@ def paged_step(model: Any, token_ids: list[list[int]], seq_lens: list[int], bloc
 def prefill_logits(model: Any, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
     """Logits [T, vocab] of a whole sequence run as one prefill through a fresh paged cache."""
     num_blocks = -(len(token_ids) // -block_size)
-    bind_kv_caches(model, make_kv_caches(model.config, num_blocks + 1, block_size, model.dtype))
+    bind_kv_caches(model, make_model_kv_caches(model, num_blocks + 1, block_size))
     return paged_step(model, [token_ids], [len(token_ids)], [list(range(1, num_blocks + 1))], block_size)

@@ -27,16 +27,16 @@ def test_empty_folder_raises(tmp_path) -> None:
 
 
 def test_unsupported_architecture_names_supported_ones(tmp_path) -> None:
-    from transformers import GPT2Config
+    from transformers import BloomConfig
 
-    GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0,
-               architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
+    BloomConfig(n_layer=1, hidden_size=32, n_head=2, vocab_size=64,
+                architectures=["BloomForCausalLM"]).save_pretrained(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"")
     cfg = json.loads((tmp_path / "config.json").read_text())
-    assert cfg["architectures"] == ["GPT2LMHeadModel"]
+    assert cfg["architectures"] == ["BloomForCausalLM"]
     with pytest.raises(ValueError, match="LlamaForCausalLM") as info:
         resolve_model_config(ModelConfig(model=str(tmp_path)))
-    assert "GPT2LMHeadModel" in str(info.value)
+    assert "BloomForCausalLM" in str(info.value) and "Gemma3ForCausalLM" in str(info.value)
     with pytest.raises(ValueError, match="MistralForCausalLM"):
         get_model_cls(["Foo"])
     assert "LlamaForCausalLM" in supported_architectures()

@@ -1,6 +1,7 @@
 """Paged attention: torch SDPA for fresh prompts, and for requests with earlier context either the C++
 CPU kernel (reads K/V through block tables in place) or the portable path (SDPA over K/V gathered
-through the block tables). The portable path is the reference and serves CUDA.
+through the block tables). The portable path is the reference and serves CUDA. Sliding-window and
+encoder layers go through ``torch_windowed``; ``TorchPagedAttentionBackend`` routes by the layer's spec.
 """
 
 from __future__ import annotations
@@ -8,7 +9,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention.backends.base import AttentionBackend
+from pagedllm.attention.backends.torch_windowed import encoder_attention, sliding_window_attention
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.spec import AttentionSpec
 from pagedllm.kernels.cpu import load_cpu_kernels
 
 
@@ -130,3 +134,29 @@ def _attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
         q, k, v = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         out[start:end] = o[0].transpose(0, 1)
+
+
+class TorchPagedAttentionBackend(AttentionBackend):
+    """Portable torch attention, with the C++ paged kernel for causal layers on CPU.
+
+    Sliding-window layers whose step holds no request longer than the window behave exactly like causal
+    ones and take the causal (kernel) path; otherwise they read only the window (``torch_windowed``).
+    """
+
+    name = "torch"
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor | None,
+                meta: AttentionMetadata, spec: AttentionSpec, scale: float) -> torch.Tensor:
+        if spec.kind == "encoder":
+            out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+            encoder_attention(query, key, value, meta, scale, out)
+            return out
+        if kv_cache is None:
+            raise RuntimeError("a causal or sliding-window attention layer has no KV cache bound")
+        window = spec.window_for(meta.max_seq_len)
+        if window is None:
+            return paged_attention(query, key, value, kv_cache, meta, scale)
+        write_kv(kv_cache, key, value, meta.slot_mapping)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        sliding_window_attention(query, kv_cache, meta, window, scale, out)
+        return out

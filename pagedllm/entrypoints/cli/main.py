@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "Generate text for prompts given on the command line or stdin.")
     _add_module_command(subparsers, "chat", "pagedllm.entrypoints.cli.chat",
                         "Chat with a model in the terminal (streams replies; works with piped stdin).")
+    _add_module_command(subparsers, "models", "pagedllm.entrypoints.cli.models",
+                        "List the supported model architectures and the formats each loads from.")
 
     bench = subparsers.add_parser("bench", help="Benchmarks: offline throughput and latency, online serving.",
                                   description="Benchmark pagedllm.", formatter_class=_FORMATTER)

@@ -143,7 +143,8 @@ def build_app(engine: AsyncLLM, options: ServerOptions, metrics: PrometheusMetri
     core = engine.engine
     tokenizer = copy.deepcopy(core.get_tokenizer())
     model_path = core.config.model.model_path or core.config.model.model
-    models = ServingModels(options.served_model_names, model_path, core.processor.max_model_len)
+    models = ServingModels(options.served_model_names, model_path, core.processor.max_model_len,
+                           core.config.model.architecture or None)
     completion = ServingCompletion(engine, models, tokenizer)
     chat = ServingChat(engine, models, tokenizer)
     tokenization = ServingTokenization(chat)

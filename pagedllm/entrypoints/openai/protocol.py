@@ -222,11 +222,13 @@ class ModelCard(OpenAIModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    architecture: str | None = None  # the served model's HF architecture name
 
 
 class ModelList(OpenAIModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+    supported_architectures: list[str] | None = None  # what this server build can load
 
 
 class TokenizeRequest(OpenAIModel):

@@ -7,10 +7,12 @@ from pagedllm.entrypoints.openai.protocol import ModelCard, ModelList
 
 
 class ServingModels:
-    def __init__(self, served_names: list[str], model_path: str, max_model_len: int) -> None:
+    def __init__(self, served_names: list[str], model_path: str, max_model_len: int,
+                 architecture: str | None = None) -> None:
         self.served_names = served_names
         self.model_path = model_path
         self.max_model_len = max_model_len
+        self.architecture = architecture
 
     @property
     def default_name(self) -> str:
@@ -26,5 +28,8 @@ class ServingModels:
         return name
 
     def list(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=name, root=self.model_path, max_model_len=self.max_model_len)
-                               for name in self.served_names])
+        from pagedllm.model_executor.models.registry import supported_architectures
+
+        return ModelList(data=[ModelCard(id=name, root=self.model_path, max_model_len=self.max_model_len,
+                                         architecture=self.architecture) for name in self.served_names],
+                         supported_architectures=supported_architectures())

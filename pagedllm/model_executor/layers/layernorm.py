@@ -1,4 +1,4 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm (plain and Gemma's ``1 + w``) and LayerNorm, optionally fused with the residual add before them."""
 
 from __future__ import annotations
 
@@ -11,10 +11,16 @@ from pagedllm.kernels.cpu import kernels_for
 class RMSNorm(nn.Module):
     """Root-mean-square norm over the last dim; statistics in float32, output in the input dtype."""
 
+    # Gemma stores w and scales by (1 + w); others scale by w.
+    weight_offset: float = 0.0
+
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
         self.eps = eps
+
+    def _scale(self) -> torch.Tensor:
+        return self.weight + self.weight_offset if self.weight_offset else self.weight
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -27,9 +33,9 @@ class RMSNorm(nn.Module):
         if kernels is not None and x.dim() == 2 and self.weight.dtype == x.dtype:
             if residual is None:
                 out = x.clone()
-                kernels.rms_norm_(out, None, self.weight, self.eps)
+                kernels.rms_norm_(out, None, self._scale(), self.eps)
                 return out
-            kernels.rms_norm_(x, residual, self.weight, self.eps)
+            kernels.rms_norm_(x, residual, self._scale(), self.eps)
             return x, residual
         if residual is not None:
             # The residual stream stays in the model dtype, as in the reference implementations.
@@ -37,5 +43,34 @@ class RMSNorm(nn.Module):
             residual = x
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * x32.to(x.dtype)
+        if self.weight_offset:
+            out = (x32 * (self.weight.float() + self.weight_offset)).to(x.dtype)  # Gemma: scale in float32
+        else:
+            out = self.weight * x32.to(x.dtype)
         return out if residual is None else (out, residual)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the checkpoint holds w (zeros = identity) and the output is scaled by (1 + w)."""
+
+    weight_offset = 1.0
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
+        super().__init__(hidden_size, eps, dtype)
+        with torch.no_grad():
+            self.weight.zero_()
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm with RMSNorm's calling convention (an optional residual added first)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, dtype: torch.dtype | None = None) -> None:
+        super().__init__(hidden_size, eps=eps, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden]; with ``residual``: (norm(x + residual), x + residual)."""
+        if residual is None:
+            return super().forward(x)
+        residual = x + residual
+        return super().forward(residual), residual

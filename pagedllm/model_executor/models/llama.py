@@ -1,4 +1,7 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral without sliding window) on flat tokens.
+"""Pre-norm decoders of the Llama shape: Llama 2/3, SmolLM2, Mistral (sliding window), Qwen2/2.5 (q/k/v bias),
+Qwen3 (per-head q/k RMSNorm), Phi-3 (q/k/v and gate/up already fused in the checkpoint).
+
+    x -> embed -> [ RMSNorm -> attention (rotary) -> + -> RMSNorm -> gated MLP -> + ] x N -> RMSNorm -> head
 
 The model sees one flat batch per step: ``input_ids[T]`` and ``positions[T]``, no batch dim and no
 padding. Attention reads its per-step metadata from the forward context and its K/V from the paged cache.
@@ -6,86 +9,38 @@ padding. Attention reads its per-step metadata from the forward context and its 
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention.layer import Attention
-from pagedllm.kernels.cpu import kernels_for
-from pagedllm.model_executor.layers.activation import silu_and_mul
+from pagedllm.attention.spec import AttentionSpec, layer_attention_specs
 from pagedllm.model_executor.layers.layernorm import RMSNorm
-from pagedllm.model_executor.layers.linear import Linear, pack_weight, packed_linear
 from pagedllm.model_executor.layers.rotary_embedding import RopeStep, RotaryEmbedding, rope_settings
-
-# HF checkpoint name fragment -> (our fused parameter fragment, shard index within it).
-_STACKED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-_STACKED_RE = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
-
-
-def _head_dim(cfg: Any) -> int:
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-
-
-class LlamaAttention(nn.Module):
-    def __init__(self, cfg: Any, layer_idx: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = _head_dim(cfg)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        bias = bool(getattr(cfg, "attention_bias", False))
-        # One matmul for q, k and v: rows [q | k | v].
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias, dtype=dtype)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=bias, dtype=dtype)
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads,
-                              layer_idx=layer_idx)
-        # Shard sizes for load_weights, in _STACKED order.
-        self.qkv_proj.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
-
-    def forward(self, x: torch.Tensor, rope: RopeStep) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden]."""
-        qkv = self.qkv_proj(x)
-        q, k = rope.rotate_qk(qkv, self.num_heads, self.num_kv_heads)
-        v = qkv[:, self.q_size + self.kv_size:]
-        return self.o_proj(self.attn(q, k, v))
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
-        super().__init__()
-        act = getattr(cfg, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
-        bias = bool(getattr(cfg, "mlp_bias", False))
-        self.intermediate_size = cfg.intermediate_size
-        # One matmul for gate and up: rows [gate | up].
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias, dtype=dtype)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias, dtype=dtype)
-        self.gate_up_proj.shard_sizes = (cfg.intermediate_size, cfg.intermediate_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden] (SwiGLU)."""
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+from pagedllm.model_executor.models.base import CausalLM
+from pagedllm.model_executor.models.blocks import GatedMLP, RotaryAttention, head_dim_of
+from pagedllm.model_executor.models.weight_loading import STACKED_QKV_GATE_UP, WeightMapping
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: Any, layer_idx: int, spec: AttentionSpec, arch: type[LlamaForCausalLM],
+                 dtype: torch.dtype, quant_config: Any = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, dtype)
-        self.mlp = LlamaMLP(cfg, dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        eps = cfg.rms_norm_eps
+        prefix = f"model.layers.{layer_idx}"
+        self.self_attn = RotaryAttention(
+            cfg.hidden_size, cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None)
+            or cfg.num_attention_heads, head_dim_of(cfg), layer_idx=layer_idx, dtype=dtype, spec=spec,
+            qkv_bias=attention_bias if arch.qkv_bias is None else arch.qkv_bias,
+            o_bias=attention_bias if arch.o_proj_bias is None else arch.o_proj_bias,
+            qk_norm=(lambda d: RMSNorm(d, eps, dtype)) if arch.qk_norm else None,
+            quant_config=quant_config, prefix=f"{prefix}.self_attn")
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "hidden_act", "silu"),
+                            bias=bool(getattr(cfg, "mlp_bias", False)), dtype=dtype, quant_config=quant_config,
+                            prefix=f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
                 rope: RopeStep) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,13 +56,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: Any, arch: type[LlamaForCausalLM], dtype: torch.dtype, quant_config: Any = None) -> None:
         super().__init__()
+        if float(getattr(cfg, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
+            raise ValueError("partial_rotary_factor != 1 is not supported")
+        specs = layer_attention_specs(cfg)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, specs[i], arch, dtype, quant_config)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         theta, scaling = rope_settings(cfg)
-        self.rotary_emb = RotaryEmbedding(_head_dim(cfg), cfg.max_position_embeddings, theta, scaling, dtype)
+        self.rotary_emb = RotaryEmbedding(head_dim_of(cfg), cfg.max_position_embeddings, theta, scaling, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -119,104 +78,36 @@ class LlamaModel(nn.Module):
         return x
 
 
-class LlamaForCausalLM(nn.Module):
-    """Causal LM head over ``LlamaModel``; parameter names mirror HF's except the fused projections."""
+class LlamaForCausalLM(CausalLM):
+    """Causal LM head over ``LlamaModel``; parameter names mirror HF's except the fused projections.
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32) -> None:
+    Subclasses change only what their architecture changes (class attributes below).
+    """
+
+    qkv_bias: bool | None = None  # None: the config's attention_bias
+    o_proj_bias: bool | None = None
+    qk_norm = False
+    weight_mapping = WeightMapping(stacked=STACKED_QKV_GATE_UP, skip=("rotary_emb.inv_freq",))
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, quant_config: Any = None) -> None:
         super().__init__()
-        self.config = hf_config
-        self.dtype = dtype
-        self.model = LlamaModel(hf_config, dtype)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False, dtype=dtype)
-        # Packed copy of the tied head (the embedding keeps reading the plain rows); see pack_for_cpu.
-        self._head_packed: torch.Tensor | None = None
-        self._head_kernels: Any = None
+        self.model = LlamaModel(hf_config, type(self), dtype, quant_config)
+        self._init_head(hf_config, dtype, quant_config)
 
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T] int64 -> hidden states [T, hidden_size] (model dtype).
 
-        Must run inside ``forward_context(attn_metadata)`` with KV caches bound (``bind_kv_caches``).
-        """
-        return self.model(input_ids, positions)
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2 / Qwen2.5: bias on q, k and v, none on the output projection."""
 
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden: [N, hidden_size] (usually only the rows that sample) -> logits [N, vocab] float32.
+    qkv_bias, o_proj_bias = True, False
 
-        ``out``: an optional [N, vocab] float32 buffer the CPU kernel writes into (the result is then
-        ``out``); other paths allocate.
-        """
-        if self.lm_head is not None:
-            return self.lm_head(hidden, out=out).float()
-        if self._head_packed is not None:
-            return packed_linear(self._head_kernels, hidden, self._head_packed, self.config.vocab_size, out=out)
-        return F.linear(hidden, self.model.embed_tokens.weight).float()
 
-    def pack_for_cpu(self) -> bool:
-        """After loading: a packed copy of a tied LM head for the CPU matmul kernel (+ the head's size)."""
-        if not self.tie_word_embeddings or self._head_packed is not None:
-            return self._head_packed is not None
-        kernels = kernels_for(self.model.embed_tokens.weight)
-        if kernels is None:
-            return False
-        self._head_packed = pack_weight(self.model.embed_tokens.weight)
-        self._head_kernels = kernels
-        return True
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: RMSNorm over each head of q and k before rotary."""
 
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors (``model.layers.0.self_attn.q_proj.weight`` ...) into our parameters.
+    qk_norm = True
 
-        q/k/v and gate/up land in row slices of the fused projections. Returns the names of our parameters
-        that were filled; raises if a parameter was never filled or a name is unknown.
-        """
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        filled_shards: dict[str, int] = {}
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue  # recomputed from the config
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue  # tied: the embedding is the head
-            match = _STACKED_RE.search(name)
-            if match:
-                fused_name, shard = _STACKED[match.group(1)]
-                target = name.replace(match.group(1), fused_name)
-                param = params.get(target)
-                if param is None:
-                    raise ValueError(f"checkpoint tensor {name!r} has no matching parameter {target!r}")
-                sizes = self._shard_sizes(target)
-                start = sum(sizes[:shard])
-                dest = param.data.narrow(0, start, sizes[shard])
-                self._copy(dest, tensor, name)
-                filled_shards[target] = filled_shards.get(target, 0) + 1
-                if filled_shards[target] == len(sizes):
-                    loaded.add(target)
-                continue
-            param = params.get(name)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} does not match any parameter of "
-                                 f"{type(self).__name__}")
-            self._copy(param.data, tensor, name)
-            loaded.add(name)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            more = " ..." if len(missing) > 8 else ""
-            raise ValueError(f"weights missing from the checkpoint: {missing[:8]}{more}")
-        return loaded
 
-    def _shard_sizes(self, fused_name: str) -> tuple[int, ...]:
-        module = self.get_submodule(fused_name.rsplit(".", 1)[0])
-        return module.shard_sizes
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3: the checkpoint already stores ``qkv_proj`` and ``gate_up_proj`` fused, rows [q|k|v], [gate|up]."""
 
-    @staticmethod
-    def _copy(dest: torch.Tensor, src: torch.Tensor, name: str) -> None:
-        if dest.shape != src.shape:
-            raise ValueError(f"shape mismatch for {name!r}: checkpoint {tuple(src.shape)}, "
-                             f"model {tuple(dest.shape)}")
-        dest.copy_(src)
+    weight_mapping = WeightMapping(skip=("rotary_emb.inv_freq",))

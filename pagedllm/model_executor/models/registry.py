@@ -1,23 +1,55 @@
-"""HF ``architectures`` name -> our model class."""
+"""HF ``architectures`` name -> our model class, with what each supports (for `pagedllm models`)."""
 
 from __future__ import annotations
 
-from pagedllm.model_executor.models.llama import LlamaForCausalLM
+from dataclasses import dataclass
 
-_MODELS: dict[str, type] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,  # same layers; sliding window is capped by the loader
-}
+
+@dataclass(frozen=True)
+class ArchitectureInfo:
+    name: str  # as in config.json's "architectures"
+    module: str  # under pagedllm.model_executor.models
+    class_name: str
+    family: str
+    formats: tuple[str, ...]  # "hf" (safetensors folder) and/or "gguf"
+    notes: str = ""
+
+
+_ARCHITECTURES = [
+    ArchitectureInfo("LlamaForCausalLM", "llama", "LlamaForCausalLM", "Llama 2/3, SmolLM2, TinyLlama",
+                     ("hf", "gguf")),
+    ArchitectureInfo("MistralForCausalLM", "llama", "LlamaForCausalLM", "Mistral", ("hf", "gguf"),
+                     "sliding-window attention; KV blocks outside the window are freed"),
+    ArchitectureInfo("Qwen2ForCausalLM", "llama", "Qwen2ForCausalLM", "Qwen2, Qwen2.5", ("hf",),
+                     "q/k/v bias"),
+    ArchitectureInfo("Qwen3ForCausalLM", "llama", "Qwen3ForCausalLM", "Qwen3 (dense)", ("hf",),
+                     "per-head q/k RMSNorm"),
+    ArchitectureInfo("Phi3ForCausalLM", "llama", "Phi3ForCausalLM", "Phi-3", ("hf",),
+                     "fused qkv / gate_up checkpoint; no longrope"),
+    ArchitectureInfo("Gemma3ForCausalLM", "gemma3", "Gemma3ForCausalLM", "Gemma 3 (text)", ("hf", "gguf"),
+                     "5 local : 1 global layers, sliding window"),
+    ArchitectureInfo("GPT2LMHeadModel", "gpt2", "GPT2LMHeadModel", "GPT-2", ("hf",),
+                     "learned positions, Conv1D weights"),
+]
+_BY_NAME = {a.name: a for a in _ARCHITECTURES}
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_MODELS)
+    return sorted(_BY_NAME)
+
+
+def architecture_infos() -> list[ArchitectureInfo]:
+    return list(_ARCHITECTURES)
 
 
 def get_model_cls(architectures: list[str]) -> type:
     """First supported class among ``architectures`` (as in a config.json); ValueError if none."""
+    import importlib
+
     for arch in architectures or []:
-        if arch in _MODELS:
-            return _MODELS[arch]
+        info = _BY_NAME.get(arch)
+        if info is not None:
+            module = importlib.import_module(f"pagedllm.model_executor.models.{info.module}")
+            return getattr(module, info.class_name)
     raise ValueError(f"model architecture {list(architectures or [])} is not supported; "
                      f"supported architectures: {', '.join(supported_architectures())}")

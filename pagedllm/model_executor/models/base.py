@@ -1,0 +1,84 @@
+"""What every causal LM shares: the LM head (tied or not, packed for the CPU kernel), logit softcapping,
+and loading through the generic loader with the model's ``weight_mapping``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.kernels.cpu import kernels_for
+from pagedllm.model_executor.layers.linear import pack_weight, packed_linear
+from pagedllm.model_executor.models.blocks import make_linear
+from pagedllm.model_executor.models.weight_loading import WeightMapping, load_weights
+
+
+class CausalLM(nn.Module):
+    """Subclasses build ``self.model`` (whose forward takes ``input_ids, positions``) and call
+    ``_init_head``; they name the input embedding in ``embedding_name`` and declare ``weight_mapping``."""
+
+    weight_mapping: WeightMapping = WeightMapping()
+    embedding_name = "model.embed_tokens"
+    head_name = "lm_head.weight"
+
+    def _init_head(self, hf_config: Any, dtype: torch.dtype, quant_config: Any = None) -> None:
+        self.config = hf_config
+        self.dtype = dtype
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else make_linear(
+            hf_config.hidden_size, hf_config.vocab_size, bias=False, dtype=dtype, quant_config=quant_config,
+            prefix="lm_head")
+        self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None)
+        # Packed copy of a tied head (the embedding keeps reading the plain rows); see pack_for_cpu.
+        self._head_packed: torch.Tensor | None = None
+        self._head_kernels: Any = None
+
+    def embedding(self) -> nn.Embedding:
+        return self.get_submodule(self.embedding_name)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] int64 -> hidden states [T, hidden_size] (model dtype).
+
+        Must run inside ``forward_context(attn_metadata)`` with KV caches bound (``bind_kv_caches``).
+        """
+        return self.model(input_ids, positions)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [N, hidden_size] (usually only the rows that sample) -> logits [N, vocab] float32.
+
+        ``out``: an optional [N, vocab] float32 buffer the CPU kernel writes into (the result is then
+        ``out``); other paths allocate.
+        """
+        if self.lm_head is not None:
+            logits = self.lm_head(hidden, out=out).float()
+        elif self._head_packed is not None:
+            logits = packed_linear(self._head_kernels, hidden, self._head_packed, self.config.vocab_size, out=out)
+        else:
+            logits = F.linear(hidden, self.embedding().weight).float()
+        if self.final_logit_softcapping:
+            cap = float(self.final_logit_softcapping)
+            logits = torch.tanh(logits / cap, out=logits if logits is out else None) * cap
+        return logits
+
+    def pack_for_cpu(self) -> bool:
+        """After loading: a packed copy of a tied LM head for the CPU matmul kernel."""
+        if not self.tie_word_embeddings or self._head_packed is not None:
+            return self._head_packed is not None
+        weight = self.embedding().weight
+        kernels = kernels_for(weight)
+        if kernels is None:
+            return False
+        self._head_packed = pack_weight(weight)
+        self._head_kernels = kernels
+        return True
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors through the generic loader; a tied checkpoint's head is skipped."""
+        skip = (self.head_name,) if self.tie_word_embeddings else ()
+        return load_weights(self, weights, self.weight_mapping, skip_names=skip)

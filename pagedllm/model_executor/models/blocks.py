@@ -1,0 +1,102 @@
+"""Building blocks shared by the decoder architectures: linear construction, gated MLP, rotary attention.
+
+An architecture file composes these (and the norms in ``layers.layernorm``) so that it reads like its
+paper's block diagram; fused q/k/v and gate/up projections are what ``weight_loading`` fills by shard.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.attention.layer import Attention
+from pagedllm.attention.spec import AttentionSpec
+from pagedllm.model_executor.layers.activation import gated_activation
+from pagedllm.model_executor.layers.linear import Linear
+from pagedllm.model_executor.layers.rotary_embedding import RopeStep
+
+_LINEAR_TAKES_QUANT = "quant_config" in inspect.signature(Linear.__init__).parameters
+
+
+def make_linear(input_size: int, output_size: int, *, bias: bool, dtype: torch.dtype, quant_config: Any = None,
+                shard_sizes: tuple[int, ...] | None = None, prefix: str = "") -> Linear:
+    """Every model builds its projections here: one place that knows ``Linear``'s constructor.
+
+    ``shard_sizes``: output rows of each stacked shard of a fused layer (q, k, v or gate, up).
+    """
+    if _LINEAR_TAKES_QUANT:
+        return Linear(input_size, output_size, bias=bias, dtype=dtype, quant_config=quant_config,
+                      shard_sizes=shard_sizes, prefix=prefix)
+    if quant_config is not None:
+        raise ValueError("quantization: this build's Linear layer does not take a quantization config")
+    layer = Linear(input_size, output_size, bias=bias, dtype=dtype)
+    layer.shard_sizes = shard_sizes
+    return layer
+
+
+def head_dim_of(cfg: Any) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up in one matmul (rows [gate | up])."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, *, bias: bool = False,
+                 dtype: torch.dtype, quant_config: Any = None, prefix: str = "") -> None:
+        super().__init__()
+        self.gate_up_proj = make_linear(hidden_size, 2 * intermediate_size, bias=bias, dtype=dtype,
+                                        quant_config=quant_config, shard_sizes=(intermediate_size,) * 2,
+                                        prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = make_linear(intermediate_size, hidden_size, bias=bias, dtype=dtype,
+                                     quant_config=quant_config, prefix=f"{prefix}.down_proj")
+        self.act_and_mul = gated_activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]."""
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+
+
+class RotaryAttention(nn.Module):
+    """Fused q/k/v projection, optional per-head q/k norm, rotary positions, paged attention, output proj.
+
+    ``qk_norm``: a factory ``(head_dim) -> norm module`` (Qwen3, Gemma 3) applied per head before rotary.
+    ``scale`` defaults to 1/sqrt(head_dim). A step passes ``rope=None`` for models without rotary (GPT-2).
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *, layer_idx: int,
+                 dtype: torch.dtype, spec: AttentionSpec | None = None, scale: float | None = None,
+                 qkv_bias: bool = False, o_bias: bool = False,
+                 qk_norm: Callable[[int], nn.Module] | None = None, quant_config: Any = None,
+                 prefix: str = "") -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.qkv_proj = make_linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias, dtype=dtype,
+                                    quant_config=quant_config,
+                                    shard_sizes=(self.q_size, self.kv_size, self.kv_size),
+                                    prefix=f"{prefix}.qkv_proj")
+        self.o_proj = make_linear(self.q_size, hidden_size, bias=o_bias, dtype=dtype, quant_config=quant_config,
+                                  prefix=f"{prefix}.o_proj")
+        self.q_norm = qk_norm(head_dim) if qk_norm else None
+        self.k_norm = qk_norm(head_dim) if qk_norm else None
+        self.attn = Attention(num_heads, head_dim, scale if scale is not None else head_dim ** -0.5, num_kv_heads,
+                              layer_idx=layer_idx, spec=spec)
+
+    def forward(self, x: torch.Tensor, rope: RopeStep | None) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]."""
+        qkv = self.qkv_proj(x)
+        q_end, k_end = self.q_size, self.q_size + self.kv_size
+        if self.q_norm is not None:
+            d = self.head_dim
+            q = self.q_norm(qkv[:, :q_end].reshape(-1, d)).view(-1, self.q_size)
+            k = self.k_norm(qkv[:, q_end:k_end].reshape(-1, d)).view(-1, self.kv_size)
+            qkv = torch.cat([q, k, qkv[:, k_end:]], dim=-1)
+        if rope is not None:
+            q, k = rope.rotate_qk(qkv, self.num_heads, self.num_kv_heads)
+        else:
+            q, k = qkv[:, :q_end], qkv[:, q_end:k_end]
+        return self.o_proj(self.attn(q, k, qkv[:, k_end:]))

@@ -1,0 +1,98 @@
+"""One weight loader for every model, driven by a per-model ``WeightMapping``.
+
+A checkpoint name is renamed, maybe transposed, then routed either to a parameter of the same name or,
+for a stacked projection (q/k/v, gate/up), to a fused parameter plus the shard's index. The parameter's
+own ``weight_loader(param, tensor, shard_id)`` does the copy when it has one (quantized layers), else
+``default_weight_loader``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class WeightMapping:
+    """How checkpoint names reach parameters.
+
+    ``stacked``: (checkpoint fragment, fused parameter fragment, shard index), e.g. ("q_proj", "qkv_proj", 0).
+    ``renames``: (old, new) substrings applied first (GPT-2's ``attn.c_attn`` -> ``attn.qkv_proj``).
+    ``skip``: substrings of checkpoint names that hold nothing to load (rotary tables, causal-mask buffers).
+    ``transposed``: fragments whose ``.weight`` is stored [in, out] (GPT-2's Conv1D), transposed on load.
+    """
+
+    stacked: tuple[tuple[str, str, int], ...] = ()
+    renames: tuple[tuple[str, str], ...] = ()
+    skip: tuple[str, ...] = ()
+    transposed: tuple[str, ...] = ()
+
+
+# q/k/v and gate/up stored apart (Llama, Qwen, Mistral, Gemma); our layers fuse them.
+STACKED_QKV_GATE_UP = (("q_proj", "qkv_proj", 0), ("k_proj", "qkv_proj", 1), ("v_proj", "qkv_proj", 2),
+                       ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1))
+
+
+def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: int | None = None,
+                          shard_sizes: tuple[int, ...] | None = None) -> None:
+    """Copy a whole tensor, or shard ``shard_id`` into its row range of a fused parameter (rows split by
+    ``shard_sizes`` along dim 0). ValueError on a shape mismatch."""
+    dest = param.data
+    if shard_id is not None:
+        if not shard_sizes:
+            raise ValueError(f"shard {shard_id} given for a parameter that is not fused")
+        dest = dest.narrow(0, sum(shard_sizes[:shard_id]), shard_sizes[shard_id])
+    if dest.shape != loaded_weight.shape:
+        raise ValueError(f"checkpoint {tuple(loaded_weight.shape)}, model {tuple(dest.shape)}")
+    dest.copy_(loaded_weight)
+
+
+def _shard_count(model: nn.Module, param_name: str) -> int:
+    owner = model.get_submodule(param_name.rsplit(".", 1)[0]) if "." in param_name else model
+    return len(getattr(owner, "shard_sizes", None) or ()) or 1
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], mapping: WeightMapping,
+                 skip_names: Iterable[str] = ()) -> set[str]:
+    """Load (checkpoint name, tensor) pairs into ``model``; returns the parameter names filled.
+
+    ValueError for a name with no parameter, a shape mismatch, or a parameter the checkpoint never filled.
+    ``skip_names``: exact checkpoint names to ignore (a tied ``lm_head.weight``).
+    """
+    params = dict(model.named_parameters())
+    skip_exact = set(skip_names)
+    shards_seen: dict[str, set[int | None]] = {}
+    for name, tensor in weights:
+        if name in skip_exact or any(s in name for s in mapping.skip):
+            continue
+        for old, new in mapping.renames:
+            name = name.replace(old, new)
+        if name.endswith(".weight") and any(f".{t}." in name for t in mapping.transposed):
+            tensor = tensor.t()
+        target, shard_id = name, None
+        for ckpt, fused, sid in mapping.stacked:
+            if f".{ckpt}." in name:
+                target, shard_id = name.replace(f".{ckpt}.", f".{fused}."), sid
+                break
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} does not match any parameter of {type(model).__name__}")
+        loader = getattr(param, "weight_loader", None)
+        try:
+            if loader is not None:
+                loader(param, tensor, shard_id)
+            else:
+                owner = model.get_submodule(target.rsplit(".", 1)[0]) if "." in target else model
+                default_weight_loader(param, tensor, shard_id, getattr(owner, "shard_sizes", None))
+        except ValueError as e:
+            raise ValueError(f"shape mismatch for {name!r}: {e}") from e
+        shards_seen.setdefault(target, set()).add(shard_id)
+    loaded = {n for n, seen in shards_seen.items() if len(seen) >= (_shard_count(model, n) if None not in seen else 1)}
+    missing = sorted(set(params) - loaded)
+    if missing:
+        more = " ..." if len(missing) > 8 else ""
+        raise ValueError(f"weights missing from the checkpoint: {missing[:8]}{more}")
+    return loaded
