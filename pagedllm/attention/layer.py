@@ -6,11 +6,11 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backends.base import AttentionBackend
-from pagedllm.attention.backends.torch_sdpa import TorchPagedAttentionBackend
+from pagedllm.attention.backends.selector import DeviceAttentionBackend
 from pagedllm.attention.forward_context import get_attn_metadata
 from pagedllm.attention.spec import AttentionSpec
 
-_DEFAULT_BACKEND = TorchPagedAttentionBackend()
+_DEFAULT_BACKEND = DeviceAttentionBackend()
 
 
 class Attention(nn.Module):

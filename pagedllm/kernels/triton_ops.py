@@ -2,13 +2,11 @@
 before it), SiLU-and-mul, and rotary embedding in place inside the fused qkv output.
 
 They mirror the CPU kernels' calling conventions (``kernels/csrc/fused_ops.cpp``), so a layer asks
-``elementwise_kernels_for(x)`` and calls the same names on either device. Eager PyTorch spends 4-8 kernel
-launches on each of these ops; here each is one. Statistics are taken in float32 whatever the dtype.
+``kernels.dispatch.elementwise_kernels_for(x)`` and calls the same names on either device. Eager PyTorch
+spends 4-8 kernel launches on each of these ops; here each is one. Statistics are taken in float32 whatever the dtype.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -114,12 +112,3 @@ class _TritonOps:
 
 
 TRITON_OPS = _TritonOps()
-# Tests run these kernels through Triton's interpreter on CPU tensors; in the engine they serve CUDA only.
-_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def elementwise_kernels_for(x: torch.Tensor):
-    """The Triton ops for a CUDA tensor (or a CPU one under ``TRITON_INTERPRET=1``), else None."""
-    if triton is None or not (x.is_cuda or _ON_CPU):
-        return None
-    return TRITON_OPS

@@ -7,6 +7,7 @@ scheduler's diffs to it, so per step only new tokens and new block ids travel.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -75,6 +76,8 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[torch.Tensor] = []
         self._logits_buffer: torch.Tensor | None = None
+        # CUDA: captured decode graphs (worker.capture_decode_graphs); None runs every step eagerly.
+        self.decode_graphs: Any = None
 
     # ---- KV cache ----------------------------------------------------------------------------------
     def kv_cache_spec(self) -> tuple[int, int, int]:
@@ -103,9 +106,8 @@ class ModelRunner:
     def release_kv_cache(self) -> None:
         """Drop the KV cache tensors (after the GPU profiling step) and unbind them from the layers."""
         self.kv_caches = []
-        for m in self.model.modules():
-            if isinstance(m, Attention):
-                m.kv_cache = None
+        for layer in attention_layers(self.model):
+            layer.kv_cache = None
 
     def _logits_out(self, rows: int) -> torch.Tensor | None:
         """A reused [rows, vocab] float32 buffer for this step's logits on CPU, or None (allocate fresh).
@@ -155,8 +157,11 @@ class ModelRunner:
         query_lens = [sched.num_scheduled_tokens[r] for r in order]
         meta, input_ids, positions = self._prepare_inputs(states, query_lens)
 
-        with forward_context(meta):
-            hidden = self.model(input_ids, positions)
+        if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
+            hidden = self.decode_graphs.run(input_ids, positions, meta)  # CUDA graph replay
+        else:
+            with forward_context(meta):
+                hidden = self.model(input_ids, positions)
 
         # Only the last token of a request that has caught up with all its tokens samples.
         qsl = meta.query_start_loc_cpu

@@ -119,6 +119,25 @@ class Worker:
         logger.info("KV cache: %d blocks of %d tokens (%s, %s), %d tokens; max concurrency %.1fx at %d tokens "
                     "per request", num_blocks, cache.block_size, size, self.config.model.dtype, tokens,
                     tokens / max_len, max_len)
+        self.capture_decode_graphs()
+
+    def capture_decode_graphs(self) -> None:
+        """CUDA only, after the KV cache exists: capture decode steps for a ladder of batch sizes (skipped
+        with --enforce-eager, or without triton, whose kernels are what makes a step graph-safe)."""
+        if self.device.type != "cuda" or self.config.device.enforce_eager:
+            return
+        from pagedllm.attention.backends.triton_paged import triton_available
+        from pagedllm.worker.cuda_graphs import DecodeGraphRunner, graph_batch_sizes
+
+        if not triton_available():
+            logger.warning("triton is not installed: decode steps run eagerly (no CUDA graphs)")
+            return
+        sched, bs = self.config.scheduler, self.config.cache.block_size
+        graphs = DecodeGraphRunner(self.runner.model, self.device, graph_batch_sizes(sched.max_num_seqs),
+                                   max_blocks_per_seq=-(-sched.max_model_len // bs), block_size=bs,
+                                   hidden_size=self.config.model.hf_config.hidden_size, dtype=self.dtype)
+        graphs.capture()
+        self.runner.decode_graphs = graphs
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(sched)

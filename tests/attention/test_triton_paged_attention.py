@@ -116,3 +116,35 @@ def test_tile_shape_covers_group(group: int, max_query_len: int) -> None:
     block_m, block_q = tile_shape(group, max_query_len)
     assert block_m & (block_m - 1) == 0 and block_m >= 16  # a power of two, at least one tl.dot tile
     assert block_q >= 1 and block_q * group <= block_m
+
+
+def test_backend_routes_encoder_layers_to_the_fallback() -> None:
+    from pagedllm.attention.backends.triton_paged import TritonPagedAttentionBackend
+    from pagedllm.attention.spec import AttentionSpec
+
+    class Recorder:
+        calls = 0
+
+        def forward(self, *args):
+            Recorder.calls += 1
+            return args[0]
+
+    backend = TritonPagedAttentionBackend(Recorder())
+    q = torch.randn(3, 2, 16)
+    meta = AttentionMetadata.build([3], [3], [[1]], 16)
+    assert backend.forward(q, q, q, None, meta, AttentionSpec.encoder(), 0.25) is q and Recorder.calls == 1
+    cache = torch.zeros(2, 2, 16, 2, 16)
+    out = backend.forward(q, q.clone(), q.clone(), cache, meta, AttentionSpec.sliding(2), 0.25)
+    assert out.shape == q.shape and Recorder.calls == 1  # causal/sliding layers stay on the kernel
+
+
+def test_cpu_processes_do_not_import_triton() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from pagedllm.attention.layer import Attention; "
+            "from pagedllm.model_executor.layers.layernorm import RMSNorm; "
+            "RMSNorm(8)(torch.randn(2, 8)); print('triton' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PAGEDLLM_CPU_KERNELS": "0"})
+    assert out.stdout.strip() == "False"

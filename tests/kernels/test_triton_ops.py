@@ -67,5 +67,10 @@ def test_rotary_in_place_inside_qkv(num_heads, num_kv_heads, head_dim) -> None:
     torch.testing.assert_close(got.cpu(), expected, atol=1e-5, rtol=1e-5)  # v untouched, q/k rotated
 
 
-def test_dispatch_only_for_cuda_or_interpreter() -> None:
-    assert triton_ops.elementwise_kernels_for(torch.zeros(1, device=DEVICE)) is triton_ops.TRITON_OPS
+def test_dispatch_by_device() -> None:
+    from pagedllm.kernels.dispatch import elementwise_kernels_for
+
+    # CUDA tensors get the Triton ops; CPU tensors never do (the interpreter is for tests only).
+    got = elementwise_kernels_for(torch.zeros(1, device=DEVICE))
+    assert (got is triton_ops.TRITON_OPS) == (DEVICE == "cuda")
+    assert elementwise_kernels_for(torch.zeros(1, dtype=torch.bfloat16)) is None

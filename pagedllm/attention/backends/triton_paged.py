@@ -17,7 +17,9 @@ import os
 
 import torch
 
+from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.spec import AttentionSpec
 
 try:  # Triton ships with the CUDA builds of torch; the CPU build has none.
     import triton
@@ -175,3 +177,20 @@ def triton_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
         WINDOW=max(0, int(sliding_window)), DOT_FP32=_INTERPRETED,
     )
     return out
+
+
+class TritonPagedAttentionBackend(AttentionBackend):
+    """CUDA: causal and sliding-window layers through the Triton kernel; encoder layers (no cache) through
+    the portable torch path. Graph-safe: it reads no tensor values on the host."""
+
+    name = "triton"
+
+    def __init__(self, fallback: AttentionBackend) -> None:
+        self.fallback = fallback
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor | None,
+                meta: AttentionMetadata, spec: AttentionSpec, scale: float) -> torch.Tensor:
+        if spec.kind == "encoder" or kv_cache is None:
+            return self.fallback.forward(query, key, value, kv_cache, meta, spec, scale)
+        window = spec.window if spec.kind == "sliding" else 0
+        return triton_paged_attention(query, key, value, kv_cache, meta, scale, sliding_window=window or 0)

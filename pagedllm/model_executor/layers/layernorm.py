@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.kernels.cpu import kernels_for
+from pagedllm.kernels.dispatch import elementwise_kernels_for
 
 
 class RMSNorm(nn.Module):
@@ -26,11 +26,13 @@ class RMSNorm(nn.Module):
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden]. With ``residual`` ([T, hidden]) returns (norm(x + residual), x + residual).
 
-        On CPU in float32 one fused pass computes it, writing the results into ``x`` and ``residual``
+        On CPU in float32 (and on CUDA) one fused pass computes it, writing the results into ``x`` and ``residual``
         (callers hand over both); without a residual ``x`` is left as it is.
         """
-        kernels = kernels_for(x)
-        if kernels is not None and x.dim() == 2 and self.weight.dtype == x.dtype:
+        kernels = elementwise_kernels_for(x)
+        # Gemma's (1 + w) is taken in float32 by the reference; the fused GPU op would round it to bf16 first.
+        if (kernels is not None and x.dim() == 2 and self.weight.dtype == x.dtype
+                and not (x.is_cuda and self.weight_offset)):
             if residual is None:
                 out = x.clone()
                 kernels.rms_norm_(out, None, self._scale(), self.eps)

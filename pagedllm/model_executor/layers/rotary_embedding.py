@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.kernels.cpu import kernels_for
+from pagedllm.kernels.dispatch import elementwise_kernels_for
 
 
 def rope_settings(hf_config: Any) -> tuple[float, dict[str, Any]]:
@@ -58,11 +58,15 @@ class RotaryEmbedding(nn.Module):
                             inv_freq)
         self.cos_sin_cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype)  # [P, D]
 
+    def table_on(self, device: torch.device) -> torch.Tensor:
+        """The [P, D] cos/sin table on ``device`` (moved there once)."""
+        if self.cos_sin_cache.device != device:
+            self.cos_sin_cache = self.cos_sin_cache.to(device)
+        return self.cos_sin_cache
+
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T] int64 -> (cos, sin), each [T, 1, D/2] (broadcast over heads)."""
-        cache = self.cos_sin_cache
-        if cache.device != positions.device:
-            cache = self.cos_sin_cache = cache.to(positions.device)
+        cache = self.table_on(positions.device)
         cos, sin = cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
         return cos, sin
 
@@ -78,14 +82,14 @@ class RopeStep:
     def rotate_qk(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """qkv: [T, (H + 2*Hkv) * D] laid out [q | k | v] -> rotated q [T, H*D] and k [T, Hkv*D].
 
-        On CPU in float32 the rotation is done in place inside ``qkv`` and q/k are views of it.
+        On CPU in float32 and on CUDA the rotation is done in place inside ``qkv`` and q/k are views of it.
         """
         d = self.emb.head_dim
         q_size, kv_size = num_heads * d, num_kv_heads * d
         q, k = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size]
-        kernels = kernels_for(qkv)  # CPU float32 only, where the cos/sin table already lives
-        if kernels is not None and qkv.dim() == 2 and self.emb.cos_sin_cache.dtype == torch.float32:
-            kernels.rotary_(qkv, self.positions, self.emb.cos_sin_cache, num_heads + num_kv_heads, d)
+        kernels = elementwise_kernels_for(qkv)  # CPU float32 (table in float32 too) or CUDA (any dtype)
+        if kernels is not None and qkv.dim() == 2 and (qkv.is_cuda or self.emb.cos_sin_cache.dtype == torch.float32):
+            kernels.rotary_(qkv, self.positions, self.emb.table_on(qkv.device), num_heads + num_kv_heads, d)
             return q, k
         if self._cos_sin is None:
             self._cos_sin = self.emb.lookup(self.positions)
