@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pagedllm.model_executor.models.bert import BertModel
 from pagedllm.model_executor.models.llama import LlamaForCausalLM
 
 _MODELS: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,  # same layers; sliding window is capped by the loader
+    "BertModel": BertModel,  # encoder-only: pooling runner (embeddings)
 }
 
 
