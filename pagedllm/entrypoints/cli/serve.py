@@ -10,7 +10,9 @@ from pagedllm.engine_args import EngineArgs
 DESCRIPTION = """Start the OpenAI-compatible HTTP server.
 
 Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /version,
-/metrics (Prometheus, vLLM metric names), /reset_prefix_cache. Works with the official `openai` client:
+/metrics (Prometheus, vLLM metric names), /reset_prefix_cache; with a pooling model (--runner pooling, e.g.
+all-MiniLM-L6-v2) /v1/embeddings, /pooling and /score instead of generation. Works with the official `openai`
+client:
   OpenAI(base_url="http://HOST:PORT/v1", api_key="KEY or anything")
 """
 
