@@ -22,7 +22,8 @@ def _remote_server_cls():
     """The entrypoint tests' ``RemoteServer`` (a real ``pagedllm serve`` subprocess on a free port)."""
     import importlib.util as iu
 
-    spec = iu.spec_from_file_location("_entrypoints_conftest", Path(__file__).parents[1] / "entrypoints" / "conftest.py")
+    path = Path(__file__).parents[1] / "entrypoints" / "conftest.py"
+    spec = iu.spec_from_file_location("_entrypoints_conftest", path)
     module = iu.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.RemoteServer
