@@ -40,7 +40,7 @@ class LLMEngine:
                     arrival_time: float | None = None, kind: OutputKind = OutputKind.FINAL_ONLY,
                     cache_salt: str | None = None, add_special_tokens: bool = True) -> None:
         """Validate and queue a request; raises ValueError naming the bad field."""
-        if request_id in self.output_processor.parents:
+        if request_id in self.output_processor.parents or request_id in self.output_processor.pooling:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         arrival_time = arrival_time if arrival_time is not None else time.time()
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
