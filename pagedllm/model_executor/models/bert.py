@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.forward_context import get_attn_metadata
-from pagedllm.model_executor.layers.encoder_attention import encoder_attention
+from pagedllm.model_executor.layers.encoder_attention import encoder_attention_qkv, plan_encoder_attention
 from pagedllm.model_executor.layers.linear import Linear
 
 _QKV_RE = re.compile(r"\.attention\.self\.(query|key|value)\.")
@@ -61,10 +61,10 @@ class BertSelfAttention(nn.Module):
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.qkv_proj = Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, query_start_loc: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plan: Any) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden] (before the output projection)."""
-        q, k, v = self.qkv_proj(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
-        return encoder_attention(q, k, v, query_start_loc)
+        qkv = self.qkv_proj(x).view(x.shape[0], 3, self.num_heads, self.head_dim)
+        return encoder_attention_qkv(qkv, plan)
 
 
 class BertAttention(nn.Module):
@@ -73,8 +73,8 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(cfg, dtype)
         self.output = BertAddNorm(cfg.hidden_size, cfg.hidden_size, cfg.layer_norm_eps, dtype)
 
-    def forward(self, x: torch.Tensor, query_start_loc: list[int]) -> torch.Tensor:
-        return self.output(self.self(x, query_start_loc), x)
+    def forward(self, x: torch.Tensor, plan: Any) -> torch.Tensor:
+        return self.output(self.self(x, plan), x)
 
 
 class BertAddNorm(nn.Module):
@@ -106,8 +106,8 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(cfg, dtype)
         self.output = BertAddNorm(cfg.intermediate_size, cfg.hidden_size, cfg.layer_norm_eps, dtype)
 
-    def forward(self, x: torch.Tensor, query_start_loc: list[int]) -> torch.Tensor:
-        x = self.attention(x, query_start_loc)
+    def forward(self, x: torch.Tensor, plan: Any) -> torch.Tensor:
+        x = self.attention(x, plan)
         return self.output(self.intermediate(x), x)
 
 
@@ -142,10 +142,11 @@ class BertModel(nn.Module):
 
         Must run inside ``forward_context(metadata)``; only ``metadata.query_start_loc_cpu`` is read.
         """
-        query_start_loc = get_attn_metadata().query_start_loc_cpu
+        # Which tokens attend to which: worked out once per step, shared by all layers.
+        plan = plan_encoder_attention(get_attn_metadata().query_start_loc_cpu, input_ids.device)
         x = self.embeddings(input_ids, positions, token_type_ids)
         for layer in self.encoder.layer:
-            x = layer(x, query_start_loc)
+            x = layer(x, plan)
         return x
 
     @torch.no_grad()
