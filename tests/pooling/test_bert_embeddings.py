@@ -114,3 +114,10 @@ def test_default_pooling_model(minilm_path):
 def test_generate_runner_refuses_an_encoder(minilm_path):
     with pytest.raises(ValueError, match="runner: BertModel is an encoder-only"):
         LLM(minilm_path, runner="generate")
+
+
+def test_bfloat16_close_to_reference(minilm_path, reference):
+    """bf16 (``--dtype auto`` on AVX-512-bf16 CPUs and GPUs) stays close to the float32 reference."""
+    llm = LLM(minilm_path, dtype="bfloat16")
+    outs = llm.embed(SENTENCES, use_tqdm=False)
+    assert min(_cos(o.outputs.embedding, r) for o, r in zip(outs, reference)) > 0.999
