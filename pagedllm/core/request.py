@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pagedllm.pooling_params import PoolingParams
     from pagedllm.sampling_params import SamplingParams
 
 
@@ -42,7 +43,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: list[int], max_tokens: int, arrival_time: float | None = None,
-                 cache_salt: str | None = None) -> None:
+                 cache_salt: str | None = None, pooling_params: PoolingParams | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -51,6 +52,8 @@ class Request:
         self.max_tokens = max_tokens
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.cache_salt = cache_salt
+        # Pooling requests sample nothing: they finish once their prompt has been computed.
+        self.pooling_params = pooling_params
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagedllm.sampling_params import SamplingParams
@@ -19,6 +19,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    pooling_params: Any = None  # PoolingParams for a pooling request
 
 
 @dataclass
@@ -53,6 +54,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[dict[int, tuple[float, int]]]] = field(default_factory=dict)
     # req_id -> list (one per prompt position after the first) of the same mapping.
     prompt_logprobs: dict[str, list[dict[int, tuple[float, int]]]] = field(default_factory=dict)
+    # req_id -> pooled vector (a float32 CPU tensor) for pooling requests whose prompt is now complete.
+    pooler_output: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -66,6 +69,7 @@ class EngineCoreOutput:
     new_logprobs: list[dict[int, tuple[float, int]]] | None = None
     prompt_logprobs: list[dict[int, tuple[float, int]]] | None = None
     num_cached_tokens: int = 0
+    pooling_output: Any = None  # the pooled vector of a finished pooling request
 
     @property
     def finished(self) -> bool:

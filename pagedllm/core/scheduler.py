@@ -49,11 +49,14 @@ class Scheduler:
     # ---- admission ---------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises ValueError if it could never run (the engine checks this first)."""
-        self.check_fits(request.num_prompt_tokens)
+        self.check_fits(request.num_prompt_tokens, pooling=request.pooling_params is not None)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def check_fits(self, num_prompt_tokens: int) -> None:
+    def check_fits(self, num_prompt_tokens: int, pooling: bool = False) -> None:
+        if pooling:  # nothing is generated: the whole context may be prompt
+            self._check_pooling_fits(num_prompt_tokens)
+            return
         if num_prompt_tokens >= self.max_model_len:
             raise ValueError(
                 f"prompt: {num_prompt_tokens} tokens is too long; the maximum context length is "
@@ -63,6 +66,19 @@ class Scheduler:
                 f"prompt: {num_prompt_tokens} tokens can never fit in the KV cache "
                 f"({self.kv.num_usable_blocks} blocks of {self.kv.block_size} tokens); "
                 "raise --kv-cache-memory")
+
+    def _check_pooling_fits(self, num_prompt_tokens: int) -> None:
+        if num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"input: {num_prompt_tokens} tokens is too long; the model's maximum length is "
+                f"{self.max_model_len} tokens (set truncate_prompt_tokens to cut the input)")
+        if self.config.is_encoder_only:
+            if num_prompt_tokens > self.config.max_num_batched_tokens:
+                raise ValueError(f"input: {num_prompt_tokens} tokens do not fit in one step of "
+                                 f"{self.config.max_num_batched_tokens} tokens; raise --max-num-batched-tokens")
+        elif not self.kv.can_ever_fit(num_prompt_tokens):
+            raise ValueError(f"input: {num_prompt_tokens} tokens can never fit in the KV cache; "
+                             "raise --kv-cache-memory")
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Finish requests from outside (abort, or a stop string seen by the detokenizer)."""
@@ -135,15 +151,18 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             hits, num_hit_tokens = ([], 0)
-            if request.num_computed_tokens == 0:
+            # Pooling requests skip prefix hits: mean/CLS pooling needs every prompt position's state.
+            if request.num_computed_tokens == 0 and request.pooling_params is None:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
-            if not self.config.enable_chunked_prefill and num_new > budget:
+            no_chunking = not self.config.enable_chunked_prefill or self.config.is_encoder_only
+            if no_chunking and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            new_blocks = self.kv.allocate_slots(request, num_new, hits, num_hit_tokens)
-            if new_blocks is None:
-                break  # head of the queue waits for memory; later requests must not jump ahead of it
+            if not self.config.is_encoder_only:  # an encoder keeps no KV cache
+                new_blocks = self.kv.allocate_slots(request, num_new, hits, num_hit_tokens)
+                if new_blocks is None:
+                    break  # head of the queue waits for memory; later requests must not jump ahead of it
             self.waiting.popleft()
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
@@ -198,6 +217,7 @@ class Scheduler:
             sampling_params=request.sampling_params,
             block_ids=self.kv.get_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
+            pooling_params=request.pooling_params,
         )
 
     def _cap_length(self, request: Request) -> None:
@@ -227,6 +247,9 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue  # aborted while the step ran
+            if request.pooling_params is not None:
+                self._finish_pooled(request, result, outputs)
+                continue
             prompt_lps = result.prompt_logprobs.get(req_id)
             token = result.sampled_token_ids.get(req_id)
             if token is None:
@@ -246,6 +269,17 @@ class Scheduler:
                 self.running.remove(request)
                 self._free(request)
         return outputs
+
+    def _finish_pooled(self, request: Request, result: ModelRunnerOutput, outputs: list[EngineCoreOutput]) -> None:
+        """A pooling request finishes (its KV blocks freed) in the step that computed its last prompt token."""
+        pooled = result.pooler_output.get(request.request_id)
+        if pooled is None:
+            return  # a partial prefill chunk
+        request.status = RequestStatus.FINISHED_STOPPED
+        outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="stop", pooling_output=pooled,
+                                        num_cached_tokens=max(request.num_cached_tokens, 0)))
+        self.running.remove(request)
+        self._free(request)
 
     def recover_from_failed_step(self, sched: SchedulerOutput) -> list[EngineCoreOutput]:
         """The step's forward pass raised. A request that ran alone in it is failed ("error"); the others

@@ -19,7 +19,8 @@ from pagedllm.engine.engine_snapshot import EngineSnapshot, SnapshotPublisher
 from pagedllm.engine.output_processor import OutputKind
 from pagedllm.engine.processor import PromptType
 from pagedllm.logger import init_logger
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
@@ -218,7 +219,7 @@ class AsyncLLM:
                                     cache_salt=cache_salt, add_special_tokens=add_special_tokens)
             # Registered on the engine thread, so no output can be produced before the stream exists.
             self._streams[request_id] = stream
-            if self.stat_logger is not None:
+            if self.stat_logger is not None and not isinstance(params, PoolingParams):
                 self.stat_logger.add_request(request_id, kind, params.n)
 
         added = self._submit(add)
@@ -230,7 +231,7 @@ class AsyncLLM:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
-                if finished and any(c.finish_reason == "error" for c in item.outputs):
+                if finished and _failed(item):
                     raise RequestFailedError(f"The model failed while computing request {request_id}; "
                                              "the server keeps serving other requests.")
                 yield item
@@ -243,6 +244,17 @@ class AsyncLLM:
             if not finished and not rejected:
                 if self.errored is None:
                     self._submit(lambda: self._abort_in_engine([request_id]))
+
+    async def encode(self, prompt: PromptType, params: PoolingParams, request_id: str,
+                     add_special_tokens: bool = True) -> PoolingRequestOutput:
+        """Pool one prompt on a pooling model; ValueError for a bad input, as ``generate``."""
+        out = None
+        async for item in self.generate(prompt, params, request_id, kind=OutputKind.FINAL_ONLY,
+                                        add_special_tokens=add_special_tokens):
+            out = item
+        if out is None or out.outputs is None:
+            raise RequestFailedError(f"request {request_id} ended without an embedding")
+        return out
 
     def _abort_in_engine(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -290,3 +302,9 @@ class AsyncLLM:
 def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
     for stream, out in items:
         stream.queue.put_nowait(out)
+
+
+def _failed(item: RequestOutput | PoolingRequestOutput) -> bool:
+    if isinstance(item, PoolingRequestOutput):
+        return item.finish_reason == "error"
+    return any(c.finish_reason == "error" for c in item.outputs)

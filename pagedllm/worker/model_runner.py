@@ -59,12 +59,14 @@ class CachedRequestState:
     num_computed_tokens: int
     generator: torch.Generator | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    pooling_params: Any = None  # PoolingParams of a pooling request
 
 
 class ModelRunner:
     def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, block_size: int,
-                 vocab_size: int, eos_token_ids: list[int]) -> None:
+                 vocab_size: int, eos_token_ids: list[int], pooling: Any = None) -> None:
         self.model = model
+        self.pooling = pooling  # a PoolingRunner when the engine runs a pooling model (no sampling)
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -139,7 +141,7 @@ class ModelRunner:
                 req_id=new.req_id, prompt_token_ids=new.prompt_token_ids,
                 token_ids=list(new.prompt_token_ids) + list(new.output_token_ids), params=new.sampling_params,
                 block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens, generator=gen,
-                output_token_ids=list(new.output_token_ids))
+                output_token_ids=list(new.output_token_ids), pooling_params=new.pooling_params)
         for cached in sched.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -151,6 +153,8 @@ class ModelRunner:
         self._update_states(sched)
         if sched.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
+        if self.pooling is not None:
+            return self.pooling.execute(self, sched)
         # Decodes (one token) first: the attention backend batches them in one call.
         order = sorted(sched.num_scheduled_tokens, key=lambda r: sched.num_scheduled_tokens[r] != 1)
         states = [self.requests[r] for r in order]

@@ -56,11 +56,20 @@ class Worker:
         self.dtype = torch_dtype(mc.dtype)
         torch.manual_seed(mc.seed)
         model = load_model(mc, self.device)
+        pooling = None
+        if mc.is_pooling:
+            from pagedllm.model_executor.layers.pooler import Pooler
+            from pagedllm.worker.pooling_runner import PoolingRunner
+
+            pooling = PoolingRunner(Pooler(mc.pooler_config.pooling_type, bool(mc.pooler_config.normalize)),
+                                    mc.is_encoder_only)
         self.runner = ModelRunner(model, self.device, self.dtype, config.cache.block_size, mc.vocab_size,
-                                  mc.eos_token_ids)
+                                  mc.eos_token_ids, pooling=pooling)
         config.cache.sliding_window = self.runner.kv_sliding_window()
 
     def determine_num_blocks(self) -> int:
+        if self.config.model.is_encoder_only:
+            return 2  # an encoder keeps no KV cache; the block pool's minimum (null block + one)
         cache = self.config.cache
         per_block = self.runner.bytes_per_block()
         if cache.kv_cache_memory is not None:
@@ -111,6 +120,10 @@ class Worker:
         return budget
 
     def init_kv_cache(self, num_blocks: int) -> None:
+        if self.config.model.is_encoder_only:
+            logger.info("no KV cache: %s is an encoder; each prompt runs whole in one step (up to %d tokens "
+                        "per step)", self.config.model.architecture, self.config.scheduler.max_num_batched_tokens)
+            return
         self.runner.init_kv_cache(num_blocks)
         cache = self.config.cache
         tokens = (num_blocks - 1) * cache.block_size

@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "Load a running server with Poisson-arriving streamed requests; TTFT, ITL, E2E.")
     _add_module_command(bench_sub, "prefix-caching", "pagedllm.benchmarks.prefix_caching",
                         "Shared-prefix workload with prefix caching on and off.")
+    _add_module_command(bench_sub, "embed", "pagedllm.benchmarks.embed",
+                        "Embedding throughput of a pooling model vs plain transformers, side by side.")
     bench.set_defaults(func=lambda args: _print_help(bench))
     return parser
 

@@ -11,8 +11,9 @@ DESCRIPTION = """Start the OpenAI-compatible HTTP server.
 
 Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /version,
 /metrics (Prometheus, vLLM metric names), /reset_prefix_cache, /v1/kv_cache/snapshot (the block map), and a
-browser playground at / (chat + a live map of the paged KV cache; --disable-frontend turns it off).
-Works with the official `openai` client:
+browser playground at / (chat + a live map of the paged KV cache; --disable-frontend turns it off); with a
+pooling model (--runner pooling, e.g. all-MiniLM-L6-v2) /v1/embeddings, /pooling and /score instead of
+generation. Works with the official `openai` client:
   OpenAI(base_url="http://HOST:PORT/v1", api_key="KEY or anything")
 """
 

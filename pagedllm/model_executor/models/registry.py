@@ -30,6 +30,8 @@ _ARCHITECTURES = [
                      "5 local : 1 global layers, sliding window"),
     ArchitectureInfo("GPT2LMHeadModel", "gpt2", "GPT2LMHeadModel", "GPT-2", ("hf",),
                      "learned positions, Conv1D weights"),
+    ArchitectureInfo("BertModel", "bert", "BertModel", "BERT encoders (all-MiniLM-L6-v2, ...)", ("hf",),
+                     "encoder-only: pooling runner (embeddings)"),
 ]
 _BY_NAME = {a.name: a for a in _ARCHITECTURES}
 

@@ -1,0 +1,38 @@
+"""32 varied sentences: short and long, punctuation, numbers, casing, non-English, code, repeats."""
+
+SENTENCES = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog.",
+    "a",
+    "What is the capital of France?",
+    "Paris is the capital and most populous city of France.",
+    "I love machine learning and natural language processing!",
+    "The stock market crashed on Monday, losing 5.2% of its value in a single day.",
+    "def fibonacci(n): return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)",
+    "Der schnelle braune Fuchs springt über den faulen Hund.",
+    "東京は日本の首都です。",
+    "¿Dónde está la biblioteca?",
+    "THIS SENTENCE IS WRITTEN IN ALL CAPITAL LETTERS",
+    "Embeddings map text to vectors so that similar meanings end up close together.",
+    "1 2 3 4 5 6 7 8 9 10",
+    "The mitochondria is the powerhouse of the cell.",
+    "She sells sea shells by the sea shore.",
+    "In 1492, Columbus sailed the ocean blue.",
+    "Water boils at 100 degrees Celsius at sea level.",
+    "The cat sat on the mat. The cat sat on the mat. The cat sat on the mat.",
+    "Can you recommend a good Italian restaurant nearby?",
+    "Quantum computers use qubits, which can be in superpositions of 0 and 1.",
+    "email me at someone@example.com or call +1-555-0100",
+    "The weather today is sunny with a chance of rain in the evening.",
+    "Photosynthesis converts light energy into chemical energy stored in glucose.",
+    "Never gonna give you up, never gonna let you down.",
+    "A journey of a thousand miles begins with a single step.",
+    "The Eiffel Tower was completed in 1889 for the World's Fair.",
+    "SELECT name, price FROM products WHERE price > 10 ORDER BY price DESC;",
+    "How do I reset my password?",
+    "Football is the most popular sport in the world, followed by cricket and basketball, according to "
+    "several surveys that counted fans across every continent over the last two decades of broadcasts.",
+    "🙂 emojis are tokens too",
+    "Short.",
+]
+assert len(SENTENCES) == 32

@@ -1,0 +1,28 @@
+"""``pagedllm bench embed`` at a tiny size: both backends run, agree, and the JSON has the numbers."""
+
+from __future__ import annotations
+
+import json
+
+from pagedllm.benchmarks.embed import make_sentences
+from pagedllm.entrypoints.cli.main import main
+
+
+def test_make_sentences_is_seeded_and_varied():
+    a, b = make_sentences(20, 3, 9, seed=1), make_sentences(20, 3, 9, seed=1)
+    assert a == b and a != make_sentences(20, 3, 9, seed=2)
+    assert all(3 <= len(s.split()) <= 9 for s in a)
+
+
+def test_bench_embed_dry_run(tmp_path, minilm_path):
+    out = tmp_path / "embed.json"
+    rc = main(["bench", "embed", "--model", minilm_path, "--num-sentences", "12", "--output-json", str(out),
+               "--no-warmup", "--disable-log-stats"])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["num_sentences"] == 12 and result["dtype"] == "float32"
+    for backend in ("pagedllm", "transformers"):
+        assert result[backend]["sentences_per_second"] > 0
+    assert result["pagedllm"]["total_tokens"] == result["transformers"]["total_tokens"]
+    assert result["min_cosine"] > 0.9999
+    assert result["speedup"] > 0
