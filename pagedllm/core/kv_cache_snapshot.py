@@ -55,12 +55,14 @@ def build_snapshot(states: Sequence[str], block_size: int,
     owners: list[str] = []
     owner_num_blocks: list[int] = []
     for request_id, block_ids in block_tables.items():
-        if not block_ids:
+        # A table may hold the null block in place of blocks already freed (sliding windows): not owned.
+        held = [b for b in block_ids if states[b] != BLOCK_NULL]
+        if not held:
             continue
         index = len(owners)
         owners.append(request_id)
-        owner_num_blocks.append(len(block_ids))
-        for block_id in block_ids:
+        owner_num_blocks.append(len(held))
+        for block_id in held:
             if owner_of[block_id] == NO_OWNER:
                 owner_of[block_id] = index
     return KVCacheSnapshot(len(states), block_size, _runs(states, owner_of), tuple(owners),

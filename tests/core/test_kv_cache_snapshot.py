@@ -117,6 +117,14 @@ def test_runs_round_trip_and_are_compact():
     assert owners[1005] == 0 and owners[1017] == 1 and owners[2] == NO_OWNER
 
 
+def test_null_block_in_a_table_is_not_owned():
+    """Sliding-window tables put the null block where freed blocks were."""
+    states = ["n", "u", "u", "f"]
+    snap = build_snapshot(states, 16, {"r": [0, 0, 1, 2], "gone": [0]})
+    assert snap.owners == ("r",) and snap.owner_num_blocks == (2,)
+    assert snap.runs == (("n", NO_OWNER, 1), ("u", 0, 2), ("f", NO_OWNER, 1))
+
+
 def test_snapshot_matches_scheduler_state_through_a_run():
     """Drive the real scheduler (with preemption) and check the snapshot after every step."""
     sched = make_scheduler(num_blocks=12, block_size=4, budget=16, max_seqs=4)

@@ -150,3 +150,13 @@ def test_disable_frontend_and_snapshot_auth(keyed_server):
     snap = snapshot(url, Authorization=f"Bearer {KEY}")
     assert snap["num_blocks"] > 0 and snap["runs"][0][0] == "n"
     assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_every_frontend_file_ships_in_the_wheel():
+    """pyproject's package-data must cover each kind of file in frontend/, or a non-editable install
+    serves a broken page."""
+    from pagedllm.entrypoints.openai.playground import FRONTEND_DIR
+
+    pyproject = (FRONTEND_DIR.parents[3] / "pyproject.toml").read_text()
+    for suffix in {p.suffix for p in FRONTEND_DIR.iterdir() if p.is_file()}:
+        assert f'"frontend/*{suffix}"' in pyproject, suffix
