@@ -24,7 +24,7 @@ def test_batched_equals_solo(llm: LLM, solo_outputs):
 def test_batched_equals_solo_under_preemption_and_chunking(solo_outputs):
     # ~12 blocks of 16 tokens for 16 requests of ~20 tokens each: preemption is unavoidable;
     # a 24-token budget splits every prompt into chunks that share steps with decodes.
-    tight = LLM(kv_cache_memory="9MiB", max_num_batched_tokens=24, max_model_len=256)
+    tight = LLM(kv_cache_memory="9MiB", max_num_batched_tokens=24, max_model_len=256, dtype="float32")
     outs = _batched(tight)
     assert tight.engine.core.scheduler.num_preemptions > 0
     assert outs == solo_outputs
@@ -36,7 +36,7 @@ def test_prefix_caching_on_equals_off(llm: LLM):
     prompts = [shared + q for q in ("What is 2+2?", "Name a colour.", "Who wrote Hamlet?")]
     prompts.append(prompts[0])  # the whole prompt cached
     prompts.append(shared[:37])  # a prefix that ends mid-block
-    off = LLM(enable_prefix_caching=False, kv_cache_memory="64MiB", max_model_len=1024)
+    off = LLM(enable_prefix_caching=False, kv_cache_memory="64MiB", max_model_len=1024, dtype="float32")
     want = [o.outputs[0].token_ids for o in off.generate(prompts, GREEDY, use_tqdm=False)]
     llm.generate(prompts[:1], GREEDY, use_tqdm=False)  # warm the cache
     got = llm.generate(prompts, GREEDY, use_tqdm=False)

@@ -31,6 +31,8 @@ class RemoteServer:
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"pagedllm-serve-{self.port}.log"
         cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli.serve", "--host", "127.0.0.1",
                "--port", str(self.port), "--kv-cache-memory", "128MiB", "--max-model-len", "2048",
+               # float32 everywhere (auto is bf16 on AVX-512 bf16 CPUs): tests compare outputs exactly.
+               "--dtype", "float32",
                "--uvicorn-log-level", "warning", *extra_args]
         full_env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
