@@ -152,7 +152,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions, metrics: PrometheusMetri
     completion = ServingCompletion(engine, models, tokenizer)
     chat = ServingChat(engine, models, tokenizer)
     tokenization = ServingTokenization(chat)
-    is_pooling = core.config.model.is_pooling
+    is_pooling = bool(getattr(core.config.model, "is_pooling", False))
     embedding = ServingEmbedding(engine, models, tokenizer) if is_pooling else None
 
     def runner_check(pooling_endpoint: bool) -> None:
