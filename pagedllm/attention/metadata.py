@@ -135,7 +135,11 @@ def build_attention_metadata(query_lens: list[int], seq_lens: list[int], block_t
     np.cumsum(query_lens, out=qsl[1:])
     row_of_token = np.repeat(np.arange(num_reqs), query_lens)
     positions = token_positions(query_lens, seq_lens)
-    slot_mapping = tables[row_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    # Tokens past a request's table get slot -1 (encoder layers keep no cache and pass empty tables).
+    block_idx = positions // block_size
+    in_table = block_idx < tables.shape[1]
+    slot_mapping = np.where(in_table, tables[row_of_token, np.minimum(block_idx, tables.shape[1] - 1)].astype(np.int64)
+                            * block_size + positions % block_size, -1)
     qsl_list = qsl.tolist()
     seq_list = [int(s) for s in seq_lens]
     return AttentionMetadata(

@@ -51,3 +51,19 @@ def test_long_request_matches_transformers_and_kv_stays_bounded(mistral) -> None
     assert kv.pool.num_free_blocks == kv.num_usable_blocks  # everything back after the request
     tokens = [o for o in outputs if o.finished][0].outputs[0].token_ids
     assert list(tokens) == hf_greedy(hf, prompt, 60)
+
+
+def test_gemma3_batched_equals_solo(tmp_path) -> None:
+    """A hybrid (5 local : 1 global) model: greedy tokens of prompts batched together equal each run alone."""
+    from arch_configs import save_tiny
+
+    from pagedllm import LLM
+
+    path, _ = save_tiny("Gemma3ForCausalLM", tmp_path / "g3", seed=7)
+    llm = LLM(model=path, dtype="float32", kv_cache_memory="8MiB", block_size=BLOCK, max_num_batched_tokens=48)
+    prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (7, 30, 45)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    batched = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, batched, strict=True):
+        solo = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+        assert list(out.outputs[0].token_ids) == list(solo.outputs[0].token_ids)
