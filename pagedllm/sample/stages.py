@@ -11,7 +11,8 @@ finite one.
 
 from __future__ import annotations
 
-from typing import Protocol
+import functools
+from typing import Any, Protocol
 
 import torch
 
@@ -156,10 +157,27 @@ class GrammarBitmaskStage:
 
     def apply(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         assert meta.grammar_bitmask is not None and meta.grammar_rows is not None
-        rows = meta.grammar_rows
-        allowed = unpack_bitmask(meta.grammar_bitmask, logits.shape[1])
+        rows, bitmask = meta.grammar_rows, meta.grammar_bitmask
+        apply_cpu = _xgrammar_cpu_apply() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+        if apply_cpu is not None:
+            # xgrammar's C++ loop: ~4x faster than unpacking the bits with torch ops on a CPU.
+            full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32)
+            full[rows] = bitmask
+            apply_cpu(logits, full, vocab_size=logits.shape[1], indices=rows.tolist(), backend="cpu")
+            return logits
+        allowed = unpack_bitmask(bitmask, logits.shape[1])
         logits[rows] = logits[rows].masked_fill_(~allowed, float("-inf"))
         return logits
+
+
+@functools.cache
+def _xgrammar_cpu_apply() -> Any | None:
+    """xgrammar's in-place bitmask apply, or None where xgrammar is not installed (torch path then)."""
+    try:
+        from xgrammar import apply_token_bitmask_inplace
+    except ImportError:
+        return None
+    return apply_token_bitmask_inplace
 
 
 class TemperatureStage:

@@ -64,7 +64,7 @@ class StructuredOutputsParams:
     def key(self) -> GrammarKey:
         kind = self.kind
         if kind == "json":
-            spec = json.dumps(self.json, sort_keys=True, separators=(",", ":"))
+            spec = json.dumps(self.json, separators=(",", ":"))  # key order matters: it orders the output
         elif kind == "choice":
             spec = json.dumps(self.choice)
         elif kind == "json_object":

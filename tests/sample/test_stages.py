@@ -153,3 +153,18 @@ def test_cpp_kernel_masked_low_temperature_and_all_masked(monkeypatch) -> None:
     for u in (torch.zeros(4), torch.full((4,), 1 - 2**-24), torch.rand(4)):
         got = kernels.sample_from_logits(logits, torch.tensor([1.0, 0.01, 1.0, 0.05]), u)
         assert got[0] == 0 and got[1] == 5 and got[2] in (900, 901) and got[3] >= 500
+
+
+def test_xgrammar_and_torch_bitmask_apply_agree(monkeypatch) -> None:
+    import pagedllm.sample.stages as stages
+
+    allowed = torch.rand(3, VOCAB) < 0.1
+    logits = torch.randn(5, VOCAB)
+    meta = make_meta([SamplingParams(temperature=0)] * 5, [0, 2, 4], allowed)
+    assert stages._xgrammar_cpu_apply() is not None
+    with_xgrammar = Sampler().process_logits(logits, meta)
+    monkeypatch.setattr(stages, "_xgrammar_cpu_apply", lambda: None)
+    with_torch = Sampler().process_logits(logits, meta)
+    assert torch.equal(with_xgrammar, with_torch)
+    assert torch.equal(with_torch[[0, 2, 4]].isfinite(), allowed)
+    assert torch.equal(with_torch[[1, 3]], logits[[1, 3]])

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from pagedllm.engine_args import EngineArgs
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 DESCRIPTION = """Start the OpenAI-compatible HTTP server.
 
@@ -13,6 +14,7 @@ Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detoke
 /metrics (Prometheus, vLLM metric names), /reset_prefix_cache. Works with the official `openai` client:
   OpenAI(base_url="http://HOST:PORT/v1", api_key="KEY or anything")
 """
+
 
 
 def _list_arg(value: str) -> list[str]:
@@ -46,6 +48,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--allowed-headers", type=_list_arg, default=["*"],
                        help="CORS allowed headers (default: *).")
     group.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials.")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="Allow tool_choice 'auto' on chat completions: the model's free text is parsed for "
+                            "tool calls with --tool-call-parser. Named and 'required' tool choices always work "
+                            "(a grammar enforces them).")
+    group.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
+                       help="How tool calls look in the model's output for tool_choice 'auto' (default: hermes, "
+                            "<tool_call>{...}</tool_call>, which the built-in tool ChatML template asks for).")
     group.add_argument("--max-request-body-bytes", type=int, default=32 * 1024 * 1024,
                        help="Largest accepted request body; bigger ones get 413 (default: 32 MiB).")
     return parser
