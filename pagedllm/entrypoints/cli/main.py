@@ -110,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "Load a running server with Poisson-arriving streamed requests; TTFT, ITL, E2E.")
     _add_module_command(bench_sub, "prefix-caching", "pagedllm.benchmarks.prefix_caching",
                         "Shared-prefix workload with prefix caching on and off.")
+    _add_module_command(bench_sub, "structured-output", "pagedllm.benchmarks.structured_output",
+                        "Chat requests under a JSON schema vs free, side by side; TTFT of new vs cached schemas.")
     bench.set_defaults(func=lambda args: _print_help(bench))
     return parser
 
