@@ -34,7 +34,9 @@ class XgrammarBackend:
                 # Compact JSON: small models otherwise wander in whitespace and never close the object.
                 return self.compiler.compile_json_schema(key.spec, any_whitespace=False, strict_mode=True)
             if key.kind == "json_object":
-                return self.compiler.compile_builtin_json_grammar()
+                # Any JSON *object* (OpenAI's json_object), not any JSON value as xgrammar's builtin grammar.
+                return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
+                                                         strict_mode=False)
             if key.kind == "regex":
                 return self.compiler.compile_regex(key.spec)
             if key.kind == "choice":
