@@ -19,6 +19,9 @@ from pagedllm.structured_output.params import GrammarKey
 
 logger = init_logger(__name__)
 
+# From this many constrained rows in a step, xgrammar fills their bitmasks on several threads.
+BATCH_FILL_MIN_ROWS = 8
+
 
 class XgrammarBackend:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
@@ -26,6 +29,7 @@ class XgrammarBackend:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         # Our manager caches by key; xgrammar's own cache would hold a second copy.
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._batch: xgr.BatchGrammarMatcher | None = None
 
     def compile(self, key: GrammarKey) -> xgr.CompiledGrammar:
         """Raises ValueError naming the field when the spec cannot be compiled."""
@@ -54,6 +58,16 @@ class XgrammarBackend:
     @staticmethod
     def new_matcher(compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
         return xgr.GrammarMatcher(compiled)
+
+    def fill_bitmask(self, matchers: list[xgr.GrammarMatcher], bitmask: torch.Tensor) -> None:
+        """Row i of bitmask [len(matchers), ceil(V/32)] := the tokens matchers[i] allows next."""
+        if len(matchers) >= BATCH_FILL_MIN_ROWS:
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher(max_threads="auto")  # fills rows on a thread pool
+            self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
+            return
+        for i, matcher in enumerate(matchers):
+            matcher.fill_next_token_bitmask(bitmask, i)
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         """[rows, ceil(V/32)] int32, all tokens allowed."""

@@ -136,9 +136,9 @@ class StructuredOutputManager:
                 rows.append(req_id)
         if not rows:
             return
-        bitmask = self.backend().allocate_bitmask(len(rows))
-        for i, req_id in enumerate(rows):
-            self._matchers[req_id].fill_next_token_bitmask(bitmask, i)
+        backend = self.backend()
+        bitmask = backend.allocate_bitmask(len(rows))
+        backend.fill_bitmask([self._matchers[req_id] for req_id in rows], bitmask)
         sched.structured_output_request_ids = rows
         sched.grammar_bitmask = bitmask
 
