@@ -101,3 +101,39 @@ def test_tool_template_round_trips_calls_and_results() -> None:
     content, calls = get_tool_parser("hermes").parse(
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
     assert content is None and calls[0].name == "get_weather"
+
+
+def _feed(plan, pieces: list[str], finish: str = "stop"):
+    from pagedllm.entrypoints.openai.serving_chat import ServingChat
+
+    chat = object.__new__(ServingChat)  # only the tool-streaming logic is exercised
+    chat.configure_tools(True, "hermes")
+    state = {"text": "", "sent": 0}
+    content, deltas, reasons = "", [], []
+    for i, piece in enumerate(pieces):
+        text, tool_deltas, reason = chat._tool_deltas(plan, state, piece, finish if i == len(pieces) - 1 else None)
+        content += text
+        deltas += tool_deltas
+        reasons.append(reason)
+    return content, deltas, reasons[-1]
+
+
+def test_auto_streaming_holds_back_the_call_and_emits_deltas() -> None:
+    plan = plan_tools([WEATHER], "auto", None, True)
+    pieces = ["Sure", ", checking. <to", "ol_call>\n{\"name\": \"get_weather\", ",
+              "\"arguments\": {\"city\": \"Oslo\"}}", "\n</tool_call>"]
+    content, deltas, reason = _feed(plan, pieces)
+    assert content == "Sure, checking. " and reason == "tool_calls"
+    name = "".join(d["function"].get("name", "") for d in deltas)
+    args = "".join(d["function"]["arguments"] for d in deltas)
+    assert name == "get_weather" and json.loads(args) == {"city": "Oslo"}
+    assert deltas[0]["id"].startswith("call_") and all(d["index"] == 0 for d in deltas)
+    # No call: everything comes out as content, finish_reason unchanged.
+    content, deltas, reason = _feed(plan, ["Hello <", "b>there"])
+    assert content == "Hello <b>there" and deltas == [] and reason == "stop"
+
+
+def test_named_streaming_cut_short_returns_text() -> None:
+    plan = plan_tools([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None, False)
+    content, deltas, reason = _feed(plan, ['{"city": ', '"Os'], finish="length")
+    assert content == '{"city": "Os' and deltas == [] and reason == "length"
