@@ -11,6 +11,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from pagedllm.structured_output.params import StructuredOutputsParams
+
 # Below this temperature a request is treated as greedy (dividing logits by ~0 is meaningless).
 SAMPLING_EPS = 1e-5
 # Largest number of top logprobs a request may ask for (OpenAI's limit too).
@@ -58,6 +60,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = field(default=None)
+    # Constrain the output to a JSON schema / regex / choice / grammar (a dict is converted).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Normalize containers first so validation sees one shape.
@@ -70,6 +74,8 @@ class SamplingParams:
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         if self.logit_bias is not None:
             self.logit_bias = self._normalize_logit_bias(self.logit_bias)
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self._verify()
         if self.sampling_type == SamplingType.GREEDY:
             # Greedy ignores the truncation knobs; resetting them keeps the sampler's fast paths on.

@@ -13,6 +13,9 @@ if TYPE_CHECKING:
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    # Queued, but its structured-output grammar is still compiling: the scheduler skips it until the engine
+    # sets it back to WAITING.
+    WAITING_FOR_GRAMMAR = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after this point is finished.

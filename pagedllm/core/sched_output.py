@@ -39,6 +39,10 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str] = field(default_factory=set)  # finished/aborted since the last step
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Structured outputs (set by the engine after scheduling, never by the scheduler): the requests that
+    # sample under a grammar this step, and their allowed-token bitmask [len(ids), ceil(V/32)] int32.
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:

@@ -148,8 +148,12 @@ class Scheduler:
             i += 1
 
         # Then waiting requests, unless we just had to preempt (memory is tight).
+        grammar_pending: list[Request] = []  # still compiling their grammar: they keep their place
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                grammar_pending.append(self.waiting.popleft())
+                continue
             hits, num_hit_tokens = ([], 0)
             # Pooling requests skip prefix hits: mean/CLS pooling needs every prompt position's state.
             if request.num_computed_tokens == 0 and request.pooling_params is None:
@@ -176,6 +180,7 @@ class Scheduler:
             new_reqs.append(self._new_request_data(request))
             if isolated is not None:
                 break
+        self.waiting.extendleft(reversed(grammar_pending))
         if isolated is not None and isolated.request_id not in num_scheduled:
             # No room to run it alone while others hold the memory: go back to normal batching (if it
             # fails again there, MAX_FAILED_STEPS ends it).

@@ -7,6 +7,7 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutput, ModelRunnerOutput
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.logger import init_logger
+from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.worker import Worker
 
 logger = init_logger(__name__)
@@ -22,8 +23,16 @@ class EngineCore:
         # Step statistics, read by the metrics room.
         self.num_steps = 0
         self.last_step_tokens = 0
+        # Set by the engine that owns the tokenizer (LLMEngine); None = structured outputs unavailable.
+        self.structured_output: StructuredOutputManager | None = None
 
     def add_request(self, request: Request) -> None:
+        if request.sampling_params.structured_outputs is not None:
+            if self.structured_output is None:
+                raise ValueError("structured_outputs: this engine has no structured-output backend")
+            self.scheduler.add_request(request)
+            self.structured_output.add_request(request)  # WAITING_FOR_GRAMMAR until compiled
+            return
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -37,20 +46,49 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
+        so = self.structured_output
+        grammar_errors = self._poll_grammars() if so is not None and so.has_waiting() else []
         sched = self.scheduler.schedule()
         if sched.is_empty:
             # Still tell the runner about finished requests so it drops their state.
             self.worker.execute_model(sched)
-            return self.scheduler.update_from_output(sched, ModelRunnerOutput(sampled_token_ids={}))
+            if so is not None and so.has_waiting() and not self.scheduler.running:
+                so.poll(timeout=0.005)  # only grammars compiling: wait a moment instead of spinning
+            return grammar_errors + self.scheduler.update_from_output(sched, ModelRunnerOutput(sampled_token_ids={}))
+        if so is not None:
+            so.fill_bitmask(sched, self.scheduler.requests)
         try:
             result = self.worker.execute_model(sched)
         except Exception:  # one bad request must not take the engine down; isolate it instead
             logger.exception("model step failed with %d requests in the batch; running them one at a time "
                              "to find the one at fault", len(sched.num_scheduled_tokens))
-            return self.scheduler.recover_from_failed_step(sched)
+            # Matchers have not moved: they advance only after a step succeeded.
+            return grammar_errors + self.scheduler.recover_from_failed_step(sched)
         self.num_steps += 1
         self.last_step_tokens = sched.total_num_scheduled_tokens
-        return self.scheduler.update_from_output(sched, result)
+        grammar_ended = so.accept_tokens(result) if so is not None else set()
+        outputs = self.scheduler.update_from_output(sched, result)
+        if so is not None:
+            self._finish_ended_grammars(outputs, grammar_ended)
+            so.remove_finished(self.scheduler.requests)
+        return grammar_errors + outputs
+
+    def _poll_grammars(self) -> list[EngineCoreOutput]:
+        """Release requests whose grammar compiled; fail those whose grammar did not compile."""
+        assert self.structured_output is not None
+        outputs = []
+        for request, error in self.structured_output.poll():
+            logger.warning("request %s: %s", request.request_id, error)
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR)
+            outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="error", stop_reason=error))
+        return outputs
+
+    def _finish_ended_grammars(self, outputs: list[EngineCoreOutput], ended: set[str]) -> None:
+        """A request whose grammar terminated is done ("stop"), whatever its other stop rules say."""
+        for out in outputs:
+            if out.req_id in ended and not out.finished:
+                self.scheduler.finish_requests([out.req_id], RequestStatus.FINISHED_STOPPED)
+                out.finish_reason = "stop"
 
     def reset_prefix_cache(self) -> int:
         return self.scheduler.kv.reset_prefix_cache()

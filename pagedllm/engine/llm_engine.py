@@ -14,6 +14,7 @@ from pagedllm.logger import init_logger
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.manager import StructuredOutputManager
 
 logger = init_logger(__name__)
 
@@ -25,6 +26,9 @@ class LLMEngine:
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
         self.core = EngineCore(config)
+        self.structured_output = StructuredOutputManager(self.tokenizer, config.model.vocab_size,
+                                                         config.model.eos_token_ids)
+        self.core.structured_output = self.structured_output
         self.processor = Processor(config.model, self.tokenizer, config.scheduler.max_model_len,
                                    self.core.scheduler.check_fits)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -53,11 +57,23 @@ class LLMEngine:
             self.output_processor.add_pooling_request(request_id, text, token_ids, arrival_time)
             self.core.add_request(request)
             return
+        if params.structured_outputs is not None:
+            future = self.structured_output.compile(params.structured_outputs)  # starts it; never waits
+            if future.done() and future.exception() is not None:
+                raise future.exception()
         text, token_ids = self.processor.tokenize(prompt, add_special_tokens)
         requests = self.processor.make_requests(request_id, token_ids, params, arrival_time, cache_salt)
         self.output_processor.add_request(request_id, text, token_ids, params, kind, arrival_time)
         for request in requests:
             self.core.add_request(request)
+
+    def validate_structured_outputs(self, params: SamplingParams) -> None:
+        """Compile the request's grammar (or find it cached); ValueError naming the field if it cannot be.
+
+        Blocks the calling thread, so callers run it off the engine loop (AsyncLLM: in a worker thread).
+        """
+        if params.structured_outputs is not None:
+            self.structured_output.validate(params.structured_outputs)
 
     def abort_request(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

@@ -106,6 +106,8 @@ class LLM:
              add_special_tokens: bool) -> list[RequestOutput] | list[PoolingRequestOutput]:
         ids = []
         engine = self.engine
+        for params in params_list:
+            engine.validate_structured_outputs(params)  # a grammar that cannot compile fails before any is queued
         try:
             for prompt, params in zip(prompts, params_list):
                 request_id = str(next(self._ids))

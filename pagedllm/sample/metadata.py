@@ -1,7 +1,9 @@
 """Per-step batch tensors for the sampler, built from the requests' SamplingParams.
 
 Built every step for up to a few hundred rows, so the builder is one Python pass over the rows and only
-materializes the tensors some row actually needs; the fast-path flags let the sampler skip whole stages.
+materializes the tensors some row actually needs; each sampler stage (``sample/stages.py``) reads the flag
+or tensor that says whether some row needs it. Everything is per row, never per request: a request may own
+several rows (speculative decoding).
 """
 
 from __future__ import annotations
@@ -64,6 +66,10 @@ class SamplingMetadata:
     no_min_p: bool = True
     no_logit_bias: bool = True
     no_min_tokens: bool = True
+    # Structured outputs: rows under a grammar [M] int64 and their allowed-token bitmask [M, ceil(V/32)]
+    # int32 (bit j of word w allows token 32*w + j). None when no row has a grammar.
+    grammar_rows: torch.Tensor | None = None
+    grammar_bitmask: torch.Tensor | None = None
     # Per-row requested logprobs count (None = not requested), so the engine can slice [B, k+1] results.
     num_logprobs: list[int | None] = field(default_factory=list)
 
@@ -86,6 +92,8 @@ def build_sampling_metadata(
     eos_token_ids: list[int],
     vocab_size: int,
     device: torch.device,
+    grammar_rows: list[int] | None = None,
+    grammar_bitmask: torch.Tensor | None = None,
 ) -> SamplingMetadata:
     """Build the batch tensors for one sampling step.
 
@@ -94,8 +102,13 @@ def build_sampling_metadata(
     ``stop_token_ids`` while that row has fewer than ``min_tokens`` outputs, unless it sets ``ignore_eos``.
     Token ids >= ``vocab_size`` in logit_bias / stop_token_ids are dropped here (the front end should
     reject them with ``SamplingParams.verify_token_ids``).
+    ``grammar_rows`` / ``grammar_bitmask`` [len(grammar_rows), ceil(V/32)] int32: the rows under a grammar and
+    the tokens each may take next (xgrammar's bitmask layout).
     """
     num_rows = len(params)
+    words = (vocab_size + 31) // 32
+    if grammar_rows and (grammar_bitmask is None or tuple(grammar_bitmask.shape) != (len(grammar_rows), words)):
+        raise ValueError("build_sampling_metadata: grammar_bitmask must be [len(grammar_rows), ceil(V/32)]")
     if not (len(output_token_ids) == len(prompt_token_ids) == len(generators) == num_rows):
         raise ValueError("build_sampling_metadata: params, output_token_ids, prompt_token_ids and "
                          "generators must all have one entry per row")
@@ -228,4 +241,6 @@ def build_sampling_metadata(
         no_logit_bias=not bias_rows,
         no_min_tokens=not mask_rows,
         num_logprobs=num_logprobs,
+        grammar_rows=i64(grammar_rows) if grammar_rows else None,
+        grammar_bitmask=grammar_bitmask.to(device) if grammar_rows else None,
     )

@@ -49,6 +49,23 @@ def _logprob_dicts(lp: LogprobsTensors, ks: list[int]) -> list[dict[int, tuple[f
     return out
 
 
+def _grammar_rows(sched: SchedulerOutput, sample_states: list[CachedRequestState]
+                  ) -> tuple[list[int], torch.Tensor | None]:
+    """The sampling rows under a grammar and their rows of the step's bitmask [M, ceil(V/32)] int32."""
+    if not sched.structured_output_request_ids:
+        return [], None
+    index = {req_id: i for i, req_id in enumerate(sched.structured_output_request_ids)}
+    rows, picks = [], []
+    for row, state in enumerate(sample_states):
+        if state.req_id in index:
+            rows.append(row)
+            picks.append(index[state.req_id])
+    if not rows:
+        return [], None
+    bitmask = torch.as_tensor(sched.grammar_bitmask)
+    return rows, bitmask if picks == list(range(len(index))) else bitmask[picks]
+
+
 @dataclass
 class CachedRequestState:
     req_id: str
@@ -189,10 +206,11 @@ class ModelRunner:
 
         # Valid until the next compute_logits call: the sampler reads it and keeps nothing of it.
         logits = self.model.compute_logits(hidden[sample_rows], out=self._logits_out(len(sample_rows)))
+        grammar_rows, grammar_bitmask = _grammar_rows(sched, sample_states)
         sampling_meta = build_sampling_metadata(
             [s.params for s in sample_states], [s.output_token_ids for s in sample_states],
             [s.prompt_token_ids for s in sample_states], [s.generator for s in sample_states],
-            self.eos_token_ids, self.vocab_size, self.device)
+            self.eos_token_ids, self.vocab_size, self.device, grammar_rows, grammar_bitmask)
         out = self.sampler(logits, sampling_meta)
         sampled = out.sampled_token_ids.tolist()
         entries = None

@@ -114,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "Shared-prefix workload with prefix caching on and off.")
     _add_module_command(bench_sub, "embed", "pagedllm.benchmarks.embed",
                         "Embedding throughput of a pooling model vs plain transformers, side by side.")
+    _add_module_command(bench_sub, "structured-output", "pagedllm.benchmarks.structured_output",
+                        "Chat requests under a JSON schema vs free, side by side; TTFT of new vs cached schemas.")
     bench.set_defaults(func=lambda args: _print_help(bench))
     return parser
 

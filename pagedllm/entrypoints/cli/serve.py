@@ -6,6 +6,7 @@ import argparse
 import json
 
 from pagedllm.engine_args import EngineArgs
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 DESCRIPTION = """Start the OpenAI-compatible HTTP server.
 
@@ -16,6 +17,7 @@ pooling model (--runner pooling, e.g. all-MiniLM-L6-v2) /v1/embeddings, /pooling
 generation. Works with the official `openai` client:
   OpenAI(base_url="http://HOST:PORT/v1", api_key="KEY or anything")
 """
+
 
 
 def _list_arg(value: str) -> list[str]:
@@ -53,6 +55,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="Do not serve the browser playground (chat page and live KV cache map) at / and "
                             "/playground/*; / then answers 404. The API, including /v1/kv_cache/snapshot, "
                             "is unchanged.")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="Allow tool_choice 'auto' on chat completions: the model's free text is parsed for "
+                            "tool calls with --tool-call-parser. Named and 'required' tool choices always work "
+                            "(a grammar enforces them).")
+    group.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
+                       help="How tool calls look in the model's output for tool_choice 'auto' (default: hermes, "
+                            "<tool_call>{...}</tool_call>, which the built-in tool ChatML template asks for).")
     group.add_argument("--max-request-body-bytes", type=int, default=32 * 1024 * 1024,
                        help="Largest accepted request body; bigger ones get 413 (default: 32 MiB).")
     return parser

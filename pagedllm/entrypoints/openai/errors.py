@@ -32,4 +32,4 @@ def error_response(message: str, status: int = 400, param: str | None = None,
 def param_of(message: str) -> str | None:
     """SamplingParams/Processor errors start with or name the field ("max_tokens must be ...")."""
     head = message.split(":", 1)[0].split(" ", 1)[0]
-    return head if head.replace("_", "").isalnum() and head.islower() else None
+    return head if head.replace("_", "").replace(".", "").isalnum() and head.islower() else None

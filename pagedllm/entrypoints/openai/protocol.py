@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pagedllm.entrypoints.openai.structured import reject_unsupported_fields, structured_outputs_from_request
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -70,9 +71,16 @@ class _SamplingFields(OpenAIModel):
     prompt_logprobs: int | None = None
     cache_salt: str | None = None
     request_id: str | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs (see structured.py)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    # Fields that change what the output must be are never silently dropped (extra="ignore" above).
+    _check_unsupported = model_validator(mode="before")(reject_unsupported_fields)
 
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
+            structured_outputs=structured_outputs_from_request(self.response_format, self.structured_outputs),
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -144,6 +152,10 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
+    # Tool calling (entrypoints/openai/tools.py)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -169,9 +181,21 @@ class ChatChoiceLogprobs(OpenAIModel):
     content: list[ChatLogprobToken] | None = None
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
     role: str
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(OpenAIModel):

@@ -19,6 +19,8 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatLogprob,
     ChatLogprobToken,
     ChatMessage,
+    FunctionCall,
+    ToolCall,
 )
 from pagedllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
@@ -26,6 +28,15 @@ from pagedllm.entrypoints.openai.serving_engine import (
     sse,
     stream_error,
     until_disconnect,
+)
+from pagedllm.entrypoints.openai.tool_parsers import ParsedCall, ToolParser, get_tool_parser
+from pagedllm.entrypoints.openai.tools import (
+    TOOL_CHATML_TEMPLATE,
+    ToolPlan,
+    calls_from_constrained_output,
+    new_call_id,
+    plan_tools,
+    template_has_tools,
 )
 from pagedllm.outputs import Logprob, RequestOutput
 
@@ -46,9 +57,17 @@ def _flatten_content(content: Any) -> str:
 
 
 class ServingChat(OpenAIServing):
+    enable_auto_tool_choice = False
+    tool_parser: ToolParser = get_tool_parser("hermes")
+
+    def configure_tools(self, enable_auto_tool_choice: bool, tool_call_parser: str) -> None:
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.tool_parser = get_tool_parser(tool_call_parser)
+
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                continue_final_message: bool = False, chat_template: str | None = None,
-               chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+               chat_template_kwargs: dict[str, Any] | None = None,
+               tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Messages → prompt token ids via the tokenizer's chat template."""
         if not messages:
             raise OpenAIError("messages: must not be empty", param="messages")
@@ -57,22 +76,37 @@ class ServingChat(OpenAIServing):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise OpenAIError("messages: each message needs a string 'role'", param="messages")
             conv.append({**m, "content": _flatten_content(m.get("content"))})
+        uses_tools = bool(tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in conv)
+        if uses_tools and chat_template is None and not template_has_tools(self.tokenizer.chat_template):
+            chat_template = TOOL_CHATML_TEMPLATE  # the model's template would drop the tools silently
+        extra = dict(chat_template_kwargs or {})
+        if tools:
+            extra["tools"] = tools
         try:
             text = self.tokenizer.apply_chat_template(
                 conv, tokenize=False, chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
-                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+                continue_final_message=continue_final_message, **extra)
         except Exception as e:  # template errors are the client's input problem
             raise OpenAIError(f"messages: could not apply the chat template: {e}", param="messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request):
         model = self.models.check(req.model)
+        try:
+            plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.enable_auto_tool_choice)
+        except ValueError as e:
+            raise OpenAIError(str(e), param=param_of(str(e))) from None
         token_ids = self.render(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                req.chat_template, req.chat_template_kwargs)
+                                req.chat_template, req.chat_template_kwargs, plan.tools or None)
         max_tokens = self.check_length(len(token_ids), req.requested_max_tokens(), "messages")
         try:
             params = req.to_sampling_params(max_tokens)
+            if plan.constraint is not None:
+                if params.structured_outputs is not None:
+                    raise ValueError("tool_choice: a named or required tool choice cannot be combined with "
+                                     "response_format or structured_outputs")
+                params.structured_outputs = plan.constraint
             self.processor.validate_params(params, len(token_ids))
         except ValueError as e:
             raise OpenAIError(str(e), param=param_of(str(e))) from None
@@ -95,9 +129,9 @@ class ServingChat(OpenAIServing):
                 await merged.aclose()
 
         if req.stream:
-            return StreamingResponse(self._stream(req, len(token_ids), rest(), request_id, model, created),
+            return StreamingResponse(self._stream(req, plan, len(token_ids), rest(), request_id, model, created),
                                      media_type="text/event-stream")
-        result = await until_disconnect(raw_request, self._collect(req, len(token_ids), rest(), request_id,
+        result = await until_disconnect(raw_request, self._collect(req, plan, len(token_ids), rest(), request_id,
                                                                    model, created))
         return JSONResponse(result.model_dump()) if result is not None else None
 
@@ -113,7 +147,18 @@ class ServingChat(OpenAIServing):
                                             bytes=list(token.encode()), top_logprobs=top))
         return ChatChoiceLogprobs(content=content)
 
-    async def _collect(self, req: ChatCompletionRequest, num_prompt_tokens: int,
+    def _tool_calls(self, plan: ToolPlan, text: str, finish_reason: str | None
+                    ) -> tuple[str | None, list[ParsedCall]]:
+        """(content, calls) of a finished choice; no calls unless the output ended by itself."""
+        if plan.mode in ("named", "required"):
+            if finish_reason != "stop":
+                return text, []  # cut short (length/abort): the arguments are incomplete JSON
+            return None, calls_from_constrained_output(plan, text)
+        if plan.mode == "auto":
+            return self.tool_parser.parse(text)
+        return text, []
+
+    async def _collect(self, req: ChatCompletionRequest, plan: ToolPlan, num_prompt_tokens: int,
                        stream: AsyncIterator[RequestOutput], request_id: str, model: str,
                        created: int) -> ChatCompletionResponse:
         final = None
@@ -124,19 +169,51 @@ class ServingChat(OpenAIServing):
         for comp in final.outputs:
             logprobs = (self._logprobs(comp.token_ids, comp.logprobs or [], req.top_logprobs or 0)
                         if req.logprobs else None)
-            message = ChatMessage(role="assistant", content=comp.text)
+            content, calls = self._tool_calls(plan, comp.text, comp.finish_reason)
+            tool_calls = [ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+                          for c in calls]
+            message = ChatMessage(role="assistant", content=content, tool_calls=tool_calls)
+            finish_reason = "tool_calls" if tool_calls else comp.finish_reason
             choices.append(ChatChoice(index=comp.index, message=message, logprobs=logprobs,
-                                      finish_reason=comp.finish_reason, stop_reason=comp.stop_reason))
+                                      finish_reason=finish_reason, stop_reason=comp.stop_reason))
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
                                       usage=self.usage(num_prompt_tokens, completion_tokens,
                                                        final.num_cached_tokens))
 
-    async def _stream(self, req: ChatCompletionRequest, num_prompt_tokens: int,
+    def _tool_deltas(self, plan: ToolPlan, state: dict[str, Any], text: str, finish_reason: str | None
+                     ) -> tuple[str, list[dict[str, Any]], str | None]:
+        """Streaming with tools, for one choice: (content to send now, tool-call deltas, finish_reason).
+
+        Text that may be (part of) a tool call is held back until the choice finishes, then parsed whole:
+        each call goes out as one delta with its id and name and one with its arguments.
+        """
+        state["text"] += text
+        full = state["text"]
+        if finish_reason is None:
+            if plan.mode != "auto":
+                return "", [], None
+            safe = self.tool_parser.safe_prefix_len(full)
+            out, state["sent"] = full[state["sent"]:max(safe, state["sent"])], max(safe, state["sent"])
+            return out, [], None
+        content, calls = self._tool_calls(plan, full, finish_reason)
+        if not calls:
+            out, state["sent"] = full[state["sent"]:], len(full)
+            return out, [], finish_reason
+        rest = (content or "")[state["sent"]:] if content else ""
+        deltas = []
+        for i, call in enumerate(calls):
+            deltas.append({"index": i, "id": new_call_id(), "type": "function",
+                           "function": {"name": call.name, "arguments": ""}})
+            deltas.append({"index": i, "function": {"arguments": call.arguments}})
+        return rest, deltas, "tool_calls"
+
+    async def _stream(self, req: ChatCompletionRequest, plan: ToolPlan, num_prompt_tokens: int,
                       stream: AsyncIterator[RequestOutput], request_id: str, model: str,
                       created: int) -> AsyncIterator[str]:
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
         completion_tokens, cached = 0, 0
+        tool_states: dict[int, dict[str, Any]] = {}
         try:
             # The role comes first, in its own delta per choice, as OpenAI sends it.
             for i in range(req.n):
@@ -152,9 +229,19 @@ class ServingChat(OpenAIServing):
                     if req.logprobs:
                         logprobs = self._logprobs(comp.token_ids, comp.logprobs or [],
                                                   req.top_logprobs or 0).model_dump()
-                    delta = {"content": comp.text} if comp.text or comp.finish_reason is None else {}
+                    text, finish_reason, tool_deltas = comp.text, comp.finish_reason, []
+                    if plan.mode != "none":
+                        state = tool_states.setdefault(comp.index, {"text": "", "sent": 0})
+                        text, tool_deltas, finish_reason = self._tool_deltas(plan, state, comp.text,
+                                                                             comp.finish_reason)
+                    for tool_delta in tool_deltas:
+                        yield sse({**base, "choices": [{"index": comp.index, "delta": {"tool_calls": [tool_delta]},
+                                                        "logprobs": None, "finish_reason": None}]})
+                    if not text and finish_reason is None and (tool_deltas or plan.mode != "none"):
+                        continue  # held back: nothing to send yet
+                    delta = {"content": text} if text or finish_reason is None else {}
                     yield sse({**base, "choices": [{"index": comp.index, "delta": delta, "logprobs": logprobs,
-                                                    "finish_reason": comp.finish_reason,
+                                                    "finish_reason": finish_reason,
                                                     "stop_reason": comp.stop_reason}]})
             if req.stream_options and req.stream_options.include_usage:
                 usage = self.usage(num_prompt_tokens, completion_tokens, cached)

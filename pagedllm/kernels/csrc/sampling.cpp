@@ -5,6 +5,11 @@
 //
 // Shapes: logits [B, V] float32 (rows contiguous, may be strided), temperature [B] float32 (> 0),
 // uniform [B] float32 in [0, 1); returns [B] int64.
+//
+// Masked tokens arrive as -inf (grammar bitmask, min_tokens, top-k). The extension is built with -ffast-math,
+// which lets the compiler assume no value is infinite or NaN (std::isfinite may fold to true, inf - inf
+// is "impossible"), so nothing here relies on infinities: a logit at or below MASKED is treated as masked
+// by an explicit comparison with a finite bound, and its probability is a literal 0.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -15,14 +20,22 @@
 
 namespace {
 
+// Logits at or below this are masked. Finite on purpose: fast-math may mis-compile comparisons with inf.
+constexpr float MASKED = -1e30f;
+
+// exp((x - max_l) * inv_t), or exactly 0 for a masked logit (a select, so the loops still vectorize).
+inline float weight(float x, float max_l, float inv_t) {
+  return x > MASKED ? expf((x - max_l) * inv_t) : 0.f;  // libmvec under -ffast-math
+}
+
 int64_t sample_row(const float* l, int64_t V, float inv_t, float u) {
-  float max_l = -std::numeric_limits<float>::infinity();
+  float max_l = MASKED;
 #pragma omp simd reduction(max : max_l)
   for (int64_t i = 0; i < V; ++i) max_l = std::max(max_l, l[i]);
-  if (!std::isfinite(max_l)) return 0;  // every logit -inf (or NaN): nothing to sample, like argmax
+  if (!(max_l > MASKED)) return 0;  // every logit masked: nothing to sample, like argmax
   float total = 0.f;
 #pragma omp simd reduction(+ : total)
-  for (int64_t i = 0; i < V; ++i) total += expf((l[i] - max_l) * inv_t);  // libmvec under -ffast-math
+  for (int64_t i = 0; i < V; ++i) total += weight(l[i], max_l, inv_t);
   // 1 - u lies in (0, 1]: a token of probability 0 can never be the first whose running sum reaches it.
   const float target = (1.f - u) * total;
   // Scan in chunks of 64: the chunk sums vectorize; only the chunk that crosses the target is walked.
@@ -33,19 +46,19 @@ int64_t sample_row(const float* l, int64_t V, float inv_t, float u) {
   for (; i + CH <= V; i += CH) {
     float chunk = 0.f;
 #pragma omp simd reduction(+ : chunk)
-    for (int64_t j = 0; j < CH; ++j) chunk += expf((l[i + j] - max_l) * inv_t);
+    for (int64_t j = 0; j < CH; ++j) chunk += weight(l[i + j], max_l, inv_t);
     if (run + chunk >= target) break;
     run += chunk;
     if (chunk > 0.f) last_nonzero = i + CH - 1;
   }
   for (; i < V; ++i) {
-    const float p = expf((l[i] - max_l) * inv_t);
+    const float p = weight(l[i], max_l, inv_t);
     run += p;
     if (p > 0.f) last_nonzero = i;
     if (run >= target && p > 0.f) return i;
   }
   // Rounding left the sum short of the target: the last token that can be drawn.
-  while (last_nonzero > 0 && !(expf((l[last_nonzero] - max_l) * inv_t) > 0.f)) --last_nonzero;
+  while (last_nonzero > 0 && !(weight(l[last_nonzero], max_l, inv_t) > 0.f)) --last_nonzero;
   return last_nonzero;
 }
 

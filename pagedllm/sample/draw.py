@@ -1,0 +1,70 @@
+"""The draw: processed logits [N, V] -> one token id per row (greedy argmax or a random inverse-CDF draw).
+
+Random rows use one uniform per row (inverse CDF) instead of V noise values (an exponential race): on CPUs
+drawing N x V noise cost more than the rest of the sampler. On CPUs the C++ kernel
+(``kernels/csrc/sampling.cpp``) does softmax + inverse CDF in one pass that writes no [N, V] temporaries;
+elsewhere torch does softmax, cumsum and searchsorted. Seeded rows draw from their own generator, so their
+tokens do not depend on what else is in the batch. Nothing reads a value back to the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.kernels.cpu import kernels_for
+from pagedllm.sample.metadata import SamplingMetadata
+
+
+def draw_uniforms(meta: SamplingMetadata, num_rows: int, device: torch.device) -> torch.Tensor:
+    """One uniform in [0, 1) per row, [N, 1] float32; seeded rows draw from their own generator."""
+    u = torch.rand(num_rows, 1, device=device) if meta.has_unseeded_random \
+        else torch.empty(num_rows, 1, device=device)
+    for row, generator in meta.generators.items():
+        u[row] = torch.rand(1, generator=generator, device=device)
+    return u
+
+
+def inverse_cdf_sample(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Sample one token per row of probs [N, V] (changed in place) with one uniform draw per row.
+
+    A row whose probabilities are all NaN (every logit was -inf) yields token 0, like argmax.
+    """
+    cdf = probs.nan_to_num_(0.0).cumsum_(dim=1)
+    u = draw_uniforms(meta, probs.shape[0], probs.device).to(probs.dtype)
+    # 1 - U lies in (0, 1]: a zero-probability token (flat step of the CDF) can never be the first >= u.
+    target = (1.0 - u) * cdf[:, -1:]
+    return torch.searchsorted(cdf, target).clamp_(max=probs.shape[1] - 1).squeeze(1)
+
+
+def draw_random(logits: torch.Tensor, meta: SamplingMetadata, temperature: torch.Tensor | None,
+                private: bool) -> torch.Tensor:
+    """logits [N, V] -> [N] ids drawn from softmax(logits / temperature); temperature [N] or None (= 1).
+
+    ``private``: logits is the sampler's own copy and may be changed in place.
+    """
+    kernels = kernels_for(logits)
+    if kernels is not None and logits.stride(1) == 1:
+        u = draw_uniforms(meta, logits.shape[0], logits.device)
+        t = temperature if temperature is not None else torch.ones(logits.shape[0], device=logits.device)
+        return kernels.sample_from_logits(logits, t, u.squeeze(1))
+    if temperature is not None:
+        logits = logits.div(temperature.unsqueeze(1)) if not private else logits.div_(temperature.unsqueeze(1))
+    probs = logits.softmax(dim=1)
+    return inverse_cdf_sample(probs, meta)
+
+
+def draw(logits: torch.Tensor, meta: SamplingMetadata, temperature: torch.Tensor | None = None,
+         private: bool = False) -> torch.Tensor:
+    """Processed logits [N, V] -> [N] int64: argmax on greedy rows, a random draw on the others.
+
+    ``temperature`` [N]: divide random rows' logits by it first (set when the temperature stage was
+    fused into the draw); greedy rows ignore it.
+    """
+    greedy_ids = None if meta.all_random else logits.argmax(dim=1)
+    if meta.all_greedy:
+        assert greedy_ids is not None
+        return greedy_ids
+    sampled = draw_random(logits, meta, temperature, private)
+    if greedy_ids is not None:
+        sampled = torch.where(meta.greedy_mask, greedy_ids, sampled)
+    return sampled

@@ -1,0 +1,169 @@
+"""Owns structured outputs for the engine: the compile cache and thread pool, one matcher per request, the
+per-step bitmask, and advancing the matchers with the tokens the engine actually kept.
+
+Compilation never runs on the engine loop: a request whose grammar is not compiled yet waits in
+``RequestStatus.WAITING_FOR_GRAMMAR`` (the scheduler skips it) until ``poll`` sees its future done.
+Matchers advance only after a step succeeded (a failed step's tokens are dropped, so must its grammar
+moves); preemption keeps the output tokens and so keeps the matcher as it is.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING, Any
+
+from pagedllm.core.request import RequestStatus
+from pagedllm.logger import init_logger
+from pagedllm.structured_output.params import GrammarKey, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from pagedllm.core.request import Request
+    from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+    from pagedllm.structured_output.backend import XgrammarBackend
+
+logger = init_logger(__name__)
+
+# Compiled grammars kept (least recently used dropped first); a JSON-schema grammar is tens of KB.
+MAX_CACHED_GRAMMARS = 512
+
+
+class StructuredOutputManager:
+    """Thread-safe for ``compile``/``validate`` (the API side calls them); the rest runs on the engine loop."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], max_workers: int = 1) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._stop_token_ids = list(stop_token_ids)
+        self._backend: XgrammarBackend | None = None
+        self._backend_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="pagedllm-grammar")
+        self._cache: OrderedDict[GrammarKey, Future] = OrderedDict()
+        self._cache_lock = threading.Lock()
+        self.num_compiles = 0
+        self._waiting: dict[str, tuple[Request, Future]] = {}
+        self._matchers: dict[str, Any] = {}
+
+    # ---- compiling (any thread) ---------------------------------------------------------------------
+    def backend(self) -> XgrammarBackend:
+        with self._backend_lock:
+            if self._backend is None:
+                from pagedllm.structured_output.backend import XgrammarBackend
+
+                self._backend = XgrammarBackend(self._tokenizer, self.vocab_size, self._stop_token_ids)
+            return self._backend
+
+    def _compile_now(self, key: GrammarKey) -> Any:
+        self.num_compiles += 1
+        compiled = self.backend().compile(key)
+        logger.debug("compiled %s grammar (%d chars of spec)", key.kind, len(key.spec))
+        return compiled
+
+    def compile(self, params: StructuredOutputsParams) -> Future:
+        """The (possibly already finished) future of this grammar's compilation; starts it if new."""
+        key = params.key()
+        with self._cache_lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                return future
+            future = self._pool.submit(self._compile_now, key)
+            self._cache[key] = future
+            while len(self._cache) > MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        # A failed compile is not kept: the error is reported to its request, the next one tries again.
+        future.add_done_callback(lambda f: f.exception() is not None and self._forget(key, f))
+        return future
+
+    def _forget(self, key: GrammarKey, future: Future) -> None:
+        with self._cache_lock:
+            if self._cache.get(key) is future:
+                del self._cache[key]
+
+    def validate(self, params: StructuredOutputsParams, timeout: float | None = None) -> None:
+        """Compile (or find cached) and raise ValueError naming the field if the backend rejects it.
+
+        Blocks the calling thread: the API side calls it in a worker thread before submitting, so the
+        engine then finds the grammar compiled.
+        """
+        self.compile(params).result(timeout)
+
+    # ---- engine loop --------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Start compiling its grammar; the request waits in WAITING_FOR_GRAMMAR until it is ready."""
+        params = request.sampling_params.structured_outputs
+        if params is None:
+            return
+        self._waiting[request.request_id] = (request, self.compile(params))
+        request.status = RequestStatus.WAITING_FOR_GRAMMAR
+
+    def has_waiting(self) -> bool:
+        return bool(self._waiting)
+
+    def poll(self, timeout: float = 0.0) -> list[tuple[Request, str]]:
+        """Move requests whose grammar compiled to WAITING (with a fresh matcher). Returns (request, error)
+        for those whose compilation failed, for the engine to finish. ``timeout``: wait at most this long
+        for one pending compile (the engine passes a little when it has nothing else to run)."""
+        failed: list[tuple[Request, str]] = []
+        if timeout > 0 and self._waiting:
+            wait([f for _, f in self._waiting.values()], timeout=timeout, return_when=FIRST_COMPLETED)
+        for req_id, (request, future) in list(self._waiting.items()):
+            if request.is_finished:  # aborted while compiling
+                del self._waiting[req_id]
+                continue
+            if not future.done():
+                continue
+            del self._waiting[req_id]
+            error = future.exception()
+            if error is not None:
+                failed.append((request, str(error)))
+                continue
+            self._matchers[req_id] = self.backend().new_matcher(future.result())
+            if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                request.status = RequestStatus.WAITING
+        return failed
+
+    def fill_bitmask(self, sched: SchedulerOutput, requests: dict[str, Request]) -> None:
+        """Set ``sched.structured_output_request_ids`` and ``sched.grammar_bitmask`` [M, ceil(V/32)] int32
+        for the scheduled requests with a grammar that sample this step (partial prefill chunks do not)."""
+        if not self._matchers:
+            return
+        rows = []
+        for req_id in sched.num_scheduled_tokens:
+            request = requests.get(req_id)
+            if req_id in self._matchers and request is not None and request.num_computed_tokens >= request.num_tokens:
+                rows.append(req_id)
+        if not rows:
+            return
+        backend = self.backend()
+        bitmask = backend.allocate_bitmask(len(rows))
+        backend.fill_bitmask([self._matchers[req_id] for req_id in rows], bitmask)
+        sched.structured_output_request_ids = rows
+        sched.grammar_bitmask = bitmask
+
+    def accept_tokens(self, result: ModelRunnerOutput) -> set[str]:
+        """Advance each matcher by its request's kept token; returns the requests whose grammar has ended
+        (terminated, or the token was rejected: the engine finishes them with "stop")."""
+        ended = set()
+        for req_id, matcher in self._matchers.items():
+            token = result.sampled_token_ids.get(req_id)
+            if token is None:
+                continue
+            if not matcher.accept_token(token):
+                logger.warning("request %s: token %d is not allowed by its grammar; ending it", req_id, token)
+                ended.add(req_id)
+            elif matcher.is_terminated():
+                ended.add(req_id)
+        return ended
+
+    def remove_finished(self, live: dict[str, Request]) -> None:
+        """Drop matchers of requests that finished or were aborted (no longer in ``live``)."""
+        for req_id in [r for r in self._matchers if r not in live]:
+            del self._matchers[req_id]
+
+    def num_matchers(self) -> int:
+        return len(self._matchers)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,90 @@
+"""The xgrammar backend and the manager without a model: compile kinds and errors, the cache, the
+WAITING_FOR_GRAMMAR hand-off, batched bitmask fill, matchers that follow only kept tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.engine_args import EngineArgs
+from pagedllm.model_executor.loader import load_tokenizer
+from pagedllm.sample.stages import unpack_bitmask
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.manager import StructuredOutputManager
+from pagedllm.structured_output.params import StructuredOutputsParams
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(EngineArgs().create_engine_config().model)
+
+
+@pytest.fixture()
+def manager(tokenizer):
+    m = StructuredOutputManager(tokenizer, 49152, [2])
+    yield m
+    m.shutdown()
+
+
+def _request(rid: str, so: StructuredOutputsParams) -> Request:
+    return Request(rid, [1, 2, 3], SamplingParams(max_tokens=8, structured_outputs=so), [2], 8)
+
+
+def test_compile_errors_name_the_field_and_are_not_cached(manager) -> None:
+    bad = StructuredOutputsParams(regex="(ab")
+    with pytest.raises(ValueError, match=r"^structured_outputs\.regex: cannot be compiled: .*parenthesis"):
+        manager.validate(bad)
+    with pytest.raises(ValueError, match="structured_outputs.grammar"):
+        manager.validate(StructuredOutputsParams(grammar="root ::= "))
+    good = StructuredOutputsParams(choice=["a", "b"])
+    manager.validate(good)
+    manager.validate(StructuredOutputsParams(choice=["a", "b"]))  # same key: cached
+    assert manager.num_compiles == 3
+    with pytest.raises(ValueError):
+        manager.validate(bad)  # a failure is retried, not remembered
+    assert manager.num_compiles == 4
+
+
+def test_waiting_for_grammar_then_bitmask_and_accept(manager, tokenizer) -> None:
+    so = StructuredOutputsParams(choice=["yes", "no"])
+    requests = {rid: _request(rid, so) for rid in ("a", "b")}
+    for r in requests.values():
+        manager.add_request(r)
+        assert r.status == RequestStatus.WAITING_FOR_GRAMMAR
+    manager.validate(so)
+    assert manager.poll() == []
+    assert all(r.status == RequestStatus.WAITING for r in requests.values())
+
+    # "a" samples this step, "b" is a partial prefill chunk (no bitmask row).
+    requests["a"].num_computed_tokens = 3
+    requests["b"].num_computed_tokens = 1
+    sched = SchedulerOutput([], [], {"a": 3, "b": 1}, 4)
+    manager.fill_bitmask(sched, requests)
+    assert sched.structured_output_request_ids == ["a"]
+    allowed = unpack_bitmask(sched.grammar_bitmask, 49152)[0].nonzero().flatten().tolist()
+    first = tokenizer.encode("yes")[0]
+    assert first in allowed and len(allowed) < 10
+
+    # Only kept tokens move a matcher; a failed step would simply not call accept_tokens.
+    yes = tokenizer.encode("yes")
+    ended = set()
+    for token in yes + [2]:
+        ended = manager.accept_tokens(ModelRunnerOutput(sampled_token_ids={"a": token}))
+    assert ended == {"a"}
+    manager.remove_finished({"b": requests["b"]})
+    assert manager.num_matchers() == 1
+
+
+def test_batched_fill_equals_row_by_row(manager) -> None:
+    backend = manager.backend()
+    compiled = [backend.compile(StructuredOutputsParams(regex="[0-9]+").key()),
+                backend.compile(StructuredOutputsParams(json={"type": "object"}).key())]
+    matchers = [backend.new_matcher(compiled[i % 2]) for i in range(10)]
+    batched = backend.allocate_bitmask(10)
+    backend.fill_bitmask(matchers, batched)
+    single = backend.allocate_bitmask(10)
+    for i, m in enumerate(matchers):
+        m.fill_next_token_bitmask(single, i)
+    assert torch.equal(batched, single)
