@@ -56,6 +56,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0  # filled from ModelConfig
     enable_chunked_prefill: bool = True
+    # KV slots reserved past each request's scheduled tokens for a model drafter's own proposals.
+    num_lookahead_tokens: int = 0
 
 
 @dataclass
@@ -71,3 +73,4 @@ class EngineConfig:
     device: DeviceConfig
     log_stats: bool = True
     disable_log_requests: bool = True
+    speculative: Any = None  # spec_decode.config.SpeculativeConfig, or None (no speculative decoding)

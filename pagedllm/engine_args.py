@@ -34,6 +34,7 @@ class EngineArgs:
     served_model_name: str | None = None
     chat_template: str | None = None
     disable_log_stats: bool = False
+    speculative_config: str | dict | None = None  # JSON or dict with vLLM's keys (spec_decode/config.py)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> argparse.ArgumentParser:
@@ -75,6 +76,12 @@ class EngineArgs:
         group.add_argument("--chat-template", default=None,
                            help="Chat template (a Jinja file path or a literal template) overriding the model's.")
         group.add_argument("--disable-log-stats", action="store_true", help="No periodic stats log line.")
+        group.add_argument("--speculative-config", default=None,
+                           help="Speculative decoding as JSON with vLLM's keys, e.g. "
+                                '\'{"method": "ngram", "num_speculative_tokens": 4}\'; methods: ngram '
+                                "(prompt_lookup_min/max), draft_model (model), layer_skip (num_draft_layers); "
+                                "disable_by_batch_size turns drafting off in steps with more requests. "
+                                "Output is the same as without it (see docs/speculative_decoding.md).")
         return parser
 
     @classmethod
@@ -105,5 +112,10 @@ class EngineArgs:
             budget = max(budget, max_len)  # a whole prompt must fit in one step
         scheduler = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
                                     max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill)
+        from pagedllm.spec_decode.setup import resolve_speculative_config
+
+        speculative = resolve_speculative_config(self.speculative_config, model)
+        if speculative is not None:
+            scheduler.num_lookahead_tokens = speculative.num_lookahead_tokens
         return EngineConfig(model=model, cache=cache, scheduler=scheduler, device=DeviceConfig(self.device),
-                            log_stats=not self.disable_log_stats)
+                            log_stats=not self.disable_log_stats, speculative=speculative)

@@ -38,6 +38,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str] = field(default_factory=set)  # finished/aborted since the last step
     preempted_req_ids: set[str] = field(default_factory=set)
+    # req_id -> draft tokens to verify this step; they are the last len(...) of its scheduled tokens.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -46,13 +48,18 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """Per scheduled request: the sampled token (None for a partial prefill chunk) and logprobs."""
+    """Per scheduled request: the new tokens (absent for a partial prefill chunk) and logprobs.
 
-    sampled_token_ids: dict[str, int]
+    A request that verified drafts gets its accepted drafts plus one more token (1 to k+1 tokens);
+    ``spec_token_ids`` are the drafts proposed for its next step.
+    """
+
+    sampled_token_ids: dict[str, list[int]]
     # req_id -> list (one per new token) of {token_id: (logprob, rank)}; first entry is the sampled token.
     logprobs: dict[str, list[dict[int, tuple[float, int]]]] = field(default_factory=dict)
     # req_id -> list (one per prompt position after the first) of the same mapping.
     prompt_logprobs: dict[str, list[dict[int, tuple[float, int]]]] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
