@@ -35,3 +35,25 @@ def resolve_speculative_config(raw: Any, target: ModelConfig) -> SpeculativeConf
                              f"from the target's ({target.vocab_size}); it must use the same tokenizer")
         cfg.draft_model_config = draft
     return cfg
+
+
+def attach_spec_decoder(runner: Any, cfg: SpeculativeConfig, device: Any) -> None:
+    """Give a ModelRunner its SpecDecoder (loading the draft model, whose KV the runner then sizes)."""
+    from pagedllm.logger import init_logger
+    from pagedllm.spec_decode.spec_decoder import SpecDecoder
+
+    draft = None
+    if cfg.method == "draft_model":
+        from pagedllm.model_executor.loader import load_model
+
+        draft = load_model(cfg.draft_model_config, device)
+        runner.draft_model = draft
+    runner.spec_decoder = SpecDecoder(cfg, runner.model, draft, runner.block_size, runner.vocab_size,
+                                      runner.eos_token_ids, device)
+    detail = {"ngram": f"prompt lookup n={cfg.prompt_lookup_min}..{cfg.prompt_lookup_max}",
+              "draft_model": f"draft model {cfg.model}",
+              "layer_skip": f"the first {cfg.num_draft_layers} layers"}[cfg.method]
+    init_logger(__name__).info("speculative decoding: %s, %d tokens per step (%s)%s", cfg.method,
+                               cfg.num_speculative_tokens, detail,
+                               f", off in steps with more than {cfg.disable_by_batch_size} requests"
+                               if cfg.disable_by_batch_size else "")

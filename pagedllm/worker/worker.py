@@ -55,6 +55,10 @@ class Worker:
         model = load_model(mc, self.device)
         self.runner = ModelRunner(model, self.device, self.dtype, config.cache.block_size, mc.vocab_size,
                                   mc.eos_token_ids)
+        if config.speculative is not None:
+            from pagedllm.spec_decode.setup import attach_spec_decoder
+
+            attach_spec_decoder(self.runner, config.speculative, self.device)
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
