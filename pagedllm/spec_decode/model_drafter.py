@@ -131,7 +131,8 @@ class ModelDrafter:
                 if p is not None:
                     probs.setdefault(job.req_id, []).append(p)
             step += 1
-            active = [(j, i) for i, (j, _) in enumerate(a for a in active if len(drafts[a[0].req_id]) < a[0].num_drafts)]
+            still = [j for j, _ in active if len(drafts[j.req_id]) < j.num_drafts]
+            active = [(j, row) for row, j in enumerate(still)]  # rows of the next one-token pass
             if not active:
                 break
             hidden = self._run([([drafts[j.req_id][-1]], j.end + step - 1, j.block_ids) for j, _ in active])
