@@ -12,6 +12,9 @@ _KNOWN_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_
                "num_draft_layers", "disable_by_batch_size"}
 DEFAULT_PROMPT_LOOKUP_MIN = 2
 DEFAULT_PROMPT_LOOKUP_MAX = 5
+# Above this many requests in a step, a CPU step is compute-bound: k extra query tokens per request cost
+# about what they save, so drafting stops (JSON null: never stop). vLLM's key; its default is "never".
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 
 @dataclass
@@ -20,7 +23,8 @@ class SpeculativeConfig:
 
     ``method``: ``ngram`` (prompt lookup), ``draft_model`` (a second, smaller model with the same
     tokenizer, ``model``) or ``layer_skip`` (the target's first ``num_draft_layers`` layers + its head).
-    ``disable_by_batch_size``: no drafts in a step with more than this many requests (None: always draft).
+    ``disable_by_batch_size``: no drafts in a step with more than this many requests (None: always draft;
+    default DEFAULT_DISABLE_BY_BATCH_SIZE when the key is absent).
     ``draft_model_config`` is the resolved ``ModelConfig`` of the draft model (filled by engine args).
     """
 
@@ -30,7 +34,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
     model: str | None = None
     num_draft_layers: int | None = None
-    disable_by_batch_size: int | None = None
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
     draft_model_config: Any = None
 
     @property
@@ -82,8 +86,9 @@ def parse_speculative_config(raw: str | dict[str, Any] | SpeculativeConfig | Non
     k = _positive_int(raw, "num_speculative_tokens")
     if k is None:
         raise ValueError("speculative_config.num_speculative_tokens: required (tokens drafted per step)")
-    cfg = SpeculativeConfig(method=method, num_speculative_tokens=k,
-                            disable_by_batch_size=_positive_int(raw, "disable_by_batch_size"))
+    disable = _positive_int(raw, "disable_by_batch_size") if "disable_by_batch_size" in raw \
+        else DEFAULT_DISABLE_BY_BATCH_SIZE
+    cfg = SpeculativeConfig(method=method, num_speculative_tokens=k, disable_by_batch_size=disable)
     if method == "ngram":
         lo, hi = _positive_int(raw, "prompt_lookup_min"), _positive_int(raw, "prompt_lookup_max")
         if lo is None and hi is None:

@@ -10,6 +10,9 @@ def test_vllm_keys_parse() -> None:
     assert cfg.num_lookahead_tokens == 0
     cfg = parse_speculative_config({"model": "/some/draft", "num_speculative_tokens": 5})
     assert cfg.method == "draft_model" and cfg.num_lookahead_tokens == 5
+    assert cfg.disable_by_batch_size == 8  # off under load by default
+    assert parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 2, '
+                                    '"disable_by_batch_size": null}').disable_by_batch_size is None
     cfg = parse_speculative_config({"method": "layer_skip", "num_speculative_tokens": 2, "num_draft_layers": 4,
                                     "disable_by_batch_size": 8})
     assert (cfg.num_draft_layers, cfg.disable_by_batch_size) == (4, 8)

@@ -51,7 +51,9 @@ def test_speculation_keeps_the_sampling_distribution(small_vocab_models, params:
                {"method": "layer_skip", "num_draft_layers": 1, "num_speculative_tokens": 3},
                {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}]
     for cfg in configs:
-        llm = LLM(small_vocab_models["target"], **ENGINE_SMALL, speculative_config=cfg)
+        # Speculate in big batches too (thousands of samples run 256 at a time).
+        llm = LLM(small_vocab_models["target"], **ENGINE_SMALL,
+                  speculative_config={**cfg, "disable_by_batch_size": None})
         got = _histograms(llm, params)
         stats = llm.engine.core.scheduler.spec_stats
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, (cfg["method"], stats)
