@@ -49,9 +49,9 @@ def grounded_requests(tokenizer: Any, num_prompts: int, input_len: int, output_l
             passage_ids = tokenizer.encode(text, add_special_tokens=False)
         message = _INSTRUCTION + tokenizer.decode(passage_ids[:max(input_len, output_len + 8)])
         if getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True,
-                                                tokenize=True)
-            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            text = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                                 add_generation_prompt=True)
+            ids = tokenizer.encode(text, add_special_tokens=False)
         else:
             ids = tokenizer.encode(message + "\n\n")
         requests.append(SampledRequest(ids, output_len))
