@@ -130,3 +130,17 @@ def test_draft_model_with_prefix_caching_and_chunked_prefill(tiny_models, tiny_b
     assert _ids(llm, prompts, params) == expected
     assert _ids(llm, prompts, params) == expected  # second time from the prefix cache
     assert llm.engine.core.scheduler.kv.prefix_cache_hits > 0
+
+
+@pytest.mark.parametrize("method", ["draft_model", "layer_skip"])
+def test_preemption_with_speculation_keeps_outputs(tiny_models, tiny_base: LLM, method: str) -> None:
+    cfg = {"draft_model": {"method": "draft_model", "model": tiny_models["draft"], "num_speculative_tokens": 3},
+           "layer_skip": {"method": "layer_skip", "num_draft_layers": 2, "num_speculative_tokens": 3}}[method]
+    # 9 (draft model) or 14 (layer skip) usable blocks of 16 tokens: four requests growing to ~70 tokens
+    # each cannot all stay resident.
+    llm = LLM(tiny_models["target"], **{**ENGINE, "kv_cache_memory": "240KiB"}, speculative_config=cfg)
+    prompts = [{"prompt_token_ids": [11 + i] * 10 + list(range(40 + i, 60 + i))} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    assert _ids(llm, prompts, params) == _ids(tiny_base, prompts, params)
+    assert llm.engine.core.scheduler.num_preemptions > 0
+    assert llm.engine.core.scheduler.spec_stats.num_drafts > 0
