@@ -83,6 +83,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # Encoder-only pooling models keep no KV cache: each prompt is computed whole in one step.
     is_encoder_only: bool = False
+    # KV slots reserved past each request's scheduled tokens for a model drafter's own proposals.
+    num_lookahead_tokens: int = 0
 
 
 @dataclass
@@ -99,3 +101,4 @@ class EngineConfig:
     device: DeviceConfig
     log_stats: bool = True
     disable_log_requests: bool = True
+    speculative: Any = None  # spec_decode.config.SpeculativeConfig, or None (no speculative decoding)

@@ -42,6 +42,7 @@ class EngineArgs:
     disable_log_stats: bool = False
     runner: str = "auto"
     pooler_config: PoolerConfig | dict | None = None
+    speculative_config: str | dict | None = None  # JSON or dict with vLLM's keys (spec_decode/config.py)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> argparse.ArgumentParser:
@@ -99,6 +100,12 @@ class EngineArgs:
                            help='Pooling overrides as JSON, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' '
                                 "(pooling_type MEAN | CLS | LAST; default: the model's sentence-transformers "
                                 "files).")
+        group.add_argument("--speculative-config", default=None,
+                           help="Speculative decoding as JSON with vLLM's keys, e.g. "
+                                '\'{"method": "ngram", "num_speculative_tokens": 4}\'; methods: ngram '
+                                "(prompt_lookup_min/max), draft_model (model), layer_skip (num_draft_layers); "
+                                "disable_by_batch_size turns drafting off in steps with more requests. "
+                                "Output is the same as without it (see docs/speculative_decoding.md).")
         return parser
 
     @classmethod
@@ -136,9 +143,14 @@ class EngineArgs:
         scheduler = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
                                     max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill,
                                     is_encoder_only=model.is_encoder_only)
+        from pagedllm.spec_decode.setup import resolve_speculative_config
+
+        speculative = resolve_speculative_config(self.speculative_config, model)
+        if speculative is not None:
+            scheduler.num_lookahead_tokens = speculative.num_lookahead_tokens
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
                             device=DeviceConfig(self.device, enforce_eager=self.enforce_eager),
-                            log_stats=not self.disable_log_stats)
+                            log_stats=not self.disable_log_stats, speculative=speculative)
 
     def _pooler_config(self) -> PoolerConfig | None:
         if self.pooler_config is None or isinstance(self.pooler_config, PoolerConfig):

@@ -17,6 +17,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from pagedllm.benchmarks.datasets import random_requests
+from pagedllm.benchmarks.grounded import grounded_requests
 from pagedllm.engine_args import EngineArgs
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
@@ -31,6 +32,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--num-iters", type=int, default=5, help="Timed iterations (default: 5).")
     group.add_argument("--num-iters-warmup", type=int, default=1,
                        help="Untimed warm-up iterations (default: 1).")
+    group.add_argument("--dataset", choices=["random", "grounded"], default="random",
+                       help="random: random token ids; grounded: prompts asking to repeat a passage of about "
+                            "--input-len tokens (where speculative decoding pays; benchmarks/grounded.py).")
+    group.add_argument("--temperature", type=float, default=1.0,
+                       help="Sampling temperature (default: 1.0, as vLLM's benchmark; 0 = greedy).")
     group.add_argument("--output-json", default=None, help="Write the results to this JSON file.")
     group.add_argument("--disable-tqdm", action="store_true", help="No progress bars.")
     EngineArgs.add_cli_args(parser)
@@ -62,10 +68,11 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("num_iters and batch_size must be >= 1 and num_iters_warmup >= 0")
     engine_args = EngineArgs.from_cli_args(args)
     llm = LLM(**dataclasses.asdict(engine_args))
-    requests = random_requests(llm.get_tokenizer(), args.batch_size, args.input_len, args.output_len,
-                               seed=args.seed)
+    make = grounded_requests if getattr(args, "dataset", "random") == "grounded" else random_requests
+    requests = make(llm.get_tokenizer(), args.batch_size, args.input_len, args.output_len, seed=args.seed)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-    params = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=args.output_len)
+    params = SamplingParams(temperature=getattr(args, "temperature", 1.0), top_p=1.0, ignore_eos=True,
+                            max_tokens=args.output_len)
 
     def run_once() -> tuple[float, float]:
         # Prefix caching would turn every iteration after the first into a cache hit; start cold each time.
@@ -85,6 +92,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         latencies.append(latency)
         ttfts.append(ttft)
     result = summarize(latencies, ttfts, args.output_len)
+    stats = llm.engine.core.scheduler.spec_stats
+    result.update(speculative_config=engine_args.speculative_config, dataset=getattr(args, "dataset", "random"),
+                  mean_acceptance_length=stats.mean_acceptance_length)
     result.update(model=engine_args.model, dtype=llm.engine.config.model.dtype, batch_size=args.batch_size,
                   input_len=args.input_len, output_len=args.output_len, num_iters=args.num_iters,
                   num_iters_warmup=args.num_iters_warmup)
@@ -92,6 +102,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
           f"{args.input_len} in / {args.output_len} out)")
     for p, v in result["percentiles"].items():
         print(f"  {p}% percentile latency: {v:.4f} s")
+    if stats.num_drafts:
+        print(f"Speculative decoding: mean acceptance length {stats.mean_acceptance_length:.2f} tokens per step")
     print(f"TTFT: {result['avg_ttft_ms']:.1f} ms avg; "
           f"{result['ms_per_output_token']:.2f} ms per output token "
           f"({result['avg_tpot_ms']:.2f} ms per decode step)")

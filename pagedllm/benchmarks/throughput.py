@@ -17,6 +17,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from pagedllm.benchmarks.datasets import SampledRequest, add_dataset_args, random_requests
+from pagedllm.benchmarks.grounded import grounded_requests
 from pagedllm.engine_args import EngineArgs
 
 
@@ -27,6 +28,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--hf-batch-sizes", default="8,32",
                         help="Comma-separated static batch sizes for --backend hf; the best is reported "
                              "(default: 8,32).")
+    parser.add_argument("--dataset", choices=["random", "grounded"], default="random",
+                        help="random token ids, or grounded prompts asking to repeat a passage (see "
+                             "benchmarks/grounded.py; where speculative decoding pays).")
     parser.add_argument("--output-json", default=None, help="Write the results to this JSON file.")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="Skip the short untimed warm-up generation.")
@@ -156,6 +160,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
     def make_requests(tokenizer: Any) -> list[SampledRequest]:
         # Same tokenizer, seed and lengths for both backends, so both see identical token ids.
+        if getattr(args, "dataset", "random") == "grounded":
+            return grounded_requests(tokenizer, args.num_prompts, args.input_len, args.output_len, seed=args.seed)
         return random_requests(tokenizer, args.num_prompts, args.input_len, args.output_len,
                                prefix_len=args.prefix_len, seed=args.seed)
 

@@ -73,14 +73,20 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None,
-                       num_new_computed_tokens: int = 0) -> list[KVCacheBlock] | None:
-        """Make room for ``num_new_tokens`` more tokens (after any prefix hits). None if it can't."""
+                       num_new_computed_tokens: int = 0,
+                       num_lookahead_tokens: int = 0) -> list[KVCacheBlock] | None:
+        """Make room for ``num_new_tokens`` more tokens (after any prefix hits). None if it can't.
+
+        ``num_lookahead_tokens`` more slots are reserved past them (a draft model writes its proposals'
+        K/V there); they are never hashed for the prefix cache.
+        """
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         if self.sliding_window is not None and blocks:
             self._free_outside_window(request, blocks)
         total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_needed = cdiv(total_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
+        num_needed = (cdiv(total_tokens + num_lookahead_tokens, self.block_size) - len(blocks)
+                      - len(new_computed_blocks))
         # Hits that sit in the free queue stop being allocatable once we take them.
         num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_needed > self.pool.num_free_blocks - num_free_hits:

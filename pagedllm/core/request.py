@@ -67,6 +67,7 @@ class Request:
         self.num_failed_steps = 0  # model steps that raised while this request was in the batch
         self.block_hashes: list[Any] = []  # chained hashes of its full blocks, filled by the KV manager
         self.first_scheduled_time: float | None = None
+        self.spec_token_ids: list[int] = []  # drafts to verify in its next step (speculative decoding)
 
     @property
     def num_tokens(self) -> int:

@@ -43,6 +43,8 @@ class SchedulerOutput:
     # sample under a grammar this step, and their allowed-token bitmask [len(ids), ceil(V/32)] int32.
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Any = None
+    # req_id -> draft tokens to verify this step; they are the last len(...) of its scheduled tokens.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -51,15 +53,20 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """Per scheduled request: the sampled token (None for a partial prefill chunk) and logprobs."""
+    """Per scheduled request: the new tokens (absent for a partial prefill chunk) and logprobs.
 
-    sampled_token_ids: dict[str, int]
+    A request that verified drafts gets its accepted drafts plus one more token (1 to k+1 tokens);
+    ``spec_token_ids`` are the drafts proposed for its next step.
+    """
+
+    sampled_token_ids: dict[str, list[int]]
     # req_id -> list (one per new token) of {token_id: (logprob, rank)}; first entry is the sampled token.
     logprobs: dict[str, list[dict[int, tuple[float, int]]]] = field(default_factory=dict)
     # req_id -> list (one per prompt position after the first) of the same mapping.
     prompt_logprobs: dict[str, list[dict[int, tuple[float, int]]]] = field(default_factory=dict)
     # req_id -> pooled vector (a float32 CPU tensor) for pooling requests whose prompt is now complete.
     pooler_output: dict[str, Any] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

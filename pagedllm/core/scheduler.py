@@ -21,6 +21,7 @@ from pagedllm.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from pagedllm.core.spec_decode_stats import SpecDecodingStats
 from pagedllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -45,6 +46,7 @@ class Scheduler:
         self._pending_outputs: list[EngineCoreOutput] = []  # requests finished inside schedule()
         self._isolate: set[str] = set()  # requests from a failed step, to be run one per step
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodingStats()
 
     # ---- admission ---------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -110,6 +112,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted: set[str] = set()
+        spec_tokens: dict[str, list[int]] = {}
         now = time.time()
         # After a failed step, its requests run alone, one per step, until each has run once.
         isolated = self._next_isolated()
@@ -118,12 +121,12 @@ class Scheduler:
         i = 0
         while isolated is None and i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens + len(request.spec_token_ids), budget)
             if num_new <= 0:
                 i += 1
                 continue
             while True:
-                new_blocks = self.kv.allocate_slots(request, num_new)
+                new_blocks = self._allocate(request, num_new)
                 if new_blocks is not None:
                     break
                 if i == 0 and len(self.running) == 1:
@@ -140,6 +143,11 @@ class Scheduler:
                 break
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+            # Drafts that fit the budget are verified this step; the runner proposes fresh ones after it.
+            num_spec = num_new - (request.num_tokens - request.num_computed_tokens)
+            if num_spec > 0:
+                spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+            request.spec_token_ids = []
             if request.request_id in self._known_to_runner:
                 cached_reqs.append(CachedRequestData(request.request_id, [b.block_id for b in new_blocks],
                                                      request.num_computed_tokens))
@@ -164,7 +172,7 @@ class Scheduler:
                 break
             num_new = min(num_new, budget)
             if not self.config.is_encoder_only:  # an encoder keeps no KV cache
-                new_blocks = self.kv.allocate_slots(request, num_new, hits, num_hit_tokens)
+                new_blocks = self._allocate(request, num_new, hits, num_hit_tokens)
                 if new_blocks is None:
                     break  # head of the queue waits for memory; later requests must not jump ahead of it
             self.waiting.popleft()
@@ -198,9 +206,20 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self._finished_since_last_step,
             preempted_req_ids=preempted,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
         self._finished_since_last_step = set()
         return out
+
+    def _allocate(self, request: Request, num_new: int, hits: list | None = None, num_hit_tokens: int = 0):
+        """allocate_slots with the drafter's lookahead slots if they fit, else without (the drafter then
+        proposes only what the request's blocks can hold)."""
+        lookahead = self.config.num_lookahead_tokens
+        if lookahead:
+            blocks = self.kv.allocate_slots(request, num_new, hits, num_hit_tokens, lookahead)
+            if blocks is not None:
+                return blocks
+        return self.kv.allocate_slots(request, num_new, hits, num_hit_tokens)
 
     def _next_isolated(self) -> Request | None:
         """Move the first request awaiting isolation to the head of the queue and return it."""
@@ -239,6 +258,7 @@ class Scheduler:
         self._known_to_runner.discard(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -256,18 +276,26 @@ class Scheduler:
                 self._finish_pooled(request, result, outputs)
                 continue
             prompt_lps = result.prompt_logprobs.get(req_id)
-            token = result.sampled_token_ids.get(req_id)
-            if token is None:
+            tokens = result.sampled_token_ids.get(req_id)
+            if not tokens:
                 if prompt_lps:
                     outputs.append(EngineCoreOutput(req_id, [], prompt_logprobs=prompt_lps))
                 continue  # a partial prefill chunk samples nothing
-            request.append_output_token(token)
-            finished = request.check_stop(self.max_model_len)
+            drafts = sched.scheduled_spec_decode_tokens.get(req_id)
+            if drafts:
+                # Rejected drafts' K/V is stale: those positions are computed again from the real tokens.
+                num_accepted = len(tokens) - 1
+                request.num_computed_tokens -= len(drafts) - num_accepted
+                self.spec_stats.observe(len(drafts), num_accepted)
+            new_tokens, finished = self._append_tokens(request, tokens)
+            if not finished:
+                request.spec_token_ids = self._clip_drafts(request, result.spec_token_ids.get(req_id))
+            new_logprobs = result.logprobs.get(req_id)
             outputs.append(EngineCoreOutput(
-                req_id, [token],
+                req_id, new_tokens,
                 finish_reason=request.status.finish_reason if finished else None,
                 stop_reason=request.stop_reason,
-                new_logprobs=result.logprobs.get(req_id),
+                new_logprobs=new_logprobs[:len(new_tokens)] if new_logprobs else new_logprobs,
                 prompt_logprobs=prompt_lps,
                 num_cached_tokens=max(request.num_cached_tokens, 0)))
             if finished:
@@ -285,6 +313,22 @@ class Scheduler:
                                         num_cached_tokens=max(request.num_cached_tokens, 0)))
         self.running.remove(request)
         self._free(request)
+
+    def _append_tokens(self, request: Request, tokens: list[int]) -> tuple[list[int], bool]:
+        """Append one step's tokens one by one, stopping at the first that ends the request."""
+        for count, token in enumerate(tokens, 1):
+            request.append_output_token(token)
+            if request.check_stop(self.max_model_len):
+                return tokens[:count], True
+        return tokens, False
+
+    def _clip_drafts(self, request: Request, drafts: list[int] | None) -> list[int]:
+        """Drafts worth verifying: none past max_tokens, and none whose position would reach the last
+        position of the context (the request ends there anyway)."""
+        if not drafts:
+            return []
+        room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
+        return list(drafts[:max(room, 0)])
 
     def recover_from_failed_step(self, sched: SchedulerOutput) -> list[EngineCoreOutput]:
         """The step's forward pass raised. A request that ran alone in it is failed ("error"); the others

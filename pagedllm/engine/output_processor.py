@@ -136,16 +136,24 @@ class OutputProcessor:
             if parent.metrics.first_token_time is None:
                 parent.metrics.first_token_time = now
             parent.metrics.last_token_time = now
-            child.token_ids.extend(out.new_token_ids)
+            # A step may bring several tokens (speculative decoding): look for stop strings token by
+            # token and drop whatever follows the token that completed one.
+            new_ids, stop_str = out.new_token_ids, None
+            for count, token_id in enumerate(out.new_token_ids, 1):
+                stop_str = child.detok.update([token_id])
+                if stop_str is not None:
+                    new_ids = out.new_token_ids[:count]
+                    break
+            child.token_ids.extend(new_ids)
             if child.logprobs is not None and out.new_logprobs:
-                lps = self._to_logprobs(out.new_logprobs)
+                lps = self._to_logprobs(out.new_logprobs[:len(new_ids)])
                 child.logprobs.extend(lps)
-                for tid, lp in zip(out.new_token_ids, lps):
+                for tid, lp in zip(new_ids, lps):
                     child.cumulative_logprob += lp[tid].logprob
-            stop_str = child.detok.update(out.new_token_ids)
-            if stop_str is not None and out.finish_reason is None:
+            if stop_str is not None:
                 child.finish_reason, child.stop_reason = "stop", stop_str
-                to_stop.append(out.req_id)
+                if out.finish_reason is None:
+                    to_stop.append(out.req_id)
             elif out.finish_reason is not None:
                 child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
             if child.finish_reason is not None:

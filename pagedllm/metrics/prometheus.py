@@ -87,6 +87,18 @@ class PrometheusMetrics:
         self.request_time_per_output_token = histogram("vllm:request_time_per_output_token_seconds",
                                                        "Mean time per output token after the first, per request.",
                                                        _LATENCY_BUCKETS)
+        # Speculative decoding (zero when it is off), vLLM's names.
+        self.spec_decode_num_drafts = counter("vllm:spec_decode_num_drafts", "Draft runs verified (one per "
+                                              "request per step that had drafts).")
+        self.spec_decode_num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_decode_num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens",
+                                                       "Draft tokens accepted.")
+        self._spec_decode_accepted_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft.",
+            ["model_name", "position"], registry=r)
+
+    def spec_decode_accepted_at(self, position: int, count: int) -> None:
+        self._spec_decode_accepted_per_pos.labels(self.model_name, str(position)).inc(count)
 
     def request_success(self, finished_reason: str) -> None:
         self._request_success.labels(self.model_name, finished_reason).inc()

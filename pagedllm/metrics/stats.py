@@ -50,6 +50,10 @@ class StatsRecorder:
         self._interval_gen_tokens = 0
         self._interval_queries = 0
         self._interval_hits = 0
+        # Speculative decoding: cumulative counters already exported, and the interval's drafts.
+        self._seen_spec = (0, 0, 0, [])
+        self._interval_drafts = 0
+        self._interval_accepted = 0
 
     def add_request(self, request_id: str, kind: OutputKind, n: int) -> None:
         """Engine thread, right after the engine accepted the request."""
@@ -79,6 +83,7 @@ class StatsRecorder:
         d_h, self._seen_hits = kv.prefix_cache_hits - self._seen_hits, kv.prefix_cache_hits
         self._interval_queries += d_q
         self._interval_hits += d_h
+        self._record_spec_decode(sched)
         if m is not None:
             m.num_requests_running.set(sched.num_running)
             m.num_requests_waiting.set(sched.num_waiting)
@@ -89,6 +94,26 @@ class StatsRecorder:
                 m.prefix_cache_queries.inc(d_q)
             if d_h > 0:
                 m.prefix_cache_hits.inc(d_h)
+
+    def _record_spec_decode(self, sched: Any) -> None:
+        stats = getattr(sched, "spec_stats", None)
+        if stats is None or stats.num_drafts == self._seen_spec[0]:
+            return
+        drafts, draft_tokens, accepted, per_pos = self._seen_spec
+        d_drafts, d_accepted = stats.num_drafts - drafts, stats.num_accepted_tokens - accepted
+        self._interval_drafts += d_drafts
+        self._interval_accepted += d_accepted
+        m = self.metrics
+        if m is not None:
+            m.spec_decode_num_drafts.inc(d_drafts)
+            m.spec_decode_num_draft_tokens.inc(stats.num_draft_tokens - draft_tokens)
+            m.spec_decode_num_accepted_tokens.inc(d_accepted)
+            for pos, count in enumerate(stats.accepted_per_pos):
+                seen = per_pos[pos] if pos < len(per_pos) else 0
+                if count > seen:
+                    m.spec_decode_accepted_at(pos, count - seen)
+        self._seen_spec = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
+                           list(stats.accepted_per_pos))
 
     def _record_queue_times(self, sched: Any) -> None:
         if not self._unscheduled or self.metrics is None:
@@ -183,6 +208,11 @@ class StatsRecorder:
                         "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: "
                         "%.1f%%", self._interval_prompt_tokens / elapsed, self._interval_gen_tokens / elapsed,
                         sched.num_running, sched.num_waiting, sched.kv.usage * 100, hit_rate * 100)
+            if self._interval_drafts:
+                logger.info("Speculative decoding: mean acceptance length %.2f tokens per step (%d drafts, "
+                            "%d draft tokens accepted)", 1 + self._interval_accepted / self._interval_drafts,
+                            self._interval_drafts, self._interval_accepted)
         self._last_log = now
         self._interval_prompt_tokens = self._interval_gen_tokens = 0
         self._interval_queries = self._interval_hits = 0
+        self._interval_drafts = self._interval_accepted = 0

@@ -143,18 +143,19 @@ class StructuredOutputManager:
         sched.grammar_bitmask = bitmask
 
     def accept_tokens(self, result: ModelRunnerOutput) -> set[str]:
-        """Advance each matcher by its request's kept token; returns the requests whose grammar has ended
-        (terminated, or the token was rejected: the engine finishes them with "stop")."""
+        """Advance each matcher by its request's kept tokens (a list per request: one, or several when
+        drafts were accepted); returns the requests whose grammar has ended (terminated, or a token was
+        rejected: the engine finishes them with "stop")."""
         ended = set()
         for req_id, matcher in self._matchers.items():
-            token = result.sampled_token_ids.get(req_id)
-            if token is None:
-                continue
-            if not matcher.accept_token(token):
-                logger.warning("request %s: token %d is not allowed by its grammar; ending it", req_id, token)
-                ended.add(req_id)
-            elif matcher.is_terminated():
-                ended.add(req_id)
+            for token in result.sampled_token_ids.get(req_id) or ():
+                if not matcher.accept_token(token):
+                    logger.warning("request %s: token %d is not allowed by its grammar; ending it", req_id, token)
+                    ended.add(req_id)
+                    break
+                if matcher.is_terminated():
+                    ended.add(req_id)
+                    break
         return ended
 
     def remove_finished(self, live: dict[str, Request]) -> None:

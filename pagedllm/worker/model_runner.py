@@ -66,6 +66,14 @@ def _grammar_rows(sched: SchedulerOutput, sample_states: list[CachedRequestState
     return rows, bitmask if picks == list(range(len(index))) else bitmask[picks]
 
 
+def _kv_spec(model: nn.Module) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_size) of ``model``'s attention layers that keep a KV cache."""
+    layers = [m for m in attention_layers(model) if m.spec.uses_kv_cache]
+    if not layers:
+        return 0, 1, 1
+    return len(layers), layers[0].num_kv_heads, layers[0].head_size
+
+
 @dataclass
 class CachedRequestState:
     req_id: str
@@ -97,14 +105,16 @@ class ModelRunner:
         self._logits_buffer: torch.Tensor | None = None
         # CUDA: captured decode graphs (worker.capture_decode_graphs); None runs every step eagerly.
         self.decode_graphs: Any = None
+        # Speculative decoding (spec_decode/): set by the worker when configured. A separate draft model
+        # gets its own per-layer caches over the same block ids.
+        self.spec_decoder: Any = None
+        self.draft_model: nn.Module | None = None
+        self.draft_kv_caches: list[torch.Tensor] = []
 
     # ---- KV cache ----------------------------------------------------------------------------------
     def kv_cache_spec(self) -> tuple[int, int, int]:
         """(num_layers, num_kv_heads, head_size) of the model's attention layers that keep a KV cache."""
-        layers = [m for m in attention_layers(self.model) if m.spec.uses_kv_cache]
-        if not layers:
-            return 0, 1, 1
-        return len(layers), layers[0].num_kv_heads, layers[0].head_size
+        return _kv_spec(self.model)
 
     def kv_sliding_window(self) -> int | None:
         """The window when every cached layer slides with it (the KV cache manager may then free blocks
@@ -112,8 +122,13 @@ class ModelRunner:
         return common_sliding_window([m.spec for m in attention_layers(self.model)])
 
     def bytes_per_block(self) -> int:
-        num_layers, num_kv_heads, head_size = self.kv_cache_spec()
-        return 2 * num_layers * self.block_size * num_kv_heads * head_size * torch.finfo(self.dtype).bits // 8
+        """Bytes of one block over all layers (the draft model's layers included)."""
+        total = 0
+        for model in (self.model, self.draft_model):
+            if model is not None:
+                num_layers, num_kv_heads, head_size = _kv_spec(model)
+                total += 2 * num_layers * self.block_size * num_kv_heads * head_size * torch.finfo(self.dtype).bits // 8
+        return total
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate per layer [2, num_blocks, block_size, Hkv, D] and bind it to the attention layers."""
@@ -121,6 +136,11 @@ class ModelRunner:
         shape = (2, num_blocks, self.block_size, num_kv_heads, head_size)
         self.kv_caches = [_zeros(shape, self.dtype, self.device) for _ in range(num_layers)]
         bind_kv_caches(self.model, self.kv_caches)
+        if self.draft_model is not None:
+            num_layers, num_kv_heads, head_size = _kv_spec(self.draft_model)
+            shape = (2, num_blocks, self.block_size, num_kv_heads, head_size)
+            self.draft_kv_caches = [_zeros(shape, self.dtype, self.device) for _ in range(num_layers)]
+            bind_kv_caches(self.draft_model, self.draft_kv_caches)
 
     def release_kv_cache(self) -> None:
         """Drop the KV cache tensors (after the GPU profiling step) and unbind them from the layers."""
@@ -147,6 +167,8 @@ class ModelRunner:
         for req_id in sched.finished_req_ids:
             self.requests.pop(req_id, None)
             self.generators.pop(req_id, None)
+            if self.spec_decoder is not None:
+                self.spec_decoder.forget(req_id)
         for req_id in sched.preempted_req_ids:
             self.requests.pop(req_id, None)
         for new in sched.scheduled_new_reqs:
@@ -176,7 +198,8 @@ class ModelRunner:
         order = sorted(sched.num_scheduled_tokens, key=lambda r: sched.num_scheduled_tokens[r] != 1)
         states = [self.requests[r] for r in order]
         query_lens = [sched.num_scheduled_tokens[r] for r in order]
-        meta, input_ids, positions = self._prepare_inputs(states, query_lens)
+        spec = sched.scheduled_spec_decode_tokens
+        meta, input_ids, positions = self._prepare_inputs(states, query_lens, spec)
 
         if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
             hidden = self.decode_graphs.run(input_ids, positions, meta)  # CUDA graph replay
@@ -188,22 +211,50 @@ class ModelRunner:
         qsl = meta.query_start_loc_cpu
         sample_rows, sample_states = [], []
         prompt_lp_jobs = []
+        verify_jobs = []  # (state, drafts, first logits row) of requests verifying drafts
+        verify_rows: list[int] = []
         for i, state in enumerate(states):
             end = state.num_computed_tokens + query_lens[i]
             if state.params.prompt_logprobs is not None and state.num_computed_tokens < len(state.prompt_token_ids):
                 prompt_lp_jobs.append((i, state))
-            if end >= len(state.token_ids):
+            drafts = spec.get(state.req_id)
+            if drafts:
+                # Rows of the last real token and of each draft: k + 1 target distributions.
+                verify_jobs.append((state, drafts, len(verify_rows)))
+                verify_rows.extend(range(qsl[i + 1] - 1 - len(drafts), qsl[i + 1]))
+            elif end >= len(state.token_ids):
                 sample_rows.append(qsl[i + 1] - 1)
                 sample_states.append(state)
 
         result = ModelRunnerOutput(sampled_token_ids={})
         if prompt_lp_jobs:
             self._prompt_logprobs(prompt_lp_jobs, hidden, qsl, query_lens, result)
+        starts = [state.num_computed_tokens for state in states]
         for i, state in enumerate(states):
             state.num_computed_tokens += query_lens[i]
-        if not sample_rows:
-            return result
+        if verify_jobs:
+            self._verify(hidden, verify_rows, verify_jobs, result)
+        if sample_rows:
+            self._sample(hidden, sample_rows, sample_states, result, sched)
+        if self.spec_decoder is not None:
+            result.spec_token_ids = self.spec_decoder.propose(states, starts, query_lens,
+                                                              set(result.sampled_token_ids))
+        return result
 
+    def _verify(self, hidden: torch.Tensor, rows: list[int], jobs: list, result: ModelRunnerOutput) -> None:
+        """Check drafts against the target (spec_decode/); keep the accepted ones, roll back the rest."""
+        logits = self.model.compute_logits(hidden[rows], out=self._logits_out(len(rows)))
+        tokens, logprobs = self.spec_decoder.verify(logits, jobs)
+        for (state, drafts, _), new, entries in zip(jobs, tokens, logprobs):
+            state.token_ids.extend(new)
+            state.output_token_ids.extend(new)
+            state.num_computed_tokens -= len(drafts) + 1 - len(new)  # rejected drafts' K/V is stale
+            result.sampled_token_ids[state.req_id] = new
+            if entries is not None:
+                result.logprobs[state.req_id] = entries
+
+    def _sample(self, hidden: torch.Tensor, sample_rows: list[int], sample_states: list[CachedRequestState],
+                result: ModelRunnerOutput, sched: SchedulerOutput) -> None:
         # Valid until the next compute_logits call: the sampler reads it and keeps nothing of it.
         logits = self.model.compute_logits(hidden[sample_rows], out=self._logits_out(len(sample_rows)))
         grammar_rows, grammar_bitmask = _grammar_rows(sched, sample_states)
@@ -220,12 +271,12 @@ class ModelRunner:
             token = sampled[row]
             state.token_ids.append(token)
             state.output_token_ids.append(token)
-            result.sampled_token_ids[state.req_id] = token
+            result.sampled_token_ids[state.req_id] = [token]
             if entries is not None and state.params.logprobs is not None:
                 result.logprobs[state.req_id] = [entries[row]]
-        return result
 
-    def _prepare_inputs(self, states: list[CachedRequestState], query_lens: list[int]
+    def _prepare_inputs(self, states: list[CachedRequestState], query_lens: list[int],
+                        spec: dict[str, list[int]] | None = None
                         ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
         seq_lens = [state.num_computed_tokens + q for state, q in zip(states, query_lens)]
         width = max(len(s.block_ids) for s in states)
@@ -233,9 +284,13 @@ class ModelRunner:
         for i, state in enumerate(states):
             tables[i, :len(state.block_ids)] = state.block_ids
         meta = build_attention_metadata(query_lens, seq_lens, tables, self.block_size, self.device)
-        input_ids = torch.tensor([t for state, q in zip(states, query_lens)
-                                  for t in state.token_ids[state.num_computed_tokens:state.num_computed_tokens + q]],
-                                 dtype=torch.long)
+        ids: list[int] = []
+        for state, q in zip(states, query_lens):
+            start = state.num_computed_tokens
+            drafts = spec.get(state.req_id, []) if spec else []  # verified after the request's own tokens
+            ids.extend(state.token_ids[start:start + q - len(drafts)])
+            ids.extend(drafts)
+        input_ids = torch.tensor(ids, dtype=torch.long)
         positions = torch.from_numpy(token_positions(query_lens, seq_lens))
         return meta, input_ids.to(self.device), positions.to(self.device)
 

@@ -66,6 +66,10 @@ class Worker:
         self.runner = ModelRunner(model, self.device, self.dtype, config.cache.block_size, mc.vocab_size,
                                   mc.eos_token_ids, pooling=pooling)
         config.cache.sliding_window = self.runner.kv_sliding_window()
+        if config.speculative is not None:
+            from pagedllm.spec_decode.setup import attach_spec_decoder
+
+            attach_spec_decoder(self.runner, config.speculative, self.device)
 
     def determine_num_blocks(self) -> int:
         if self.config.model.is_encoder_only:

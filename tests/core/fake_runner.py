@@ -3,9 +3,17 @@
 Each token's K/V is stood in for by the token id, written at its slot. A sampled token is a hash of the
 context read back through the block table, so any block-table, prefix-cache or preemption mistake
 changes the output.
+
+With ``draft_error_rate`` set it also speculates: after each sampled token it proposes up to
+``num_drafts`` drafts (the true continuation, each token corrupted with that probability), and verifies
+scheduled drafts the way a real runner does: their K/V is written, the true token at each position is
+read back from the fake cache, and drafts are accepted while they match. A rejected draft's K/V stays in
+the cache, so a scheduler that forgets to recompute it produces wrong outputs.
 """
 
 from __future__ import annotations
+
+import random
 
 import numpy as np
 
@@ -19,10 +27,18 @@ def next_token(context: list[int]) -> int:
 
 
 class FakeRunner:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_drafts: int = 0, draft_error_rate: float = 0.0,
+                 seed: int = 0) -> None:
         self.block_size = block_size
         self.kv = np.full(num_blocks * block_size, -1, dtype=np.int64)
         self.state: dict[str, dict] = {}
+        self.num_drafts = num_drafts
+        self.draft_error_rate = draft_error_rate
+        self.rng = random.Random(seed)
+
+    def _slot(self, st: dict, pos: int) -> int:
+        bs = self.block_size
+        return st["blocks"][pos // bs] * bs + pos % bs
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for rid in sched.finished_req_ids | sched.preempted_req_ids:
@@ -33,22 +49,46 @@ class FakeRunner:
         for cached in sched.scheduled_cached_reqs:
             st = self.state[cached.req_id]
             st["blocks"].extend(cached.new_block_ids)
-            assert st["computed"] == cached.num_computed_tokens
+            assert st["computed"] == cached.num_computed_tokens, "scheduler and runner disagree on rollback"
         out = ModelRunnerOutput(sampled_token_ids={})
         bs = self.block_size
         for rid, n in sched.num_scheduled_tokens.items():
             st = self.state[rid]
+            drafts = sched.scheduled_spec_decode_tokens.get(rid, [])
             start = st["computed"]
+            inputs = st["tokens"] + drafts
+            assert start + n == len(inputs) or not drafts, "drafts must follow all the real tokens"
             assert len(st["blocks"]) * bs >= start + n, "not enough blocks for the scheduled tokens"
             for pos in range(start, start + n):
-                self.kv[st["blocks"][pos // bs] * bs + pos % bs] = st["tokens"][pos]
+                self.kv[self._slot(st, pos)] = inputs[pos]
             st["computed"] = start + n
-            if st["computed"] == len(st["tokens"]):
-                context = [int(self.kv[st["blocks"][p // bs] * bs + p % bs]) for p in range(st["computed"])]
+            if st["computed"] < len(st["tokens"]):
+                continue  # a partial prefill chunk
+            # Verify: the true next token after each real/draft prefix, read back from the cache.
+            emitted = []
+            first = len(st["tokens"])
+            for i in range(len(drafts) + 1):
+                context = [int(self.kv[self._slot(st, p)]) for p in range(first + i)]
                 token = next_token(context)
-                st["tokens"].append(token)
-                out.sampled_token_ids[rid] = token
+                emitted.append(token)
+                if i == len(drafts) or drafts[i] != token:
+                    break
+            st["computed"] -= len(drafts) - (len(emitted) - 1)
+            st["tokens"].extend(emitted)
+            out.sampled_token_ids[rid] = emitted
+            if self.num_drafts:
+                out.spec_token_ids[rid] = self._propose(st["tokens"])
         return out
+
+    def _propose(self, tokens: list[int]) -> list[int]:
+        context, drafts = list(tokens), []
+        for _ in range(self.rng.randint(0, self.num_drafts)):
+            token = next_token(context)
+            if self.rng.random() < self.draft_error_rate:
+                token = (token + 1) % VOCAB
+            drafts.append(token)
+            context.append(token)
+        return drafts
 
 
 def reference_output(prompt: list[int], max_tokens: int) -> list[int]:

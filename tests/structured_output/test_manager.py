@@ -71,7 +71,7 @@ def test_waiting_for_grammar_then_bitmask_and_accept(manager, tokenizer) -> None
     yes = tokenizer.encode("yes")
     ended = set()
     for token in yes + [2]:
-        ended = manager.accept_tokens(ModelRunnerOutput(sampled_token_ids={"a": token}))
+        ended = manager.accept_tokens(ModelRunnerOutput(sampled_token_ids={"a": [token]}))
     assert ended == {"a"}
     manager.remove_finished({"b": requests["b"]})
     assert manager.num_matchers() == 1
