@@ -26,6 +26,7 @@ class ModelConfig:
     seed: int = 0
     served_model_name: str | None = None
     chat_template: str | None = None
+    quantization: str | None = None  # --quantization: int8 | int4[-g64|-g128] | gguf (None: as stored)
     # Filled by resolution:
     model_path: str = ""  # folder (HF) or file (GGUF)
     gguf_file: str | None = None

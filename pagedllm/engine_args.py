@@ -13,6 +13,7 @@ from pagedllm.config import (
     ModelConfig,
     SchedulerConfig,
 )
+from pagedllm.model_executor.layers.quantization import QUANTIZATION_METHODS
 from pagedllm.utils import parse_size
 
 
@@ -34,6 +35,7 @@ class EngineArgs:
     served_model_name: str | None = None
     chat_template: str | None = None
     disable_log_stats: bool = False
+    quantization: str | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> argparse.ArgumentParser:
@@ -50,6 +52,11 @@ class EngineArgs:
                                                                  "float16", "half"],
                            help="Weights and activations dtype; auto = bf16 on CPUs with AVX-512 bf16 or CUDA, "
                                 "else float32.")
+        group.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),
+                           help="Quantize the linear layers' weights at load: int8 (per output channel), int4 "
+                                "(groups of 32 inputs; int4-g64/-g128 for larger groups), gguf (keep a GGUF "
+                                "file's Q4_0/Q4_1/Q8_0 blocks quantized instead of dequantizing them). "
+                                "Activations stay float32 (dtype auto becomes float32). See docs/quantization.md.")
         group.add_argument("--max-model-len", type=int, default=None,
                            help="Context length (prompt + output) in tokens; default: the model's.")
         group.add_argument("--block-size", type=int, default=d.block_size, help="Tokens per KV cache block.")
@@ -95,7 +102,7 @@ class EngineArgs:
         model = resolve_model_config(ModelConfig(
             model=self.model or DEFAULT_MODEL, tokenizer=self.tokenizer, dtype=self.dtype,
             max_model_len=self.max_model_len, seed=self.seed, served_model_name=self.served_model_name,
-            chat_template=self.chat_template))
+            chat_template=self.chat_template, quantization=self.quantization))
         cache = CacheConfig(block_size=self.block_size, kv_cache_memory=parse_size(self.kv_cache_memory),
                             enable_prefix_caching=self.enable_prefix_caching,
                             prefix_caching_hash_seed=self.prefix_caching_hash_seed)

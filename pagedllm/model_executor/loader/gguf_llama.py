@@ -117,11 +117,25 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf_llama_weights(gguf: GGUFFile, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every tensor in the file, in file order."""
+def iter_gguf_llama_weights(gguf: GGUFFile, hf_config: Any,
+                            keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
+    """(HF name, float32 tensor) for every tensor in the file, in file order.
+
+    ``keep_quantized``: linear-layer matrices (not the embedding) whose blocks the ``gguf`` quantization
+    reads come as ``GGUFQuantTensor`` (raw blocks) instead of float tensors.
+    """
     n_heads = hf_config.num_attention_heads
     n_kv = hf_config.num_key_value_heads
     for name in gguf.tensors:
+        if keep_quantized and name != "token_embd.weight":
+            raw = gguf.load_raw(name)
+            if raw is not None:
+                if ".attn_q." in name:
+                    raw.raw = torch.from_numpy(_unpermute(raw.raw.numpy(), n_heads))
+                elif ".attn_k." in name:
+                    raw.raw = torch.from_numpy(_unpermute(raw.raw.numpy(), n_kv))
+                yield hf_name(name), raw
+                continue
         array = gguf.load(name)
         if ".attn_q." in name:
             array = _unpermute(array, n_heads)

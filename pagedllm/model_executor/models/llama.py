@@ -18,7 +18,9 @@ from pagedllm.attention.layer import Attention
 from pagedllm.kernels.cpu import kernels_for
 from pagedllm.model_executor.layers.activation import silu_and_mul
 from pagedllm.model_executor.layers.layernorm import RMSNorm
-from pagedllm.model_executor.layers.linear import Linear, pack_weight, packed_linear
+from pagedllm.model_executor.layers.linear import Linear
+from pagedllm.model_executor.layers.quantization import QuantizationConfig
+from pagedllm.model_executor.layers.quantization.base import to_empty_keeping_loaders
 from pagedllm.model_executor.layers.rotary_embedding import RopeStep, RotaryEmbedding, rope_settings
 
 # HF checkpoint name fragment -> (our fused parameter fragment, shard index within it).
@@ -37,7 +39,8 @@ def _head_dim(cfg: Any) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: Any, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: Any, layer_idx: int, dtype: torch.dtype,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
@@ -46,12 +49,13 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = bool(getattr(cfg, "attention_bias", False))
         # One matmul for q, k and v: rows [q | k | v].
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias, dtype=dtype)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=bias, dtype=dtype)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias, dtype=dtype,
+                               quant_config=quant_config, shard_sizes=(self.q_size, self.kv_size, self.kv_size),
+                               prefix=f"{prefix}.qkv_proj")
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=bias, dtype=dtype, quant_config=quant_config,
+                             prefix=f"{prefix}.o_proj")
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads,
                               layer_idx=layer_idx)
-        # Shard sizes for load_weights, in _STACKED order.
-        self.qkv_proj.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
 
     def forward(self, x: torch.Tensor, rope: RopeStep) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
@@ -62,7 +66,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: Any, dtype: torch.dtype, quant_config: QuantizationConfig | None = None,
+                 prefix: str = "") -> None:
         super().__init__()
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
@@ -70,9 +75,12 @@ class LlamaMLP(nn.Module):
         bias = bool(getattr(cfg, "mlp_bias", False))
         self.intermediate_size = cfg.intermediate_size
         # One matmul for gate and up: rows [gate | up].
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias, dtype=dtype)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias, dtype=dtype)
-        self.gate_up_proj.shard_sizes = (cfg.intermediate_size, cfg.intermediate_size)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias, dtype=dtype,
+                                   quant_config=quant_config,
+                                   shard_sizes=(cfg.intermediate_size, cfg.intermediate_size),
+                                   prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias, dtype=dtype,
+                                quant_config=quant_config, prefix=f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden] (SwiGLU)."""
@@ -80,10 +88,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: Any, layer_idx: int, dtype: torch.dtype,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, dtype)
-        self.mlp = LlamaMLP(cfg, dtype)
+        self.self_attn = LlamaAttention(cfg, layer_idx, dtype, quant_config, f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(cfg, dtype, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -101,10 +110,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: Any, dtype: torch.dtype, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, dtype, quant_config, f"model.layers.{i}")
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         theta, scaling = rope_settings(cfg)
         self.rotary_emb = RotaryEmbedding(_head_dim(cfg), cfg.max_position_embeddings, theta, scaling, dtype)
@@ -122,19 +132,22 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Causal LM head over ``LlamaModel``; parameter names mirror HF's except the fused projections."""
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32,
+                 quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.config = hf_config
         self.dtype = dtype
-        self.model = LlamaModel(hf_config, dtype)
+        self.quant_config = quant_config
+        self.model = LlamaModel(hf_config, dtype, quant_config)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False, dtype=dtype)
-        # Packed copy of the tied head (the embedding keeps reading the plain rows); see pack_for_cpu.
-        self._head_packed: torch.Tensor | None = None
-        self._head_kernels: Any = None
+            self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False, dtype=dtype,
+                                  quant_config=quant_config, prefix="lm_head")
+        # The tied head's own copy of the embedding rows, packed or quantized (the embedding keeps reading
+        # the plain rows); built by process_weights_after_loading.
+        self._tied_head: Linear | None = None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -153,20 +166,25 @@ class LlamaForCausalLM(nn.Module):
         """
         if self.lm_head is not None:
             return self.lm_head(hidden, out=out).float()
-        if self._head_packed is not None:
-            return packed_linear(self._head_kernels, hidden, self._head_packed, self.config.vocab_size, out=out)
+        if self._tied_head is not None:
+            return self._tied_head(hidden, out=out).float()
         return F.linear(hidden, self.model.embed_tokens.weight).float()
 
-    def pack_for_cpu(self) -> bool:
-        """After loading: a packed copy of a tied LM head for the CPU matmul kernel (+ the head's size)."""
-        if not self.tie_word_embeddings or self._head_packed is not None:
-            return self._head_packed is not None
-        kernels = kernels_for(self.model.embed_tokens.weight)
-        if kernels is None:
-            return False
-        self._head_packed = pack_weight(self.model.embed_tokens.weight)
-        self._head_kernels = kernels
-        return True
+    def process_weights_after_loading(self) -> None:
+        """After loading: the tied LM head as its own ``Linear`` (packed fp32 copy or quantized) when that
+        pays, i.e. where the CPU kernels run or a quantization scheme applies."""
+        if not self.tie_word_embeddings or self._tied_head is not None:
+            return
+        embedding = self.model.embed_tokens.weight
+        if self.quant_config is None and kernels_for(embedding) is None:
+            return  # plain F.linear on the embedding rows: no second copy
+        with torch.device("meta"):  # no random init of a vocab-sized matrix that is overwritten next
+            head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False, dtype=embedding.dtype,
+                          quant_config=self.quant_config, prefix="lm_head")
+        head = to_empty_keeping_loaders(head, embedding.device)
+        head.weight.weight_loader(head.weight, embedding.detach())
+        head.process_weights_after_loading()
+        self._tied_head = head
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -184,39 +202,37 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # tied: the embedding is the head
             match = _STACKED_RE.search(name)
+            shard_id = None
+            target = name
             if match:
-                fused_name, shard = _STACKED[match.group(1)]
+                fused_name, shard_id = _STACKED[match.group(1)]
                 target = name.replace(match.group(1), fused_name)
-                param = params.get(target)
-                if param is None:
-                    raise ValueError(f"checkpoint tensor {name!r} has no matching parameter {target!r}")
-                sizes = self._shard_sizes(target)
-                start = sum(sizes[:shard])
-                dest = param.data.narrow(0, start, sizes[shard])
-                self._copy(dest, tensor, name)
-                filled_shards[target] = filled_shards.get(target, 0) + 1
-                if filled_shards[target] == len(sizes):
-                    loaded.add(target)
-                continue
-            param = params.get(name)
+            param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} does not match any parameter of "
-                                 f"{type(self).__name__}")
-            self._copy(param.data, tensor, name)
-            loaded.add(name)
+                                 f"{type(self).__name__}" + (f" (expected {target!r})" if match else ""))
+            loader = getattr(param, "weight_loader", _default_weight_loader)
+            try:
+                loader(param, tensor, shard_id)
+            except ValueError as e:
+                raise ValueError(f"loading {name!r}: {e}") from e
+            if shard_id is None:
+                loaded.add(target)
+                continue
+            filled_shards[target] = filled_shards.get(target, 0) + 1
+            if filled_shards[target] == len(self.get_submodule(target.rsplit(".", 1)[0]).shard_sizes):
+                loaded.add(target)
         missing = sorted(set(params) - loaded)
         if missing:
             more = " ..." if len(missing) > 8 else ""
             raise ValueError(f"weights missing from the checkpoint: {missing[:8]}{more}")
         return loaded
 
-    def _shard_sizes(self, fused_name: str) -> tuple[int, ...]:
-        module = self.get_submodule(fused_name.rsplit(".", 1)[0])
-        return module.shard_sizes
 
-    @staticmethod
-    def _copy(dest: torch.Tensor, src: torch.Tensor, name: str) -> None:
-        if dest.shape != src.shape:
-            raise ValueError(f"shape mismatch for {name!r}: checkpoint {tuple(src.shape)}, "
-                             f"model {tuple(dest.shape)}")
-        dest.copy_(src)
+def _default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+    """Whole-tensor copy for parameters without their own loader (embeddings, norms)."""
+    if shard_id is not None:
+        raise ValueError(f"a parameter of shape {tuple(param.shape)} has no shards (got shard {shard_id})")
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)}, model {tuple(param.shape)}")
+    param.data.copy_(loaded)
