@@ -92,3 +92,14 @@ def test_int8_kernel_agrees_with_torch_weight_int8pack_mm(kernels) -> None:
     ours = QPanels.pack_q8(q, s).matmul(x)
     theirs = torch.ops.aten._weight_int8pack_mm(x, q, s[:, 0].contiguous())
     torch.testing.assert_close(ours, theirs.float(), atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("isa", _isas())
+def test_many_rows_span_several_row_blocks(kernels, isa: str) -> None:
+    """150 rows x K = 1024: the dequantize-then-fp32 path walks 64-row blocks, with a short last tile."""
+    torch.manual_seed(7)
+    w = torch.randn(40, 1024)
+    x = torch.randn(150, 1024)
+    for panels in (QPanels.pack_q8(*quantize_q8(w, 1024)), QPanels.pack_q4(*quantize_q4(w, 64))):
+        ref = F.linear(x.double(), panels.dequantize().double()).float()
+        torch.testing.assert_close(panels.matmul(x, isa=ISA_CODES[isa]), ref, atol=2e-3, rtol=1e-4)

@@ -6,7 +6,8 @@
 //   q4: uint8 [P, K/2, 16] (byte j of k pair t: low nibble k = 2t, high nibble k = 2t + 1),
 //       w = scale[g] * q + min[g]                                (int4, GGUF Q4_0/Q4_1, 4-bit GPTQ/AWQ)
 // with scale/min float32 [P, K/group, 16]. A group's products are summed in float, then scaled once; the
-// q4 minimum contributes min * sum(x over the group), from a per-call table of group sums of x.
+// q4 minimum contributes min * sum(x over the group), from a per-call table of group sums of x. From
+// DEQUANT_MIN_ROWS rows on, each panel is instead dequantized once per call and multiplied in float.
 //
 // ISA dispatch is at run time, per call (isa: 0 = best available, 1 = AVX2+FMA, 2 = AVX-512F/BW/VL,
 // 3 = portable C++), so one build serves both CPU kinds and tests can force every path on one machine.
@@ -17,6 +18,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -239,12 +241,88 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void q4_tile_avx512(const P
 }
 #endif
 
+// ---------------------------------------------------------------- many rows: dequantize, then fp32 tiles
+// Past one register tile of rows, widening every weight once per row tile costs more than the multiply-adds;
+// instead each panel is dequantized once per call into a float buffer [K, 16] and all rows multiply it.
+constexpr int64_t DEQUANT_MIN_ROWS = 9;  // one 8-row AVX-512 tile still reads the weights directly
+
+void dequant_panel(bool q4, const Problem& pb, int64_t p, float* dst) {
+  const float* sc = pb.scales + p * pb.G * NR;
+  if (q4) {
+    const uint8_t* panel = pb.w + p * pb.panel_bytes;
+    const float* mn = pb.mins + p * pb.G * NR;
+    for (int64_t k = 0; k < pb.K; ++k) {
+      const uint8_t* b = panel + (k / 2) * NR;
+      const int shift = (k & 1) ? 4 : 0;
+      const float* s = sc + (k / pb.group) * NR;
+      const float* m = mn + (k / pb.group) * NR;
+      for (int j = 0; j < NR; ++j) dst[k * NR + j] = static_cast<float>((b[j] >> shift) & 15) * s[j] + m[j];
+    }
+  } else {
+    const int8_t* panel = reinterpret_cast<const int8_t*>(pb.w + p * pb.panel_bytes);
+    for (int64_t k = 0; k < pb.K; ++k) {
+      const float* s = sc + (k / pb.group) * NR;
+      for (int j = 0; j < NR; ++j) dst[k * NR + j] = static_cast<float>(panel[k * NR + j]) * s[j];
+    }
+  }
+}
+
+void f32_tile_generic(const float* x, int64_t ldx, const float* w, int64_t K, int rows, float* tmp) {
+  for (int i = 0; i < rows; ++i)
+    for (int j = 0; j < NR; ++j) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc += x[i * ldx + k] * w[k * NR + j];
+      tmp[i * NR + j] = acc;
+    }
+}
+
+#if defined(PAGEDLLM_X86)
+template <int R>
+__attribute__((target("avx2,fma"))) void f32_tile_avx2(const float* x, int64_t ldx, const float* w, int64_t K,
+                                                       float* tmp) {
+  __m256 c[R][2];
+  for (int i = 0; i < R; ++i) c[i][0] = c[i][1] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(w + k * NR), w1 = _mm256_loadu_ps(w + k * NR + 8);
+    for (int i = 0; i < R; ++i) {
+      const __m256 xv = _mm256_broadcast_ss(x + i * ldx + k);
+      c[i][0] = _mm256_fmadd_ps(xv, w0, c[i][0]);
+      c[i][1] = _mm256_fmadd_ps(xv, w1, c[i][1]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    _mm256_storeu_ps(tmp + i * NR, c[i][0]);
+    _mm256_storeu_ps(tmp + i * NR + 8, c[i][1]);
+  }
+}
+
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void f32_tile_avx512(const float* x, int64_t ldx,
+                                                                         const float* w, int64_t K, float* tmp) {
+  __m512 c[R];
+  for (int i = 0; i < R; ++i) c[i] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 wv = _mm512_loadu_ps(w + k * NR);
+    for (int i = 0; i < R; ++i) c[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * ldx + k]), wv, c[i]);
+  }
+  for (int i = 0; i < R; ++i) _mm512_storeu_ps(tmp + i * NR, c[i]);
+}
+#endif
+
+using F32TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*);
 using TileFn = void (*)(const Problem&, int64_t, int64_t, float*);
 
 // Tiles for 1..MR rows of one ISA and format; index rows - 1.
 struct TileSet {
   int mr;
   TileFn fns[8];
+};
+
+struct F32TileSet {
+  int mr;
+  F32TileFn fns[8];
 };
 
 #if defined(PAGEDLLM_X86)
@@ -256,6 +334,10 @@ const TileSet kQ8Avx512 = {8, {q8_tile_avx512<1>, q8_tile_avx512<2>, q8_tile_avx
                                q8_tile_avx512<5>, q8_tile_avx512<6>, q8_tile_avx512<7>, q8_tile_avx512<8>}};
 const TileSet kQ4Avx512 = {8, {q4_tile_avx512<1>, q4_tile_avx512<2>, q4_tile_avx512<3>, q4_tile_avx512<4>,
                                q4_tile_avx512<5>, q4_tile_avx512<6>, q4_tile_avx512<7>, q4_tile_avx512<8>}};
+const F32TileSet kF32Avx2 = {6, {f32_tile_avx2<1>, f32_tile_avx2<2>, f32_tile_avx2<3>, f32_tile_avx2<4>,
+                                 f32_tile_avx2<5>, f32_tile_avx2<6>}};
+const F32TileSet kF32Avx512 = {8, {f32_tile_avx512<1>, f32_tile_avx512<2>, f32_tile_avx512<3>, f32_tile_avx512<4>,
+                                   f32_tile_avx512<5>, f32_tile_avx512<6>, f32_tile_avx512<7>, f32_tile_avx512<8>}};
 #endif
 
 torch::Tensor quant_gemm(bool q4, const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
@@ -299,28 +381,41 @@ torch::Tensor quant_gemm(bool q4, const torch::Tensor& x, const torch::Tensor& q
     y = torch::empty({M, N}, x.options());
   }
   if (M == 0) return y;
-  if (q4) xsum = xc.narrow(1, 0, K).reshape({M, G, group}).sum(-1).contiguous();
+  const bool dequant = M >= DEQUANT_MIN_ROWS;
+  if (q4 && !dequant) xsum = xc.reshape({M, G, group}).sum(-1).contiguous();
 
   const int isa = resolve_isa(isa_request);
   Problem pb{xc.data_ptr<float>(), xc.stride(0), static_cast<const uint8_t*>(qweight.data_ptr()),
              rows_per_panel * NR, scales.data_ptr<float>(), q4 ? mins->data_ptr<float>() : nullptr,
-             q4 ? xsum.data_ptr<float>() : nullptr, K, G, group};
+             xsum.defined() ? xsum.data_ptr<float>() : nullptr, K, G, group};
   const TileSet* tiles = nullptr;
+  const F32TileSet* f32_tiles = nullptr;
 #if defined(PAGEDLLM_X86)
-  if (isa == ISA_AVX2) tiles = q4 ? &kQ4Avx2 : &kQ8Avx2;
-  if (isa == ISA_AVX512) tiles = q4 ? &kQ4Avx512 : &kQ8Avx512;
+  if (isa == ISA_AVX2) tiles = q4 ? &kQ4Avx2 : &kQ8Avx2, f32_tiles = &kF32Avx2;
+  if (isa == ISA_AVX512) tiles = q4 ? &kQ4Avx512 : &kQ8Avx512, f32_tiles = &kF32Avx512;
 #endif
   float* yp = y.data_ptr<float>();
   const int64_t ldy = y.stride(0);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, M * K * NR));
+  // Panels per thread: at least ~64k multiply-adds (widening the weights makes a panel dearer than fp32's).
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, M * K * NR));
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
     float tmp[8 * NR];
+    thread_local std::vector<float> wbuf;
+    if (dequant) wbuf.resize(static_cast<size_t>(K * NR));
     const int mr = tiles != nullptr ? tiles->mr : 8;
+    // Row blocks whose x rows fit in about half of L2 stay there across this thread's panels; each block
+    // dequantizes the panels again (cheap next to ~100 rows of multiply-adds).
+    const int64_t mblock = dequant ? std::max<int64_t>(64, (256 * 1024) / (4 * K)) / mr * mr : M;
+    for (int64_t mb = 0; mb < M; mb += mblock)
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * NR, cols = std::min(NR, N - n0);
-      for (int64_t m = 0; m < M; m += mr) {
-        const int rows = static_cast<int>(std::min<int64_t>(mr, M - m));
-        if (tiles != nullptr) tiles->fns[rows - 1](pb, p, m, tmp);
+      if (dequant) dequant_panel(q4, pb, p, wbuf.data());
+      for (int64_t m = mb; m < std::min(M, mb + mblock); m += mr) {
+        const int rows = static_cast<int>(std::min<int64_t>(mr, std::min(M, mb + mblock) - m));
+        const float* xm = pb.x + m * pb.ldx;
+        if (dequant && f32_tiles != nullptr) f32_tiles->fns[rows - 1](xm, pb.ldx, wbuf.data(), K, tmp);
+        else if (dequant) f32_tile_generic(xm, pb.ldx, wbuf.data(), K, rows, tmp);
+        else if (tiles != nullptr) tiles->fns[rows - 1](pb, p, m, tmp);
         else if (q4) q4_tile_generic(pb, p, m, rows, tmp);
         else q8_tile_generic(pb, p, m, rows, tmp);
         for (int i = 0; i < rows; ++i) {

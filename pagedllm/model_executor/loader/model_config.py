@@ -82,16 +82,11 @@ def resolve_model_config(mc: ModelConfig) -> ModelConfig:
     mc.hf_config = hf_config
     mc.vocab_size = int(hf_config.vocab_size)
     mc.eos_token_ids = _eos_ids(source.folder, hf_config, gguf_metadata)
-    if mc.quantization:
-        from pagedllm.model_executor.layers.quantization import get_quantization_config
+    from pagedllm.model_executor.layers.quantization import get_quantization_config
 
-        get_quantization_config(mc.quantization, hf_config, mc.gguf_file)  # fails early with a clear message
-        if mc.dtype == "auto":
-            mc.dtype = "float32"  # the quantized kernels take float32 activations
-    elif getattr(hf_config, "quantization_config", None) is not None:
-        from pagedllm.model_executor.layers.quantization import get_quantization_config
-
-        get_quantization_config(None, hf_config, mc.gguf_file)  # raises: a format we cannot load
+    # Fails early with a clear message (unknown method, checkpoint format we cannot read, gguf without GGUF).
+    if get_quantization_config(mc.quantization, hf_config, mc.gguf_file) is not None and mc.dtype == "auto":
+        mc.dtype = "float32"  # the quantized kernels take float32 activations
     mc.dtype = resolve_dtype(mc.dtype, "auto")
 
     model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0)

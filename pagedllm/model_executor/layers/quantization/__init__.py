@@ -8,7 +8,7 @@ from typing import Any
 from pagedllm.model_executor.layers.quantization.base import LinearMethod, QuantizationConfig
 
 # --quantization choices (vLLM's flag). int4 groups: int4 = 32 inputs per scale, int4-g64, int4-g128.
-QUANTIZATION_METHODS = ("int8", "int4", "int4-g64", "int4-g128", "gguf")
+QUANTIZATION_METHODS = ("int8", "int4", "int4-g64", "int4-g128", "gguf", "gptq", "awq")
 
 __all__ = ["QUANTIZATION_METHODS", "LinearMethod", "QuantizationConfig", "get_quantization_config"]
 
@@ -22,10 +22,22 @@ def get_quantization_config(method: str | None, hf_config: Any = None,
     """
     hf_quant = getattr(hf_config, "quantization_config", None) if hf_config is not None else None
     if hf_quant is not None:
-        fmt = hf_quant.get("quant_method") if isinstance(hf_quant, dict) else getattr(hf_quant, "quant_method", None)
-        raise ValueError(f"quantization: the checkpoint is quantized with {str(fmt)!r} (config.json "
-                         "quantization_config), which pagedllm cannot load yet; use a float checkpoint with "
-                         f"--quantization {{{', '.join(QUANTIZATION_METHODS)}}}")
+        cfg = hf_quant if isinstance(hf_quant, dict) else hf_quant.to_dict()
+        fmt = str(cfg.get("quant_method", "")).lower()
+        if method not in (None, "", "none", fmt):
+            raise ValueError(f"quantization {method!r}: the checkpoint is already quantized with {fmt!r} "
+                             "(config.json quantization_config); drop --quantization or pass the same method")
+        if fmt == "gptq":
+            from pagedllm.model_executor.layers.quantization.gptq_awq import GPTQConfig
+
+            return GPTQConfig.from_hf(cfg)
+        if fmt == "awq":
+            from pagedllm.model_executor.layers.quantization.gptq_awq import AWQConfig
+
+            return AWQConfig.from_hf(cfg)
+        raise ValueError(f"quantization: the checkpoint is quantized with {fmt!r} (config.json "
+                         "quantization_config), which pagedllm cannot load; supported checkpoint formats: gptq, "
+                         f"awq; or use a float checkpoint with --quantization {{{', '.join(QUANTIZATION_METHODS)}}}")
     if method is None or method in ("", "none"):
         return None
     if method == "int8":
@@ -36,6 +48,9 @@ def get_quantization_config(method: str | None, hf_config: Any = None,
         from pagedllm.model_executor.layers.quantization.weight_only import Int4Config
 
         return Int4Config(int(method.removeprefix("int4-g") or 32) if "-g" in method else 32)
+    if method in ("gptq", "awq"):
+        raise ValueError(f"quantization {method!r} reads checkpoints whose config.json has a "
+                         "quantization_config of that method; this model has none")
     if method == "gguf":
         if not gguf_file:
             raise ValueError("quantization 'gguf' needs a .gguf model file")
