@@ -103,3 +103,33 @@ def test_many_rows_span_several_row_blocks(kernels, isa: str) -> None:
     for panels in (QPanels.pack_q8(*quantize_q8(w, 1024)), QPanels.pack_q4(*quantize_q4(w, 64))):
         ref = F.linear(x.double(), panels.dequantize().double()).float()
         torch.testing.assert_close(panels.matmul(x, isa=ISA_CODES[isa]), ref, atol=2e-3, rtol=1e-4)
+
+
+def test_w8a8_matches_int8_activations_times_int8_weights(kernels) -> None:
+    """W8A8 (VNNI): x quantized per row to int8, int32 sums; K not a multiple of 4, odd N, row blocks."""
+    if not kernels.w8a8_supported():
+        pytest.skip("this CPU has no AVX-512 VNNI (the W8A8 kernel's only path)")
+    torch.manual_seed(11)
+    n, k = 37, 70
+    q, s = quantize_q8(torch.randn(n, k), k)
+    panels = QPanels.pack_q8(q, s)
+    bias = torch.randn(n)
+    for m in (1, 16, 17, 23, 40, 700):
+        x = torch.randn(m, k) * 3
+        sx = x.abs().amax(1, keepdim=True) / 127
+        xq = torch.round(x / sx).clamp(-127, 127)
+        ref = (xq.double() @ q.double().t()) * sx.double() * s.double().t() + bias.double()
+        y = kernels.w8a8_gemm(x, panels.qweight, panels.scales, n, bias)
+        torch.testing.assert_close(y, ref.float(), atol=1e-4, rtol=1e-5, msg=f"rows {m}")
+
+
+def test_w8a8_panels_use_the_exact_path_for_few_rows(kernels) -> None:
+    torch.manual_seed(12)
+    q, s = quantize_q8(torch.randn(20, 64), 64)
+    panels = QPanels.pack_q8(q, s)
+    panels.dynamic_int8_activations = True
+    x = torch.randn(15, 64)
+    torch.testing.assert_close(panels.matmul(x), F.linear(x, panels.dequantize()), atol=1e-4, rtol=1e-4)
+    x = torch.randn(16, 64)
+    # From 16 rows on, VNNI CPUs quantize x: close to the float result, within int8 rounding of x.
+    torch.testing.assert_close(panels.matmul(x), F.linear(x, panels.dequantize()), atol=0.1, rtol=0.02)

@@ -48,7 +48,8 @@ def fp32_ppl(default_model_path: str) -> float:
     return _perplexity(None, default_model_path)
 
 
-@pytest.mark.parametrize(("quantization", "max_delta"), [("gguf", 0.005), ("int8", 0.01), ("int4", 0.10)])
+@pytest.mark.parametrize(("quantization", "max_delta"), [("gguf", 0.005), ("int8", 0.01), ("w8a8", 0.01),
+                                                           ("int4", 0.10)])
 def test_perplexity_close_to_float32(fp32_ppl: float, default_model_path: str, quantization: str,
                                      max_delta: float) -> None:
     ppl = _perplexity(quantization, default_model_path)

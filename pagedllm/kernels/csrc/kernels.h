@@ -27,6 +27,12 @@ torch::Tensor q4_gemm(const torch::Tensor& x, const torch::Tensor& qweight, cons
                       int64_t isa);
 std::vector<int64_t> supported_isas();
 
+// w8a8_gemm.cpp (AVX-512 VNNI only; w8a8_supported() says whether this CPU has it)
+bool w8a8_supported();
+torch::Tensor w8a8_gemm(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
+                        int64_t out_features, const std::optional<torch::Tensor>& bias,
+                        const std::optional<torch::Tensor>& out);
+
 // sampling.cpp
 torch::Tensor sample_from_logits(const torch::Tensor& logits, const torch::Tensor& temperature,
                                  const torch::Tensor& uniform);

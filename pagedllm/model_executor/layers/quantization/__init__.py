@@ -8,7 +8,7 @@ from typing import Any
 from pagedllm.model_executor.layers.quantization.base import LinearMethod, QuantizationConfig
 
 # --quantization choices (vLLM's flag). int4 groups: int4 = 32 inputs per scale, int4-g64, int4-g128.
-QUANTIZATION_METHODS = ("int8", "int4", "int4-g64", "int4-g128", "gguf", "gptq", "awq")
+QUANTIZATION_METHODS = ("int8", "w8a8", "int4", "int4-g64", "int4-g128", "gguf", "gptq", "awq")
 
 __all__ = ["QUANTIZATION_METHODS", "LinearMethod", "QuantizationConfig", "get_quantization_config"]
 
@@ -44,6 +44,10 @@ def get_quantization_config(method: str | None, hf_config: Any = None,
         from pagedllm.model_executor.layers.quantization.weight_only import Int8Config
 
         return Int8Config()
+    if method == "w8a8":
+        from pagedllm.model_executor.layers.quantization.weight_only import W8A8Config
+
+        return W8A8Config()
     if method.startswith("int4") and method in QUANTIZATION_METHODS:
         from pagedllm.model_executor.layers.quantization.weight_only import Int4Config
 

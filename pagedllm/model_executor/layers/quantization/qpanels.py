@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from pagedllm.kernels.cpu import cpu_isa, load_cpu_kernels
 
 PANEL = 16
+W8A8_MIN_ROWS = 16  # below this the weight-only kernel (weight-bound) is as fast and exact in x
 
 
 def _panels(t: torch.Tensor) -> torch.Tensor:
@@ -38,6 +39,8 @@ class QPanels:
     group: int
     out_features: int
     in_features: int
+    #: Quantize activations per row to int8 for W8A8_MIN_ROWS+ rows where the CPU has VNNI (q8, one group).
+    dynamic_int8_activations: bool = False
 
     @classmethod
     def pack_q8(cls, q: torch.Tensor, scales: torch.Tensor) -> QPanels:
@@ -86,6 +89,9 @@ class QPanels:
             y = F.linear(x, self.dequantize().to(x.dtype), bias)
             return out.copy_(y) if out is not None else y
         isa = cpu_isa() if isa is None else isa
+        if (self.dynamic_int8_activations and x.shape[0] >= W8A8_MIN_ROWS and isa in (0, 2)
+                and kernels.w8a8_supported()):
+            return kernels.w8a8_gemm(x, self.qweight, self.scales, self.out_features, bias, out)
         if self.is_q4:
             return kernels.q4_gemm(x, self.qweight, self.scales, self.mins, self.group, self.out_features, bias,
                                    out, isa)

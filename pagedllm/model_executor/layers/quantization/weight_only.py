@@ -23,10 +23,12 @@ from pagedllm.model_executor.layers.quantization.qpanels import QPanels, quantiz
 class WeightOnlyLinearMethod(LinearMethod):
     """``weight`` holds the quantized rows [N, K] until packing; ``weight_scale``/``weight_min`` [N, K/group]."""
 
-    def __init__(self, bits: int, group: int | None) -> None:
+    def __init__(self, bits: int, group: int | None, dynamic_int8_activations: bool = False) -> None:
         self.bits = bits
         self.group = group  # None: one group per row (per channel)
-        self.name = f"int{bits}" + (f" g{group}" if group else " per-channel")
+        self.dynamic_int8_activations = dynamic_int8_activations  # W8A8 (bits 8, per channel only)
+        self.name = ("w8a8" if dynamic_int8_activations else f"int{bits}") + (f" g{group}" if group else
+                                                                              " per-channel")
 
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
         n, k = layer.out_features, layer.in_features
@@ -60,6 +62,7 @@ class WeightOnlyLinearMethod(LinearMethod):
             return
         if self.bits == 8:
             layer.qpanels = QPanels.pack_q8(layer.weight.data, layer.weight_scale)
+            layer.qpanels.dynamic_int8_activations = self.dynamic_int8_activations
         else:
             layer.qpanels = QPanels.pack_q4(layer.weight.data, layer.weight_scale, layer.weight_min)
         layer.weight = None  # the panels replace the rows
@@ -78,6 +81,17 @@ class Int8Config(QuantizationConfig):
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod:
         return WeightOnlyLinearMethod(8, None)
+
+
+class W8A8Config(QuantizationConfig):
+    """``--quantization w8a8``: int8 per-channel weights, and for 16+ rows (prefill, large batches) the
+    activations too, quantized per row at run time, multiplied in int32 by AVX-512 VNNI. Without VNNI (or
+    for fewer rows) it runs as ``int8``. The LM head stays weight-only int8 (logit precision)."""
+
+    name = "w8a8"
+
+    def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod:
+        return WeightOnlyLinearMethod(8, None, dynamic_int8_activations=not prefix.endswith("lm_head"))
 
 
 class Int4Config(QuantizationConfig):
