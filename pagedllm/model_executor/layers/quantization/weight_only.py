@@ -86,12 +86,17 @@ class Int8Config(QuantizationConfig):
 class W8A8Config(QuantizationConfig):
     """``--quantization w8a8``: int8 per-channel weights, and for 16+ rows (prefill, large batches) the
     activations too, quantized per row at run time, multiplied in int32 by AVX-512 VNNI. Without VNNI (or
-    for fewer rows) it runs as ``int8``. The LM head stays weight-only int8 (logit precision)."""
+    for fewer rows) it runs as ``int8``.
+
+    Only layers fed by an RMSNorm (fused qkv, gate/up) quantize their inputs: attention outputs and
+    SiLU(gate) * up carry outlier channels that per-row int8 flattens (all layers: +3.9% perplexity on the
+    default model); o_proj, down_proj and the LM head stay weight-only."""
 
     name = "w8a8"
+    NORMED_INPUTS = ("qkv_proj", "gate_up_proj")
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod:
-        return WeightOnlyLinearMethod(8, None, dynamic_int8_activations=not prefix.endswith("lm_head"))
+        return WeightOnlyLinearMethod(8, None, dynamic_int8_activations=prefix.endswith(self.NORMED_INPUTS))
 
 
 class Int4Config(QuantizationConfig):
