@@ -42,6 +42,7 @@ class ModelConfig:
     chat_template: str | None = None
     runner: str = "auto"  # auto | generate | pooling; resolved to generate or pooling
     pooler_config: PoolerConfig | None = None  # overrides; resolved for pooling models
+    quantization: str | None = None  # --quantization: int8 | int4[-g64|-g128] | gguf (None: as stored)
     # Filled by resolution:
     model_path: str = ""  # folder (HF) or file (GGUF)
     gguf_file: str | None = None

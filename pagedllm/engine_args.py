@@ -17,6 +17,7 @@ from pagedllm.config import (
     PoolerConfig,
     SchedulerConfig,
 )
+from pagedllm.model_executor.layers.quantization import QUANTIZATION_METHODS
 from pagedllm.utils import parse_size
 
 
@@ -43,6 +44,7 @@ class EngineArgs:
     runner: str = "auto"
     pooler_config: PoolerConfig | dict | None = None
     speculative_config: str | dict | None = None  # JSON or dict with vLLM's keys (spec_decode/config.py)
+    quantization: str | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> argparse.ArgumentParser:
@@ -59,6 +61,13 @@ class EngineArgs:
                                                                  "float16", "half"],
                            help="Weights and activations dtype; auto = bf16 on CPUs with AVX-512 bf16 or CUDA, "
                                 "else float32.")
+        group.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),
+                           help="Quantize the linear layers' weights at load: int8 (per output channel), w8a8 "
+                                "(int8 weights, and int8 activations for 16+ rows on AVX-512 VNNI CPUs), int4 "
+                                "(groups of 32 inputs; int4-g64/-g128 for larger groups), gguf (keep a GGUF "
+                                "file's Q4_0/Q4_1/Q4_K/Q8_0/Q6_K blocks quantized instead of dequantizing them). "
+                                "GPTQ/AWQ checkpoints are read from their config.json without this flag. "
+                                "dtype auto becomes float32. See docs/quantization.md.")
         group.add_argument("--max-model-len", type=int, default=None,
                            help="Context length (prompt + output) in tokens; default: the model's.")
         group.add_argument("--block-size", type=int, default=d.block_size, help="Tokens per KV cache block.")
@@ -130,7 +139,8 @@ class EngineArgs:
         model = resolve_model_config(ModelConfig(
             model=self.model or DEFAULT_MODEL, tokenizer=self.tokenizer, dtype=self.dtype,
             max_model_len=self.max_model_len, seed=self.seed, served_model_name=self.served_model_name,
-            chat_template=self.chat_template, runner=self.runner, pooler_config=self._pooler_config()))
+            chat_template=self.chat_template, runner=self.runner, pooler_config=self._pooler_config(),
+            quantization=self.quantization))
         kv_memory = None if self.kv_cache_memory in (None, "", "auto") else parse_size(self.kv_cache_memory)
         cache = CacheConfig(block_size=self.block_size, kv_cache_memory=kv_memory,
                             gpu_memory_utilization=float(self.gpu_memory_utilization),

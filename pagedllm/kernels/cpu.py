@@ -1,5 +1,6 @@
 """Builds (once, cached on disk) and loads the C++ CPU kernels: paged attention, KV writes, matmul on
-packed weights, inverse-CDF sampling and the fused element-wise ops of a decoder layer.
+packed weights, quantized (int8 / 4-bit) matmuls, inverse-CDF sampling and the fused element-wise ops of a
+decoder layer.
 
 They are compiled when a CPU engine starts (the worker loads them) with the system C++ compiler through
 ``torch.utils.cpp_extension`` (one to two minutes; later processes load the cached build in well under a
@@ -27,7 +28,8 @@ from pagedllm.logger import init_logger
 logger = init_logger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ["bindings.cpp", "paged_attention.cpp", "packed_gemm.cpp", "sampling.cpp", "fused_ops.cpp"]
+_SOURCES = ["bindings.cpp", "paged_attention.cpp", "packed_gemm.cpp", "sampling.cpp", "fused_ops.cpp",
+            "quant_gemm.cpp", "w8a8_gemm.cpp"]
 
 
 @functools.cache
@@ -82,3 +84,17 @@ def kernels_for(t: torch.Tensor) -> Any | None:
     if t.device.type != "cpu" or t.dtype != torch.float32:
         return None
     return load_cpu_kernels()
+
+
+# Instruction set of the quantized matmul kernels (their ``isa`` argument). They pick the best one the CPU
+# has at run time; PAGEDLLM_CPU_ISA=avx2|avx512|generic forces one (tests and benchmarks compare them).
+ISA_CODES = {"auto": 0, "avx2": 1, "avx512": 2, "generic": 3}
+
+
+@functools.cache
+def cpu_isa() -> int:
+    """The ``isa`` code passed to the quantized kernels: PAGEDLLM_CPU_ISA (read once), default auto (0)."""
+    name = os.environ.get("PAGEDLLM_CPU_ISA", "auto").lower()
+    if name not in ISA_CODES:
+        raise ValueError(f"PAGEDLLM_CPU_ISA={name!r}: expected one of {', '.join(ISA_CODES)}")
+    return ISA_CODES[name]

@@ -69,14 +69,14 @@ def test_linear_packs_its_weight_and_keeps_its_output(kernels) -> None:
     x = torch.randn(3, 5, 64)  # leading dims are kept
     with torch.no_grad():
         expected = layer(x)
-        assert layer.pack_for_cpu()
+        layer.process_weights_after_loading()
         assert layer.weight is None and layer.packed_weight is not None
         torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_linear_stays_plain_where_the_kernels_do_not_apply() -> None:
     layer = Linear(16, 8, dtype=torch.bfloat16)
-    assert not layer.pack_for_cpu()
+    layer.process_weights_after_loading()
     assert layer.weight is not None and layer.packed_weight is None
 
 

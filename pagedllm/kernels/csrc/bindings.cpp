@@ -7,6 +7,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_gemm", &packed_gemm, "x[M,K] @ W^T (+ bias) with W packed in 16-column panels [N/16, K, 16]",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none(),
         py::arg("out") = py::none());
+  m.def("q8_gemm", &q8_gemm, "x[M,K] @ (scale * int8 W)^T (+ bias), W in 16-column panels [P, K, 16]",
+        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("group"), py::arg("out_features"),
+        py::arg("bias") = py::none(), py::arg("out") = py::none(), py::arg("isa") = 0);
+  m.def("q4_gemm", &q4_gemm, "x[M,K] @ (scale * q4 + min)^T (+ bias), W nibbles in panels [P, K/2, 16]",
+        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("group"),
+        py::arg("out_features"), py::arg("bias") = py::none(), py::arg("out") = py::none(), py::arg("isa") = 0);
+  m.def("supported_isas", &supported_isas, "Kernel ISA codes this CPU runs (3 = portable, 1 = AVX2, 2 = AVX-512)");
+  m.def("w8a8_supported", &w8a8_supported, "Whether this CPU runs w8a8_gemm (AVX-512 VNNI)");
+  m.def("w8a8_gemm", &w8a8_gemm, "x[M,K] quantized per row to int8 @ (scale * int8 W)^T (+ bias), VNNI",
+        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("out_features"), py::arg("bias") = py::none(),
+        py::arg("out") = py::none());
   m.def("sample_from_logits", &sample_from_logits, "Inverse-CDF sample of softmax(logits / temperature) per row",
         py::arg("logits"), py::arg("temperature"), py::arg("uniform"));
   m.def("rms_norm_", &rms_norm_, "In place: residual += x (if given); x = rms_norm(residual or x) * weight");

@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include <optional>
+#include <vector>
 
 // paged_attention.cpp
 void paged_attention(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
@@ -15,6 +16,22 @@ void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
 // packed_gemm.cpp
 torch::Tensor packed_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                           const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& out);
+
+// quant_gemm.cpp (isa: 0 = best, 1 = AVX2+FMA, 2 = AVX-512, 3 = portable C++)
+torch::Tensor q8_gemm(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
+                      int64_t group, int64_t out_features, const std::optional<torch::Tensor>& bias,
+                      const std::optional<torch::Tensor>& out, int64_t isa);
+torch::Tensor q4_gemm(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
+                      const torch::Tensor& mins, int64_t group, int64_t out_features,
+                      const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& out,
+                      int64_t isa);
+std::vector<int64_t> supported_isas();
+
+// w8a8_gemm.cpp (AVX-512 VNNI only; w8a8_supported() says whether this CPU has it)
+bool w8a8_supported();
+torch::Tensor w8a8_gemm(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
+                        int64_t out_features, const std::optional<torch::Tensor>& bias,
+                        const std::optional<torch::Tensor>& out);
 
 // sampling.cpp
 torch::Tensor sample_from_logits(const torch::Tensor& logits, const torch::Tensor& temperature,

@@ -1,72 +1,82 @@
-"""Linear layers, and the packed weight layout the CPU matmul kernel reads.
+"""``Linear``: a linear layer whose weights are owned by its quantization method.
 
-On a CPU with the C++ kernels (float32 weights), every ``Linear`` is repacked once after loading into
-panels of 16 output columns (``kernels/csrc/packed_gemm.cpp``). The packed copy replaces the weight, so
-memory does not grow; matmuls then skip BLAS's per-call repacking. Measured on the default model's shapes,
-2 cores: 1.1-1.4x MKL at 200 rows, 1.05-1.15x at 2048, ~2.5x at 1-32 rows. Elsewhere (GPU, bf16, no
-compiler) layers stay plain ``F.linear``.
+The method (``layers/quantization``) creates the layer's parameters, gives each a ``weight_loader`` that
+knows the layer's shards (fused q/k/v or gate/up), and repacks the weights in
+``process_weights_after_loading`` (fp32 panels for the CPU kernel, int8/4-bit panels for quantized schemes).
+After that step nothing may read ``.weight``: packing may replace it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.kernels.cpu import kernels_for
+from pagedllm.model_executor.layers.quantization.base import (
+    LinearMethod,
+    QuantizationConfig,
+    load_rows,
+    set_weight_loader,
+)
+from pagedllm.model_executor.layers.quantization.unquantized import (  # noqa: F401  (re-exported)
+    PANEL,
+    UnquantizedLinearMethod,
+    pack_weight,
+    packed_linear,
+)
 
-PANEL = 16  # output columns per panel; must match NR in packed_gemm.cpp
 
+class Linear(nn.Module):
+    """y = x @ W^T + b with W stored as its quantization method decides.
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] -> [ceil(N / 16), K, 16] panels (zero-padded past N), what ``packed_gemm`` reads."""
-    n, k = weight.shape
-    padded_n = -(-n // PANEL) * PANEL
-    w = F.pad(weight.detach(), (0, 0, 0, padded_n - n))
-    return w.view(padded_n // PANEL, PANEL, k).transpose(1, 2).contiguous()
-
-
-def packed_linear(kernels: Any, x: torch.Tensor, packed: torch.Tensor, out_features: int,
-                  bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ W^T (+ bias) with W given packed -> [..., out_features].
-
-    ``out``: optional [M, out_features] float32 destination (M = rows of x), returned when given.
+    ``shard_sizes``: output rows of each shard of a fused layer, in shard_id order (default: one shard).
+    ``prefix``: the layer's parameter-name prefix (``model.layers.0.self_attn.qkv_proj``), for the method's
+    choice and for error messages.
     """
-    lead = x.shape[:-1]
-    y = kernels.packed_gemm(x.reshape(-1, x.shape[-1]), packed, out_features, bias, out)
-    return y if out is not None else y.view(*lead, out_features)
 
-
-class Linear(nn.Linear):
-    """``nn.Linear`` that can swap its weight for the CPU kernel's packed layout (``pack_for_cpu``)."""
-
-    packed_weight: torch.Tensor | None = None
-    _kernels: Any = None
+    def __init__(self, input_size: int, output_size: int, bias: bool = True, dtype: torch.dtype | None = None,
+                 quant_config: QuantizationConfig | None = None, shard_sizes: Sequence[int] | None = None,
+                 prefix: str = "") -> None:
+        super().__init__()
+        self.in_features = input_size
+        self.out_features = output_size
+        self.prefix = prefix
+        self.shard_sizes = tuple(shard_sizes) if shard_sizes else (output_size,)
+        if sum(self.shard_sizes) != output_size:
+            raise ValueError(f"{prefix or 'Linear'}: shard sizes {self.shard_sizes} do not add up to {output_size}")
+        dtype = dtype or torch.get_default_dtype()
+        self.quant_method: LinearMethod = (quant_config.get_linear_method(self, prefix) if quant_config is not None
+                                           else UnquantizedLinearMethod())
+        self.quant_method.create_weights(self, dtype)
+        if bias:
+            b = nn.Parameter(torch.zeros(output_size, dtype=torch.float32 if quant_config else dtype),
+                             requires_grad=False)
+            self.bias = set_weight_loader(b, lambda p, w, shard_id=None: load_rows(self, p, w, shard_id))
+        else:
+            self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., K] -> [..., N]. ``out``: optional [M, N] float32 destination, used by the packed path."""
-        if self.packed_weight is not None:
-            return packed_linear(self._kernels, x, self.packed_weight, self.out_features, self.bias, out)
-        return F.linear(x, self.weight, self.bias)
+        """x [..., K] -> [..., N]. ``out``: optional [M, N] float32 destination (M = rows of x), returned."""
+        lead = x.shape[:-1]
+        y = self.quant_method.apply(self, x.reshape(-1, self.in_features), self.bias, out)
+        return y if out is not None else y.view(*lead, self.out_features)
 
-    def pack_for_cpu(self) -> bool:
-        """Replace the loaded weight by its packed form if the CPU kernels apply; True if it did.
+    def process_weights_after_loading(self) -> None:
+        """Repack the loaded weights for the kernels (call once, after every shard is loaded)."""
+        self.quant_method.process_weights_after_loading(self)
 
-        Call after the weights are loaded: the plain weight is dropped (``self.weight`` becomes None).
-        """
-        if self.packed_weight is not None:
-            return True
-        kernels = kernels_for(self.weight)
-        if kernels is None:
-            return False
-        self.packed_weight = pack_weight(self.weight)
-        self._kernels = kernels
-        self.weight = None  # the packed copy replaces it
-        return True
+    def weight_nbytes(self) -> int:
+        """Bytes of this layer's weights as stored now (parameters, buffers, packed panels)."""
+        total = sum(t.numel() * t.element_size() for t in [*self.parameters(), *self.buffers()])
+        packed = getattr(self, "packed_weight", None)
+        if packed is not None:
+            total += packed.numel() * packed.element_size()
+        qpanels = getattr(self, "qpanels", None)
+        if qpanels is not None:
+            total += qpanels.nbytes()
+        return total
 
-
-def pack_linear_weights(model: nn.Module) -> int:
-    """Pack every layer of ``model`` that has ``pack_for_cpu`` (see ``Linear``); returns how many did."""
-    return sum(bool(m.pack_for_cpu()) for m in model.modules() if hasattr(m, "pack_for_cpu"))
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, quant={self.quant_method.name}")

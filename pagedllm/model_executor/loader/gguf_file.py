@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
             10: "<Q", 11: "<q", 12: "<d"}
@@ -111,3 +112,20 @@ class GGUFFile:
         else:
             out = dequantize(raw.reshape(-1, row_bytes), qtype)
         return out.reshape(tuple(reversed(info.shape)))
+
+    def load_raw(self, name: str) -> Any:
+        """A quantized matrix's blocks as stored (a ``GGUFQuantTensor``, rows in torch order), or None for a
+        float (F32/F16/BF16) or non-matrix tensor."""
+        from gguf import GGMLQuantizationType
+
+        from pagedllm.model_executor.layers.quantization.gguf import GGUFQuantTensor
+
+        info = self.tensors[name]
+        qtype = GGMLQuantizationType(info.ggml_type)
+        if len(info.shape) != 2 or qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
+                                              GGMLQuantizationType.BF16):
+            return None
+        k, rows = info.shape
+        nbytes = self.tensor_nbytes(info)
+        raw = np.array(self._data[info.offset:info.offset + nbytes]).reshape(rows, nbytes // rows)
+        return GGUFQuantTensor(torch.from_numpy(raw), int(info.ggml_type), (rows, k))

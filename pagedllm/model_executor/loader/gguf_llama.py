@@ -122,21 +122,39 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf_weights(gguf: GGUFFile, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every tensor of a GGUF file of any supported architecture."""
+def iter_gguf_weights(gguf: GGUFFile, hf_config: Any, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
+    """(HF name, tensor) for every tensor of a GGUF file of any supported architecture; ``keep_quantized``
+    (the ``gguf`` quantization, llama-family files only) keeps linear-layer matrices as raw blocks."""
     if gguf_architecture(gguf) == "Gemma3ForCausalLM":
+        if keep_quantized:
+            raise ValueError("quantization: 'gguf' (weights kept quantized) supports llama-family GGUF files; "
+                             "load this Gemma 3 file without --quantization (it is dequantized)")
         from pagedllm.model_executor.loader.gguf_gemma3 import iter_gguf_gemma3_weights
 
         return iter_gguf_gemma3_weights(gguf, hf_config)
-    return iter_gguf_llama_weights(gguf, hf_config)
+    return iter_gguf_llama_weights(gguf, hf_config, keep_quantized)
 
 
-def iter_gguf_llama_weights(gguf: GGUFFile, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_llama_weights(gguf: GGUFFile, hf_config: Any,
+                            keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
     """(HF name, float32 tensor) for every tensor in the file, in file order; q/k rows un-permuted (the
-    llama converter interleaves rotary pairs; other architectures' converters do not)."""
+    llama converter interleaves rotary pairs; other architectures' converters do not).
+
+    ``keep_quantized``: linear-layer matrices (not the embedding) whose blocks the ``gguf`` quantization
+    reads come as ``GGUFQuantTensor`` (raw blocks) instead of float tensors.
+    """
     n_heads = hf_config.num_attention_heads
     n_kv = hf_config.num_key_value_heads
     for name in gguf.tensors:
+        if keep_quantized and name != "token_embd.weight":
+            raw = gguf.load_raw(name)
+            if raw is not None:
+                if ".attn_q." in name:
+                    raw.raw = torch.from_numpy(_unpermute(raw.raw.numpy(), n_heads))
+                elif ".attn_k." in name:
+                    raw.raw = torch.from_numpy(_unpermute(raw.raw.numpy(), n_kv))
+                yield hf_name(name), raw
+                continue
         array = gguf.load(name)
         if ".attn_q." in name:
             array = _unpermute(array, n_heads)

@@ -82,6 +82,11 @@ def resolve_model_config(mc: ModelConfig) -> ModelConfig:
     mc.hf_config = hf_config
     mc.vocab_size = int(hf_config.vocab_size)
     mc.eos_token_ids = _eos_ids(source.folder, hf_config, gguf_metadata)
+    from pagedllm.model_executor.layers.quantization import get_quantization_config
+
+    # Fails early with a clear message (unknown method, checkpoint format we cannot read, gguf without GGUF).
+    if get_quantization_config(mc.quantization, hf_config, mc.gguf_file) is not None and mc.dtype == "auto":
+        mc.dtype = "float32"  # the quantized kernels take float32 activations
     mc.dtype = resolve_dtype(mc.dtype, "auto")
     st_max_len = _resolve_runner(mc, None if mc.gguf_file else source.folder)
 

@@ -28,7 +28,8 @@ def load_model(mc: ModelConfig, device: torch.device | str = "cpu") -> nn.Module
     Resolves ``mc`` first if needed. HF folders load from safetensors shards; GGUF files are dequantized
     tensor by tensor.
     """
-    from pagedllm.model_executor.layers.linear import pack_linear_weights
+    from pagedllm.model_executor.layers.quantization import get_quantization_config
+    from pagedllm.model_executor.layers.quantization.base import to_empty_keeping_loaders
     from pagedllm.model_executor.models.registry import get_model_cls
 
     if not mc.model_path:
@@ -39,17 +40,21 @@ def load_model(mc: ModelConfig, device: torch.device | str = "cpu") -> nn.Module
     dtype = torch_dtype(mc.dtype)
     start = time.perf_counter()
     model_cls = get_model_cls([mc.architecture])
+    quant_config = get_quantization_config(mc.quantization, mc.hf_config, mc.gguf_file)
+    if quant_config is not None:
+        quant_config.check_dtype(dtype)
     # Build on the meta device so no time goes into random init, then allocate real storage once.
     with torch.device("meta"):
-        model = model_cls(mc.hf_config, dtype)
-    model = model.to_empty(device=device)
+        model = model_cls(mc.hf_config, dtype, quant_config) if quant_config else model_cls(mc.hf_config, dtype)
+    model = to_empty_keeping_loaders(model, device)
 
     if mc.gguf_file:
         from pagedllm.model_executor.loader.gguf_file import GGUFFile
         from pagedllm.model_executor.loader.gguf_llama import iter_gguf_weights
 
         gguf = GGUFFile(mc.gguf_file)
-        weights = iter_gguf_weights(gguf, mc.hf_config)
+        keep = quant_config is not None and quant_config.name == "gguf"
+        weights = iter_gguf_weights(gguf, mc.hf_config, keep_quantized=keep)
         total = len(gguf.tensors)
     else:
         from pagedllm.model_executor.loader.safetensors_weights import (
@@ -63,10 +68,42 @@ def load_model(mc: ModelConfig, device: torch.device | str = "cpu") -> nn.Module
         total = count_safetensors(files)
     model.load_weights(_with_progress(weights, total, "Loading weights"))
     model.eval().requires_grad_(False)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    # On CPUs the matmul kernel reads weights in its own panel order: repack once, now.
-    packed = pack_linear_weights(model)
-    logger.info("loaded %s (%s, %s) in %.2f s; weights use %s on %s%s", mc.architecture, mc.model_path,
-                mc.dtype, time.perf_counter() - start, format_bytes(weight_bytes), device,
-                f" ({packed} layers packed for the CPU matmul kernel)" if packed else "")
+    # Each layer repacks its weights for the kernels (fp32 panels, quantized panels), now.
+    for module in list(model.modules()):
+        if hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
+    logger.info("loaded %s (%s, %s%s) in %.2f s; weights use %s on %s", mc.architecture, mc.model_path, mc.dtype,
+                f", quantization {quant_config.name}" if quant_config else "", time.perf_counter() - start,
+                format_bytes(model_weight_bytes(model)), device)
+    for scheme, (count, nbytes) in sorted(weight_bytes_by_scheme(model).items()):
+        logger.info("  %-28s %4d tensors/layers  %s", scheme, count, format_bytes(nbytes))
     return model
+
+
+def model_weight_bytes(model: nn.Module) -> int:
+    """Bytes of every weight the model holds now (parameters, buffers, packed and quantized copies)."""
+    return sum(nbytes for _, nbytes in weight_bytes_by_scheme(model).values())
+
+
+def weight_bytes_by_scheme(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """scheme ("unquantized float32", "int8 per-channel", "gguf Q4_1", ...) -> (layers or tensors, bytes).
+
+    Linear layers report their method's scheme; every other parameter or buffer counts as "other <dtype>".
+    """
+    from pagedllm.model_executor.layers.linear import Linear
+
+    out: dict[str, tuple[int, int]] = {}
+
+    def add(scheme: str, nbytes: int) -> None:
+        count, total = out.get(scheme, (0, 0))
+        out[scheme] = (count + 1, total + nbytes)
+
+    inside_linear: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, Linear):
+            add(module.quant_method.scheme(module), module.weight_nbytes())
+            inside_linear.update(id(t) for t in [*module.parameters(), *module.buffers()])
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) not in inside_linear:
+            add(f"other {str(t.dtype).removeprefix('torch.')}", t.numel() * t.element_size())
+    return out

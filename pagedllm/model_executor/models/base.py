@@ -1,4 +1,4 @@
-"""What every causal LM shares: the LM head (tied or not, packed for the CPU kernel), logit softcapping,
+"""What every causal LM shares: the LM head (tied or not; packed or quantized like any layer), logit softcapping,
 and loading through the generic loader with the model's ``weight_mapping``."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels.cpu import kernels_for
-from pagedllm.model_executor.layers.linear import pack_weight, packed_linear
+from pagedllm.model_executor.layers.linear import Linear
+from pagedllm.model_executor.layers.quantization.base import to_empty_keeping_loaders
 from pagedllm.model_executor.models.blocks import make_linear
 from pagedllm.model_executor.models.weight_loading import WeightMapping, load_weights
 
@@ -32,9 +33,10 @@ class CausalLM(nn.Module):
             hf_config.hidden_size, hf_config.vocab_size, bias=False, dtype=dtype, quant_config=quant_config,
             prefix="lm_head")
         self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None)
-        # Packed copy of a tied head (the embedding keeps reading the plain rows); see pack_for_cpu.
-        self._head_packed: torch.Tensor | None = None
-        self._head_kernels: Any = None
+        self.quant_config = quant_config
+        # The tied head's own copy of the embedding rows, packed or quantized (the embedding keeps reading
+        # the plain rows); built by process_weights_after_loading.
+        self._tied_head: Linear | None = None
 
     def embedding(self) -> nn.Embedding:
         return self.get_submodule(self.embedding_name)
@@ -56,8 +58,8 @@ class CausalLM(nn.Module):
         """
         if self.lm_head is not None:
             logits = self.lm_head(hidden, out=out).float()
-        elif self._head_packed is not None:
-            logits = packed_linear(self._head_kernels, hidden, self._head_packed, self.config.vocab_size, out=out)
+        elif self._tied_head is not None:
+            logits = self._tied_head(hidden, out=out).float()
         else:
             logits = F.linear(hidden, self.embedding().weight).float()
         if self.final_logit_softcapping:
@@ -65,17 +67,21 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / cap, out=logits if logits is out else None) * cap
         return logits
 
-    def pack_for_cpu(self) -> bool:
-        """After loading: a packed copy of a tied LM head for the CPU matmul kernel."""
-        if not self.tie_word_embeddings or self._head_packed is not None:
-            return self._head_packed is not None
-        weight = self.embedding().weight
-        kernels = kernels_for(weight)
-        if kernels is None:
-            return False
-        self._head_packed = pack_weight(weight)
-        self._head_kernels = kernels
-        return True
+    def process_weights_after_loading(self) -> None:
+        """After loading: the tied LM head as its own ``Linear`` (a packed fp32 copy, or quantized) where that
+        pays, i.e. where the CPU kernels run or a quantization scheme applies; elsewhere F.linear on the rows."""
+        if not self.tie_word_embeddings or self._tied_head is not None:
+            return
+        embedding = self.embedding().weight
+        if self.quant_config is None and kernels_for(embedding) is None:
+            return  # plain F.linear on the embedding rows: no second copy
+        with torch.device("meta"):  # no random init of a vocab-sized matrix that is overwritten next
+            head = make_linear(self.config.hidden_size, self.config.vocab_size, bias=False, dtype=embedding.dtype,
+                               quant_config=self.quant_config, prefix="lm_head")
+        head = to_empty_keeping_loaders(head, embedding.device)
+        head.weight.weight_loader(head.weight, embedding.detach())
+        head.process_weights_after_loading()
+        self._tied_head = head
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -1,0 +1,104 @@
+"""The layer-owned weight seam: a ``QuantizationConfig`` hands each linear layer a ``LinearMethod`` that
+creates its parameters, loads checkpoint shards into them and repacks them once loading is done.
+
+Loader contract: every parameter that needs special loading carries
+``param.weight_loader(param, loaded_weight, shard_id=None)``; ``shard_id`` is the index of the shard in a
+fused layer (q, k, v = 0, 1, 2; gate, up = 0, 1), None for an unfused one. ``load_model`` then calls
+``process_weights_after_loading()`` on every module that has it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class LinearMethod:
+    """How one ``Linear`` stores and multiplies its weight. Subclasses implement a scheme."""
+
+    #: Scheme name used in logs ("unquantized", "int8", "int4", "gguf:Q4_1", ...).
+    name = "unquantized"
+
+    def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
+        """Register the layer's weight parameters (on the current default device), each with a weight_loader."""
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Repack the loaded weights into the kernel's layout (may replace or drop parameters)."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+              out: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] -> [M, N] (+ bias). ``out``: optional [M, N] float32 destination, returned when used."""
+        raise NotImplementedError
+
+    def scheme(self, layer: nn.Module) -> str:
+        """Name for the memory report (a GGUF layer names its block type)."""
+        return self.name
+
+
+class QuantizationConfig:
+    """A quantization scheme chosen for a whole model (``--quantization`` or a checkpoint's config)."""
+
+    name = "none"
+
+    def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod:
+        """The method for the layer whose parameters are named ``prefix`` (e.g. ``model.layers.0.mlp.down_proj``)."""
+        raise NotImplementedError
+
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        """Raise ValueError if the scheme cannot run with activations of ``dtype``."""
+        if dtype != torch.float32:
+            raise ValueError(f"quantization {self.name!r} runs float32 activations on the CPU; "
+                             f"use --dtype float32 (got {dtype})")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name})"
+
+
+WeightLoader = Callable[[nn.Parameter, Any, "int | None"], None]
+
+
+def set_weight_loader(param: nn.Parameter, loader: WeightLoader) -> nn.Parameter:
+    """Attach ``loader`` as ``param.weight_loader`` and return ``param``."""
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
+
+
+def shard_range(layer: nn.Module, shard_id: int | None) -> tuple[int, int]:
+    """(first row, rows) of shard ``shard_id`` in ``layer.shard_sizes``; the whole output for None."""
+    sizes = tuple(layer.shard_sizes)
+    if shard_id is None:
+        return 0, sum(sizes)
+    if not 0 <= shard_id < len(sizes):
+        raise ValueError(f"{layer.prefix or type(layer).__name__}: shard {shard_id} out of range "
+                         f"(the layer has {len(sizes)} shards)")
+    return sum(sizes[:shard_id]), sizes[shard_id]
+
+
+def check_shape(name: str, loaded: tuple[int, ...], expected: tuple[int, ...]) -> None:
+    if tuple(loaded) != tuple(expected):
+        raise ValueError(f"shape mismatch for {name!r}: checkpoint {tuple(loaded)}, model {tuple(expected)}")
+
+
+def load_rows(layer: nn.Module, param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None) -> None:
+    """Copy ``loaded`` into the rows of ``param`` that belong to shard ``shard_id`` (dim 0 = outputs)."""
+    start, rows = shard_range(layer, shard_id)
+    dest = param.data.narrow(0, start, rows)
+    suffix = "" if shard_id is None else f" (shard {shard_id})"
+    check_shape(f"{layer.prefix or 'linear'}{suffix}", tuple(loaded.shape), tuple(dest.shape))
+    dest.copy_(loaded)
+
+
+def to_empty_keeping_loaders(module: nn.Module, device: torch.device | str) -> nn.Module:
+    """``module.to_empty(device=...)`` that keeps each parameter's attributes (``weight_loader``).
+
+    Moving a parameter off the meta device makes a new ``Parameter`` object, which would drop them.
+    """
+    attrs = {name: dict(p.__dict__) for name, p in module.named_parameters() if p.__dict__}
+    module = module.to_empty(device=device)
+    for name, p in module.named_parameters():
+        p.__dict__.update(attrs.get(name, {}))
+    return module

@@ -1,0 +1,126 @@
+"""Quantized weights in the panel layouts of ``kernels/csrc/quant_gemm.cpp``, and how to multiply by them.
+
+Every scheme (int8, int4, GGUF Q4_0/Q4_1/Q8_0, ...) ends as one of two formats, each with per-(row, group)
+float scales: ``q8`` (w = scale * q, q int8) and ``q4`` (w = scale * q + min, q in 0..15). ``QPanels`` holds
+one packed weight; ``QPanels.matmul`` runs the C++ kernel or, where it cannot run (no compiler, GPU), a
+dequantize-then-matmul fallback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.kernels.cpu import cpu_isa, load_cpu_kernels
+
+PANEL = 16
+W8A8_MIN_ROWS = 16  # below this the weight-only kernel (weight-bound) is as fast and exact in x
+
+
+def _panels(t: torch.Tensor) -> torch.Tensor:
+    """[N, C] -> [ceil(N / 16), C, 16], zero-padded past N."""
+    n, c = t.shape
+    padded = -(-n // PANEL) * PANEL
+    t = F.pad(t, (0, 0, 0, padded - n))
+    return t.view(padded // PANEL, PANEL, c).transpose(1, 2).contiguous()
+
+
+@dataclass
+class QPanels:
+    """A packed quantized weight [N, K]: ``qweight`` int8 [P, K, 16] (q8) or uint8 [P, K/2, 16] (q4),
+    ``scales`` / ``mins`` float32 [P, K/group, 16] (``mins`` None for q8)."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    group: int
+    out_features: int
+    in_features: int
+    #: Quantize activations per row to int8 for W8A8_MIN_ROWS+ rows where the CPU has VNNI (q8, one group).
+    dynamic_int8_activations: bool = False
+
+    @classmethod
+    def pack_q8(cls, q: torch.Tensor, scales: torch.Tensor) -> QPanels:
+        """q int8 [N, K], scales float [N, K / group]."""
+        n, k = q.shape
+        group = k // scales.shape[1]
+        return cls(_panels(q.to(torch.int8)), _panels(scales.float()), None, group, n, k)
+
+    @classmethod
+    def pack_q4(cls, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> QPanels:
+        """q uint8 values 0..15 [N, K] (K even), scales / mins float [N, K / group]."""
+        n, k = q.shape
+        group = k // scales.shape[1]
+        p = _panels(q.to(torch.uint8))  # [P, K, 16]
+        nibbles = p[:, 0::2, :] | (p[:, 1::2, :] << 4)
+        return cls(nibbles.contiguous(), _panels(scales.float()), _panels(mins.float()), group, n, k)
+
+    @property
+    def is_q4(self) -> bool:
+        return self.mins is not None
+
+    def nbytes(self) -> int:
+        extra = self.mins.numel() * 4 if self.mins is not None else 0
+        return self.qweight.numel() * self.qweight.element_size() + self.scales.numel() * 4 + extra
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K] (reference and fallback path)."""
+        p, rows, _ = self.qweight.shape
+        if self.is_q4:
+            q = torch.empty(p, rows * 2, PANEL, dtype=torch.float32)
+            q[:, 0::2, :] = (self.qweight & 15).float()
+            q[:, 1::2, :] = (self.qweight >> 4).float()
+        else:
+            q = self.qweight.float()
+        s = self.scales.repeat_interleave(self.group, dim=1)
+        w = q * s
+        if self.mins is not None:
+            w += self.mins.repeat_interleave(self.group, dim=1)
+        return w.transpose(1, 2).reshape(p * PANEL, self.in_features)[: self.out_features]
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+               isa: int | None = None) -> torch.Tensor:
+        """x [M, K] float32 -> [M, N] (+ bias); ``isa`` overrides the kernel ISA (see ``kernels.cpu.cpu_isa``)."""
+        kernels = _kernels_for(x)
+        if kernels is None:
+            y = F.linear(x, self.dequantize().to(x.dtype), bias)
+            return out.copy_(y) if out is not None else y
+        isa = cpu_isa() if isa is None else isa
+        if (self.dynamic_int8_activations and x.shape[0] >= W8A8_MIN_ROWS and isa in (0, 2)
+                and kernels.w8a8_supported()):
+            return kernels.w8a8_gemm(x, self.qweight, self.scales, self.out_features, bias, out)
+        if self.is_q4:
+            return kernels.q4_gemm(x, self.qweight, self.scales, self.mins, self.group, self.out_features, bias,
+                                   out, isa)
+        return kernels.q8_gemm(x, self.qweight, self.scales, self.group, self.out_features, bias, out, isa)
+
+
+def _kernels_for(x: torch.Tensor) -> Any | None:
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    return load_cpu_kernels()
+
+
+def quantize_q8(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per (row, group): w [N, K] -> (q int8 [N, K], scales float32 [N, K / group])."""
+    n, k = w.shape
+    g = w.float().view(n, k // group, group)
+    scales = g.abs().amax(-1) / 127.0
+    q = torch.round(g / scales.clamp_min(1e-30).unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return q.view(n, k), scales
+
+
+def quantize_q4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit per (row, group): w ~= scale * q + min, q in 0..15.
+
+    w [N, K] -> (q uint8 [N, K], scales float32 [N, K / group], mins float32 [N, K / group]).
+    """
+    n, k = w.shape
+    g = w.float().view(n, k // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scales = (hi - lo) / 15.0
+    q = torch.round((g - lo.unsqueeze(-1)) / scales.clamp_min(1e-30).unsqueeze(-1)).clamp_(0, 15)
+    return q.to(torch.uint8).view(n, k), scales, lo

@@ -1,0 +1,135 @@
+"""The quantized matmul kernels (q8 / q4 panels) against dequantize-then-matmul, on every ISA this CPU runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.kernels.cpu import ISA_CODES, load_cpu_kernels
+from pagedllm.model_executor.layers.quantization.qpanels import QPanels, quantize_q4, quantize_q8
+
+ROWS = [1, 2, 3, 5, 6, 7, 8, 9, 13, 17, 40]  # every tile height and tail of the 6- and 8-row tiles
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = load_cpu_kernels()
+    assert k is not None, "the C++ CPU kernels must build on the test machine"
+    return k
+
+
+def _isas() -> list[str]:
+    k = load_cpu_kernels()
+    codes = set(k.supported_isas()) if k is not None else set()
+    return [name for name, code in ISA_CODES.items() if code in codes and name != "auto"]
+
+
+def _check(panels: QPanels, isa: str, n: int, k: int, with_bias: bool) -> None:
+    w = panels.dequantize().double()
+    bias = torch.randn(n) if with_bias else None
+    for m in ROWS:
+        x = torch.randn(m, k)
+        y = panels.matmul(x, bias, isa=ISA_CODES[isa])
+        ref = F.linear(x.double(), w, None if bias is None else bias.double()).float()
+        assert y.shape == (m, n)
+        torch.testing.assert_close(y, ref, atol=2e-4 * k ** 0.5, rtol=1e-4, msg=f"rows {m}")
+
+
+@pytest.mark.parametrize("isa", _isas())
+@pytest.mark.parametrize(("n", "k", "group"), [(37, 64, None), (16, 96, 32), (100, 128, 64), (5, 256, 128)])
+def test_q8_matches_dequantized_reference(kernels, isa: str, n: int, k: int, group: int | None) -> None:
+    torch.manual_seed(n + k)
+    q, s = quantize_q8(torch.randn(n, k), group or k)
+    _check(QPanels.pack_q8(q, s), isa, n, k, with_bias=n % 2 == 1)
+
+
+@pytest.mark.parametrize("isa", _isas())
+@pytest.mark.parametrize(("n", "k", "group"), [(37, 64, 32), (16, 96, 32), (100, 128, 64), (3, 256, 128)])
+def test_q4_matches_dequantized_reference(kernels, isa: str, n: int, k: int, group: int) -> None:
+    torch.manual_seed(n * k)
+    q, s, mins = quantize_q4(torch.randn(n, k), group)
+    _check(QPanels.pack_q4(q, s, mins), isa, n, k, with_bias=n % 2 == 1)
+
+
+def test_quantizers_round_to_the_nearest_level() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(33, 128)
+    q, s = quantize_q8(w, 128)
+    assert (q.float() * s - w).abs().max() <= s.max() / 2 * 1.001
+    q4, s4, m4 = quantize_q4(w, 32)
+    err = (q4.float().view(33, 4, 32) * s4[..., None] + m4[..., None] - w.view(33, 4, 32)).abs()
+    assert (err <= s4[..., None] / 2 * 1.001).all()
+    assert int(q4.max()) <= 15
+
+
+def test_out_buffer_and_strided_rows(kernels) -> None:
+    q, s = quantize_q8(torch.randn(24, 64), 32)
+    panels = QPanels.pack_q8(q, s)
+    x = torch.randn(4, 100)[:, 10:74]  # rows are strided views
+    out = torch.empty(4, 24)
+    assert panels.matmul(x, out=out) is out
+    torch.testing.assert_close(out, F.linear(x, panels.dequantize()), atol=1e-4, rtol=1e-4)
+
+
+def test_kernels_reject_bad_shapes(kernels) -> None:
+    q, s = quantize_q8(torch.randn(20, 64), 32)
+    p = QPanels.pack_q8(q, s)
+    with pytest.raises(RuntimeError, match="qweight"):
+        kernels.q8_gemm(torch.randn(2, 32), p.qweight, p.scales, 32, 20)
+    with pytest.raises(RuntimeError, match="group"):
+        kernels.q8_gemm(torch.randn(2, 64), p.qweight, p.scales, 48, 20)
+    with pytest.raises(RuntimeError, match="isa"):
+        kernels.q8_gemm(torch.randn(2, 64), p.qweight, p.scales, 32, 20, isa=7)
+    assert kernels.q8_gemm(torch.randn(0, 64), p.qweight, p.scales, 32, 20).shape == (0, 20)
+
+
+def test_int8_kernel_agrees_with_torch_weight_int8pack_mm(kernels) -> None:
+    """torch's own weight-only int8 matmul (the baseline the benchmark compares with) gives the same rows."""
+    torch.manual_seed(3)
+    q, s = quantize_q8(torch.randn(48, 64), 64)
+    x = torch.randn(5, 64)
+    ours = QPanels.pack_q8(q, s).matmul(x)
+    theirs = torch.ops.aten._weight_int8pack_mm(x, q, s[:, 0].contiguous())
+    torch.testing.assert_close(ours, theirs.float(), atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("isa", _isas())
+def test_many_rows_span_several_row_blocks(kernels, isa: str) -> None:
+    """150 rows x K = 1024: the dequantize-then-fp32 path walks 64-row blocks, with a short last tile."""
+    torch.manual_seed(7)
+    w = torch.randn(40, 1024)
+    x = torch.randn(150, 1024)
+    for panels in (QPanels.pack_q8(*quantize_q8(w, 1024)), QPanels.pack_q4(*quantize_q4(w, 64))):
+        ref = F.linear(x.double(), panels.dequantize().double()).float()
+        torch.testing.assert_close(panels.matmul(x, isa=ISA_CODES[isa]), ref, atol=2e-3, rtol=1e-4)
+
+
+def test_w8a8_matches_int8_activations_times_int8_weights(kernels) -> None:
+    """W8A8 (VNNI): x quantized per row to int8, int32 sums; K not a multiple of 4, odd N, row blocks."""
+    if not kernels.w8a8_supported():
+        pytest.skip("this CPU has no AVX-512 VNNI (the W8A8 kernel's only path)")
+    torch.manual_seed(11)
+    n, k = 37, 70
+    q, s = quantize_q8(torch.randn(n, k), k)
+    panels = QPanels.pack_q8(q, s)
+    bias = torch.randn(n)
+    for m in (1, 16, 17, 23, 40, 700):
+        x = torch.randn(m, k) * 3
+        sx = x.abs().amax(1, keepdim=True) / 127
+        xq = torch.round(x / sx).clamp(-127, 127)
+        ref = (xq.double() @ q.double().t()) * sx.double() * s.double().t() + bias.double()
+        y = kernels.w8a8_gemm(x, panels.qweight, panels.scales, n, bias)
+        torch.testing.assert_close(y, ref.float(), atol=1e-4, rtol=1e-5, msg=f"rows {m}")
+
+
+def test_w8a8_panels_use_the_exact_path_for_few_rows(kernels) -> None:
+    torch.manual_seed(12)
+    q, s = quantize_q8(torch.randn(20, 64), 64)
+    panels = QPanels.pack_q8(q, s)
+    panels.dynamic_int8_activations = True
+    x = torch.randn(15, 64)
+    torch.testing.assert_close(panels.matmul(x), F.linear(x, panels.dequantize()), atol=1e-4, rtol=1e-4)
+    x = torch.randn(16, 64)
+    # From 16 rows on, VNNI CPUs quantize x: close to the float result, within int8 rounding of x.
+    torch.testing.assert_close(panels.matmul(x), F.linear(x, panels.dequantize()), atol=0.1, rtol=0.02)
