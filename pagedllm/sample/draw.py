@@ -43,10 +43,11 @@ def draw_random(logits: torch.Tensor, meta: SamplingMetadata, temperature: torch
     ``private``: logits is the sampler's own copy and may be changed in place.
     """
     kernels = kernels_for(logits)
-    if kernels is not None and logits.stride(1) == 1:
+    # The C++ pass only where temperature is the last stage (fused here), as before the stages existed:
+    # truncated rows keep the torch draw, so seeded outputs stay what they were.
+    if kernels is not None and temperature is not None and logits.stride(1) == 1:
         u = draw_uniforms(meta, logits.shape[0], logits.device)
-        t = temperature if temperature is not None else torch.ones(logits.shape[0], device=logits.device)
-        return kernels.sample_from_logits(logits, t, u.squeeze(1))
+        return kernels.sample_from_logits(logits, temperature, u.squeeze(1))
     if temperature is not None:
         logits = logits.div(temperature.unsqueeze(1)) if not private else logits.div_(temperature.unsqueeze(1))
     probs = logits.softmax(dim=1)
