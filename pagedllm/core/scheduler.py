@@ -129,6 +129,12 @@ class Scheduler:
                 new_blocks = self._allocate(request, num_new)
                 if new_blocks is not None:
                     break
+                num_real = min(request.num_tokens - request.num_computed_tokens, budget)
+                if 0 < num_real < num_new:
+                    # Drafts are optional: verify none this step rather than preempt or cap anyone for them.
+                    num_new = num_real
+                    request.spec_token_ids = []
+                    continue
                 if i == 0 and len(self.running) == 1:
                     # Alone and still out of blocks: the whole cache is too small for it to grow.
                     self.running.pop()

@@ -222,7 +222,8 @@ class AsyncLLM:
             if self.stat_logger is not None and not isinstance(params, PoolingParams):
                 self.stat_logger.add_request(request_id, kind, params.n)
 
-        if params.structured_outputs is not None and hasattr(self.engine, "validate_structured_outputs"):
+        structured = getattr(params, "structured_outputs", None)  # pooling params have none
+        if structured is not None and hasattr(self.engine, "validate_structured_outputs"):
             # Compile here, off the engine loop: a bad schema is a ValueError before anything is queued,
             # and the engine then finds the grammar cached.
             await asyncio.to_thread(self.engine.validate_structured_outputs, params)

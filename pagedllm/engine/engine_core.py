@@ -27,7 +27,7 @@ class EngineCore:
         self.structured_output: StructuredOutputManager | None = None
 
     def add_request(self, request: Request) -> None:
-        if request.sampling_params.structured_outputs is not None:
+        if getattr(request.sampling_params, "structured_outputs", None) is not None:  # pooling: none
             if self.structured_output is None:
                 raise ValueError("structured_outputs: this engine has no structured-output backend")
             self.scheduler.add_request(request)

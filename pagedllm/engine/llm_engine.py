@@ -72,7 +72,7 @@ class LLMEngine:
 
         Blocks the calling thread, so callers run it off the engine loop (AsyncLLM: in a worker thread).
         """
-        if params.structured_outputs is not None:
+        if getattr(params, "structured_outputs", None) is not None:  # pooling params have none
             self.structured_output.validate(params.structured_outputs)
 
     def abort_request(self, request_ids: list[str]) -> None:

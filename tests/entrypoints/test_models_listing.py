@@ -9,7 +9,7 @@ from pagedllm.entrypoints.openai.serving_models import ServingModels
 from pagedllm.model_executor.models.registry import get_model_cls, supported_architectures
 
 EXPECTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
-            "Gemma3ForCausalLM", "GPT2LMHeadModel"}
+            "Gemma3ForCausalLM", "GPT2LMHeadModel", "BertModel"}
 
 
 def test_cli_lists_every_architecture(capsys) -> None:
@@ -23,7 +23,7 @@ def test_cli_lists_every_architecture(capsys) -> None:
 
 def test_every_listed_architecture_has_a_class() -> None:
     for arch in supported_architectures():
-        assert get_model_cls([arch]).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+        assert get_model_cls([arch]).__name__.endswith(("ForCausalLM", "LMHeadModel", "Model"))
 
 
 def test_v1_models_metadata() -> None:

@@ -150,7 +150,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions, metrics: PrometheusMetri
     tokenizer = copy.deepcopy(core.get_tokenizer())
     model_path = core.config.model.model_path or core.config.model.model
     models = ServingModels(options.served_model_names, model_path, core.processor.max_model_len,
-                           core.config.model.architecture or None)
+                           getattr(core.config.model, "architecture", "") or None)
     completion = ServingCompletion(engine, models, tokenizer)
     chat = ServingChat(engine, models, tokenizer)
     chat.configure_tools(options.enable_auto_tool_choice, options.tool_call_parser)
