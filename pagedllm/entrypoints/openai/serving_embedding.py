@@ -125,29 +125,33 @@ class ServingEmbedding:
         return UsageInfo(prompt_tokens=n, total_tokens=n)
 
     # ---- endpoints ---------------------------------------------------------------------------------------
-    async def embeddings(self, req: EmbeddingRequest, raw_request: Request) -> EmbeddingResponse | None:
+    async def _pool_input(self, req: EmbeddingRequest | PoolingRequest, raw_request: Request, kind: str):
+        """``req.input`` pooled: (model name, request id, [encoded vector per input], usage), or None when the
+        client went away. The embeddings and pooling endpoints differ only in how they wrap the result."""
         model = self.models.check(req.model)
         inputs = self._token_ids(req.input, req, "input")
-        params = self._params(req, req.dimensions)
-        request_id = f"embd-{random_uuid()}"
-        outputs = await self._pool(inputs, params, request_id, raw_request)
+        request_id = f"{kind}-{random_uuid()}"
+        outputs = await self._pool(inputs, self._params(req, req.dimensions), request_id, raw_request)
         if outputs is None:
             return None
-        data = [EmbeddingData(index=i, embedding=encode_vector(o.outputs.data, req.encoding_format))
-                for i, o in enumerate(outputs)]
-        return EmbeddingResponse(id=request_id, model=model, data=data, usage=self._usage(inputs))
+        vectors = [encode_vector(o.outputs.data, req.encoding_format) for o in outputs]
+        return model, request_id, vectors, self._usage(inputs)
+
+    async def embeddings(self, req: EmbeddingRequest, raw_request: Request) -> EmbeddingResponse | None:
+        pooled = await self._pool_input(req, raw_request, "embd")
+        if pooled is None:
+            return None
+        model, request_id, vectors, usage = pooled
+        data = [EmbeddingData(index=i, embedding=v) for i, v in enumerate(vectors)]
+        return EmbeddingResponse(id=request_id, model=model, data=data, usage=usage)
 
     async def pooling(self, req: PoolingRequest, raw_request: Request) -> PoolingResponse | None:
-        model = self.models.check(req.model)
-        inputs = self._token_ids(req.input, req, "input")
-        params = self._params(req, req.dimensions)
-        request_id = f"pool-{random_uuid()}"
-        outputs = await self._pool(inputs, params, request_id, raw_request)
-        if outputs is None:
+        pooled = await self._pool_input(req, raw_request, "pool")
+        if pooled is None:
             return None
-        data = [PoolingData(index=i, data=encode_vector(o.outputs.data, req.encoding_format))
-                for i, o in enumerate(outputs)]
-        return PoolingResponse(id=request_id, model=model, data=data, usage=self._usage(inputs))
+        model, request_id, vectors, usage = pooled
+        data = [PoolingData(index=i, data=v) for i, v in enumerate(vectors)]
+        return PoolingResponse(id=request_id, model=model, data=data, usage=usage)
 
     async def score(self, req: ScoreRequest, raw_request: Request) -> ScoreResponse | None:
         model = self.models.check(req.model)

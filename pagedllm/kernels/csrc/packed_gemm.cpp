@@ -9,6 +9,7 @@
 // Packed layout: [ceil(N / 16), K, 16]; panel p holds W[16p .. 16p + 15, k] for every k, zero-padded past N.
 // Each thread works on its own range of panels (its slice of the weights) for all rows; see panels_range
 // for the cache blocking. The register tile is 6 rows x 16 columns.
+#include "gemm_args.h"
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -171,21 +172,9 @@ torch::Tensor packed_gemm(const torch::Tensor& x, const torch::Tensor& packed, i
   TORCH_CHECK(N > 0 && (N + NR - 1) / NR == packed.size(0), "out_features ", N, " does not match the packing");
   // Rows may be strided (a view into a wider tensor) but each row must be contiguous.
   const torch::Tensor xc = x.stride(1) == 1 && x.stride(0) >= K ? x : x.contiguous();
-  const float* b = nullptr;
   torch::Tensor bc;
-  if (bias.has_value() && bias->defined()) {
-    bc = bias->contiguous();
-    TORCH_CHECK(bc.scalar_type() == torch::kFloat32 && bc.numel() == N, "bias must be float32 [N]");
-    b = bc.data_ptr<float>();
-  }
-  torch::Tensor y;
-  if (out.has_value() && out->defined()) {
-    y = *out;
-    TORCH_CHECK(y.dim() == 2 && y.size(0) == M && y.size(1) == N && y.scalar_type() == torch::kFloat32 &&
-                y.stride(1) == 1 && y.stride(0) >= N, "out must be float32 [M, N] with contiguous rows");
-  } else {
-    y = torch::empty({M, N}, x.options());
-  }
+  const float* b = gemm_bias(bias, N, bc);
+  torch::Tensor y = gemm_output(out, M, N, x.options());
   if (M == 0) return y;
   const int64_t ldy = y.stride(0);
   const float* xp = xc.data_ptr<float>();

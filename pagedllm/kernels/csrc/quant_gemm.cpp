@@ -12,6 +12,7 @@
 // ISA dispatch is at run time, per call (isa: 0 = best available, 1 = AVX2+FMA, 2 = AVX-512F/BW/VL,
 // 3 = portable C++), so one build serves both CPU kinds and tests can force every path on one machine.
 // The x86 paths are compiled with function-level target attributes, not with the build's -march.
+#include "gemm_args.h"
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -365,21 +366,9 @@ torch::Tensor quant_gemm(bool q4, const torch::Tensor& x, const torch::Tensor& q
                 mins->numel() == P * G * NR, "mins must be contiguous float32 [P, K/group, 16]");
   }
   const torch::Tensor xc = x.stride(1) == 1 && x.stride(0) >= K ? x : x.contiguous();
-  const float* b = nullptr;
   torch::Tensor bc;
-  if (bias.has_value() && bias->defined()) {
-    bc = bias->contiguous();
-    TORCH_CHECK(bc.scalar_type() == torch::kFloat32 && bc.numel() == N, "bias must be float32 [N]");
-    b = bc.data_ptr<float>();
-  }
-  torch::Tensor y;
-  if (out.has_value() && out->defined()) {
-    y = *out;
-    TORCH_CHECK(y.dim() == 2 && y.size(0) == M && y.size(1) == N && y.scalar_type() == torch::kFloat32 &&
-                y.stride(1) == 1 && y.stride(0) >= N, "out must be float32 [M, N] with contiguous rows");
-  } else {
-    y = torch::empty({M, N}, x.options());
-  }
+  const float* b = gemm_bias(bias, N, bc);
+  torch::Tensor y = gemm_output(out, M, N, x.options());
   if (M == 0) return y;
   const bool dequant = M >= DEQUANT_MIN_ROWS;
   if (q4 && !dequant) xsum = xc.reshape({M, G, group}).sum(-1).contiguous();

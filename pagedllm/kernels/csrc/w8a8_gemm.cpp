@@ -11,6 +11,7 @@
 // vpdpbusd multiplies unsigned by signed bytes: x is stored as xq + 128 (u8) and 128 * sum_k W[n, k] is
 // subtracted at the end. Each panel is regrouped per call into k-quads [ceil(K/4), 16, 4] (4 consecutive k
 // of one column in a 32-bit lane), zero-padded past K.
+#include "gemm_args.h"
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -114,21 +115,9 @@ torch::Tensor w8a8_gemm(const torch::Tensor& x, const torch::Tensor& qweight, co
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 && scales.numel() == P * NR,
               "scales must be float32 [P, 1, 16] (one per output column)");
   const torch::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
-  const float* b = nullptr;
   torch::Tensor bc;
-  if (bias.has_value() && bias->defined()) {
-    bc = bias->contiguous();
-    TORCH_CHECK(bc.scalar_type() == torch::kFloat32 && bc.numel() == N, "bias must be float32 [N]");
-    b = bc.data_ptr<float>();
-  }
-  torch::Tensor y;
-  if (out.has_value() && out->defined()) {
-    y = *out;
-    TORCH_CHECK(y.dim() == 2 && y.size(0) == M && y.size(1) == N && y.scalar_type() == torch::kFloat32 &&
-                y.stride(1) == 1 && y.stride(0) >= N, "out must be float32 [M, N] with contiguous rows");
-  } else {
-    y = torch::empty({M, N}, x.options());
-  }
+  const float* b = gemm_bias(bias, N, bc);
+  torch::Tensor y = gemm_output(out, M, N, x.options());
   if (M == 0) return y;
 #if defined(__x86_64__)
   const int64_t Kp = (K + 3) / 4 * 4;
