@@ -22,7 +22,8 @@ def triton_available() -> bool:
     return triton is not None
 
 
-def _pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): Triton block shapes must be powers of two."""
     return 1 << max(0, (n - 1).bit_length())
 
 
@@ -81,7 +82,7 @@ def rms_norm_(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
     t, n = x.shape
     res = residual if residual is not None else x
     _rms_norm_kernel[(t,)](x, res, weight, x.stride(0), res.stride(0), n, eps,
-                           HAS_RESIDUAL=residual is not None, BLOCK=_pow2(n))
+                           HAS_RESIDUAL=residual is not None, BLOCK=next_pow2(n))
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -89,7 +90,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     t, two_i = gate_up.shape
     n = two_i // 2
     out = torch.empty(t, n, dtype=gate_up.dtype, device=gate_up.device)
-    block = min(1024, _pow2(n))
+    block = min(1024, next_pow2(n))
     _silu_and_mul_kernel[(t, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block)
     return out
 
@@ -100,7 +101,7 @@ def rotary_(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Ten
     at ``positions`` [T]; cos_sin_cache: [max_position, D] laid out [cos(D/2) | sin(D/2)]."""
     half = head_dim // 2
     _rotary_kernel[(qkv.shape[0],)](qkv, positions, cos_sin_cache, qkv.stride(0), cos_sin_cache.stride(0),
-                                    num_heads, HALF=half, BLOCK_H=_pow2(num_heads), BLOCK_HALF=_pow2(half))
+                                    num_heads, HALF=half, BLOCK_H=next_pow2(num_heads), BLOCK_HALF=next_pow2(half))
 
 
 class _TritonOps:

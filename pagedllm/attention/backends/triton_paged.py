@@ -20,26 +20,11 @@ import torch
 from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.spec import AttentionSpec
-
-try:  # Triton ships with the CUDA builds of torch; the CPU build has none.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised only where triton is missing
-    triton = None
-    tl = None
-
+from pagedllm.kernels.triton_ops import next_pow2, tl, triton, triton_available  # noqa: F401 (re-exported)
 
 # Triton's CPU interpreter multiplies bf16 operands of tl.dot as raw bits (triton 3.9): there the kernel
 # upcasts to fp32 before each dot; on a GPU the dots take the cache's dtype (tensor cores).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def triton_available() -> bool:
-    return triton is not None
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 if triton is not None:
@@ -129,7 +114,7 @@ def tile_shape(group: int, max_query_len: int) -> tuple[int, int]:
     steps with longer queries use 64 so fewer programs reload the same K/V.
     """
     rows = 16 if max_query_len * group <= 16 else 64
-    block_m = max(rows, _next_pow2(group))
+    block_m = max(rows, next_pow2(group))
     return block_m, max(1, block_m // group)
 
 
@@ -172,8 +157,8 @@ def triton_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         meta.block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, _next_pow2(head_dim)),
-        BLOCK_SIZE=block_size, BLOCK_N=max(16, _next_pow2(block_size)), BLOCK_M=block_m, BLOCK_Q=block_q,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
+        BLOCK_SIZE=block_size, BLOCK_N=max(16, next_pow2(block_size)), BLOCK_M=block_m, BLOCK_Q=block_q,
         WINDOW=max(0, int(sliding_window)), DOT_FP32=_INTERPRETED,
     )
     return out
