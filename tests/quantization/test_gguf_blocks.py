@@ -35,7 +35,8 @@ def test_gguf_linear_matches_gguf_dequantize(qtype: GGMLQuantizationType) -> Non
     reference = torch.cat([s.dequantize() for s in shards])
     torch.testing.assert_close(layer.qpanels.dequantize(), reference, atol=1e-6, rtol=0)  # exact blocks
     x = torch.randn(7, 96)
-    torch.testing.assert_close(layer(x), F.linear(x, reference), atol=1e-3, rtol=1e-4)
+    # 4-bit layers quantize x to two int8 terms per group (~16-bit precise): docs/quantization.md
+    torch.testing.assert_close(layer(x), F.linear(x, reference), atol=5e-3, rtol=1e-3)
 
 
 def test_mixed_shard_types_fall_back_to_int8_groups() -> None:
@@ -90,7 +91,8 @@ def test_k_quants_match_gguf_dequantize(qtype: GGMLQuantizationType) -> None:
     reference = torch.cat([s.dequantize() for s in shards])
     torch.testing.assert_close(layer.qpanels.dequantize(), reference, atol=1e-6, rtol=1e-6)
     x = torch.randn(3, 512)
-    torch.testing.assert_close(layer(x), F.linear(x, reference), atol=1e-3, rtol=1e-4)
+    # 4-bit layers quantize x to two int8 terms per group (~16-bit precise): docs/quantization.md
+    torch.testing.assert_close(layer(x), F.linear(x, reference), atol=5e-3, rtol=1e-3)
 
 
 def test_q8_0_fused_with_q6_k_shares_groups_of_16() -> None:

@@ -108,7 +108,9 @@ def test_fused_layer_matches_the_checkpoint_dequantized(case: str) -> None:
     else:  # the packed integers map onto the kernel's panels exactly
         torch.testing.assert_close(layer.qpanels.dequantize(), ref, atol=1e-6, rtol=1e-6)
     x = torch.randn(5, 128)
-    torch.testing.assert_close(layer(x), F.linear(x, layer.qpanels.dequantize()), atol=1e-4, rtol=1e-4)
+    # 4-bit layers quantize x to two int8 terms per group (~16-bit precise): docs/quantization.md
+    tol = 1e-3 if layer.qpanels.is_q4 else 1e-4
+    torch.testing.assert_close(layer(x), F.linear(x, layer.qpanels.dequantize()), atol=tol, rtol=tol)
 
 
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

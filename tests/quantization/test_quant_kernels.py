@@ -49,7 +49,68 @@ def test_q8_matches_dequantized_reference(kernels, isa: str, n: int, k: int, gro
 def test_q4_matches_dequantized_reference(kernels, isa: str, n: int, k: int, group: int) -> None:
     torch.manual_seed(n * k)
     q, s, mins = quantize_q4(torch.randn(n, k), group)
-    _check(QPanels.pack_q4(q, s, mins), isa, n, k, with_bias=n % 2 == 1)
+    _check(QPanels.pack_q4(q, s, mins, layout="pairs"), isa, n, k, with_bias=n % 2 == 1)
+
+
+def _int8_activation_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, mins: torch.Tensor,
+                               group: int) -> torch.Tensor:
+    """What q4_dot_gemm computes, in float64: x per (row, group) as dx * x1 + dx / 254 * x2 with x1, x2 int8
+    (dx = max|x| / 127, x2 the rounding residual of x1), the weight levels' dot products exact, the minimum
+    times the exact group sum of x."""
+    m, k = x.shape
+    xf = x.float().view(m, k // group, group)
+    amax = xf.abs().amax(-1)  # [M, G]
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))  # float32, as the kernel rounds
+    v = xf * inv.unsqueeze(-1)
+    x1 = torch.round(v)
+    x2 = torch.round((v - x1) * 254).clamp(-127, 127)
+    dx = (amax / 127).double()
+    qg = q.double().view(-1, k // group, group)
+    d1 = torch.einsum("mgk,ngk->mng", x1.double(), qg)  # [M, N, G]
+    d2 = torch.einsum("mgk,ngk->mng", x2.double(), qg)
+    y = ((d1 + d2 / 254) * dx.unsqueeze(1) * s.double().unsqueeze(0)).sum(-1)
+    return (y + xf.double().sum(-1) @ mins.double().t()).float()
+
+
+@pytest.mark.parametrize("isa", _isas())
+@pytest.mark.parametrize(("n", "k", "group"), [(37, 64, 32), (16, 96, 32), (100, 128, 64), (3, 256, 128),
+                                               (17, 48, 8)])
+def test_q4_dot8_matches_int8_activation_reference(kernels, isa: str, n: int, k: int, group: int) -> None:
+    """The dot8 layout (default for 4-bit): every row-tile tail (1..4 rows, then blocks), odd N, bias."""
+    torch.manual_seed(n * k + 1)
+    q, s, mins = quantize_q4(torch.randn(n, k), group)
+    panels = QPanels.pack_q4(q, s, mins)
+    assert panels.layout == "dot8"
+    bias = torch.randn(n) if n % 2 else None
+    for m in ROWS:
+        x = torch.randn(m, k) * 2
+        ref = _int8_activation_reference(x, q, s, mins, group) + (0 if bias is None else bias)
+        y = panels.matmul(x, bias, isa=ISA_CODES[isa])
+        torch.testing.assert_close(y, ref, atol=1e-4 * k ** 0.5, rtol=1e-5, msg=f"rows {m}")
+        # and, with x's two int8 terms, close to the float product
+        torch.testing.assert_close(y, F.linear(x, panels.dequantize(), bias), atol=1e-3 * k ** 0.5, rtol=1e-3)
+
+
+def test_q4_layouts_hold_the_same_weights() -> None:
+    torch.manual_seed(3)
+    q, s, mins = quantize_q4(torch.randn(21, 64), 32)
+    dot8, pairs = QPanels.pack_q4(q, s, mins), QPanels.pack_q4(q, s, mins, layout="pairs")
+    assert dot8.qweight.shape == (2, 8, 64) and pairs.qweight.shape == (2, 32, 16)
+    assert dot8.nbytes() == pairs.nbytes()
+    torch.testing.assert_close(dot8.dequantize(), pairs.dequantize(), atol=0, rtol=0)
+    assert QPanels.pack_q4(*quantize_q4(torch.randn(4, 36), 12)).layout == "pairs"  # group not a multiple of 8
+    with pytest.raises(ValueError, match="multiple of 8"):
+        QPanels.pack_q4(*quantize_q4(torch.randn(4, 36), 12), layout="dot8")
+
+
+def test_q4_dot8_rows_are_independent_of_the_batch(kernels) -> None:
+    """Each row's activations are quantized on their own: a row's result is the same alone and in a batch."""
+    torch.manual_seed(4)
+    panels = QPanels.pack_q4(*quantize_q4(torch.randn(50, 128), 32))
+    x = torch.randn(37, 128)
+    batched = panels.matmul(x)
+    for i in (0, 5, 36):
+        assert torch.equal(panels.matmul(x[i:i + 1]), batched[i:i + 1])
 
 
 def test_quantizers_round_to_the_nearest_level() -> None:
@@ -100,9 +161,13 @@ def test_many_rows_span_several_row_blocks(kernels, isa: str) -> None:
     torch.manual_seed(7)
     w = torch.randn(40, 1024)
     x = torch.randn(150, 1024)
-    for panels in (QPanels.pack_q8(*quantize_q8(w, 1024)), QPanels.pack_q4(*quantize_q4(w, 64))):
+    for panels in (QPanels.pack_q8(*quantize_q8(w, 1024)), QPanels.pack_q4(*quantize_q4(w, 64), layout="pairs")):
         ref = F.linear(x.double(), panels.dequantize().double()).float()
         torch.testing.assert_close(panels.matmul(x, isa=ISA_CODES[isa]), ref, atol=2e-3, rtol=1e-4)
+    # dot8 walks row blocks of ~128 KiB of int8 x: 150 rows x 1024 spans two
+    q, s, mins = quantize_q4(w, 64)
+    torch.testing.assert_close(QPanels.pack_q4(q, s, mins).matmul(x, isa=ISA_CODES[isa]),
+                               _int8_activation_reference(x, q, s, mins, 64), atol=3e-3, rtol=1e-5)
 
 
 def test_w8a8_matches_int8_activations_times_int8_weights(kernels) -> None:

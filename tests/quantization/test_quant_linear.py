@@ -49,7 +49,8 @@ def test_weight_only_layers_match_their_dequantized_weights(config) -> None:
     step = (w.abs().amax(1, keepdim=True) * 2) / (2 ** bits - 1)
     assert ((deq - w).abs() <= step / 2 * 1.01 + 1e-6).all()
     x = torch.randn(9, 256)
-    torch.testing.assert_close(layer(x), F.linear(x, deq), atol=1e-3, rtol=1e-4)
+    # 4-bit layers quantize x to two int8 terms per group (~16-bit precise): docs/quantization.md
+    torch.testing.assert_close(layer(x), F.linear(x, deq), atol=5e-3, rtol=1e-3)
     assert layer.weight_nbytes() < w.numel() * 4 * (0.3 if bits == 8 else 0.25)  # vs float32
 
 

@@ -27,6 +27,12 @@ torch::Tensor q4_gemm(const torch::Tensor& x, const torch::Tensor& qweight, cons
                       int64_t isa);
 std::vector<int64_t> supported_isas();
 
+// q4_dot_gemm.cpp: 4-bit weights in the "dot8" layout [P, K/8, 64] times x quantized per group to int8
+torch::Tensor q4_dot_gemm(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
+                          const torch::Tensor& mins, int64_t group, int64_t out_features,
+                          const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& out,
+                          int64_t isa);
+
 // w8a8_gemm.cpp (AVX-512 VNNI only; w8a8_supported() says whether this CPU has it)
 bool w8a8_supported();
 torch::Tensor w8a8_gemm(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,

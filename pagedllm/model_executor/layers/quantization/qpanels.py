@@ -1,13 +1,18 @@
-"""Quantized weights in the panel layouts of ``kernels/csrc/quant_gemm.cpp``, and how to multiply by them.
+"""Quantized weights in the panel layouts of the C++ kernels, and how to multiply by them.
 
 Every scheme (int8, int4, GGUF Q4_0/Q4_1/Q8_0, ...) ends as one of two formats, each with per-(row, group)
 float scales: ``q8`` (w = scale * q, q int8) and ``q4`` (w = scale * q + min, q in 0..15). ``QPanels`` holds
 one packed weight; ``QPanels.matmul`` runs the C++ kernel or, where it cannot run (no compiler, GPU), a
 dequantize-then-matmul fallback.
+
+4-bit weights are stored in one of two layouts: ``dot8`` (``kernels/csrc/q4_dot_gemm.cpp``: x quantized per
+group to int8 and multiplied by byte dot products, about twice the speed of widening the weights to float)
+wherever the group is a multiple of 8, else ``pairs`` (``quant_gemm.cpp``: float activations).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +46,8 @@ class QPanels:
     in_features: int
     #: Quantize activations per row to int8 for W8A8_MIN_ROWS+ rows where the CPU has VNNI (q8, one group).
     dynamic_int8_activations: bool = False
+    #: q4 only: "dot8" uint8 [P, K/8, 64] (q4_dot_gemm) or "pairs" uint8 [P, K/2, 16] (q4_gemm).
+    layout: str = "pairs"
 
     @classmethod
     def pack_q8(cls, q: torch.Tensor, scales: torch.Tensor) -> QPanels:
@@ -50,13 +57,29 @@ class QPanels:
         return cls(_panels(q.to(torch.int8)), _panels(scales.float()), None, group, n, k)
 
     @classmethod
-    def pack_q4(cls, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> QPanels:
-        """q uint8 values 0..15 [N, K] (K even), scales / mins float [N, K / group]."""
+    def pack_q4(cls, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, layout: str | None = None
+                ) -> QPanels:
+        """q uint8 values 0..15 [N, K] (K even), scales / mins float [N, K / group].
+
+        ``layout``: "dot8" or "pairs" (module docstring); default dot8 where the group is a multiple of 8
+        (``PAGEDLLM_Q4_LAYOUT=pairs`` picks the old layout, for comparisons).
+        """
         n, k = q.shape
         group = k // scales.shape[1]
+        if layout is None:
+            layout = os.environ.get("PAGEDLLM_Q4_LAYOUT", "dot8") if group % 8 == 0 else "pairs"
+        if layout == "dot8" and group % 8:
+            raise ValueError(f"the dot8 layout needs a group that is a multiple of 8, got {group}")
         p = _panels(q.to(torch.uint8))  # [P, K, 16]
-        nibbles = p[:, 0::2, :] | (p[:, 1::2, :] << 4)
-        return cls(nibbles.contiguous(), _panels(scales.float()), _panels(mins.float()), group, n, k)
+        if layout == "dot8":
+            # [P, K, 16] -> [P, b, h, t, j] with k = 8b + 4h + t -> bytes [P, b, j, t]: low nibble h = 0.
+            blocks = p.view(p.shape[0], k // 8, 2, 4, PANEL).permute(0, 1, 4, 3, 2)
+            packed = (blocks[..., 0] | (blocks[..., 1] << 4)).reshape(p.shape[0], k // 8, 64)
+        elif layout == "pairs":
+            packed = p[:, 0::2, :] | (p[:, 1::2, :] << 4)
+        else:
+            raise ValueError(f"unknown 4-bit layout {layout!r}")
+        return cls(packed.contiguous(), _panels(scales.float()), _panels(mins.float()), group, n, k, layout=layout)
 
     @property
     def is_q4(self) -> bool:
@@ -69,7 +92,11 @@ class QPanels:
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] (reference and fallback path)."""
         p, rows, _ = self.qweight.shape
-        if self.is_q4:
+        if self.is_q4 and self.layout == "dot8":
+            nib = self.qweight.view(p, rows, PANEL, 4)  # [P, b, j, t]
+            q = torch.stack([nib & 15, nib >> 4], dim=-1)  # [P, b, j, t, h]
+            q = q.permute(0, 1, 4, 3, 2).reshape(p, rows * 8, PANEL).float()
+        elif self.is_q4:
             q = torch.empty(p, rows * 2, PANEL, dtype=torch.float32)
             q[:, 0::2, :] = (self.qweight & 15).float()
             q[:, 1::2, :] = (self.qweight >> 4).float()
@@ -92,6 +119,9 @@ class QPanels:
         if (self.dynamic_int8_activations and x.shape[0] >= W8A8_MIN_ROWS and isa in (0, 2)
                 and kernels.w8a8_supported()):
             return kernels.w8a8_gemm(x, self.qweight, self.scales, self.out_features, bias, out)
+        if self.is_q4 and self.layout == "dot8":
+            return kernels.q4_dot_gemm(x, self.qweight, self.scales, self.mins, self.group, self.out_features, bias,
+                                       out, isa)
         if self.is_q4:
             return kernels.q4_gemm(x, self.qweight, self.scales, self.mins, self.group, self.out_features, bias,
                                    out, isa)

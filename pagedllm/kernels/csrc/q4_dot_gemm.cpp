@@ -1,0 +1,326 @@
+// 4-bit weights times int8 activations: y[M, N] = x[M, K] @ (scale * q + min)^T (+ bias), x float32.
+//
+// Why: multiplying 4-bit weights in float (quant_gemm.cpp's q4 tiles) spends ~10 instructions widening and
+// converting every 32 weights, so one decode stream is compute-bound on two cores long before memory is.
+// Here the products are summed in int32 by byte dot products: AVX-512 VNNI's vpdpbusd (64 u8 x s8
+// multiply-adds per instruction) or AVX2's vpmaddubsw + vpmaddwd.
+//
+// x is split per (row, weight group) into two int8 terms, x ~= dx * x1 + (dx / 254) * x2, with
+// dx = max|x| / 127: x1 as llama.cpp's Q8 blocks, x2 the rounding residual of x1 (|x - dx * x1| <= dx / 2, so x2
+// fits in int8 too). One int8 term alone moved the default model's perplexity by 2% (0.7% even with the error
+// centred on the weights' range); two leave x with ~16-bit precision, and the second costs one more dot
+// product per 4 weights, not another unpacking of the weights. Per group g and column n:
+//   y[m, n] += scale[n, g] * (dx * sum_k q x1 + dx / 254 * sum_k q x2) + min[n, g] * sum_k x[m, k]
+// with the group sum of x exact (float).
+//
+// Weight layout "dot8", uint8 [P, K/8, 64] (P panels of 16 output columns, one 64-byte block per 8 k):
+// byte 4 * j + t of block b holds q[k = 8b + t, column j] in its low nibble and q[8b + 4 + t, j] in its high
+// nibble, so masking the low (high) nibbles of a block gives the 4 consecutive k of each column in one
+// 32-bit lane: exactly what the byte dot products consume against 4 broadcast bytes of x.
+//
+// ISA dispatch at run time per call (isa as in quant_gemm.cpp: 0 = best, 1 = AVX2, 2 = AVX-512, 3 = portable);
+// AVX-512 runs the VNNI tiles where the CPU has VNNI and the AVX2 tiles otherwise.
+#include "gemm_args.h"
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define PAGEDLLM_X86 1
+#endif
+
+namespace {
+
+constexpr int64_t NR = 16;         // output columns per panel
+constexpr int64_t BLOCK_K = 8;     // k per 64-byte block
+constexpr int64_t BLOCK_BYTES = 64;
+constexpr int MR = 4;              // rows per tile
+constexpr float RESIDUAL_STEPS = 254.f;  // x2's step is dx / 254: |residual| <= dx / 2 -> |x2| <= 127
+
+bool has_avx2() {
+#if defined(PAGEDLLM_X86)
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+bool has_vnni512() {
+#if defined(PAGEDLLM_X86)
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+enum class Path { kGeneric, kAvx2, kVnni512 };
+
+Path resolve_path(int64_t isa) {
+  TORCH_CHECK(isa >= 0 && isa <= 3, "isa must be 0..3, got ", isa);
+  if (isa == 3) return Path::kGeneric;
+  if (isa == 1) {
+    TORCH_CHECK(has_avx2(), "this CPU has no AVX2+FMA");
+    return Path::kAvx2;
+  }
+#if defined(PAGEDLLM_X86)
+  if (isa == 2) TORCH_CHECK(__builtin_cpu_supports("avx512f"), "this CPU has no AVX-512F");
+#endif
+  if (has_vnni512()) return Path::kVnni512;
+  return has_avx2() ? Path::kAvx2 : Path::kGeneric;
+}
+
+// x split per (row, group): x1, x2 int8 [M, K]; dx = max|x| / 127 and xs = sum(x), float [M, G].
+struct Activations {
+  std::vector<int8_t> x1, x2;
+  std::vector<float> d, s;
+};
+
+void quantize_activations(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t group, Activations& a) {
+  const int64_t G = K / group;
+  a.x1.resize(static_cast<size_t>(M * K));
+  a.x2.resize(static_cast<size_t>(M * K));
+  a.d.resize(static_cast<size_t>(M * G));
+  a.s.resize(static_cast<size_t>(M * G));
+  at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      for (int64_t g = 0; g < G; ++g) {
+        const float* r = x + m * ldx + g * group;
+        float amax = 0.f, sum = 0.f;
+        for (int64_t k = 0; k < group; ++k) {
+          amax = std::max(amax, std::fabs(r[k]));
+          sum += r[k];
+        }
+        const float d = amax / 127.f;
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        int8_t* q1 = a.x1.data() + m * K + g * group;
+        int8_t* q2 = a.x2.data() + m * K + g * group;
+        for (int64_t k = 0; k < group; ++k) {
+          const float v = r[k] * inv;  // in units of dx
+          const float l1 = std::nearbyint(v);
+          q1[k] = static_cast<int8_t>(l1);
+          q2[k] = static_cast<int8_t>(std::clamp(std::nearbyint((v - l1) * RESIDUAL_STEPS), -127.f, 127.f));
+        }
+        a.d[m * G + g] = d;
+        a.s[m * G + g] = sum;
+      }
+    }
+  });
+}
+
+struct Problem {
+  const uint8_t* w;     // panel p at w + p * panel_bytes
+  int64_t panel_bytes;
+  const float* scales;  // [P, G, 16]
+  const float* mins;    // [P, G, 16]
+  const Activations* a;
+  int64_t K, G, group;
+};
+
+void tile_generic(const Problem& pb, int64_t p, int64_t m0, int rows, float* acc) {
+  const uint8_t* panel = pb.w + p * pb.panel_bytes;
+  std::fill(acc, acc + rows * NR, 0.f);
+  const int64_t blocks_per_group = pb.group / BLOCK_K;
+  for (int64_t g = 0; g < pb.G; ++g) {
+    const float* s = pb.scales + (p * pb.G + g) * NR;
+    const float* mn = pb.mins + (p * pb.G + g) * NR;
+    for (int i = 0; i < rows; ++i) {
+      int32_t d1[NR] = {}, d2[NR] = {};
+      for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+        const uint8_t* blk = panel + b * BLOCK_BYTES;
+        const int8_t* x1 = pb.a->x1.data() + (m0 + i) * pb.K + b * BLOCK_K;
+        const int8_t* x2 = pb.a->x2.data() + (m0 + i) * pb.K + b * BLOCK_K;
+        for (int j = 0; j < NR; ++j)
+          for (int t = 0; t < 4; ++t) {
+            const int lo = blk[4 * j + t] & 15, hi = blk[4 * j + t] >> 4;
+            d1[j] += lo * x1[t] + hi * x1[4 + t];
+            d2[j] += lo * x2[t] + hi * x2[4 + t];
+          }
+      }
+      const int64_t o = (m0 + i) * pb.G + g;
+      const float dx = pb.a->d[o], dx2 = dx / RESIDUAL_STEPS, xs = pb.a->s[o];
+      for (int j = 0; j < NR; ++j)
+        acc[i * NR + j] += s[j] * (static_cast<float>(d1[j]) * dx + static_cast<float>(d2[j]) * dx2) + mn[j] * xs;
+    }
+  }
+}
+
+#if defined(PAGEDLLM_X86)
+// AVX2: 16 columns = 2 registers; two rows at most per tile (16 registers hold 2 x 2 x 2 int32 sums).
+template <int R>
+__attribute__((target("avx2,fma"))) void tile_avx2(const Problem& pb, int64_t p, int64_t m0, float* acc) {
+  const uint8_t* panel = pb.w + p * pb.panel_bytes;
+  const __m256i mask = _mm256_set1_epi8(15);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int i = 0; i < R * static_cast<int>(NR); ++i) acc[i] = 0.f;
+  const int64_t blocks_per_group = pb.group / BLOCK_K;
+  for (int64_t g = 0; g < pb.G; ++g) {
+    __m256i c1[R][2], c2[R][2];
+    for (int i = 0; i < R; ++i) c1[i][0] = c1[i][1] = c2[i][0] = c2[i][1] = _mm256_setzero_si256();
+    for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+      const uint8_t* blk = panel + b * BLOCK_BYTES;
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk));       // columns 0..7
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32));  // columns 8..15
+      const __m256i lo0 = _mm256_and_si256(v0, mask), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), mask);
+      const __m256i lo1 = _mm256_and_si256(v1, mask), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), mask);
+      for (int i = 0; i < R; ++i) {
+        const int64_t off = (m0 + i) * pb.K + b * BLOCK_K;
+        int32_t a0, a1, e0, e1;
+        std::memcpy(&a0, pb.a->x1.data() + off, 4);
+        std::memcpy(&a1, pb.a->x1.data() + off + 4, 4);
+        std::memcpy(&e0, pb.a->x2.data() + off, 4);
+        std::memcpy(&e1, pb.a->x2.data() + off + 4, 4);
+        const __m256i xa0 = _mm256_set1_epi32(a0), xa1 = _mm256_set1_epi32(a1);
+        const __m256i xe0 = _mm256_set1_epi32(e0), xe1 = _mm256_set1_epi32(e1);
+        // u8 x s8 pairs into s16: 2 * 15 * 127 twice stays below 2^15, so two halves add without saturating.
+        c1[i][0] = _mm256_add_epi32(c1[i][0], _mm256_madd_epi16(_mm256_add_epi16(
+            _mm256_maddubs_epi16(lo0, xa0), _mm256_maddubs_epi16(hi0, xa1)), ones));
+        c1[i][1] = _mm256_add_epi32(c1[i][1], _mm256_madd_epi16(_mm256_add_epi16(
+            _mm256_maddubs_epi16(lo1, xa0), _mm256_maddubs_epi16(hi1, xa1)), ones));
+        c2[i][0] = _mm256_add_epi32(c2[i][0], _mm256_madd_epi16(_mm256_add_epi16(
+            _mm256_maddubs_epi16(lo0, xe0), _mm256_maddubs_epi16(hi0, xe1)), ones));
+        c2[i][1] = _mm256_add_epi32(c2[i][1], _mm256_madd_epi16(_mm256_add_epi16(
+            _mm256_maddubs_epi16(lo1, xe0), _mm256_maddubs_epi16(hi1, xe1)), ones));
+      }
+    }
+    const int64_t o = (p * pb.G + g) * NR;
+    for (int h = 0; h < 2; ++h) {
+      const __m256 s = _mm256_loadu_ps(pb.scales + o + 8 * h), n = _mm256_loadu_ps(pb.mins + o + 8 * h);
+      for (int i = 0; i < R; ++i) {
+        const int64_t ro = (m0 + i) * pb.G + g;
+        const float dx = pb.a->d[ro];
+        __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(c1[i][h]), _mm256_set1_ps(dx));
+        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c2[i][h]), _mm256_set1_ps(dx / RESIDUAL_STEPS), t);
+        float* a = acc + i * NR + 8 * h;
+        _mm256_storeu_ps(a, _mm256_fmadd_ps(t, s, _mm256_fmadd_ps(n, _mm256_set1_ps(pb.a->s[ro]),
+                                                                   _mm256_loadu_ps(a))));
+      }
+    }
+  }
+}
+
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void tile_vnni512(const Problem& pb, int64_t p,
+                                                                                 int64_t m0, float* acc) {
+  const uint8_t* panel = pb.w + p * pb.panel_bytes;
+  const __m512i mask = _mm512_set1_epi8(15);
+  __m512 f[R];
+  for (int i = 0; i < R; ++i) f[i] = _mm512_setzero_ps();
+  const int64_t blocks_per_group = pb.group / BLOCK_K;
+  for (int64_t g = 0; g < pb.G; ++g) {
+    // Low and high nibbles sum into separate registers: vpdpbusd's latency (~5 cycles) would otherwise chain
+    // every dot product of a row, which bounds one decode row (M = 1) long before throughput does.
+    __m512i c1[R], c2[R], h1[R], h2[R];
+    for (int i = 0; i < R; ++i) c1[i] = c2[i] = h1[i] = h2[i] = _mm512_setzero_si512();
+    for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+      const __m512i v = _mm512_loadu_si512(panel + b * BLOCK_BYTES);
+      const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+      for (int i = 0; i < R; ++i) {
+        const int64_t off = (m0 + i) * pb.K + b * BLOCK_K;
+        int32_t a0, a1, e0, e1;
+        std::memcpy(&a0, pb.a->x1.data() + off, 4);
+        std::memcpy(&a1, pb.a->x1.data() + off + 4, 4);
+        std::memcpy(&e0, pb.a->x2.data() + off, 4);
+        std::memcpy(&e1, pb.a->x2.data() + off + 4, 4);
+        c1[i] = _mm512_dpbusd_epi32(c1[i], lo, _mm512_set1_epi32(a0));
+        h1[i] = _mm512_dpbusd_epi32(h1[i], hi, _mm512_set1_epi32(a1));
+        c2[i] = _mm512_dpbusd_epi32(c2[i], lo, _mm512_set1_epi32(e0));
+        h2[i] = _mm512_dpbusd_epi32(h2[i], hi, _mm512_set1_epi32(e1));
+      }
+    }
+    const int64_t o = (p * pb.G + g) * NR;
+    const __m512 s = _mm512_loadu_ps(pb.scales + o), n = _mm512_loadu_ps(pb.mins + o);
+    for (int i = 0; i < R; ++i) {
+      const int64_t ro = (m0 + i) * pb.G + g;
+      const float dx = pb.a->d[ro];
+      __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(c1[i], h1[i])), _mm512_set1_ps(dx));
+      t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(c2[i], h2[i])), _mm512_set1_ps(dx / RESIDUAL_STEPS), t);
+      f[i] = _mm512_fmadd_ps(t, s, _mm512_fmadd_ps(n, _mm512_set1_ps(pb.a->s[ro]), f[i]));
+    }
+  }
+  for (int i = 0; i < R; ++i) _mm512_storeu_ps(acc + i * NR, f[i]);
+}
+
+using TileFn = void (*)(const Problem&, int64_t, int64_t, float*);
+// Index rows - 1 of a tile of at most MR rows; AVX2 tiles hold two rows, so 3 and 4 run as 2 + 1 and 2 + 2.
+const TileFn kAvx2Tiles[2] = {tile_avx2<1>, tile_avx2<2>};
+const TileFn kVnni512Tiles[MR] = {tile_vnni512<1>, tile_vnni512<2>, tile_vnni512<3>, tile_vnni512<4>};
+#endif
+
+void run_tile(Path path, const Problem& pb, int64_t p, int64_t m0, int rows, float* acc) {
+#if defined(PAGEDLLM_X86)
+  if (path == Path::kVnni512) return kVnni512Tiles[rows - 1](pb, p, m0, acc);
+  if (path == Path::kAvx2) {
+    for (int i = 0; i < rows; i += 2) kAvx2Tiles[std::min(2, rows - i) - 1](pb, p, m0 + i, acc + i * NR);
+    return;
+  }
+#endif
+  tile_generic(pb, p, m0, rows, acc);
+}
+
+}  // namespace
+
+torch::Tensor q4_dot_gemm(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
+                          const torch::Tensor& mins, int64_t group, int64_t out_features,
+                          const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& out,
+                          int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  TORCH_CHECK(K > 0 && N > 0, "empty matmul");
+  TORCH_CHECK(group > 0 && group % BLOCK_K == 0 && K % group == 0, "group ", group,
+              " must be a multiple of 8 that divides K = ", K);
+  const int64_t P = (N + NR - 1) / NR, G = K / group;
+  TORCH_CHECK(qweight.is_contiguous() && qweight.scalar_type() == torch::kUInt8 && qweight.dim() == 3 &&
+              qweight.size(0) == P && qweight.size(1) == K / BLOCK_K && qweight.size(2) == BLOCK_BYTES,
+              "qweight must be contiguous uint8 [P, K/8, 64] with P = ", P, ", K = ", K, "; got ", qweight.sizes());
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 && scales.numel() == P * G * NR,
+              "scales must be contiguous float32 [P, K/group, 16]");
+  TORCH_CHECK(mins.is_contiguous() && mins.scalar_type() == torch::kFloat32 && mins.numel() == P * G * NR,
+              "mins must be contiguous float32 [P, K/group, 16]");
+  const Path path = resolve_path(isa);
+  const torch::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  torch::Tensor bc;
+  const float* b = gemm_bias(bias, N, bc);
+  torch::Tensor y = gemm_output(out, M, N, x.options());
+  if (M == 0) return y;
+
+  Activations act;
+  quantize_activations(xc.data_ptr<float>(), xc.stride(0), M, K, group, act);
+  const Problem pb{qweight.data_ptr<uint8_t>(), (K / BLOCK_K) * BLOCK_BYTES, scales.data_ptr<float>(),
+                   mins.data_ptr<float>(), &act, K, G, group};
+  float* yp = y.data_ptr<float>();
+  const int64_t ldy = y.stride(0);
+  // Panels per thread: at least ~256k multiply-adds, so small matmuls stay on one thread.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, M * K * NR));
+  // Row blocks of int8 x (two terms) of ~128 KiB stay in L2 across this thread's panels; a panel (K * 8 bytes) stays in
+  // L1 across a block's row tiles.
+  const int64_t mblock = std::max<int64_t>(MR, (64 * 1024) / K / MR * MR);
+  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+    float tmp[MR * NR];
+    for (int64_t mb = 0; mb < M; mb += mblock)
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * NR, cols = std::min(NR, N - n0);
+      const int64_t me = std::min(M, mb + mblock);
+      for (int64_t m = mb; m < me; m += MR) {
+        const int rows = static_cast<int>(std::min<int64_t>(MR, me - m));
+        run_tile(path, pb, p, m, rows, tmp);
+        for (int i = 0; i < rows; ++i) {
+          float* yr = yp + (m + i) * ldy + n0;
+          const float* t = tmp + i * NR;
+          if (b != nullptr) {
+            for (int64_t j = 0; j < cols; ++j) yr[j] = t[j] + b[n0 + j];
+          } else {
+            std::memcpy(yr, t, sizeof(float) * cols);
+          }
+        }
+      }
+    }
+  });
+  return y;
+}
