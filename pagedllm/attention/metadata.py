@@ -71,7 +71,7 @@ class AttentionMetadata:
     max_decode_seq_len: int
     block_size: int
     _plan: AttentionPlan | None = field(default=None, repr=False)
-    _encoder_plan: Any = field(default=None, repr=False)  # backends/torch_encoder's, for encoder layers
+    _encoder_plan: Any = field(default=None, init=False, repr=False)  # torch_encoder's plan, for encoder layers
 
     def plan(self) -> AttentionPlan:
         if self._plan is None:
