@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -70,6 +71,7 @@ class AttentionMetadata:
     max_decode_seq_len: int
     block_size: int
     _plan: AttentionPlan | None = field(default=None, repr=False)
+    _encoder_plan: Any = field(default=None, init=False, repr=False)  # torch_encoder's plan, for encoder layers
 
     def plan(self) -> AttentionPlan:
         if self._plan is None:

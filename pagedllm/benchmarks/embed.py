@@ -3,8 +3,13 @@
 Embeds the same sentences with pagedllm's pooling runner (``LLM.embed``: continuous batching by tokens, no
 padding) and with plain transformers the way sentence-transformers does it (sort by length, static batches
 padded to the longest, mean pooling under the attention mask, L2 normalisation), side by side in one process
-with the same threads and dtype. Reports sentences/s and tokens/s of each, the speedup, and the smallest
-cosine between the two backends' vectors (a correctness check on the timed run itself).
+with the same threads. Reports sentences/s and tokens/s of each, the speedups, and the smallest cosine
+between the two backends' vectors (a correctness check on the timed run itself).
+
+Dtypes, so that both comparisons are visible: pagedllm runs its default (``--dtype auto``: bfloat16 on CPUs
+with AVX-512 bf16 and on GPUs, else float32) or what ``--dtype`` says; the transformers baseline always runs
+its own default, float32 (``speedup``: defaults vs defaults), and, when pagedllm's dtype differs, also in
+pagedllm's dtype (``speedup_same_dtype``). The cosine is taken against the float32 baseline.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--output-json", default=None, help="Write the results to this JSON file.")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false", help="Skip the untimed warm-up.")
     EngineArgs.add_cli_args(parser)
-    parser.set_defaults(runner="pooling", dtype="float32")
+    parser.set_defaults(runner="pooling")
     return parser
 
 
@@ -113,26 +118,37 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     # The engine is built even for --backend hf: it resolves the model folder, max length and threads.
     llm = LLM(**dataclasses.asdict(engine_args))
     mc = llm.engine.config.model
-    result: dict[str, Any] = {"model": mc.model_path, "dtype": mc.dtype, "num_sentences": len(sentences),
-                              "threads": torch.get_num_threads(), "hf_batch_size": args.hf_batch_size,
+    result: dict[str, Any] = {"model": mc.model_path, "dtype": mc.dtype, "baseline_dtype": "float32",
+                              "num_sentences": len(sentences), "threads": torch.get_num_threads(),
+                              "hf_batch_size": args.hf_batch_size,
                               "max_num_batched_tokens": llm.engine.config.scheduler.max_num_batched_tokens}
+    print(f"pagedllm dtype {mc.dtype}; transformers baseline float32 (its default)"
+          + (f" and {mc.dtype} (same dtype)" if mc.dtype != "float32" else ""))
     if args.backend in ("both", "pagedllm"):
         result["pagedllm"] = run_pagedllm(llm, sentences, args.warmup)
     if args.backend in ("both", "hf"):
-        result["transformers"] = run_transformers(mc.model_path, mc.dtype, sentences, args.hf_batch_size,
+        result["transformers"] = run_transformers(mc.model_path, "float32", sentences, args.hf_batch_size,
                                                   mc.max_model_len, args.warmup)
+        if mc.dtype != "float32":
+            result[f"transformers_{mc.dtype}"] = run_transformers(mc.model_path, mc.dtype, sentences,
+                                                                  args.hf_batch_size, mc.max_model_len, args.warmup)
     if args.backend == "both":
         ours, ref = result["pagedllm"], result["transformers"]
         result["speedup"] = ours["sentences_per_second"] / ref["sentences_per_second"]
+        same = result.get(f"transformers_{mc.dtype}", ref)
+        result["speedup_same_dtype"] = ours["sentences_per_second"] / same["sentences_per_second"]
         cos = torch.nn.functional.cosine_similarity(torch.tensor(ours["_vectors"]), torch.stack(ref["_vectors"]))
         result["min_cosine"] = float(cos.min())
-    for key in ("pagedllm", "transformers"):
+    for key in ("pagedllm", "transformers", f"transformers_{mc.dtype}"):
         if key in result:
             result[key].pop("_vectors")
-            print(f"{key:>12}: {result[key]['sentences_per_second']:.1f} sentences/s, "
+            dtype = mc.dtype if key != "transformers" else "float32"
+            print(f"{key.split('_')[0]:>12} ({dtype:>8}): {result[key]['sentences_per_second']:.1f} sentences/s, "
                   f"{result[key]['tokens_per_second']:.0f} tokens/s ({result[key]['elapsed_time']:.2f} s)")
     if "speedup" in result:
-        print(f"speedup {result['speedup']:.2f}x, min cosine between backends {result['min_cosine']:.6f}")
+        print(f"speedup {result['speedup']:.2f}x vs the float32 baseline (defaults vs defaults), "
+              f"{result['speedup_same_dtype']:.2f}x vs the baseline in {mc.dtype}; "
+              f"min cosine vs the float32 baseline {result['min_cosine']:.6f}")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)

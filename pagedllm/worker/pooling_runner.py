@@ -6,7 +6,8 @@ run through the normal paged path (their KV blocks live until the request finish
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import logging
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +18,22 @@ from pagedllm.model_executor.layers.pooler import Pooler
 
 if TYPE_CHECKING:
     from pagedllm.worker.model_runner import CachedRequestState, ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def log_pooling_setup(mc: Any) -> None:
+    """Say at start-up how embeddings are computed: pooling, normalisation and, above all, the dtype."""
+    pc = mc.pooler_config
+    if mc.dtype == "float32":
+        precision = "float32"
+    elif mc.is_encoder_only:
+        precision = f"{mc.dtype} matmuls and attention, float32 residual stream and LayerNorms"
+    else:
+        precision = mc.dtype
+    logger.info("pooling runner: %s pooling%s; embeddings computed in %s%s", pc.pooling_type,
+                ", normalised" if pc.normalize else "", precision,
+                "" if mc.dtype == "float32" else " (--dtype float32 for full float32)")
 
 
 def encoder_inputs(states: list[CachedRequestState], query_lens: list[int], device: torch.device

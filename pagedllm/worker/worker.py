@@ -59,8 +59,9 @@ class Worker:
         pooling = None
         if mc.is_pooling:
             from pagedllm.model_executor.layers.pooler import Pooler
-            from pagedllm.worker.pooling_runner import PoolingRunner
+            from pagedllm.worker.pooling_runner import PoolingRunner, log_pooling_setup
 
+            log_pooling_setup(mc)
             pooling = PoolingRunner(Pooler(mc.pooler_config.pooling_type, bool(mc.pooler_config.normalize)),
                                     mc.is_encoder_only)
         self.runner = ModelRunner(model, self.device, self.dtype, config.cache.block_size, mc.vocab_size,

@@ -116,8 +116,18 @@ def test_generate_runner_refuses_an_encoder(minilm_path):
         LLM(minilm_path, runner="generate")
 
 
-def test_bfloat16_close_to_reference(minilm_path, reference):
-    """bf16 (``--dtype auto`` on AVX-512-bf16 CPUs and GPUs) stays close to the float32 reference."""
-    llm = LLM(minilm_path, dtype="bfloat16")
+def test_bfloat16_close_to_reference(minilm_path, reference, caplog):
+    """bf16 (``--dtype auto`` on AVX-512-bf16 CPUs and GPUs) meets the float32 bar, batched and alone: the
+    matmuls run in bf16 but the residual stream, LayerNorms and pooling stay float32 (all-bf16 measured a
+    minimum of 0.99991 here; this split 0.99997). The start-up log says which dtype embeddings use."""
+    with caplog.at_level("INFO", logger="pagedllm.worker.pooling_runner"):
+        llm = LLM(minilm_path, dtype="bfloat16", max_num_batched_tokens=256)
+    assert "embeddings computed in bfloat16 matmuls and attention, float32 residual stream" in caplog.text
+    layer = llm.engine.core.worker.runner.model.encoder.layer[0]
+    assert layer.output.LayerNorm.weight.dtype == torch.float32
+    assert layer.output.dense.quant_method.scheme(layer.output.dense) == "unquantized bfloat16"
     outs = llm.embed(SENTENCES, use_tqdm=False)
-    assert min(_cos(o.outputs.embedding, r) for o, r in zip(outs, reference)) > 0.999
+    assert min(_cos(o.outputs.embedding, r) for o, r in zip(outs, reference)) > 0.9999
+    for i in (0, 9, 31):
+        alone = llm.embed(SENTENCES[i], use_tqdm=False)[0]
+        assert _cos(alone.outputs.embedding, reference[i]) > 0.9999

@@ -1,4 +1,5 @@
-"""Bidirectional encoder attention on a flat batch equals per-sequence SDPA, whatever the lengths."""
+"""Bidirectional encoder attention on a flat batch (attention/backends/torch_encoder.py) equals per-sequence
+SDPA, whatever the lengths, through its own entry point and through the shared ``Attention`` layer."""
 
 from __future__ import annotations
 
@@ -6,24 +7,83 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.model_executor.layers.encoder_attention import encoder_attention, plan_encoder_attention
+from pagedllm.attention.backends.torch_encoder import (
+    bucket_length,
+    bucketed_attention,
+    encoder_plan,
+    plan_encoder_attention,
+)
+from pagedllm.attention.forward_context import forward_context
+from pagedllm.attention.layer import Attention
+from pagedllm.attention.metadata import build_attention_metadata
+from pagedllm.attention.spec import AttentionSpec
+
+LENGTHS = [[5], [16, 16, 16], [1, 3, 17, 40, 9, 16, 2, 33, 100], [64, 1], [7, 300, 129, 128, 250, 12]]
 
 
-@pytest.mark.parametrize("lengths", [[5], [16, 16, 16], [1, 3, 17, 40, 9, 16, 2, 33, 100], [64, 1]])
-def test_matches_per_sequence_sdpa(lengths):
-    torch.manual_seed(0)
-    heads, dim = 3, 8
+def _offsets(lengths: list[int]) -> list[int]:
     qsl = [0]
     for n in lengths:
         qsl.append(qsl[-1] + n)
-    q, k, v = (torch.randn(qsl[-1], heads, dim) for _ in range(3))
-    out = encoder_attention(q, k, v, qsl)
-    assert out.shape == (qsl[-1], heads * dim)
-    for i in range(len(lengths)):
+    return qsl
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qsl: list[int]) -> torch.Tensor:
+    out = []
+    for i in range(len(qsl) - 1):
         s, e = qsl[i], qsl[i + 1]
-        ref = F.scaled_dot_product_attention(*(t[s:e].transpose(0, 1) for t in (q, k, v)))
-        torch.testing.assert_close(out[s:e], ref.transpose(0, 1).reshape(e - s, heads * dim), atol=1e-5, rtol=1e-5)
-    # A precomputed plan gives the same result, and buckets stay few.
+        o = F.scaled_dot_product_attention(*(t[s:e].transpose(0, 1) for t in (q, k, v)),
+                                           enable_gqa=q.shape[1] != k.shape[1])
+        out.append(o.transpose(0, 1).reshape(e - s, -1))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("lengths", LENGTHS)
+@pytest.mark.parametrize("kv_heads", [3, 1])
+def test_matches_per_sequence_sdpa(lengths, kv_heads):
+    torch.manual_seed(0)
+    heads, dim = 3, 8
+    qsl = _offsets(lengths)
+    q = torch.randn(qsl[-1], heads, dim)
+    k, v = (torch.randn(qsl[-1], kv_heads, dim) for _ in range(2))
     plan = plan_encoder_attention(qsl)
-    assert len(plan.buckets) <= 5
-    torch.testing.assert_close(encoder_attention(q, k, v, qsl, plan=plan), out)
+    out = bucketed_attention(q, k, v, plan)
+    assert out.shape == (qsl[-1], heads * dim)
+    torch.testing.assert_close(out, _reference(q, k, v, qsl), atol=1e-5, rtol=1e-5)
+    assert len(plan.buckets) == len({bucket_length(n) for n in lengths})
+
+
+def test_bucket_lengths_pad_little():
+    assert [bucket_length(n) for n in (1, 16, 17, 100, 128, 129, 256, 257)] == [16, 16, 32, 112, 128, 256, 256, 512]
+    # A bucket is padded to its longest member only, not to its upper bound.
+    plan = plan_encoder_attention(_offsets([18, 20, 19]))
+    assert [(b.num_seqs, b.length) for b in plan.buckets] == [(3, 20)]
+    assert plan.num_padded_tokens == 60
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_layer_with_encoder_spec(dtype):
+    """The shared layer routes encoder specs to the bucketed path; q/k/v may be views of a fused projection,
+    and the plan is built once per step."""
+    torch.manual_seed(1)
+    lengths = [4, 30, 9, 70, 30]
+    qsl = _offsets(lengths)
+    heads, dim = 4, 16
+    layer = Attention(heads, dim, dim ** -0.5, spec=AttentionSpec.encoder())
+    qkv = torch.randn(qsl[-1], 3 * heads * dim, dtype=dtype)
+    q, k, v = qkv.split(heads * dim, dim=-1)
+    meta = build_attention_metadata(lengths, lengths, [[] for _ in lengths], 16)
+    with forward_context(meta):
+        out = layer(q, k, v)
+        plan = encoder_plan(meta)
+        assert encoder_plan(meta) is plan
+        torch.testing.assert_close(layer(q, k, v), out)
+    ref = _reference(*(t.reshape(-1, heads, dim) for t in (q, k, v)), qsl)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+def test_chunked_sequences_are_refused():
+    meta = build_attention_metadata([4, 8], [4, 12], [[], []], 16)
+    with pytest.raises(ValueError, match="whole in one step"):
+        encoder_plan(meta)

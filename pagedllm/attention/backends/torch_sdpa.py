@@ -1,7 +1,8 @@
 """Paged attention: torch SDPA for fresh prompts, and for requests with earlier context either the C++
 CPU kernel (reads K/V through block tables in place) or the portable path (SDPA over K/V gathered
-through the block tables). The portable path is the reference and serves CUDA. Sliding-window and
-encoder layers go through ``torch_windowed``; ``TorchPagedAttentionBackend`` routes by the layer's spec.
+through the block tables). The portable path is the reference and serves CUDA. Sliding-window layers go
+through ``torch_windowed``, encoder layers through ``torch_encoder``; ``TorchPagedAttentionBackend`` routes
+by the layer's spec.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.backends.base import AttentionBackend
-from pagedllm.attention.backends.torch_windowed import encoder_attention, sliding_window_attention
+from pagedllm.attention.backends.torch_encoder import encoder_attention
+from pagedllm.attention.backends.torch_windowed import sliding_window_attention
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.spec import AttentionSpec
 from pagedllm.kernels.cpu import load_cpu_kernels
@@ -148,9 +150,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor | None,
                 meta: AttentionMetadata, spec: AttentionSpec, scale: float) -> torch.Tensor:
         if spec.kind == "encoder":
-            out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-            encoder_attention(query, key, value, meta, scale, out)
-            return out
+            return encoder_attention(query, key, value, meta, scale)
         if kv_cache is None:
             raise RuntimeError("a causal or sliding-window attention layer has no KV cache bound")
         window = spec.window_for(meta.max_seq_len)

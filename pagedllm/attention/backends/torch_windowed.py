@@ -1,5 +1,5 @@
-"""Portable attention for the non-causal specs: sliding-window layers (reading only the window through
-the block tables) and bidirectional encoder layers (no cache). Plain torch, any device."""
+"""Portable attention for sliding-window layers, reading only the window through the block tables. Plain
+torch, any device. (Bidirectional encoder layers: ``torch_encoder``.)"""
 
 from __future__ import annotations
 
@@ -64,19 +64,4 @@ def sliding_window_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: 
         mask = (kv_pos[None, :] <= q_pos[:, None]) & (kv_pos[None, :] > q_pos[:, None] - window)
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
-        out[start:end] = o[0].transpose(0, 1)
-
-
-def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, out: torch.Tensor) -> None:
-    """Bidirectional attention within each request's tokens of this step (the whole sequence: encoders are
-    not chunked). query/out: [T, H, D]; key/value: [T, Hkv, D]."""
-    num_heads, num_kv_heads = query.shape[1], key.shape[1]
-    qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-    for i in range(meta.num_reqs):
-        start, end = qsl[i], qsl[i + 1]
-        if end - start != seq_lens[i]:
-            raise ValueError("encoder attention needs each sequence whole in one step (no chunked prefill)")
-        q, k, v = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-        o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=num_heads != num_kv_heads)
         out[start:end] = o[0].transpose(0, 1)

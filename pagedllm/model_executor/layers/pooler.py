@@ -34,13 +34,14 @@ class Pooler:
         if self.pooling_type == "CLS":
             out = hidden[query_start_loc[:-1]].float()
         else:
-            # Segment sums as one matmul with a 0/1 [R, T] matrix (BLAS; index_add_ is far slower on CPU).
+            # Segment sums as one float32 matmul with a 0/1 [R, T] matrix (BLAS; index_add_ is far slower on
+            # CPU). float32 even for bf16 states: a bf16 matmul would round the sums.
             lens = torch.tensor([query_start_loc[i + 1] - query_start_loc[i] for i in range(num_reqs)],
                                 device=hidden.device)
             rows = torch.repeat_interleave(torch.arange(num_reqs, device=hidden.device), lens)
-            select = torch.zeros(num_reqs, hidden.shape[0], dtype=hidden.dtype, device=hidden.device)
+            select = torch.zeros(num_reqs, hidden.shape[0], dtype=torch.float32, device=hidden.device)
             select[rows, torch.arange(hidden.shape[0], device=hidden.device)] = 1
-            out = (select @ hidden).float()
+            out = select @ hidden.float()
         for row, value in partial.items():
             if self.pooling_type == "CLS" and chunk_starts[row] > 0:
                 out[row] = value  # the first token was in an earlier chunk
@@ -55,6 +56,11 @@ class Pooler:
         if self.pooling_type == "MEAN":
             pooled = pooled / torch.tensor(prompt_lens, dtype=torch.float32, device=pooled.device)[:, None]
         pooled = pooled.cpu()
+        if not any(dimensions):  # the usual case: one normalisation for the whole batch
+            if all(normalize):
+                return list(F.normalize(pooled, dim=-1).unbind(0))
+            if not any(normalize):
+                return list(pooled.unbind(0))
         out = []
         for row, (norm, dims) in enumerate(zip(normalize, dimensions)):
             vec = pooled[row, :dims] if dims else pooled[row]

@@ -1,0 +1,109 @@
+"""Bidirectional encoder attention (``AttentionSpec.encoder()``): every token sees every token of its own
+sequence, no KV cache, no mask beyond the sequence boundary. Plain torch, any device; every backend
+routes encoder layers here.
+
+Sequences are bucketed by length (multiples of ``BUCKET_STEP`` up to ``MIN_POW2_BUCKET``, powers of two
+above), each bucket is gathered into a padded [n, H, L, D] block and run through one SDPA call with a
+key-padding mask. A step of many short sentences thus costs a handful of SDPA calls per layer (not one
+per sentence), padding wastes little, and no token attends to padding or to another sequence. The plan
+depends only on the step's sequence lengths, so it is built once per step (memoized on the metadata) and
+shared by all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.metadata import AttentionMetadata
+
+BUCKET_STEP = 16  # sequences up to MIN_POW2_BUCKET tokens are bucketed by multiples of this
+MIN_POW2_BUCKET = 128  # longer ones by powers of two (few buckets even with long-tail lengths)
+
+
+@dataclass
+class EncoderBucket:
+    num_seqs: int
+    length: int  # padded length L
+    gather: torch.Tensor  # [n * L] int64: token of each padded slot (padding repeats the sequence's first)
+    key_mask: torch.Tensor | None  # [n, 1, 1, L] bool, True for real keys; None when nothing is padded
+
+
+@dataclass
+class EncoderAttentionPlan:
+    """One step's buckets, and where each token's output sits in their concatenated padded outputs."""
+
+    buckets: list[EncoderBucket]
+    token_to_slot: torch.Tensor  # [T] int64
+    num_padded_tokens: int
+
+
+def bucket_length(length: int) -> int:
+    """The padded length a sequence of ``length`` tokens is attended at."""
+    if length <= MIN_POW2_BUCKET:
+        return -(-length // BUCKET_STEP) * BUCKET_STEP
+    return 1 << (length - 1).bit_length()
+
+
+def plan_encoder_attention(query_start_loc: list[int], device: torch.device | str = "cpu") -> EncoderAttentionPlan:
+    """Bucket the sequences of one step (``query_start_loc``: [R + 1] host offsets)."""
+    groups: dict[int, list[tuple[int, int]]] = {}
+    for i in range(len(query_start_loc) - 1):
+        start, length = query_start_loc[i], query_start_loc[i + 1] - query_start_loc[i]
+        groups.setdefault(bucket_length(length), []).append((start, length))
+    buckets = []
+    token_to_slot = torch.empty(query_start_loc[-1], dtype=torch.int64)
+    offset = 0
+    for seqs in groups.values():
+        starts = torch.tensor([s for s, _ in seqs], dtype=torch.int64)
+        lens = torch.tensor([n for _, n in seqs], dtype=torch.int64)
+        length = int(lens.max())  # the bucket's longest, not its upper bound
+        pos = torch.arange(length)
+        valid = pos[None, :] < lens[:, None]  # [n, L]
+        gather = torch.where(valid, starts[:, None] + pos, starts[:, None]).flatten()
+        real_slots = valid.flatten().nonzero().squeeze(1)
+        token_to_slot[gather[real_slots]] = real_slots + offset
+        offset += gather.numel()
+        key_mask = None if bool(valid.all()) else valid[:, None, None, :].to(device)
+        buckets.append(EncoderBucket(len(seqs), length, gather.to(device), key_mask))
+    return EncoderAttentionPlan(buckets, token_to_slot.to(device), offset)
+
+
+def encoder_plan(meta: AttentionMetadata) -> EncoderAttentionPlan:
+    """The step's plan, built by the first encoder layer that asks and reused by the others."""
+    plan = getattr(meta, "_encoder_plan", None)
+    if plan is None:
+        qsl = meta.query_start_loc_cpu
+        if any(qsl[i + 1] - qsl[i] != meta.seq_lens_cpu[i] for i in range(meta.num_reqs)):
+            raise ValueError("encoder attention needs each sequence whole in one step (no chunked prefill)")
+        plan = plan_encoder_attention(qsl, meta.query_start_loc.device)
+        meta._encoder_plan = plan
+    return plan
+
+
+def bucketed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: EncoderAttentionPlan,
+                       scale: float | None = None) -> torch.Tensor:
+    """query: [T, H, D]; key/value: [T, Hkv, D] (views into a fused projection are fine) -> [T, H * D]."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = key.shape[1]
+    padded = torch.empty(plan.num_padded_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
+    offset = 0
+    for b in plan.buckets:
+        n, length = b.num_seqs, b.length
+        # index_select, not x[idx]: on CPU the advanced-indexing gather is ~10x slower for these shapes.
+        q = query.index_select(0, b.gather).view(n, length, num_heads, head_dim).transpose(1, 2)  # [n, H, L, D]
+        k = key.index_select(0, b.gather).view(n, length, num_kv_heads, head_dim).transpose(1, 2)
+        v = value.index_select(0, b.gather).view(n, length, num_kv_heads, head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=b.key_mask, scale=scale,
+                                           enable_gqa=num_heads != num_kv_heads)
+        padded[offset:offset + n * length].view(n, length, num_heads, head_dim).copy_(o.transpose(1, 2))
+        offset += n * length
+    return padded.view(-1, num_heads * head_dim).index_select(0, plan.token_to_slot)
+
+
+def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata,
+                      scale: float) -> torch.Tensor:
+    """The backends' encoder path. query: [T, H, D]; key/value: [T, Hkv, D] -> [T, H, D]."""
+    return bucketed_attention(query, key, value, encoder_plan(meta), scale).view(query.shape)
