@@ -3,19 +3,19 @@
 # quiet machine: batch-1 decode (128 in / 128 out, ms per output token) and 200 x 128/128 throughput.
 #   benchmarks/quant_compare.sh                       # every scheme, both steps
 #   SCHEMES="none gguf" STEPS=latency benchmarks/quant_compare.sh
-# "none" is today's default (the GGUF dequantized to float32). Results go to $OUT/quant_*.json; the
-# kernel micro-benchmark (ours vs torch's int8/int4 ops) goes to $OUT/quant_matmul.txt.
+# "none" is the GGUF dequantized to float32, "gguf" the default (its blocks kept quantized). Results go to
+# $OUT/quant_*.json; the kernel micro-benchmark (ours vs torch's int8/int4 ops) goes to $OUT/quant_matmul.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results}
 PY=${PY:-.venv/bin/python}
-SCHEMES=${SCHEMES:-"none gguf int8 w8a8 int4"}
+SCHEMES=${SCHEMES:-"none gguf fp8 int8 w8a8 int4"}
 STEPS=${STEPS:-"latency tp matmul"}
 COMMON=(--dtype float32 --kv-cache-memory 4GiB)
 IN=${IN:-128} OUTLEN=${OUTLEN:-128} PROMPTS=${PROMPTS:-200} ITERS=${ITERS:-5}  # smaller: a dry run
 mkdir -p "$OUT"
 
-flag() { [ "$1" = none ] && echo "" || echo "--quantization $1"; }
+flag() { echo "--quantization $1"; }
 
 for step in $STEPS; do
   for s in $SCHEMES; do

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from pagedllm.kernels.cpu import ISA_CODES, load_cpu_kernels
-from pagedllm.model_executor.layers.quantization.qpanels import QPanels, quantize_q4, quantize_q8
+from pagedllm.model_executor.layers.quantization.qpanels import QPanels, quantize_f8, quantize_q4, quantize_q8
 from pagedllm.model_executor.layers.quantization.unquantized import pack_weight
 
 SHAPES = {"qkv 576->960": (960, 576), "o 576->576": (576, 576), "gate_up 576->3072": (3072, 576),
@@ -45,6 +45,7 @@ def bench_shape(kernels: Any, n: int, k: int, m: int, isas: list[str], repeat: i
     per_channel = QPanels.pack_q8(q8, s8)
     q8_g32 = QPanels.pack_q8(*quantize_q8(w, 32))
     q4_g32 = QPanels.pack_q4(*quantize_q4(w, 32))
+    f8_ch = QPanels.pack_f8(*quantize_f8(w, k))
     int4_torch = torch._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (n, k), dtype=torch.int32), 1)
     scales_zeros = torch.ones(k // 32, n, 2, dtype=torch.bfloat16)
     xb = x.bfloat16()
@@ -57,6 +58,7 @@ def bench_shape(kernels: Any, n: int, k: int, m: int, isas: list[str], repeat: i
         row[f"int8/ch {isa}"] = _time(lambda: per_channel.matmul(x, isa=code), repeat)  # noqa: B023
         row[f"q8 g32 {isa}"] = _time(lambda: q8_g32.matmul(x, isa=code), repeat)  # noqa: B023
         row[f"q4 g32 {isa}"] = _time(lambda: q4_g32.matmul(x, isa=code), repeat)  # noqa: B023
+        row[f"fp8/ch {isa}"] = _time(lambda: f8_ch.matmul(x, isa=code), repeat)  # noqa: B023
     return row
 
 

@@ -42,7 +42,8 @@ class ModelConfig:
     chat_template: str | None = None
     runner: str = "auto"  # auto | generate | pooling; resolved to generate or pooling
     pooler_config: PoolerConfig | None = None  # overrides; resolved for pooling models
-    quantization: str | None = None  # --quantization: int8 | int4[-g64|-g128] | gguf (None: as stored)
+    quantization: str | None = None  # --quantization: none | int8 | int4[-g64|-g128] | fp8 | gguf | ... (None:
+    # as stored; a GGUF file then resolves to gguf, kept quantized, on the CPU)
     # Filled by resolution:
     model_path: str = ""  # folder (HF) or file (GGUF)
     gguf_file: str | None = None

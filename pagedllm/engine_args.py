@@ -62,12 +62,14 @@ class EngineArgs:
                            help="Weights and activations dtype; auto = bf16 on CPUs with AVX-512 bf16 or CUDA, "
                                 "else float32.")
         group.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),
-                           help="Quantize the linear layers' weights at load: int8 (per output channel), w8a8 "
+                           help="How the linear layers' weights are stored: int8 (per output channel), w8a8 "
                                 "(int8 weights, and int8 activations for 16+ rows on AVX-512 VNNI CPUs), int4 "
-                                "(groups of 32 inputs; int4-g64/-g128 for larger groups), gguf (keep a GGUF "
-                                "file's Q4_0/Q4_1/Q4_K/Q8_0/Q6_K blocks quantized instead of dequantizing them). "
-                                "GPTQ/AWQ checkpoints are read from their config.json without this flag. "
-                                "dtype auto becomes float32. See docs/quantization.md.")
+                                "(groups of 32 inputs; int4-g64/-g128 for larger groups), fp8 (float8 e4m3, "
+                                "per output channel), all quantized at load; gguf (keep a GGUF file's "
+                                "Q4_0/Q4_1/Q4_K/Q8_0/Q6_K blocks quantized: the default for GGUF files on the "
+                                "CPU); none (float weights; a GGUF file is dequantized). GPTQ/AWQ/fp8 "
+                                "checkpoints are read from their config.json without this flag. With a "
+                                "quantization, dtype auto becomes float32. See docs/quantization.md.")
         group.add_argument("--max-model-len", type=int, default=None,
                            help="Context length (prompt + output) in tokens; default: the model's.")
         group.add_argument("--block-size", type=int, default=d.block_size, help="Tokens per KV cache block.")

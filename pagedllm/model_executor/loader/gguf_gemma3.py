@@ -88,9 +88,19 @@ def gemma3_hf_name(gguf_name: str) -> str:
     return f"{_GLOBAL_NAMES[base]}.{kind}"
 
 
-def iter_gguf_gemma3_weights(gguf: GGUFFile, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every tensor in the file; norms shifted back by -1, q/k as stored."""
+def iter_gguf_gemma3_weights(gguf: GGUFFile, hf_config: Any,
+                             keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
+    """(HF name, float32 tensor) for every tensor in the file; norms shifted back by -1, q/k as stored.
+
+    ``keep_quantized``: linear-layer matrices (not the embedding) in a quantized block type come as
+    ``GGUFQuantTensor`` (raw blocks) for the ``gguf`` quantization instead of float tensors.
+    """
     for name in gguf.tensors:
+        if keep_quantized and name != "token_embd.weight" and not name.endswith("norm.weight"):
+            raw = gguf.load_raw(name)
+            if raw is not None:
+                yield gemma3_hf_name(name), raw
+                continue
         array = gguf.load(name)
         if name.endswith("norm.weight"):
             array = array.astype(np.float32) - 1.0

@@ -124,14 +124,11 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def iter_gguf_weights(gguf: GGUFFile, hf_config: Any, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
     """(HF name, tensor) for every tensor of a GGUF file of any supported architecture; ``keep_quantized``
-    (the ``gguf`` quantization, llama-family files only) keeps linear-layer matrices as raw blocks."""
+    (the ``gguf`` quantization) keeps linear-layer matrices as raw blocks."""
     if gguf_architecture(gguf) == "Gemma3ForCausalLM":
-        if keep_quantized:
-            raise ValueError("quantization: 'gguf' (weights kept quantized) supports llama-family GGUF files; "
-                             "load this Gemma 3 file without --quantization (it is dequantized)")
         from pagedllm.model_executor.loader.gguf_gemma3 import iter_gguf_gemma3_weights
 
-        return iter_gguf_gemma3_weights(gguf, hf_config)
+        return iter_gguf_gemma3_weights(gguf, hf_config, keep_quantized)
     return iter_gguf_llama_weights(gguf, hf_config, keep_quantized)
 
 

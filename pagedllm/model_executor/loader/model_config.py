@@ -82,7 +82,16 @@ def resolve_model_config(mc: ModelConfig) -> ModelConfig:
     mc.hf_config = hf_config
     mc.vocab_size = int(hf_config.vocab_size)
     mc.eos_token_ids = _eos_ids(source.folder, hf_config, gguf_metadata)
-    from pagedllm.model_executor.layers.quantization import get_quantization_config
+    from pagedllm.model_executor.layers.quantization import default_gguf_quantization, get_quantization_config
+
+    if mc.gguf_file and mc.quantization is None:
+        import torch
+
+        mc.quantization, why = default_gguf_quantization(str(mc.dtype).lower(), torch.cuda.is_available())
+        logger.info("GGUF file: %s (--quantization %s: %s; %s)", "blocks kept quantized" if mc.quantization == "gguf"
+                    else "dequantized to float", mc.quantization, why,
+                    "--quantization none dequantizes them" if mc.quantization == "gguf"
+                    else "--quantization gguf keeps them quantized on the CPU")
 
     # Fails early with a clear message (unknown method, checkpoint format we cannot read, gguf without GGUF).
     if get_quantization_config(mc.quantization, hf_config, mc.gguf_file) is not None and mc.dtype == "auto":

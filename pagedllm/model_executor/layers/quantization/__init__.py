@@ -8,9 +8,22 @@ from typing import Any
 from pagedllm.model_executor.layers.quantization.base import LinearMethod, QuantizationConfig
 
 # --quantization choices (vLLM's flag). int4 groups: int4 = 32 inputs per scale, int4-g64, int4-g128.
-QUANTIZATION_METHODS = ("int8", "w8a8", "int4", "int4-g64", "int4-g128", "gguf", "gptq", "awq")
+# "none": float weights as stored; for a GGUF file, dequantized to float (GGUF files default to "gguf").
+QUANTIZATION_METHODS = ("none", "int8", "w8a8", "int4", "int4-g64", "int4-g128", "fp8", "gguf", "gptq", "awq")
 
-__all__ = ["QUANTIZATION_METHODS", "LinearMethod", "QuantizationConfig", "get_quantization_config"]
+__all__ = ["QUANTIZATION_METHODS", "LinearMethod", "QuantizationConfig", "default_gguf_quantization",
+           "get_quantization_config"]
+
+
+def default_gguf_quantization(dtype: str, cuda_available: bool) -> tuple[str, str]:
+    """(method, reason) for a GGUF file loaded without --quantization: ``gguf`` (blocks kept quantized, the
+    CPU kernels' float32 activations) unless the run asks for another dtype or may run on CUDA, where the
+    file is dequantized ("none") as before. ``dtype``: the requested dtype name (auto, float32, bfloat16, ...)."""
+    if dtype not in ("auto", "float32", "fp32"):
+        return "none", f"--dtype {dtype} (the kept-quantized kernels take float32 activations)"
+    if cuda_available:
+        return "none", "CUDA is available (the GPU path dequantizes GGUF files)"
+    return "gguf", "the default for GGUF files on the CPU"
 
 
 def get_quantization_config(method: str | None, hf_config: Any = None,
@@ -35,9 +48,13 @@ def get_quantization_config(method: str | None, hf_config: Any = None,
             from pagedllm.model_executor.layers.quantization.gptq_awq import AWQConfig
 
             return AWQConfig.from_hf(cfg)
+        if fmt == "fp8":
+            from pagedllm.model_executor.layers.quantization.fp8 import Fp8Config
+
+            return Fp8Config.from_hf(cfg)
         raise ValueError(f"quantization: the checkpoint is quantized with {fmt!r} (config.json "
-                         "quantization_config), which pagedllm cannot load; supported checkpoint formats: gptq, "
-                         f"awq; or use a float checkpoint with --quantization {{{', '.join(QUANTIZATION_METHODS)}}}")
+                         "quantization_config), which pagedllm cannot load; supported checkpoint formats: gptq, awq, "
+                         f"fp8; or use a float checkpoint with --quantization {{{', '.join(QUANTIZATION_METHODS)}}}")
     if method is None or method in ("", "none"):
         return None
     if method == "int8":
@@ -52,6 +69,10 @@ def get_quantization_config(method: str | None, hf_config: Any = None,
         from pagedllm.model_executor.layers.quantization.weight_only import Int4Config
 
         return Int4Config(int(method.removeprefix("int4-g") or 32) if "-g" in method else 32)
+    if method == "fp8":
+        from pagedllm.model_executor.layers.quantization.fp8 import Fp8Config
+
+        return Fp8Config()
     if method in ("gptq", "awq"):
         raise ValueError(f"quantization {method!r} reads checkpoints whose config.json has a "
                          "quantization_config of that method; this model has none")

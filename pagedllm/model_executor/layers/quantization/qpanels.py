@@ -1,7 +1,8 @@
 """Quantized weights in the panel layouts of the C++ kernels, and how to multiply by them.
 
-Every scheme (int8, int4, GGUF Q4_0/Q4_1/Q8_0, ...) ends as one of two formats, each with per-(row, group)
-float scales: ``q8`` (w = scale * q, q int8) and ``q4`` (w = scale * q + min, q in 0..15). ``QPanels`` holds
+Every scheme (int8, int4, GGUF Q4_0/Q4_1/Q8_0, fp8, ...) ends as one of three formats, each with per-(row,
+group) float scales: ``q8`` (w = scale * q, q int8), ``q4`` (w = scale * q + min, q in 0..15) and ``f8``
+(w = scale * fp8(q), q the bytes of float8 e4m3fn values). ``QPanels`` holds
 one packed weight; ``QPanels.matmul`` runs the C++ kernel or, where it cannot run (no compiler, GPU), a
 dequantize-then-matmul fallback.
 
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from pagedllm.kernels.cpu import cpu_isa, load_cpu_kernels
 
 PANEL = 16
+FP8_MAX = 448.0  # largest finite float8 e4m3fn
 W8A8_MIN_ROWS = 16  # below this the weight-only kernel (weight-bound) is as fast and exact in x
 
 
@@ -35,8 +37,9 @@ def _panels(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class QPanels:
-    """A packed quantized weight [N, K]: ``qweight`` int8 [P, K, 16] (q8) or uint8 [P, K/2, 16] (q4),
-    ``scales`` / ``mins`` float32 [P, K/group, 16] (``mins`` None for q8)."""
+    """A packed quantized weight [N, K]: ``qweight`` int8 [P, K, 16] (q8), uint8 [P, K/2, 16] (q4) or uint8
+    [P, K, 16] (f8: float8 e4m3fn bit patterns), ``scales`` / ``mins`` float32 [P, K/group, 16] (``mins`` only
+    for q4)."""
 
     qweight: torch.Tensor
     scales: torch.Tensor
@@ -48,6 +51,8 @@ class QPanels:
     dynamic_int8_activations: bool = False
     #: q4 only: "dot8" uint8 [P, K/8, 64] (q4_dot_gemm) or "pairs" uint8 [P, K/2, 16] (q4_gemm).
     layout: str = "pairs"
+    #: ``qweight`` holds float8 e4m3fn bytes (uint8 [P, K, 16]).
+    is_fp8: bool = False
 
     @classmethod
     def pack_q8(cls, q: torch.Tensor, scales: torch.Tensor) -> QPanels:
@@ -81,6 +86,13 @@ class QPanels:
             raise ValueError(f"unknown 4-bit layout {layout!r}")
         return cls(packed.contiguous(), _panels(scales.float()), _panels(mins.float()), group, n, k, layout=layout)
 
+    @classmethod
+    def pack_f8(cls, q: torch.Tensor, scales: torch.Tensor) -> QPanels:
+        """q float8_e4m3fn (or its uint8 bytes) [N, K], scales float [N, K / group]: w = scale * q."""
+        n, k = q.shape
+        group = k // scales.shape[1]
+        return cls(_panels(q.view(torch.uint8)), _panels(scales.float()), None, group, n, k, is_fp8=True)
+
     @property
     def is_q4(self) -> bool:
         return self.mins is not None
@@ -100,6 +112,8 @@ class QPanels:
             q = torch.empty(p, rows * 2, PANEL, dtype=torch.float32)
             q[:, 0::2, :] = (self.qweight & 15).float()
             q[:, 1::2, :] = (self.qweight >> 4).float()
+        elif self.is_fp8:
+            q = self.qweight.view(torch.float8_e4m3fn).float()
         else:
             q = self.qweight.float()
         s = self.scales.repeat_interleave(self.group, dim=1)
@@ -122,6 +136,8 @@ class QPanels:
         if self.is_q4 and self.layout == "dot8":
             return kernels.q4_dot_gemm(x, self.qweight, self.scales, self.mins, self.group, self.out_features, bias,
                                        out, isa)
+        if self.is_fp8:
+            return kernels.f8_gemm(x, self.qweight, self.scales, self.group, self.out_features, bias, out, isa)
         if self.is_q4:
             return kernels.q4_gemm(x, self.qweight, self.scales, self.mins, self.group, self.out_features, bias,
                                    out, isa)
@@ -154,3 +170,13 @@ def quantize_q4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor
     scales = (hi - lo) / 15.0
     q = torch.round((g - lo.unsqueeze(-1)) / scales.clamp_min(1e-30).unsqueeze(-1)).clamp_(0, 15)
     return q.to(torch.uint8).view(n, k), scales, lo
+
+
+def quantize_f8(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8 e4m3fn per (row, group), the largest magnitude mapped to 448: w [N, K] -> (q float8_e4m3fn [N, K],
+    scales float32 [N, K / group]); w ~= scale * q, rounding to the nearest e4m3 value."""
+    n, k = w.shape
+    g = w.float().view(n, k // group, group)
+    scales = g.abs().amax(-1) / FP8_MAX
+    q = (g / scales.clamp_min(1e-30).unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(n, k), scales
