@@ -57,7 +57,7 @@ def _yarn(head_dim: int, theta: float, scaling: dict[str, Any], max_position: in
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0.0, 1.0)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64, device="cpu") - low) / (high - low)).clamp(0.0, 1.0)
     inv_freq = _default_inv_freq(head_dim, theta)
     keep = 1.0 - ramp  # 1: extrapolate (unchanged frequency), 0: interpolate (divided by factor)
     return inv_freq / factor * (1.0 - keep) + inv_freq * keep, float(attn)
@@ -98,7 +98,7 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any],
 
 
 def _longrope_inv_freq(head_dim: int, theta: float, factors: Any) -> torch.Tensor:
-    ext = torch.tensor([float(f) for f in factors], dtype=torch.float64)
+    ext = torch.tensor([float(f) for f in factors], dtype=torch.float64, device="cpu")
     if ext.numel() != head_dim // 2:
         raise ValueError(f"longrope: {ext.numel()} factors for a rotary dim of {head_dim} (need {head_dim // 2})")
     return _default_inv_freq(head_dim, theta) / ext
