@@ -128,6 +128,11 @@ class _Meta:
                     tie_word_embeddings="output.weight" not in self.gguf.tensors, **self.token_ids())
 
 
+def gguf_rope_parameters(gguf: GGUFFile) -> dict[str, Any]:
+    """transformers ``rope_parameters`` from a file's ``{arch}.rope.*`` metadata (none, linear or YaRN)."""
+    return _Meta(gguf).rope_parameters()
+
+
 def _check_full_rotary(meta: _Meta, head_dim: int) -> None:
     rot = meta.get("rope.dimension_count")
     if rot is not None and int(rot) != head_dim:

@@ -77,12 +77,9 @@ def gguf_to_hf_config(gguf: GGUFFile) -> Any:
     hidden = int(get("embedding_length"))
     vocab = (get("vocab_size") or len(md.get("tokenizer.ggml.tokens", []))
              or gguf.tensors["token_embd.weight"].shape[1])
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))}
-    scaling_type = get("rope.scaling.type")
-    if scaling_type == "linear":
-        rope.update(rope_type="linear", factor=float(get("rope.scaling.factor")))
-    elif scaling_type not in (None, "none"):
-        raise ValueError(f"model: {gguf.path}: GGUF rope scaling {scaling_type!r} is not supported")
+    from pagedllm.model_executor.loader.gguf_archs import gguf_rope_parameters
+
+    rope = gguf_rope_parameters(gguf)  # none, linear or yarn
     # Mistral-style files may record their sliding window (llama.cpp's llama converter does not, but others do).
     window = int(get("attention.sliding_window", 0) or 0)
     config_cls = LlamaConfig
