@@ -149,6 +149,11 @@ def write_gguf(model: Any, path: str | os.PathLike, quantized: bool = False, arc
     if arch == "phi3" and rope.get("rope_type") == "longrope":
         tensors.append(("rope_factors_long.weight", torch.tensor(rope["long_factor"])))
         tensors.append(("rope_factors_short.weight", torch.tensor(rope["short_factor"])))
+    if arch == "llama" and rope.get("rope_type") == "llama3":
+        # Llama 3.1: the converter stores a divisor per frequency (default / scaled), not the rope parameters.
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        default = 1.0 / rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        tensors.append(("rope_freqs.weight", (default / model.model.rotary_emb.inv_freq.double()).float()))
     for gguf_name, t in tensors:
         array = t.contiguous().numpy().astype(np.float32)
         if quantized and _quantizable(gguf_name, array.shape):

@@ -39,7 +39,15 @@ def _qwen2_yarn():
     return cfg
 
 
+def _llama3_rope():
+    cfg = tiny_config("LlamaForCausalLM")
+    cfg.rope_parameters = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    return cfg
+
+
 CASES = {
+    "llama3-rope-freqs": _llama3_rope,  # Llama 3.1 scaling as llama.cpp stores it: a rope_freqs tensor
     "mistral-sliding": _mistral_sliding,  # llama architecture: q/k rows permuted in the file
     "qwen2": lambda: tiny_config("Qwen2ForCausalLM"),
     "qwen2-yarn": _qwen2_yarn,
@@ -80,7 +88,10 @@ def test_config_from_metadata(gguf_case) -> None:
     assert getattr(got, "head_dim", None) in (None, getattr(want, "head_dim", None) or 16)
     assert got.rms_norm_eps == pytest.approx(want.rms_norm_eps)
     assert getattr(got, "sliding_window", None) == getattr(want, "sliding_window", None)
-    assert got.rope_parameters["rope_type"] == want.rope_parameters["rope_type"]
+    if case.startswith("llama3"):
+        assert got.rope_parameters["rope_type"] == "default" and len(got.rope_freq_factors) == 8
+    else:
+        assert got.rope_parameters["rope_type"] == want.rope_parameters["rope_type"]
 
 
 def test_logits_match_transformers(gguf_case) -> None:
@@ -106,6 +117,18 @@ def test_kept_quantized_logits_match_transformers(case: str, tmp_path) -> None:
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0].float()
     torch.testing.assert_close(prefill_logits(model, ids, block_size=8), want, atol=ATOL, rtol=0)
+
+
+def test_rope_freqs_change_the_logits(tmp_path) -> None:
+    """The Llama 3.1 case is sensitive to its factors: the same weights with plain rope give other logits."""
+    hf = hf_model(_llama3_rope())
+    mc = resolve_model_config(ModelConfig(model=write_gguf(hf, tmp_path / "l3.gguf"), dtype="float32"))
+    assert max(mc.hf_config.rope_freq_factors) == pytest.approx(8.0)
+    ids = _ids(40, seed=1)
+    scaled = prefill_logits(load_model(mc, torch.device("cpu")), ids, block_size=8)
+    mc.hf_config.rope_freq_factors = None
+    plain = prefill_logits(load_model(mc, torch.device("cpu")), ids, block_size=8)
+    assert (scaled - plain).abs().max() > 1e-2
 
 
 def test_tokenizer_from_the_file(gguf_case) -> None:

@@ -22,6 +22,11 @@ def rope_settings(hf_config: Any) -> tuple[float, dict[str, Any]]:
     if scaling:
         params = {**scaling, **params}
     theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", None) or 10000.0))
+    factors = getattr(hf_config, "rope_freq_factors", None)  # a GGUF's rope_freqs tensor (Llama 3.1)
+    if factors:
+        if rope_type_of(params) != "default":
+            raise ValueError(f"rope: both rope_freq_factors and rope_type {rope_type_of(params)!r} are set")
+        params = {**params, "rope_type": "freq_factors", "freq_factors": list(factors)}
     return theta, params
 
 
@@ -94,14 +99,20 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any],
         return (1 - smooth) * inv_freq / factor + smooth * inv_freq, 1.0
     if rope_type == "yarn":
         return _yarn(head_dim, theta, scaling, max_position)
+    if rope_type == "freq_factors":  # llama.cpp's rope_freqs: each frequency divided by its own factor
+        return inv_freq / _factors(scaling["freq_factors"], head_dim), 1.0
     raise ValueError(f"rope_type {rope_type!r} is not supported (supported: default, linear, llama3, yarn, longrope)")
 
 
-def _longrope_inv_freq(head_dim: int, theta: float, factors: Any) -> torch.Tensor:
+def _factors(factors: Any, head_dim: int, what: str = "rope_freqs") -> torch.Tensor:
     ext = torch.tensor([float(f) for f in factors], dtype=torch.float64, device="cpu")
     if ext.numel() != head_dim // 2:
-        raise ValueError(f"longrope: {ext.numel()} factors for a rotary dim of {head_dim} (need {head_dim // 2})")
-    return _default_inv_freq(head_dim, theta) / ext
+        raise ValueError(f"{what}: {ext.numel()} factors for a rotary dim of {head_dim} (need {head_dim // 2})")
+    return ext
+
+
+def _longrope_inv_freq(head_dim: int, theta: float, factors: Any) -> torch.Tensor:
+    return _default_inv_freq(head_dim, theta) / _factors(factors, head_dim, "longrope")
 
 
 class RotaryEmbedding(nn.Module):

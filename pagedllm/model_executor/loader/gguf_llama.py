@@ -65,10 +65,10 @@ def gguf_to_hf_config(gguf: GGUFFile) -> Any:
     if hf_arch not in ("LlamaForCausalLM", "MistralForCausalLM"):
         raise ValueError(f"model: {gguf.path}: GGUF architecture {arch!r} is not supported; supported GGUF "
                          f"architectures: {', '.join(supported_gguf_architectures())}")
-    if "rope_freqs.weight" in gguf.tensors:
-        # llama.cpp stores Llama-3.1 rope scaling as a per-frequency factor tensor, not metadata.
-        raise ValueError(f"model: {gguf.path}: GGUF rope_freqs (Llama 3.1 rope scaling) is not supported "
-                         "yet; use the Hugging Face folder of this model")
+    # llama.cpp stores Llama 3.1's rope scaling as a per-frequency divisor tensor, not as metadata: it goes
+    # to the config as ``rope_freq_factors`` (rope_parameters stay "default"), read by ``rope_settings``.
+    freq_factors = (gguf.load("rope_freqs.weight").astype(np.float64).tolist()
+                    if "rope_freqs.weight" in gguf.tensors else None)
 
     def get(key: str, default: Any = None) -> Any:
         return md.get(f"{arch}.{key}", default)
@@ -90,6 +90,7 @@ def gguf_to_hf_config(gguf: GGUFFile) -> Any:
     return config_cls(
         architectures=[hf_arch],
         sliding_window=window or None,
+        rope_freq_factors=freq_factors,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
@@ -161,6 +162,8 @@ def iter_gguf_llama_weights(gguf: GGUFFile, hf_config: Any,
     n_heads = hf_config.num_attention_heads
     n_kv = hf_config.num_key_value_heads
     for name in gguf.tensors:
+        if name == "rope_freqs.weight":
+            continue  # read into the config (rope_freq_factors)
         if keep_quantized and name != "token_embd.weight":
             raw = gguf.load_raw(name)
             if raw is not None:
