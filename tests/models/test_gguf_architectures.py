@@ -119,6 +119,25 @@ def test_kept_quantized_logits_match_transformers(case: str, tmp_path) -> None:
     torch.testing.assert_close(prefill_logits(model, ids, block_size=8), want, atol=ATOL, rtol=0)
 
 
+# transformers reads a MistralConfig'd file through a "mistral" name map gguf-py lacks; the llama-architecture
+# layout (q/k permutation) is covered by the llama3 case.
+@pytest.mark.parametrize("case", [c for c in CASES if c != "mistral-sliding"])
+def test_transformers_reads_the_written_file_the_same(case: str, tmp_path) -> None:
+    """An independent check of the tests' writer: transformers' own GGUF loader (given the config) reads
+    the file back into the very model that was written, so the layout is the one GGUF readers expect."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    hf = hf_model(CASES[case]())
+    path = write_gguf(hf, tmp_path / f"{case}.gguf")
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.rsplit("/", 1)[1],
+                                               config=copy.deepcopy(hf.config), dtype=torch.float32).eval()
+    ids = torch.tensor([_ids(40, seed=7)])
+    with torch.no_grad():
+        torch.testing.assert_close(ref(ids).logits, hf(ids).logits, atol=1e-6, rtol=0)
+
+
 def test_rope_freqs_change_the_logits(tmp_path) -> None:
     """The Llama 3.1 case is sensitive to its factors: the same weights with plain rope give other logits."""
     hf = hf_model(_llama3_rope())
