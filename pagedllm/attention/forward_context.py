@@ -28,3 +28,8 @@ def get_attn_metadata() -> AttentionMetadata:
     if _current is None:
         raise RuntimeError("attention called outside forward_context(); the model runner sets it per step")
     return _current
+
+
+def current_attn_metadata() -> AttentionMetadata | None:
+    """This step's metadata, or None outside ``forward_context`` (a model run on its own)."""
+    return _current

@@ -17,8 +17,11 @@ def test_cli_lists_every_architecture(capsys) -> None:
     listed = json.loads(capsys.readouterr().out)
     assert {a["architecture"] for a in listed} == EXPECTED
     assert next(a for a in listed if a["architecture"] == "Gemma3ForCausalLM")["formats"] == ["hf", "gguf"]
+    gguf_archs = {a["gguf_architecture"] for a in listed if "gguf" in a["formats"]}
+    assert gguf_archs == {"llama", "qwen2", "qwen3", "phi3", "gemma3", "gpt2"}
     assert main(["models"]) == 0
-    assert "Qwen3ForCausalLM" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Qwen3ForCausalLM" in out and "GGUF (qwen3)" in out and "GGUF (phi3)" in out
 
 
 def test_every_listed_architecture_has_a_class() -> None:
@@ -30,3 +33,13 @@ def test_v1_models_metadata() -> None:
     body = ServingModels(["m"], "/x", 128, "Gemma3ForCausalLM").list().model_dump()
     assert body["data"][0]["architecture"] == "Gemma3ForCausalLM"
     assert set(body["supported_architectures"]) == EXPECTED
+    assert body["architecture_formats"]["Phi3ForCausalLM"] == ["hf", "gguf"]
+    assert body["architecture_formats"]["BertModel"] == ["hf"]
+
+
+def test_gguf_architectures_match_the_registry() -> None:
+    """Every GGUF architecture the loader reads is listed under a registry entry, and vice versa."""
+    from pagedllm.model_executor.loader.gguf_llama import supported_gguf_architectures
+    from pagedllm.model_executor.models.registry import architecture_infos
+
+    assert {a.gguf_arch for a in architecture_infos() if "gguf" in a.formats} == set(supported_gguf_architectures())

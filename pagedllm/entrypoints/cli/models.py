@@ -15,12 +15,13 @@ def main(args: argparse.Namespace) -> int:
 
     infos = architecture_infos()
     if args.json:
-        print(json.dumps([{"architecture": a.name, "family": a.family, "formats": list(a.formats), "notes": a.notes}
+        print(json.dumps([{"architecture": a.name, "family": a.family, "formats": list(a.formats),
+                           "gguf_architecture": a.gguf_arch or None, "notes": a.notes}
                           for a in infos], indent=2))
         return 0
     rows = [("ARCHITECTURE", "MODELS", "FORMATS", "NOTES")]
-    rows += [(a.name, a.family, ", ".join("HF folder" if f == "hf" else "GGUF" for f in a.formats), a.notes)
-             for a in infos]
+    rows += [(a.name, a.family, ", ".join("HF folder" if f == "hf" else f"GGUF ({a.gguf_arch})" for f in a.formats),
+              a.notes) for a in infos]
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3])

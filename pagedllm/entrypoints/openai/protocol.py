@@ -253,6 +253,7 @@ class ModelList(OpenAIModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
     supported_architectures: list[str] | None = None  # what this server build can load
+    architecture_formats: dict[str, list[str]] | None = None  # architecture -> "hf" and/or "gguf"
 
 
 class TokenizeRequest(OpenAIModel):

@@ -28,8 +28,9 @@ class ServingModels:
         return name
 
     def list(self) -> ModelList:
-        from pagedllm.model_executor.models.registry import supported_architectures
+        from pagedllm.model_executor.models.registry import architecture_formats, supported_architectures
 
         return ModelList(data=[ModelCard(id=name, root=self.model_path, max_model_len=self.max_model_len,
                                          architecture=self.architecture) for name in self.served_names],
-                         supported_architectures=supported_architectures())
+                         supported_architectures=supported_architectures(),
+                         architecture_formats=architecture_formats())

@@ -34,6 +34,13 @@ _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
+def supported_gguf_architectures() -> list[str]:
+    """GGUF ``general.architecture`` values we load."""
+    from pagedllm.model_executor.loader.gguf_archs import GGUF_ARCHS
+
+    return sorted({"llama", "gemma3", *GGUF_ARCHS})
+
+
 def gguf_architecture(gguf: GGUFFile) -> str:
     arch = gguf.metadata.get("general.architecture", "")
     return _GGUF_ARCHS.get(arch, f"{arch} (GGUF)")
@@ -44,6 +51,8 @@ def gguf_to_hf_config(gguf: GGUFFile) -> Any:
     the llama architecture, ``Gemma3TextConfig`` for gemma3."""
     from transformers import LlamaConfig
 
+    from pagedllm.model_executor.loader.gguf_archs import GGUF_ARCHS
+
     md = gguf.metadata
     arch = md.get("general.architecture", "")
     hf_arch = gguf_architecture(gguf)
@@ -51,12 +60,15 @@ def gguf_to_hf_config(gguf: GGUFFile) -> Any:
         from pagedllm.model_executor.loader.gguf_gemma3 import gemma3_config
 
         return gemma3_config(gguf)
+    if arch in GGUF_ARCHS:
+        return GGUF_ARCHS[arch].config(gguf)
     if hf_arch not in ("LlamaForCausalLM", "MistralForCausalLM"):
-        return _UnsupportedConfig(hf_arch)
-    if "rope_freqs.weight" in gguf.tensors:
-        # llama.cpp stores Llama-3.1 rope scaling as a per-frequency factor tensor, not metadata.
-        raise ValueError(f"model: {gguf.path}: GGUF rope_freqs (Llama 3.1 rope scaling) is not supported "
-                         "yet; use the Hugging Face folder of this model")
+        raise ValueError(f"model: {gguf.path}: GGUF architecture {arch!r} is not supported; supported GGUF "
+                         f"architectures: {', '.join(supported_gguf_architectures())}")
+    # llama.cpp stores Llama 3.1's rope scaling as a per-frequency divisor tensor, not as metadata: it goes
+    # to the config as ``rope_freq_factors`` (rope_parameters stay "default"), read by ``rope_settings``.
+    freq_factors = (gguf.load("rope_freqs.weight").astype(np.float64).tolist()
+                    if "rope_freqs.weight" in gguf.tensors else None)
 
     def get(key: str, default: Any = None) -> Any:
         return md.get(f"{arch}.{key}", default)
@@ -65,14 +77,20 @@ def gguf_to_hf_config(gguf: GGUFFile) -> Any:
     hidden = int(get("embedding_length"))
     vocab = (get("vocab_size") or len(md.get("tokenizer.ggml.tokens", []))
              or gguf.tensors["token_embd.weight"].shape[1])
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))}
-    scaling_type = get("rope.scaling.type")
-    if scaling_type == "linear":
-        rope.update(rope_type="linear", factor=float(get("rope.scaling.factor")))
-    elif scaling_type not in (None, "none"):
-        raise ValueError(f"model: {gguf.path}: GGUF rope scaling {scaling_type!r} is not supported")
-    return LlamaConfig(
+    from pagedllm.model_executor.loader.gguf_archs import gguf_rope_parameters
+
+    rope = gguf_rope_parameters(gguf)  # none, linear or yarn
+    # Mistral-style files may record their sliding window (llama.cpp's llama converter does not, but others do).
+    window = int(get("attention.sliding_window", 0) or 0)
+    config_cls = LlamaConfig
+    if window:
+        from transformers import MistralConfig
+
+        hf_arch, config_cls = "MistralForCausalLM", MistralConfig
+    return config_cls(
         architectures=[hf_arch],
+        sliding_window=window or None,
+        rope_freq_factors=freq_factors,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
@@ -90,13 +108,6 @@ def gguf_to_hf_config(gguf: GGUFFile) -> Any:
         eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=md.get("tokenizer.ggml.padding_token_id"),
     )
-
-
-class _UnsupportedConfig:
-    """Stand-in config for a GGUF architecture we cannot run: carries its name to the registry check."""
-
-    def __init__(self, architecture: str) -> None:
-        self.architectures = [architecture]
 
 
 def hf_name(gguf_name: str) -> str:
@@ -125,6 +136,11 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 def iter_gguf_weights(gguf: GGUFFile, hf_config: Any, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
     """(HF name, tensor) for every tensor of a GGUF file of any supported architecture; ``keep_quantized``
     (the ``gguf`` quantization) keeps linear-layer matrices as raw blocks."""
+    from pagedllm.model_executor.loader.gguf_archs import GGUF_ARCHS, iter_gguf_arch_weights
+
+    arch = gguf.metadata.get("general.architecture", "")
+    if arch in GGUF_ARCHS:
+        return iter_gguf_arch_weights(gguf, GGUF_ARCHS[arch], hf_config, keep_quantized)
     if gguf_architecture(gguf) == "Gemma3ForCausalLM":
         from pagedllm.model_executor.loader.gguf_gemma3 import iter_gguf_gemma3_weights
 
@@ -143,6 +159,8 @@ def iter_gguf_llama_weights(gguf: GGUFFile, hf_config: Any,
     n_heads = hf_config.num_attention_heads
     n_kv = hf_config.num_key_value_heads
     for name in gguf.tensors:
+        if name == "rope_freqs.weight":
+            continue  # read into the config (rope_freq_factors)
         if keep_quantized and name != "token_embd.weight":
             raw = gguf.load_raw(name)
             if raw is not None:

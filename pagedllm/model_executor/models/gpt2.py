@@ -77,6 +77,8 @@ class GPT2LMHeadModel(CausalLM):
     embedding_name = "transformer.wte"
     weight_mapping = WeightMapping(
         renames=(("attn.c_attn.", "attn.qkv_proj."), ("attn.c_proj.", "attn.o_proj.")),
+        # q/k/v apart: how kept-quantized GGUF blocks of the fused c_attn arrive
+        stacked=(("q_proj", "qkv_proj", 0), ("k_proj", "qkv_proj", 1), ("v_proj", "qkv_proj", 2)),
         skip=(".attn.bias", ".attn.masked_bias"),
         transposed=("qkv_proj", "o_proj", "c_fc", "c_proj"))
 

@@ -110,4 +110,5 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 class Phi3ForCausalLM(LlamaForCausalLM):
     """Phi-3: the checkpoint already stores ``qkv_proj`` and ``gate_up_proj`` fused, rows [q|k|v], [gate|up]."""
 
-    weight_mapping = WeightMapping(skip=("rotary_emb.inv_freq",))
+    # Stacked names too: kept-quantized GGUF blocks of the fused matrices arrive one shard at a time.
+    weight_mapping = WeightMapping(stacked=STACKED_QKV_GATE_UP, skip=("rotary_emb.inv_freq",))

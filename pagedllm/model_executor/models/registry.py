@@ -13,23 +13,24 @@ class ArchitectureInfo:
     family: str
     formats: tuple[str, ...]  # "hf" (safetensors folder) and/or "gguf"
     notes: str = ""
+    gguf_arch: str = ""  # the GGUF file's general.architecture, where "gguf" is a format
 
 
 _ARCHITECTURES = [
     ArchitectureInfo("LlamaForCausalLM", "llama", "LlamaForCausalLM", "Llama 2/3, SmolLM2, TinyLlama",
-                     ("hf", "gguf")),
+                     ("hf", "gguf"), "llama3 / yarn / linear rope scaling", gguf_arch="llama"),
     ArchitectureInfo("MistralForCausalLM", "llama", "LlamaForCausalLM", "Mistral", ("hf", "gguf"),
-                     "sliding-window attention; KV blocks outside the window are freed"),
-    ArchitectureInfo("Qwen2ForCausalLM", "llama", "Qwen2ForCausalLM", "Qwen2, Qwen2.5", ("hf",),
-                     "q/k/v bias"),
-    ArchitectureInfo("Qwen3ForCausalLM", "llama", "Qwen3ForCausalLM", "Qwen3 (dense)", ("hf",),
-                     "per-head q/k RMSNorm"),
-    ArchitectureInfo("Phi3ForCausalLM", "llama", "Phi3ForCausalLM", "Phi-3", ("hf",),
-                     "fused qkv / gate_up checkpoint; no longrope"),
+                     "sliding-window attention; KV blocks outside the window are freed", gguf_arch="llama"),
+    ArchitectureInfo("Qwen2ForCausalLM", "llama", "Qwen2ForCausalLM", "Qwen2, Qwen2.5", ("hf", "gguf"),
+                     "q/k/v bias; yarn rope scaling", gguf_arch="qwen2"),
+    ArchitectureInfo("Qwen3ForCausalLM", "llama", "Qwen3ForCausalLM", "Qwen3 (dense)", ("hf", "gguf"),
+                     "per-head q/k RMSNorm", gguf_arch="qwen3"),
+    ArchitectureInfo("Phi3ForCausalLM", "llama", "Phi3ForCausalLM", "Phi-3, Phi-3.5", ("hf", "gguf"),
+                     "fused qkv / gate_up checkpoint; longrope (su) rope scaling", gguf_arch="phi3"),
     ArchitectureInfo("Gemma3ForCausalLM", "gemma3", "Gemma3ForCausalLM", "Gemma 3 (text)", ("hf", "gguf"),
-                     "5 local : 1 global layers, sliding window"),
-    ArchitectureInfo("GPT2LMHeadModel", "gpt2", "GPT2LMHeadModel", "GPT-2", ("hf",),
-                     "learned positions, Conv1D weights"),
+                     "5 local : 1 global layers, sliding window", gguf_arch="gemma3"),
+    ArchitectureInfo("GPT2LMHeadModel", "gpt2", "GPT2LMHeadModel", "GPT-2", ("hf", "gguf"),
+                     "learned positions, Conv1D weights", gguf_arch="gpt2"),
     ArchitectureInfo("BertModel", "bert", "BertModel", "BERT encoders (all-MiniLM-L6-v2, ...)", ("hf",),
                      "encoder-only: pooling runner (embeddings)"),
 ]
@@ -38,6 +39,11 @@ _BY_NAME = {a.name: a for a in _ARCHITECTURES}
 
 def supported_architectures() -> list[str]:
     return sorted(_BY_NAME)
+
+
+def architecture_formats() -> dict[str, list[str]]:
+    """HF architecture name -> the formats it loads from ("hf", "gguf")."""
+    return {a.name: list(a.formats) for a in _ARCHITECTURES}
 
 
 def architecture_infos() -> list[ArchitectureInfo]:

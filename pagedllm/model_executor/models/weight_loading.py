@@ -70,7 +70,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
             continue
         for old, new in mapping.renames:
             name = name.replace(old, new)
-        if name.endswith(".weight") and any(f".{t}." in name for t in mapping.transposed):
+        # Raw quantized blocks (GGUF) are always stored [out, in]: only float checkpoint tensors transpose.
+        if isinstance(tensor, torch.Tensor) and name.endswith(".weight") and any(f".{t}." in name
+                                                                                for t in mapping.transposed):
             tensor = tensor.t()
         target, shard_id = name, None
         for ckpt, fused, sid in mapping.stacked:
