@@ -71,6 +71,8 @@ def gguf_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
         quantize_roundtrip(hf)  # the reference holds the very values the file stores
     path = write_gguf(hf, tmp_path_factory.mktemp(case) / f"tiny-{case}.{qtype}.gguf", quantized=qtype == "Q8_0")
     mc = resolve_model_config(ModelConfig(model=path, dtype="float32"))
+    # No --quantization: Q8_0 blocks stay quantized on the CPU; an all-float file has nothing to keep.
+    assert mc.quantization == ("gguf" if qtype == "Q8_0" else "none")
     return case, hf, mc
 
 

@@ -29,6 +29,7 @@ def test_default_choice_follows_dtype_and_device() -> None:
     assert default_gguf_quantization("float32", cuda_available=False)[0] == "gguf"
     assert default_gguf_quantization("bfloat16", cuda_available=False)[0] == "none"
     assert default_gguf_quantization("auto", cuda_available=True)[0] == "none"
+    assert default_gguf_quantization("auto", cuda_available=False, has_quantized=False)[0] == "none"
 
 
 def test_gguf_file_resolves_to_gguf_unless_told_otherwise(default_model_path: str, monkeypatch) -> None:

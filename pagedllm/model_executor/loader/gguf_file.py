@@ -129,3 +129,11 @@ class GGUFFile:
         nbytes = self.tensor_nbytes(info)
         raw = np.array(self._data[info.offset:info.offset + nbytes]).reshape(rows, nbytes // rows)
         return GGUFQuantTensor(torch.from_numpy(raw), int(info.ggml_type), (rows, k))
+
+
+_FLOAT_TYPES = (0, 1, 30)  # GGML F32, F16, BF16
+
+
+def gguf_has_quantized_matrices(path: str) -> bool:
+    """Whether any 2-D tensor of the GGUF file at ``path`` is stored in a quantized block type."""
+    return any(len(t.shape) == 2 and t.ggml_type not in _FLOAT_TYPES for t in GGUFFile(path).tensors.values())

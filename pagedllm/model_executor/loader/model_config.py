@@ -83,11 +83,13 @@ def resolve_model_config(mc: ModelConfig) -> ModelConfig:
     mc.vocab_size = int(hf_config.vocab_size)
     mc.eos_token_ids = _eos_ids(source.folder, hf_config, gguf_metadata)
     from pagedllm.model_executor.layers.quantization import default_gguf_quantization, get_quantization_config
+    from pagedllm.model_executor.loader.gguf_file import gguf_has_quantized_matrices
 
     if mc.gguf_file and mc.quantization is None:
         import torch
 
-        mc.quantization, why = default_gguf_quantization(str(mc.dtype).lower(), torch.cuda.is_available())
+        mc.quantization, why = default_gguf_quantization(str(mc.dtype).lower(), torch.cuda.is_available(),
+                                                         gguf_has_quantized_matrices(mc.gguf_file))
         logger.info("GGUF file: %s (--quantization %s: %s; %s)", "blocks kept quantized" if mc.quantization == "gguf"
                     else "dequantized to float", mc.quantization, why,
                     "--quantization none dequantizes them" if mc.quantization == "gguf"

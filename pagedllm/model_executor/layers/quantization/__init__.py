@@ -15,10 +15,13 @@ __all__ = ["QUANTIZATION_METHODS", "LinearMethod", "QuantizationConfig", "defaul
            "get_quantization_config"]
 
 
-def default_gguf_quantization(dtype: str, cuda_available: bool) -> tuple[str, str]:
+def default_gguf_quantization(dtype: str, cuda_available: bool, has_quantized: bool = True) -> tuple[str, str]:
     """(method, reason) for a GGUF file loaded without --quantization: ``gguf`` (blocks kept quantized, the
     CPU kernels' float32 activations) unless the run asks for another dtype or may run on CUDA, where the
-    file is dequantized ("none") as before. ``dtype``: the requested dtype name (auto, float32, bfloat16, ...)."""
+    file is dequantized ("none") as before, or the file holds no quantized matrices (``has_quantized``).
+    ``dtype``: the requested dtype name (auto, float32, bfloat16, ...)."""
+    if not has_quantized:
+        return "none", "the file's matrices are float (F32 / F16 / BF16), nothing to keep quantized"
     if dtype not in ("auto", "float32", "fp32"):
         return "none", f"--dtype {dtype} (the kept-quantized kernels take float32 activations)"
     if cuda_available:

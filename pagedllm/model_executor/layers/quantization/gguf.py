@@ -27,6 +27,7 @@ from pagedllm.model_executor.layers.quantization.base import (
     shard_range,
 )
 from pagedllm.model_executor.layers.quantization.qpanels import QPanels, quantize_q8
+from pagedllm.model_executor.layers.quantization.unquantized import UnquantizedLinearMethod
 
 logger = init_logger(__name__)
 
@@ -174,13 +175,23 @@ class GGUFLinearMethod(LinearMethod):
         layer.gguf_shards[shard_id or 0] = loaded
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if layer.qpanels is not None:
+        if layer.qpanels is not None or getattr(layer, "gguf_float", None) is not None:
             return
         n_shards = len(layer.shard_sizes)
         shards = [layer.gguf_shards.get(i) for i in range(n_shards)]
         if any(s is None for s in shards):
             raise ValueError(f"{layer.prefix or 'linear'}: not every shard was loaded")
         types = {s.ggml_type if isinstance(s, GGUFQuantTensor) else None for s in shards}
+        if types == {None} and layer.prefix != "lm_head":
+            # F32 / F16 / BF16 matrices stay float (fp32 panels): kept quantized means as stored, never coarser.
+            # (The tied head is built from the embedding's dequantized rows: int8 below, as a quantized file's.)
+            layer.gguf_float = UnquantizedLinearMethod()
+            layer.weight = nn.Parameter(torch.cat([s.float() for s in shards]), requires_grad=False)
+            layer.packed_weight, layer._kernels = None, None
+            layer.gguf_float.process_weights_after_loading(layer)
+            layer.gguf_scheme = "gguf float (kept float32)"
+            layer.gguf_shards = {}
+            return
         if types <= Q4_TYPES and self._k_quant_fits(layer, types):
             parts = [decode_q4(s) for s in shards]
             layer.qpanels = QPanels.pack_q4(*(torch.cat([p[i] for p in parts]) for i in range(3)))
@@ -204,6 +215,8 @@ class GGUFLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
               out: torch.Tensor | None) -> torch.Tensor:
+        if layer.qpanels is None and getattr(layer, "gguf_float", None) is not None:
+            return layer.gguf_float.apply(layer, x, bias, out)
         return layer.qpanels.matmul(x, bias, out)
 
     def scheme(self, layer: nn.Module) -> str:
