@@ -6,13 +6,17 @@ Compilation never runs on the engine loop: a request whose grammar is not compil
 Matchers advance only after a step succeeded (a failed step's tokens are dropped, so must its grammar
 moves); preemption keeps the output tokens and so keeps the matcher as it is.
 
-The step's bitmask is filled on a background thread while the model runs its forward pass (xgrammar releases
-the GIL): the matchers' state is final once the previous step's tokens were accepted, and the sampler needs
-the bitmask only after the forward. ``sched.grammar_bitmask`` is then a Future the model runner resolves.
+Where a CPU is spare (more usable CPUs than torch's intra-op threads, e.g. a GPU host), the step's bitmask
+is filled on a background thread while the model runs its forward pass (xgrammar releases the GIL): the
+matchers' state is final once the previous step's tokens were accepted, and the sampler needs the bitmask
+only after the forward. ``sched.grammar_bitmask`` is then a Future the model runner resolves. Without a
+spare CPU the fill runs before the forward: a thread competing with torch's OpenMP workers for their cores
+stalls every parallel region of the forward for longer than the fill itself takes (measured on 2 cores).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -37,7 +41,7 @@ class StructuredOutputManager:
     """Thread-safe for ``compile``/``validate`` (the API side calls them); the rest runs on the engine loop."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], max_workers: int = 1,
-                 overlap_fill: bool = True) -> None:
+                 overlap_fill: bool | None = None) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._stop_token_ids = list(stop_token_ids)
@@ -49,7 +53,8 @@ class StructuredOutputManager:
         self.num_compiles = 0
         self._waiting: dict[str, tuple[Request, Future]] = {}
         self._matchers: dict[str, Any] = {}
-        # overlap_fill: fill the bitmask on this thread during the forward pass (False: fill before it).
+        # overlap_fill: fill the bitmask on a thread during the forward pass (False: before it; None: when
+        # a CPU is spare, decided at the first fill).
         self.overlap_fill = overlap_fill
         self._fill_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-bitmask")
         self._pending_fill: Future | None = None
@@ -153,6 +158,9 @@ class StructuredOutputManager:
         bitmask = self._bitmask_rows(len(rows))
         matchers = [self._matchers[req_id] for req_id in rows]
         sched.structured_output_request_ids = rows
+        if self.overlap_fill is None:
+            self.overlap_fill = _cpu_is_spare()
+            logger.info("grammar bitmask fill %s the forward pass", "overlaps" if self.overlap_fill else "precedes")
         if self.overlap_fill:
             self._pending_fill = self._fill_pool.submit(self._fill, matchers, bitmask)
             sched.grammar_bitmask = self._pending_fill
@@ -208,3 +216,11 @@ class StructuredOutputManager:
 def resolve_bitmask(bitmask: Any) -> Any:
     """``sched.grammar_bitmask`` as a tensor: waits for the background fill when it is a Future."""
     return bitmask.result() if isinstance(bitmask, Future) else bitmask
+
+
+def _cpu_is_spare() -> bool:
+    """More usable CPUs than torch's intra-op threads: a fill thread then does not steal a forward's core."""
+    import torch
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cpus > torch.get_num_threads()

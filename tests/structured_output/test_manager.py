@@ -132,3 +132,15 @@ def test_overlapped_fill_equals_direct_fill_and_buffer_is_reused(tokenizer, over
         assert len(set(seen)) == 1, "one buffer serves every step"
     finally:
         manager.shutdown()
+
+
+def test_fill_overlaps_the_forward_only_where_a_cpu_is_spare(monkeypatch) -> None:
+    import os
+
+    import pagedllm.structured_output.manager as manager_module
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: cpus)
+    assert manager_module._cpu_is_spare() is False  # torch's threads use every CPU: fill before the forward
+    monkeypatch.setattr(torch, "get_num_threads", lambda: cpus - 1)
+    assert manager_module._cpu_is_spare() is True
