@@ -9,6 +9,8 @@ tokens do not depend on what else is in the batch. Nothing reads a value back to
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from pagedllm.kernels.cpu import kernels_for
@@ -52,6 +54,41 @@ def draw_random(logits: torch.Tensor, meta: SamplingMetadata, temperature: torch
         logits = logits.div(temperature.unsqueeze(1)) if not private else logits.div_(temperature.unsqueeze(1))
     probs = logits.softmax(dim=1)
     return inverse_cdf_sample(probs, meta)
+
+
+def masked_draw_kernel(logits: torch.Tensor, copied: bool = False) -> Any | None:
+    """The C++ kernels when they can draw ``logits`` under the grammar bitmask themselves, else None.
+
+    ``copied``: the draw will get a contiguous float32 copy of ``logits``, not ``logits`` itself.
+    """
+    if not copied and logits.stride(1) != 1:
+        return None
+    kernels = kernels_for(logits[:0].float() if copied else logits)  # None off CPU / for non-float32
+    # None: no compiler; no sample_masked: a prebuilt library from before it existed.
+    return kernels if kernels is not None and hasattr(kernels, "sample_masked") else None
+
+
+def draw_masked(logits: torch.Tensor, meta: SamplingMetadata, temperature: torch.Tensor | None) -> torch.Tensor:
+    """The draw with the grammar bitmask fused in (CPU): logits [N, V] float32 -> [N] int64, logits only read.
+
+    Rows in ``meta.grammar_rows`` pick only among the tokens their bitmask allows (argmax or inverse CDF);
+    the others draw exactly as ``draw`` does (same uniforms, same kernel loop, same argmax tie rule), so a
+    free request's tokens do not change when a constrained one joins its batch.
+    """
+    kernels = masked_draw_kernel(logits)
+    assert kernels is not None and meta.grammar_rows is not None and meta.grammar_bitmask is not None
+    num_rows = logits.shape[0]
+    if meta.all_greedy:
+        greedy = torch.ones(num_rows, dtype=torch.bool)
+        u = torch.zeros(num_rows)  # greedy rows consume no random numbers, as in ``draw``
+    else:
+        greedy = meta.greedy_mask if meta.greedy_mask is not None else torch.zeros(num_rows, dtype=torch.bool)
+        u = draw_uniforms(meta, num_rows, logits.device).squeeze(1)
+    if temperature is None:
+        temperature = torch.ones(num_rows)
+    mask_row = torch.full((num_rows,), -1, dtype=torch.int64)
+    mask_row[meta.grammar_rows] = torch.arange(meta.grammar_rows.shape[0])
+    return kernels.sample_masked(logits, temperature, u, greedy, meta.grammar_bitmask, mask_row)
 
 
 def draw(logits: torch.Tensor, meta: SamplingMetadata, temperature: torch.Tensor | None = None,

@@ -14,9 +14,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagedllm.sample.draw import draw, draw_uniforms, inverse_cdf_sample  # noqa: F401  (re-exported)
+from pagedllm.sample.draw import (  # noqa: F401  (re-exported)
+    draw,
+    draw_masked,
+    draw_uniforms,
+    inverse_cdf_sample,
+    masked_draw_kernel,
+)
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.stages import (  # noqa: F401  (re-exported for callers of the old module)
+    GrammarBitmaskStage,
     LogitsStage,
     TemperatureStage,
     apply_min_p,
@@ -74,8 +81,9 @@ def compute_logprobs_for_targets(logits: torch.Tensor, target_ids: torch.Tensor,
 class Sampler(nn.Module):
     """Turns a step's logits into token ids: the ordered logits stages, then the draw.
 
-    Does not modify the caller's logits. Every active stage runs on every path: the only shortcut is that
-    a temperature stage that is the last active one is fused into the C++ draw (same result, one pass).
+    Does not modify the caller's logits. Every active stage runs on every path: the only shortcuts fuse the
+    tail of the active stages into the C++ draw (same result, fewer passes): a last temperature stage, and a
+    grammar bitmask stage right before it (or last), which the draw then reads word by word.
     """
 
     def __init__(self, stages: list[LogitsStage] | None = None) -> None:
@@ -112,13 +120,21 @@ class Sampler(nn.Module):
         if stages and isinstance(stages[-1], TemperatureStage):
             # The draw divides by the temperature itself (the C++ kernel in the same pass as the softmax).
             stages, fused_temperature = stages[:-1], meta.temperature
+        fused_grammar = bool(stages) and isinstance(stages[-1], GrammarBitmaskStage) and \
+            masked_draw_kernel(logits, copied=len(stages) > 1) is not None
+        if fused_grammar:
+            # The C++ draw reads the bitmask itself and skips disallowed words: no [N, V] -inf fill.
+            stages = stages[:-1]
         # Stages work in place on one private copy; with none active the caller's logits are only read.
         private = bool(stages)
         if private:
             logits = logits.to(torch.float32, copy=True)
         for stage in stages:
             logits = stage.apply(logits, meta)
-        sampled = draw(logits, meta, temperature=fused_temperature, private=private)
+        if fused_grammar:
+            sampled = draw_masked(logits, meta, fused_temperature)
+        else:
+            sampled = draw(logits, meta, temperature=fused_temperature, private=private)
 
         logprobs = None
         if raw_logprobs is not None:

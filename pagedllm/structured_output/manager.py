@@ -5,10 +5,18 @@ Compilation never runs on the engine loop: a request whose grammar is not compil
 ``RequestStatus.WAITING_FOR_GRAMMAR`` (the scheduler skips it) until ``poll`` sees its future done.
 Matchers advance only after a step succeeded (a failed step's tokens are dropped, so must its grammar
 moves); preemption keeps the output tokens and so keeps the matcher as it is.
+
+Where a CPU is spare (more usable CPUs than torch's intra-op threads, e.g. a GPU host), the step's bitmask
+is filled on a background thread while the model runs its forward pass (xgrammar releases the GIL): the
+matchers' state is final once the previous step's tokens were accepted, and the sampler needs the bitmask
+only after the forward. ``sched.grammar_bitmask`` is then a Future the model runner resolves. Without a
+spare CPU the fill runs before the forward: a thread competing with torch's OpenMP workers for their cores
+stalls every parallel region of the forward for longer than the fill itself takes (measured on 2 cores).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -32,7 +40,8 @@ MAX_CACHED_GRAMMARS = 512
 class StructuredOutputManager:
     """Thread-safe for ``compile``/``validate`` (the API side calls them); the rest runs on the engine loop."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], max_workers: int = 1) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], max_workers: int = 1,
+                 overlap_fill: bool | None = None) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._stop_token_ids = list(stop_token_ids)
@@ -44,6 +53,12 @@ class StructuredOutputManager:
         self.num_compiles = 0
         self._waiting: dict[str, tuple[Request, Future]] = {}
         self._matchers: dict[str, Any] = {}
+        # overlap_fill: fill the bitmask on a thread during the forward pass (False: before it; None: when
+        # a CPU is spare, decided at the first fill).
+        self.overlap_fill = overlap_fill
+        self._fill_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-bitmask")
+        self._pending_fill: Future | None = None
+        self._bitmask_buffer: Any = None  # reused [rows, ceil(V/32)] int32, grown on demand
 
     # ---- compiling (any thread) ---------------------------------------------------------------------
     def backend(self) -> XgrammarBackend:
@@ -126,7 +141,10 @@ class StructuredOutputManager:
 
     def fill_bitmask(self, sched: SchedulerOutput, requests: dict[str, Request]) -> None:
         """Set ``sched.structured_output_request_ids`` and ``sched.grammar_bitmask`` [M, ceil(V/32)] int32
-        for the scheduled requests with a grammar that sample this step (partial prefill chunks do not)."""
+        for the scheduled requests with a grammar that sample this step (partial prefill chunks do not).
+
+        With ``overlap_fill`` the bitmask is a Future of that tensor, filling while the forward runs
+        (``resolve_bitmask`` waits for it); it stays valid until the next call."""
         if not self._matchers:
             return
         rows = []
@@ -136,16 +154,40 @@ class StructuredOutputManager:
                 rows.append(req_id)
         if not rows:
             return
-        backend = self.backend()
-        bitmask = backend.allocate_bitmask(len(rows))
-        backend.fill_bitmask([self._matchers[req_id] for req_id in rows], bitmask)
+        self._wait_for_fill()  # the buffer is free again (the last step's fill is long done in practice)
+        bitmask = self._bitmask_rows(len(rows))
+        matchers = [self._matchers[req_id] for req_id in rows]
         sched.structured_output_request_ids = rows
-        sched.grammar_bitmask = bitmask
+        if self.overlap_fill is None:
+            self.overlap_fill = _cpu_is_spare()
+            logger.info("grammar bitmask fill %s the forward pass", "overlaps" if self.overlap_fill else "precedes")
+        if self.overlap_fill:
+            self._pending_fill = self._fill_pool.submit(self._fill, matchers, bitmask)
+            sched.grammar_bitmask = self._pending_fill
+        else:
+            sched.grammar_bitmask = self._fill(matchers, bitmask)
+
+    def _fill(self, matchers: list[Any], bitmask: Any) -> Any:
+        self.backend().fill_bitmask(matchers, bitmask)
+        return bitmask
+
+    def _bitmask_rows(self, rows: int) -> Any:
+        """The first ``rows`` rows of the reused bitmask buffer (a fresh allocation per step cost page faults)."""
+        if self._bitmask_buffer is None or self._bitmask_buffer.shape[0] < rows:
+            self._bitmask_buffer = self.backend().allocate_bitmask(max(rows, 64))
+        return self._bitmask_buffer[:rows]
+
+    def _wait_for_fill(self) -> None:
+        """Matchers must not move, nor the buffer be refilled, while a fill still reads them."""
+        pending, self._pending_fill = self._pending_fill, None
+        if pending is not None:
+            wait([pending])  # its error, if any, was raised to the step that used it
 
     def accept_tokens(self, result: ModelRunnerOutput) -> set[str]:
         """Advance each matcher by its request's kept tokens (a list per request: one, or several when
         drafts were accepted); returns the requests whose grammar has ended (terminated, or a token was
         rejected: the engine finishes them with "stop")."""
+        self._wait_for_fill()
         ended = set()
         for req_id, matcher in self._matchers.items():
             for token in result.sampled_token_ids.get(req_id) or ():
@@ -168,3 +210,17 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._fill_pool.shutdown(wait=True)
+
+
+def resolve_bitmask(bitmask: Any) -> Any:
+    """``sched.grammar_bitmask`` as a tensor: waits for the background fill when it is a Future."""
+    return bitmask.result() if isinstance(bitmask, Future) else bitmask
+
+
+def _cpu_is_spare() -> bool:
+    """More usable CPUs than torch's intra-op threads: a fill thread then does not steal a forward's core."""
+    import torch
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cpus > torch.get_num_threads()

@@ -21,6 +21,7 @@ from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.sample.metadata import build_sampling_metadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_logprobs_for_targets
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.manager import resolve_bitmask
 from pagedllm.worker.cpu_memory import zeroed_host_tensor
 
 # Rows of the reused logits buffer (a decode step samples one row per running request).
@@ -62,7 +63,7 @@ def _grammar_rows(sched: SchedulerOutput, sample_states: list[CachedRequestState
             picks.append(index[state.req_id])
     if not rows:
         return [], None
-    bitmask = torch.as_tensor(sched.grammar_bitmask)
+    bitmask = torch.as_tensor(resolve_bitmask(sched.grammar_bitmask))  # waits for an overlapped fill
     return rows, bitmask if picks == list(range(len(index))) else bitmask[picks]
 
 

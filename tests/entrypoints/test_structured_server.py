@@ -116,9 +116,11 @@ def test_named_and_required_tool_calls_validate(client, tool_choice) -> None:
             assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
 
 
-def test_streamed_tool_call_deltas_concatenate(client) -> None:
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_streamed_tool_call_deltas_concatenate(client, tool_choice) -> None:
     kwargs = dict(model="test-model", messages=ASK, tools=[WEATHER, TIME], max_tokens=80, temperature=0,
-                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+                  tool_choice=tool_choice)
     whole = client.chat.completions.create(**kwargs)
     assert whole.choices[0].finish_reason == "tool_calls"
     calls: dict[int, dict] = {}
@@ -127,13 +129,20 @@ def test_streamed_tool_call_deltas_concatenate(client) -> None:
         for choice in chunk.choices:
             finish = choice.finish_reason or finish
             for delta in choice.delta.tool_calls or []:
-                call = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
+                call = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": "", "pieces": 0})
                 call["id"] = delta.id or call["id"]
                 call["name"] += (delta.function.name or "") if delta.function else ""
                 call["arguments"] += (delta.function.arguments or "") if delta.function else ""
-    assert finish == "tool_calls" and len(calls) == 1
-    assert calls[0]["id"] and calls[0]["name"] == "get_weather"
-    assert calls[0]["arguments"] == whole.choices[0].message.tool_calls[0].function.arguments
+                call["pieces"] += bool(delta.function and delta.function.arguments)
+    expected = whole.choices[0].message.tool_calls
+    assert finish == "tool_calls" and len(calls) == len(expected)
+    assert len({c["id"] for c in calls.values()}) == len(calls) and all(c["id"] for c in calls.values())
+    for i, call in enumerate(expected):
+        assert calls[i]["name"] == call.function.name
+        assert calls[i]["arguments"] == call.function.arguments
+        jsonschema.validate(json.loads(calls[i]["arguments"]), TOOL_SCHEMAS[call.function.name])
+        if len(call.function.arguments) > 8:
+            assert calls[i]["pieces"] > 1, "arguments stream as they are generated, not in one delta"
 
 
 def test_auto_tool_choice_and_round_trip(client) -> None:

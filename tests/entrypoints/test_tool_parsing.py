@@ -133,7 +133,10 @@ def test_auto_streaming_holds_back_the_call_and_emits_deltas() -> None:
     assert content == "Hello <b>there" and deltas == [] and reason == "stop"
 
 
-def test_named_streaming_cut_short_returns_text() -> None:
+def test_named_streaming_cut_short_keeps_the_partial_call() -> None:
+    # As OpenAI streams it: the arguments went out as they were generated; the finish reason says "length".
     plan = plan_tools([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None, False)
     content, deltas, reason = _feed(plan, ['{"city": ', '"Os'], finish="length")
-    assert content == '{"city": "Os' and deltas == [] and reason == "length"
+    assert content == "" and reason == "length"
+    assert deltas[0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert "".join(d["function"]["arguments"] for d in deltas) == '{"city": "Os'

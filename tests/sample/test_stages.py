@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import pagedllm.sample.draw as draw_module
+import pagedllm.sample.sampler as sampler_module
 from pagedllm.sample.metadata import build_sampling_metadata
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sample.stages import GrammarBitmaskStage, TemperatureStage, default_stages, unpack_bitmask
@@ -33,6 +34,18 @@ def make_meta(params, grammar_rows=None, allowed=None, generators=None):
         params, [[] for _ in range(rows)], [[] for _ in range(rows)],
         generators if generators is not None else [None] * rows, [0], VOCAB, CPU,
         grammar_rows=grammar_rows, grammar_bitmask=None if allowed is None else pack_bitmask(allowed))
+
+
+DRAW_MODES = ["fused_cpp", "cpp_draw", "torch_draw"]
+
+
+def use_draw(mode: str, monkeypatch) -> None:
+    """fused_cpp: the grammar bitmask read inside the C++ draw; cpp_draw: -inf fill, then the C++ draw;
+    torch_draw: -inf fill, then torch ops."""
+    if mode != "fused_cpp":
+        monkeypatch.setattr(sampler_module, "masked_draw_kernel", lambda *a, **k: None)
+    if mode == "torch_draw":
+        monkeypatch.setattr(draw_module, "kernels_for", lambda t: None)
 
 
 def adversarial(rows: int, allowed: torch.Tensor) -> torch.Tensor:
@@ -71,11 +84,10 @@ PATHS = {
 }
 
 
-@pytest.mark.parametrize("kernel", [True, False], ids=["cpp_draw", "torch_draw"])
+@pytest.mark.parametrize("mode", DRAW_MODES)
 @pytest.mark.parametrize("path", list(PATHS))
-def test_masked_rows_never_sample_outside_the_mask(path: str, kernel: bool, monkeypatch) -> None:
-    if not kernel:
-        monkeypatch.setattr(draw_module, "kernels_for", lambda t: None)
+def test_masked_rows_never_sample_outside_the_mask(path: str, mode: str, monkeypatch) -> None:
+    use_draw(mode, monkeypatch)
     params = PATHS[path]
     allowed = torch.zeros(4, VOCAB, dtype=torch.bool)
     allowed[0, [7, 250]] = True
@@ -96,11 +108,10 @@ def test_masked_rows_never_sample_outside_the_mask(path: str, kernel: bool, monk
         assert 0 <= ids[3] < VOCAB
 
 
-@pytest.mark.parametrize("kernel", [True, False], ids=["cpp_draw", "torch_draw"])
+@pytest.mark.parametrize("mode", DRAW_MODES)
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_fully_masked_row_gives_token_zero_not_nan(temperature: float, kernel: bool, monkeypatch) -> None:
-    if not kernel:
-        monkeypatch.setattr(draw_module, "kernels_for", lambda t: None)
+def test_fully_masked_row_gives_token_zero_not_nan(temperature: float, mode: str, monkeypatch) -> None:
+    use_draw(mode, monkeypatch)
     allowed = torch.zeros(2, VOCAB, dtype=torch.bool)
     allowed[1, 42] = True
     logits = torch.randn(2, VOCAB)
@@ -168,3 +179,108 @@ def test_xgrammar_and_torch_bitmask_apply_agree(monkeypatch) -> None:
     assert torch.equal(with_xgrammar, with_torch)
     assert torch.equal(with_torch[[0, 2, 4]].isfinite(), allowed)
     assert torch.equal(with_torch[[1, 3]], logits[[1, 3]])
+
+
+def test_fused_grammar_draw_is_used_only_when_it_is_the_tail() -> None:
+    from pagedllm.sample.draw import masked_draw_kernel
+
+    logits = torch.randn(2, VOCAB)
+    assert masked_draw_kernel(logits) is not None
+    assert masked_draw_kernel(logits.t().contiguous().t()) is None  # rows not contiguous
+    assert masked_draw_kernel(logits.to(torch.bfloat16)) is None
+    assert masked_draw_kernel(logits.to(torch.bfloat16), copied=True) is not None
+
+
+@pytest.mark.parametrize("vocab", [VOCAB, 320, 49152 + 17])
+def test_fused_greedy_equals_fill_then_argmax(vocab: int) -> None:
+    torch.manual_seed(vocab)
+    rows = 8
+    allowed = torch.rand(rows, vocab) < torch.tensor([0.001, 0.01, 0.3, 0.9, 1.0, 0.5, 0.05, 0.2]).unsqueeze(1)
+    allowed[:, -1] |= torch.arange(rows) % 2 == 0  # the tail word
+    allowed[5] = False  # fully masked: token 0
+    logits = torch.randn(rows, vocab)
+    logits[6, ::7] = 3.0  # ties: the first allowed one wins, like torch.argmax
+    grammar_rows = [0, 1, 2, 3, 5, 6]  # rows 4 and 7 unconstrained
+    meta = build_sampling_metadata([SamplingParams(temperature=0)] * rows, [[]] * rows, [[]] * rows,
+                                   [None] * rows, [0], vocab, CPU, grammar_rows=grammar_rows,
+                                   grammar_bitmask=pack_bitmask(allowed[grammar_rows]))
+    fused = Sampler()(logits, meta).sampled_token_ids
+    filled = logits.clone()
+    filled[grammar_rows] = filled[grammar_rows].masked_fill(~allowed[grammar_rows], float("-inf"))
+    assert fused.tolist() == filled.argmax(dim=1).tolist()
+    assert fused[5] == 0
+
+
+def test_fused_random_draw_matches_the_fill_then_draw_path(monkeypatch) -> None:
+    """Same uniforms, same distribution: the fused draw picks the token the -inf fill + C++ draw picks (up
+    to float rounding at a CDF boundary), and an unconstrained row bit for bit."""
+    rows, vocab = 6, 49152
+    torch.manual_seed(1)
+    allowed = torch.rand(rows, vocab) < torch.tensor([0.002, 0.05, 0.5, 0.98, 1.0, 0.0]).unsqueeze(1)
+    allowed[5, [11, 30000]] = True
+    grammar_rows = [0, 1, 2, 3, 5]
+    params = [SamplingParams(temperature=t) for t in (0.7, 1.0, 1.3, 0.5, 0.9, 2.0)]
+    same = total = 0
+    for trial in range(40):
+        logits = torch.randn(rows, vocab) * 3
+        meta_args = dict(grammar_rows=grammar_rows, allowed=allowed[grammar_rows])
+        torch.manual_seed(trial)
+        fused = Sampler()(logits, make_vocab_meta(params, vocab, **meta_args)).sampled_token_ids
+        with monkeypatch.context() as m:
+            m.setattr(sampler_module, "masked_draw_kernel", lambda *a, **k: None)
+            torch.manual_seed(trial)
+            filled = Sampler()(logits, make_vocab_meta(params, vocab, **meta_args)).sampled_token_ids
+        for row in grammar_rows:
+            assert allowed[row, fused[row]]
+        assert fused[4] == filled[4], "an unconstrained row draws bit for bit as without a grammar"
+        same += int((fused == filled).sum())
+        total += rows
+    assert same >= total - 2, (same, total)
+
+
+def test_fused_draw_follows_the_masked_softmax() -> None:
+    from pagedllm.kernels.cpu import load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    vocab = 100
+    logits = torch.randn(1, vocab)
+    allowed = torch.zeros(1, vocab, dtype=torch.bool)
+    allowed[0, [3, 31, 32, 64, 99]] = True
+    n = 20000
+    u = torch.rand(n)
+    got = torch.stack([kernels.sample_masked(logits, torch.tensor([0.8]), u[i:i + 1], torch.tensor([False]),
+                                             pack_bitmask(allowed), torch.tensor([0])) for i in range(n)]).flatten()
+    want = torch.softmax(logits[0].masked_fill(~allowed[0], float("-inf")) / 0.8, dim=0)
+    freq = torch.bincount(got, minlength=vocab).float() / n
+    assert set(got.unique().tolist()) <= {3, 31, 32, 64, 99}
+    assert torch.allclose(freq, want, atol=0.015)
+
+
+def make_vocab_meta(params, vocab, grammar_rows, allowed):
+    rows = len(params)
+    return build_sampling_metadata(params, [[] for _ in range(rows)], [[] for _ in range(rows)], [None] * rows,
+                                   [0], vocab, CPU, grammar_rows=grammar_rows, grammar_bitmask=pack_bitmask(allowed))
+
+
+def test_fused_mixed_batch_rows_equal_their_solo_draws() -> None:
+    """Seeded random rows (free and constrained) and greedy rows draw in a mixed batch exactly as alone."""
+    vocab = 49152
+    torch.manual_seed(4)
+    logits = torch.randn(4, vocab) * 2
+    allowed = torch.rand(4, vocab) < 0.01
+    params = [SamplingParams(temperature=0.9, seed=11), SamplingParams(temperature=0.8, seed=5),
+              SamplingParams(temperature=0), SamplingParams(temperature=0)]
+    grammar = {1: allowed[1], 3: allowed[3]}  # rows 1 and 3 constrained
+
+    def run(rows: list[int]) -> list[int]:
+        gens = [torch.Generator().manual_seed(params[r].seed) if params[r].seed is not None else None for r in rows]
+        g_rows = [i for i, r in enumerate(rows) if r in grammar]
+        meta = build_sampling_metadata([params[r] for r in rows], [[]] * len(rows), [[]] * len(rows), gens, [0],
+                                       vocab, CPU, grammar_rows=g_rows or None,
+                                       grammar_bitmask=pack_bitmask(torch.stack([grammar[rows[i]] for i in g_rows]))
+                                       if g_rows else None)
+        return Sampler()(logits[rows], meta).sampled_token_ids.tolist()
+
+    batched = run([0, 1, 2, 3])
+    assert batched == [run([r])[0] for r in range(4)]
+    assert allowed[1, batched[1]] and allowed[3, batched[3]]

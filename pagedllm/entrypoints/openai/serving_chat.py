@@ -37,6 +37,7 @@ from pagedllm.entrypoints.openai.tools import (
     new_call_id,
     plan_tools,
     template_has_tools,
+    tool_call_streamer,
 )
 from pagedllm.outputs import Logprob, RequestOutput
 
@@ -185,24 +186,31 @@ class ServingChat(OpenAIServing):
                      ) -> tuple[str, list[dict[str, Any]], str | None]:
         """Streaming with tools, for one choice: (content to send now, tool-call deltas, finish_reason).
 
-        Text that may be (part of) a tool call is held back until the choice finishes, then parsed whole:
-        each call goes out as one delta with its id and name and one with its arguments.
+        A call goes out as soon as its name and the start of its arguments are generated (a delta with its
+        id and name), then its arguments piece by piece as they grow (``tool_call_stream.py``). In ``auto``
+        mode content streams up to where a call may start; a call the parser finds only in the finished
+        text (no arguments key, say) goes out whole at the end.
         """
         state["text"] += text
         full = state["text"]
+        streamer = state.setdefault("streamer", tool_call_streamer(plan, self.tool_parser))
+        deltas = streamer.feed(full)
+        if plan.mode != "auto":
+            if finish_reason is None:
+                return "", deltas, None
+            if streamer.started:  # cut short (length): the partial call stays, as OpenAI streams it
+                return "", deltas, "tool_calls" if finish_reason == "stop" else finish_reason
+            return full, deltas, finish_reason
         if finish_reason is None:
-            if plan.mode != "auto":
-                return "", [], None
             safe = self.tool_parser.safe_prefix_len(full)
             out, state["sent"] = full[state["sent"]:max(safe, state["sent"])], max(safe, state["sent"])
-            return out, [], None
+            return out, deltas, None
         content, calls = self._tool_calls(plan, full, finish_reason)
-        if not calls:
+        if not calls and not streamer.started:
             out, state["sent"] = full[state["sent"]:], len(full)
-            return out, [], finish_reason
+            return out, deltas, finish_reason
         rest = (content or "")[state["sent"]:] if content else ""
-        deltas = []
-        for i, call in enumerate(calls):
+        for i, call in enumerate(calls[len(streamer.sent):], start=len(streamer.sent)):
             deltas.append({"index": i, "id": new_call_id(), "type": "function",
                            "function": {"name": call.name, "arguments": ""}})
             deltas.append({"index": i, "function": {"arguments": call.arguments}})

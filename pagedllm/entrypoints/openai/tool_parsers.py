@@ -1,8 +1,9 @@
 """Parsers that find tool calls in a model's free text (``tool_choice: auto``), by model family.
 
-Each parser turns the whole completion into (content, [(name, arguments JSON text)]) and says where a tool
-call may start, so a stream can hold text back from that point until the end. ``--tool-call-parser``
-picks one by name (vLLM's names).
+Each parser turns the whole completion into (content, [(name, arguments JSON text)]), says where a tool
+call may start (a stream holds content back from there), and locates the calls in a growing text
+(``scan``) so a stream sends their arguments as they are generated. ``--tool-call-parser`` picks one by
+name (vLLM's names).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+
+from pagedllm.entrypoints.openai.json_scan import CallSpan, scan_array_of_calls, skip_space, span_of_object
 
 
 @dataclass
@@ -40,6 +43,10 @@ class ToolParser:
     def _marker_pos(self, text: str) -> int | None:
         pos = text.find(self.start_marker)
         return pos if pos >= 0 else None
+
+    def scan(self, text: str) -> list[CallSpan]:
+        """The calls visible so far in a growing completion (names and argument positions); [] = none yet."""
+        return []
 
 
 def _call_from_obj(obj: object, args_key: str) -> ParsedCall | None:
@@ -79,6 +86,20 @@ class HermesToolParser(ToolParser):
         content = text[:start].strip()
         return (content or None), calls
 
+    def scan(self, text: str) -> list[CallSpan]:
+        spans = []
+        pos = text.find(self.start_marker)
+        while pos >= 0:
+            i = skip_space(text, pos + len(self.start_marker))
+            if i >= len(text) or text[i] != "{":
+                break
+            span, end = span_of_object(text, i, "arguments")
+            spans.append(span)
+            if end is None:
+                break
+            pos = text.find(self.start_marker, end)
+        return spans
+
 
 class Llama3JsonToolParser(ToolParser):
     """Llama 3.x JSON calls: ``{"name": ..., "parameters": {...}}``, optionally after ``<|python_tag|>``,
@@ -106,6 +127,21 @@ class Llama3JsonToolParser(ToolParser):
                 i += 1
         return None, calls
 
+    def scan(self, text: str) -> list[CallSpan]:
+        body_start = skip_space(text, 0)
+        if text.startswith("<|python_tag|>", body_start):
+            body_start = skip_space(text, body_start + len("<|python_tag|>"))
+        spans, i = [], body_start
+        while i < len(text) and text[i] == "{":
+            span, end = span_of_object(text, i, "parameters", "arguments")
+            spans.append(span)
+            if end is None:
+                break
+            i = end
+            while i < len(text) and text[i] in " \n\t;":
+                i += 1
+        return spans
+
     def safe_prefix_len(self, text: str) -> int:
         stripped = text.lstrip().removeprefix("<|python_tag|>").lstrip()
         return 0 if (not stripped or stripped.startswith("{") or "<|python_tag|>".startswith(text.strip())) \
@@ -132,6 +168,15 @@ class MistralToolParser(ToolParser):
             return text, []
         content = text[:start].strip()
         return (content or None), calls  # type: ignore[return-value]
+
+    def scan(self, text: str) -> list[CallSpan]:
+        start = self._marker_pos(text)
+        if start is None:
+            return []
+        i = skip_space(text, start + len(self.start_marker))
+        if i < len(text) and text[i] == "[":
+            return scan_array_of_calls(text, i, "arguments")
+        return [span_of_object(text, i, "arguments")[0]] if i < len(text) and text[i] == "{" else []
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {

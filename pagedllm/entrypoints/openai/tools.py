@@ -13,7 +13,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.entrypoints.openai.tool_parsers import ParsedCall
+from pagedllm.entrypoints.openai.tool_call_stream import ToolCallStreamer, final_calls, scan_named, scan_required
+from pagedllm.entrypoints.openai.tool_parsers import ParsedCall, ToolParser
 from pagedllm.structured_output.params import StructuredOutputsParams
 from pagedllm.utils import random_uuid
 
@@ -129,12 +130,23 @@ def new_call_id() -> str:
 
 
 def calls_from_constrained_output(plan: ToolPlan, text: str) -> list[ParsedCall]:
-    """The grammar-constrained output of a named/required request -> its calls (ValueError if cut short)."""
-    data = json.loads(text)
+    """The grammar-constrained output of a named/required request -> its calls (ValueError if cut short).
+
+    Arguments are the exact text generated, so they equal the concatenated deltas of a stream."""
     if plan.mode == "named":
         assert plan.named is not None
-        return [ParsedCall(plan.named, json.dumps(data, ensure_ascii=False))]
-    return [ParsedCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in data]
+        return final_calls(scan_named(text), text, named=plan.named)
+    json.loads(text)  # the whole array must be complete JSON
+    return final_calls(scan_required(text), text)
+
+
+def tool_call_streamer(plan: ToolPlan, parser: ToolParser) -> ToolCallStreamer:
+    """The streamer that finds this plan's calls in a growing completion."""
+    if plan.mode == "named":
+        return ToolCallStreamer(scan_named, new_call_id, named=plan.named)
+    if plan.mode == "required":
+        return ToolCallStreamer(scan_required, new_call_id)
+    return ToolCallStreamer(parser.scan, new_call_id)
 
 
 def template_has_tools(template: str | None) -> bool:

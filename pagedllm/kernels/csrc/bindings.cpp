@@ -27,6 +27,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out") = py::none());
   m.def("sample_from_logits", &sample_from_logits, "Inverse-CDF sample of softmax(logits / temperature) per row",
         py::arg("logits"), py::arg("temperature"), py::arg("uniform"));
+  m.def("sample_masked", &sample_masked, "Per row argmax or inverse-CDF draw over the tokens a bitmask allows",
+        py::arg("logits"), py::arg("temperature"), py::arg("uniform"), py::arg("greedy"), py::arg("bitmask"),
+        py::arg("mask_row"));
   m.def("rms_norm_", &rms_norm_, "In place: residual += x (if given); x = rms_norm(residual or x) * weight");
   m.def("rotary_", &rotary_, "In place rotate-half rotary embedding on the first num_heads heads of each row");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for gate_up = [gate | up]");

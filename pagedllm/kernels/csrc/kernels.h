@@ -45,6 +45,11 @@ torch::Tensor w8a8_gemm(const torch::Tensor& x, const torch::Tensor& qweight, co
 // sampling.cpp
 torch::Tensor sample_from_logits(const torch::Tensor& logits, const torch::Tensor& temperature,
                                  const torch::Tensor& uniform);
+// Per row: argmax (greedy[b]) or the inverse-CDF draw, over the tokens allowed by bitmask row mask_row[b]
+// (every token when mask_row[b] < 0). bitmask [M, ceil(V/32)] int32, greedy [B] bool, mask_row [B] int64.
+torch::Tensor sample_masked(const torch::Tensor& logits, const torch::Tensor& temperature,
+                            const torch::Tensor& uniform, const torch::Tensor& greedy, const torch::Tensor& bitmask,
+                            const torch::Tensor& mask_row);
 
 // fused_ops.cpp
 void rms_norm_(torch::Tensor& x, const std::optional<torch::Tensor>& residual, const torch::Tensor& weight,
