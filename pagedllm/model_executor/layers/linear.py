@@ -58,6 +58,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] -> [..., N]. ``out``: optional [M, N] float32 destination (M = rows of x), returned."""
+        if x.dim() == 2:  # the model runner's flat [T, K] batches: no reshape round trip
+            return self.quant_method.apply(self, x, self.bias, out)
         lead = x.shape[:-1]
         y = self.quant_method.apply(self, x.reshape(-1, self.in_features), self.bias, out)
         return y if out is not None else y.view(*lead, self.out_features)
