@@ -18,8 +18,9 @@
 // nibble, so masking the low (high) nibbles of a block gives the 4 consecutive k of each column in one
 // 32-bit lane: exactly what the byte dot products consume against 4 broadcast bytes of x.
 //
-// ISA dispatch at run time per call (isa as in quant_gemm.cpp: 0 = best, 1 = AVX2, 2 = AVX-512, 3 = portable);
+// ISA dispatch at run time per call (isa as in cpu_features.h: 0 = best, 1 = AVX2, 2 = AVX-512, 3 = portable);
 // AVX-512 runs the VNNI tiles where the CPU has VNNI and the AVX2 tiles otherwise.
+#include "cpu_features.h"
 #include "gemm_args.h"
 #include "kernels.h"
 
@@ -43,37 +44,13 @@ constexpr int64_t BLOCK_BYTES = 64;
 constexpr int MR = 4;              // rows per tile
 constexpr float RESIDUAL_STEPS = 254.f;  // x2's step is dx / 254: |residual| <= dx / 2 -> |x2| <= 127
 
-bool has_avx2() {
-#if defined(PAGEDLLM_X86)
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-  return false;
-#endif
-}
-
-bool has_vnni512() {
-#if defined(PAGEDLLM_X86)
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-#else
-  return false;
-#endif
-}
-
 enum class Path { kGeneric, kAvx2, kVnni512 };
 
-Path resolve_path(int64_t isa) {
-  TORCH_CHECK(isa >= 0 && isa <= 3, "isa must be 0..3, got ", isa);
-  if (isa == 3) return Path::kGeneric;
-  if (isa == 1) {
-    TORCH_CHECK(has_avx2(), "this CPU has no AVX2+FMA");
-    return Path::kAvx2;
-  }
-#if defined(PAGEDLLM_X86)
-  if (isa == 2) TORCH_CHECK(__builtin_cpu_supports("avx512f"), "this CPU has no AVX-512F");
-#endif
-  if (has_vnni512()) return Path::kVnni512;
-  return has_avx2() ? Path::kAvx2 : Path::kGeneric;
+// AVX-512 without VNNI (and an explicit AVX2 request) runs the AVX2 tiles.
+Path resolve_path(int64_t isa_request) {
+  const int isa = resolve_isa(isa_request);
+  if (isa == ISA_GENERIC) return Path::kGeneric;
+  return isa == ISA_AVX512 && cpu_has_vnni512() ? Path::kVnni512 : Path::kAvx2;
 }
 
 // x split per (row, group): x1, x2 int8 [M, K]; dx = max|x| / 127 and xs = sum(x), float [M, G].

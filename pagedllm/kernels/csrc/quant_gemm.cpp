@@ -21,6 +21,7 @@
 // 3 = portable C++), so one build serves both CPU kinds and tests can force every path on one machine.
 // The x86 paths are compiled with function-level target attributes, not with the build's -march (the
 // fp32 panel kernel used for many rows off AVX-512 is packed_gemm.cpp's, built for the build's -march).
+#include "cpu_features.h"
 #include "gemm_args.h"
 #include "kernels.h"
 #include "packed_panels.h"
@@ -41,33 +42,6 @@
 namespace {
 
 constexpr int64_t NR = 16;  // output columns per panel
-constexpr int ISA_AUTO = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_GENERIC = 3;
-
-bool cpu_has_avx2() {
-#if defined(PAGEDLLM_X86)
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-#else
-  return false;
-#endif
-}
-
-bool cpu_has_avx512() {
-#if defined(PAGEDLLM_X86)
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl");
-#else
-  return false;
-#endif
-}
-
-int resolve_isa(int64_t isa) {
-  if (isa == ISA_AUTO) return cpu_has_avx512() ? ISA_AVX512 : cpu_has_avx2() ? ISA_AVX2 : ISA_GENERIC;
-  TORCH_CHECK(isa == ISA_AVX2 || isa == ISA_AVX512 || isa == ISA_GENERIC, "isa must be 0..3, got ", isa);
-  TORCH_CHECK(isa != ISA_AVX2 || cpu_has_avx2(), "this CPU has no AVX2+FMA+F16C");
-  TORCH_CHECK(isa != ISA_AVX512 || cpu_has_avx512(), "this CPU has no AVX-512F/BW/VL");
-  return static_cast<int>(isa);
-}
-
 // Everything one call's tiles need. Tiles compute R rows x 16 columns of one panel into tmp[R][16]
 // (scaled, without bias); the caller adds bias and stores the panel's valid columns.
 struct Problem {

@@ -11,6 +11,7 @@
 // vpdpbusd multiplies unsigned by signed bytes: x is stored as xq + 128 (u8) and 128 * sum_k W[n, k] is
 // subtracted at the end. Each panel is regrouped per call into k-quads [ceil(K/4), 16, 4] (4 consecutive k
 // of one column in a 32-bit lane), zero-padded past K.
+#include "cpu_features.h"
 #include "gemm_args.h"
 #include "kernels.h"
 
@@ -29,15 +30,6 @@ namespace {
 
 constexpr int64_t NR = 16;
 constexpr int MR = 8;
-
-bool cpu_has_vnni512() {
-#if defined(__x86_64__)
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-#else
-  return false;
-#endif
-}
 
 // Per row: scale = max|x| / 127, xq = round(x / scale) + 128 as u8 (K padded to a multiple of 4 with 128).
 void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t Kp, uint8_t* xq, float* sx) {

@@ -13,7 +13,6 @@ llama.cpp's converter (``convert_hf_to_gguf.py``) that the tables rest on:
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,9 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedllm.model_executor.loader.gguf_file import GGUFFile
-
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+from pagedllm.model_executor.loader.gguf_file import GGUFFile, block_part, gguf_hf_name
 
 _LLAMA_LIKE_LAYER = {
     "attn_norm": "input_layernorm",
@@ -62,16 +59,7 @@ class GGUFArch:
 
     def hf_name(self, gguf_name: str) -> str:
         """``blk.3.attn_qkv.weight`` -> ``model.layers.3.self_attn.qkv_proj.weight`` (ValueError if unknown)."""
-        m = _BLOCK_RE.match(gguf_name)
-        if m:
-            layer, part, kind = m.groups()
-            if part in self.layer_names:
-                return f"{self.layer_prefix}.{layer}.{self.layer_names[part]}.{kind}"
-        else:
-            base, _, kind = gguf_name.rpartition(".")
-            if base in self.global_names:
-                return f"{self.global_names[base]}.{kind}"
-        raise ValueError(f"GGUF tensor {gguf_name!r} has no {self.hf_architecture} counterpart")
+        return gguf_hf_name(gguf_name, self.layer_names, self.global_names, self.hf_architecture, self.layer_prefix)
 
 
 class _Meta:
@@ -241,15 +229,15 @@ def iter_gguf_arch_weights(gguf: GGUFFile, arch: GGUFArch, hf_config: Any,
         if keep_quantized and not name.startswith(("token_embd.", "position_embd.")):
             raw = gguf.load_raw(name)
             if raw is not None:
-                m = _BLOCK_RE.match(name)
-                parts = arch.fused.get(m.group(2)) if m else None
+                block = block_part(name)
+                parts = arch.fused.get(block[1]) if block else None
                 if not parts:
                     yield hf, raw
                     continue
                 start = 0
                 for part, rows in zip(parts, _row_blocks(hf_config, len(parts)), strict=True):
-                    block = dataclasses.replace(raw, raw=raw.raw[start:start + rows], shape=(rows, raw.shape[1]))
-                    yield f"{arch.layer_prefix}.{m.group(1)}.{part}.weight", block
+                    rows_raw = dataclasses.replace(raw, raw=raw.raw[start:start + rows], shape=(rows, raw.shape[1]))
+                    yield f"{arch.layer_prefix}.{block[0]}.{part}.weight", rows_raw
                     start += rows
                 continue
         array = gguf.load(name)

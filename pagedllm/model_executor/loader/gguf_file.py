@@ -7,6 +7,7 @@ Dequantization uses ``gguf.quants.dequantize``.
 
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,34 @@ class GGUFTensorInfo:
     shape: tuple[int, ...]
     ggml_type: int
     offset: int  # absolute byte offset in the file
+
+
+_FLOAT_TYPES = (0, 1, 30)  # GGML F32, F16, BF16
+
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def block_part(gguf_name: str) -> tuple[str, str] | None:
+    """``blk.3.attn_qkv.weight`` -> ``("3", "attn_qkv")``; None for tensors outside the layer blocks."""
+    m = _BLOCK_RE.match(gguf_name)
+    return (m.group(1), m.group(2)) if m else None
+
+
+def gguf_hf_name(gguf_name: str, layer_names: dict[str, str], global_names: dict[str, str], arch: str,
+                 layer_prefix: str = "model.layers") -> str:
+    """A GGUF tensor name in HF's naming: ``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``
+    through ``layer_names`` (per-layer parts) and ``global_names`` (the rest); ValueError naming ``arch`` if
+    the tensor has no counterpart."""
+    m = _BLOCK_RE.match(gguf_name)
+    if m:
+        layer, part, kind = m.groups()
+        if part in layer_names:
+            return f"{layer_prefix}.{layer}.{layer_names[part]}.{kind}"
+    else:
+        base, _, kind = gguf_name.rpartition(".")
+        if base in global_names:
+            return f"{global_names[base]}.{kind}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no {arch} counterpart")
 
 
 class GGUFFile:
@@ -63,6 +92,10 @@ class GGUFFile:
         align = int(self.metadata.get("general.alignment", 32))
         data_start = -(pos // -align) * align
         self.tensors = {name: GGUFTensorInfo(name, dims, t, data_start + off) for name, dims, t, off in infos}
+
+    def has_quantized_matrices(self) -> bool:
+        """Whether any 2-D tensor is stored in a quantized block type (not F32 / F16 / BF16)."""
+        return any(len(t.shape) == 2 and t.ggml_type not in _FLOAT_TYPES for t in self.tensors.values())
 
     def _string(self, pos: int) -> tuple[str, int]:
         (n,) = struct.unpack_from("<Q", self._buf, pos)
@@ -130,10 +163,3 @@ class GGUFFile:
         raw = np.array(self._data[info.offset:info.offset + nbytes]).reshape(rows, nbytes // rows)
         return GGUFQuantTensor(torch.from_numpy(raw), int(info.ggml_type), (rows, k))
 
-
-_FLOAT_TYPES = (0, 1, 30)  # GGML F32, F16, BF16
-
-
-def gguf_has_quantized_matrices(path: str) -> bool:
-    """Whether any 2-D tensor of the GGUF file at ``path`` is stored in a quantized block type."""
-    return any(len(t.shape) == 2 and t.ggml_type not in _FLOAT_TYPES for t in GGUFFile(path).tensors.values())

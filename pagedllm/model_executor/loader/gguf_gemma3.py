@@ -11,14 +11,13 @@ Facts the mapping rests on (llama.cpp's converter, and transformers' GGUF loader
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
-from pagedllm.model_executor.loader.gguf_file import GGUFFile
+from pagedllm.model_executor.loader.gguf_file import GGUFFile, gguf_hf_name
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -36,7 +35,6 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
 def gemma3_config(gguf: GGUFFile) -> Any:
@@ -76,16 +74,7 @@ def gemma3_config(gguf: GGUFFile) -> Any:
 
 def gemma3_hf_name(gguf_name: str) -> str:
     """``blk.3.post_ffw_norm.weight`` -> ``model.layers.3.post_feedforward_layernorm.weight``."""
-    m = _BLOCK_RE.match(gguf_name)
-    if m:
-        layer, part, kind = m.groups()
-        if part not in _LAYER_NAMES:
-            raise ValueError(f"GGUF tensor {gguf_name!r} has no Gemma 3 counterpart")
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
-    base, _, kind = gguf_name.rpartition(".")
-    if base not in _GLOBAL_NAMES:
-        raise ValueError(f"GGUF tensor {gguf_name!r} has no Gemma 3 counterpart")
-    return f"{_GLOBAL_NAMES[base]}.{kind}"
+    return gguf_hf_name(gguf_name, _LAYER_NAMES, _GLOBAL_NAMES, "Gemma 3")
 
 
 def iter_gguf_gemma3_weights(gguf: GGUFFile, hf_config: Any,

@@ -5,14 +5,13 @@ Mistral and other Llama-shaped models are stored under the same ``llama`` archit
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
-from pagedllm.model_executor.loader.gguf_file import GGUFFile
+from pagedllm.model_executor.loader.gguf_file import GGUFFile, gguf_hf_name
 
 # GGUF ``general.architecture`` -> HF ``architectures`` entry (unsupported ones still get a name so the
 # registry can say what is supported).
@@ -31,7 +30,6 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
 def supported_gguf_architectures() -> list[str]:
@@ -112,16 +110,7 @@ def gguf_to_hf_config(gguf: GGUFFile) -> Any:
 
 def hf_name(gguf_name: str) -> str:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
-    m = _BLOCK_RE.match(gguf_name)
-    if m:
-        layer, part, kind = m.groups()
-        if part not in _LAYER_NAMES:
-            raise ValueError(f"GGUF tensor {gguf_name!r} has no Llama counterpart")
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
-    base, _, kind = gguf_name.rpartition(".")
-    if base not in _GLOBAL_NAMES:
-        raise ValueError(f"GGUF tensor {gguf_name!r} has no Llama counterpart")
-    return f"{_GLOBAL_NAMES[base]}.{kind}"
+    return gguf_hf_name(gguf_name, _LAYER_NAMES, _GLOBAL_NAMES, "Llama")
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -63,12 +63,14 @@ def resolve_model_config(mc: ModelConfig) -> ModelConfig:
 
     source = find_model_source(mc.model)
     gguf_metadata = None
+    gguf_quantized = False  # whether the GGUF file stores any matrix in a quantized block type
     if source.gguf_file:
         from pagedllm.model_executor.loader.gguf_file import GGUFFile
         from pagedllm.model_executor.loader.gguf_llama import gguf_to_hf_config
 
         gguf = GGUFFile(source.gguf_file)
         gguf_metadata = gguf.metadata
+        gguf_quantized = gguf.has_quantized_matrices()
         hf_config = gguf_to_hf_config(gguf)
         mc.model_path = source.gguf_file
         mc.gguf_file = source.gguf_file
@@ -83,13 +85,12 @@ def resolve_model_config(mc: ModelConfig) -> ModelConfig:
     mc.vocab_size = int(hf_config.vocab_size)
     mc.eos_token_ids = _eos_ids(source.folder, hf_config, gguf_metadata)
     from pagedllm.model_executor.layers.quantization import default_gguf_quantization, get_quantization_config
-    from pagedllm.model_executor.loader.gguf_file import gguf_has_quantized_matrices
 
     if mc.gguf_file and mc.quantization is None:
         import torch
 
         mc.quantization, why = default_gguf_quantization(str(mc.dtype).lower(), torch.cuda.is_available(),
-                                                         gguf_has_quantized_matrices(mc.gguf_file))
+                                                         gguf_quantized)
         logger.info("GGUF file: %s (--quantization %s: %s; %s)", "blocks kept quantized" if mc.quantization == "gguf"
                     else "dequantized to float", mc.quantization, why,
                     "--quantization none dequantizes them" if mc.quantization == "gguf"
