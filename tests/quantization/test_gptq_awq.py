@@ -105,8 +105,8 @@ def test_fused_layer_matches_the_checkpoint_dequantized(case: str) -> None:
     if case == "gptq4-act-order":  # re-quantized to int8 per channel: within half an int8 step
         assert (layer.qpanels.dequantize() - ref).abs().max() <= ref.abs().amax() / 254 * 1.01
         assert "int8" in layer.quant_method.scheme(layer)
-    else:  # the packed integers map onto the kernel's panels exactly
-        torch.testing.assert_close(layer.qpanels.dequantize(), ref, atol=1e-6, rtol=1e-6)
+    else:  # the packed integers map onto the kernel's panels exactly; min = -scale * zero is rounded to float16
+        torch.testing.assert_close(layer.qpanels.dequantize(), ref, atol=1e-3 * ref.abs().max().item(), rtol=1e-6)
     x = torch.randn(5, 128)
     # 4-bit layers quantize x to two int8 terms per group (~16-bit precise): docs/quantization.md
     tol = 1e-3 if layer.qpanels.is_q4 else 1e-4

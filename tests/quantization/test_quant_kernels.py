@@ -72,13 +72,18 @@ def _int8_activation_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor
     return (y + xf.double().sum(-1) @ mins.double().t()).float()
 
 
+def _fp16_params(q: torch.Tensor, s: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Scales and mins as the dot8 layout stores them (float16), for exact references."""
+    return q, s.half().float(), mins.half().float()
+
+
 @pytest.mark.parametrize("isa", _isas())
 @pytest.mark.parametrize(("n", "k", "group"), [(37, 64, 32), (16, 96, 32), (100, 128, 64), (3, 256, 128),
                                                (17, 48, 8)])
 def test_q4_dot8_matches_int8_activation_reference(kernels, isa: str, n: int, k: int, group: int) -> None:
     """The dot8 layout (default for 4-bit): every row-tile tail (1..4 rows, then blocks), odd N, bias."""
     torch.manual_seed(n * k + 1)
-    q, s, mins = quantize_q4(torch.randn(n, k), group)
+    q, s, mins = _fp16_params(*quantize_q4(torch.randn(n, k), group))
     panels = QPanels.pack_q4(q, s, mins)
     assert panels.layout == "dot8"
     bias = torch.randn(n) if n % 2 else None
@@ -93,10 +98,11 @@ def test_q4_dot8_matches_int8_activation_reference(kernels, isa: str, n: int, k:
 
 def test_q4_layouts_hold_the_same_weights() -> None:
     torch.manual_seed(3)
-    q, s, mins = quantize_q4(torch.randn(21, 64), 32)
+    q, s, mins = _fp16_params(*quantize_q4(torch.randn(21, 64), 32))
     dot8, pairs = QPanels.pack_q4(q, s, mins), QPanels.pack_q4(q, s, mins, layout="pairs")
     assert dot8.qweight.shape == (2, 8, 64) and pairs.qweight.shape == (2, 32, 16)
-    assert dot8.nbytes() == pairs.nbytes()
+    assert dot8.scales.dtype == dot8.mins.dtype == torch.float16  # a fifth of the bytes, not a third
+    assert dot8.nbytes() == 2 * 16 * (64 // 2 + 2 * 2 * 2) and pairs.nbytes() == 2 * 16 * (64 // 2 + 2 * 2 * 4)
     torch.testing.assert_close(dot8.dequantize(), pairs.dequantize(), atol=0, rtol=0)
     assert QPanels.pack_q4(*quantize_q4(torch.randn(4, 36), 12)).layout == "pairs"  # group not a multiple of 8
     with pytest.raises(ValueError, match="multiple of 8"):
@@ -204,7 +210,7 @@ def test_many_rows_span_several_row_blocks(kernels, isa: str) -> None:
         ref = F.linear(x.double(), panels.dequantize().double()).float()
         torch.testing.assert_close(panels.matmul(x, isa=ISA_CODES[isa]), ref, atol=2e-3, rtol=1e-4)
     # dot8 walks row blocks of ~64 KiB of int8 x: 150 rows x 1024 spans three
-    q, s, mins = quantize_q4(w, 64)
+    q, s, mins = _fp16_params(*quantize_q4(w, 64))
     torch.testing.assert_close(QPanels.pack_q4(q, s, mins).matmul(x, isa=ISA_CODES[isa]),
                                _int8_activation_reference(x, q, s, mins, 64), atol=3e-3, rtol=1e-5)
 

@@ -38,8 +38,8 @@ def _panels(t: torch.Tensor) -> torch.Tensor:
 @dataclass
 class QPanels:
     """A packed quantized weight [N, K]: ``qweight`` int8 [P, K, 16] (q8), uint8 [P, K/2, 16] (q4) or uint8
-    [P, K, 16] (f8: float8 e4m3fn bit patterns), ``scales`` / ``mins`` float32 [P, K/group, 16] (``mins`` only
-    for q4)."""
+    [P, K, 16] (f8: float8 e4m3fn bit patterns), ``scales`` / ``mins`` [P, K/group, 16] (``mins`` only for q4;
+    float16 in the dot8 layout, else float32)."""
 
     qweight: torch.Tensor
     scales: torch.Tensor
@@ -84,7 +84,11 @@ class QPanels:
             packed = p[:, 0::2, :] | (p[:, 1::2, :] << 4)
         else:
             raise ValueError(f"unknown 4-bit layout {layout!r}")
-        return cls(packed.contiguous(), _panels(scales.float()), _panels(mins.float()), group, n, k, layout=layout)
+        # dot8 keeps scales and mins in float16 (exact for GGUF's Q4_0/Q4_1): a decode stream is bound by weight
+        # bytes, and fp32 ones were a third of them.
+        sdtype = torch.float16 if layout == "dot8" else torch.float32
+        return cls(packed.contiguous(), _panels(scales.float()).to(sdtype), _panels(mins.float()).to(sdtype), group,
+                   n, k, layout=layout)
 
     @classmethod
     def pack_f8(cls, q: torch.Tensor, scales: torch.Tensor) -> QPanels:
@@ -98,8 +102,8 @@ class QPanels:
         return self.mins is not None
 
     def nbytes(self) -> int:
-        extra = self.mins.numel() * 4 if self.mins is not None else 0
-        return self.qweight.numel() * self.qweight.element_size() + self.scales.numel() * 4 + extra
+        tensors = [self.qweight, self.scales] + ([self.mins] if self.mins is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] (reference and fallback path)."""
@@ -116,10 +120,10 @@ class QPanels:
             q = self.qweight.view(torch.float8_e4m3fn).float()
         else:
             q = self.qweight.float()
-        s = self.scales.repeat_interleave(self.group, dim=1)
+        s = self.scales.float().repeat_interleave(self.group, dim=1)
         w = q * s
         if self.mins is not None:
-            w += self.mins.repeat_interleave(self.group, dim=1)
+            w += self.mins.float().repeat_interleave(self.group, dim=1)
         return w.transpose(1, 2).reshape(p * PANEL, self.in_features)[: self.out_features]
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
