@@ -9,11 +9,12 @@ from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.attention.backends.selector import DeviceAttentionBackend
 from pagedllm.attention.forward_context import get_attn_metadata
 from pagedllm.attention.spec import AttentionSpec
+from pagedllm.model_executor.layers.direct_call import DirectCall
 
 _DEFAULT_BACKEND = DeviceAttentionBackend()
 
 
-class Attention(nn.Module):
+class Attention(DirectCall, nn.Module):
     """Paged multi-head / grouped-query attention over the KV cache bound to this layer.
 
     ``spec`` says what the layer attends to (causal, sliding window, encoder). The model runner binds

@@ -6,9 +6,10 @@ import torch
 from torch import nn
 
 from pagedllm.kernels.dispatch import elementwise_kernels_for
+from pagedllm.model_executor.layers.direct_call import DirectCall
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(DirectCall, nn.Module):
     """Root-mean-square norm over the last dim; statistics in float32, output in the input dtype."""
 
     # Gemma stores w and scales by (1 + w); others scale by w.
@@ -63,7 +64,7 @@ class GemmaRMSNorm(RMSNorm):
             self.weight.zero_()
 
 
-class LayerNorm(nn.LayerNorm):
+class LayerNorm(DirectCall, nn.LayerNorm):
     """LayerNorm with RMSNorm's calling convention (an optional residual added first)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, dtype: torch.dtype | None = None) -> None:

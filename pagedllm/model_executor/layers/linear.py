@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from pagedllm.model_executor.layers.direct_call import DirectCall
 from pagedllm.model_executor.layers.quantization.base import (
     LinearMethod,
     QuantizationConfig,
@@ -27,7 +28,7 @@ from pagedllm.model_executor.layers.quantization.unquantized import (  # noqa: F
 )
 
 
-class Linear(nn.Module):
+class Linear(DirectCall, nn.Module):
     """y = x @ W^T + b with W stored as its quantization method decides.
 
     ``shard_sizes``: output rows of each shard of a fused layer, in shard_id order (default: one shard).

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from pagedllm.kernels.dispatch import elementwise_kernels_for
+from pagedllm.model_executor.layers.direct_call import DirectCall
 
 
 def rope_settings(hf_config: Any) -> tuple[float, dict[str, Any]]:
@@ -115,7 +116,7 @@ def _longrope_inv_freq(head_dim: int, theta: float, factors: Any) -> torch.Tenso
     return _default_inv_freq(head_dim, theta) / _factors(factors, head_dim, "longrope")
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(DirectCall, nn.Module):
     """Holds cos/sin for every position up to ``max_position``; layers share one lookup per step.
 
     LongRoPE (Phi-3 "longrope"/"su"): two tables, short factors then long ones, stacked as [2P, D]; a

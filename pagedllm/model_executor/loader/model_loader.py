@@ -28,6 +28,7 @@ def load_model(mc: ModelConfig, device: torch.device | str = "cpu") -> nn.Module
     Resolves ``mc`` first if needed. HF folders load from safetensors shards; GGUF files are dequantized
     tensor by tensor.
     """
+    from pagedllm.model_executor.layers.direct_call import promote_attributes
     from pagedllm.model_executor.layers.quantization import get_quantization_config
     from pagedllm.model_executor.layers.quantization.base import to_empty_keeping_loaders
     from pagedllm.model_executor.models.registry import get_model_cls
@@ -72,6 +73,7 @@ def load_model(mc: ModelConfig, device: torch.device | str = "cpu") -> nn.Module
     for module in list(model.modules()):
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
+    promote_attributes(model)  # the weights are final: plain attribute reads from here on (direct_call.py)
     logger.info("loaded %s (%s, %s%s) in %.2f s; weights use %s on %s", mc.architecture, mc.model_path, mc.dtype,
                 f", quantization {quant_config.name}" if quant_config else "", time.perf_counter() - start,
                 format_bytes(model_weight_bytes(model)), device)

@@ -11,13 +11,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels.cpu import kernels_for
+from pagedllm.model_executor.layers.direct_call import DirectCall
 from pagedllm.model_executor.layers.linear import Linear
 from pagedllm.model_executor.layers.quantization.base import to_empty_keeping_loaders
 from pagedllm.model_executor.models.blocks import make_linear
 from pagedllm.model_executor.models.weight_loading import WeightMapping, load_weights
 
 
-class CausalLM(nn.Module):
+class CausalLM(DirectCall, nn.Module):
     """Subclasses build ``self.model`` (whose forward takes ``input_ids, positions``) and call
     ``_init_head``; they name the input embedding in ``embedding_name`` and declare ``weight_mapping``."""
 

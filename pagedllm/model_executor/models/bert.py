@@ -22,6 +22,7 @@ from torch import nn
 
 from pagedllm.attention.layer import Attention
 from pagedllm.attention.spec import AttentionSpec
+from pagedllm.model_executor.layers.direct_call import DirectCall
 from pagedllm.model_executor.layers.linear import Linear
 
 _QKV_RE = re.compile(r"\.attention\.self\.(query|key|value)\.")
@@ -40,7 +41,7 @@ def _activation(name: str) -> Any:
     raise ValueError(f"hidden_act {name!r} is not supported for BERT (gelu, gelu_new, relu)")
 
 
-class BertEmbeddings(nn.Module):
+class BertEmbeddings(DirectCall, nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
         super().__init__()
         self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
@@ -59,7 +60,7 @@ class BertEmbeddings(nn.Module):
         return self.LayerNorm(x)
 
 
-class BertSelfAttention(nn.Module):
+class BertSelfAttention(DirectCall, nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype, layer_idx: int) -> None:
         super().__init__()
         hidden = cfg.hidden_size
@@ -75,7 +76,7 @@ class BertSelfAttention(nn.Module):
         return self.attn(q, k, v)
 
 
-class BertAttention(nn.Module):
+class BertAttention(DirectCall, nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype, layer_idx: int) -> None:
         super().__init__()
         self.self = BertSelfAttention(cfg, dtype, layer_idx)
@@ -86,7 +87,7 @@ class BertAttention(nn.Module):
         return self.output(self.self(x_low), x)
 
 
-class BertAddNorm(nn.Module):
+class BertAddNorm(DirectCall, nn.Module):
     """LayerNorm(dense(x) + residual): BERT's post-norm sublayer output (HF ``BertSelfOutput``/``BertOutput``).
     The sum and the norm are float32 whatever the matmul's dtype."""
 
@@ -100,7 +101,7 @@ class BertAddNorm(nn.Module):
         return self.LayerNorm(residual + self.dense(x))  # type promotion: the sum is float32
 
 
-class BertIntermediate(nn.Module):
+class BertIntermediate(DirectCall, nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
         super().__init__()
         self.dense = Linear(cfg.hidden_size, cfg.intermediate_size, bias=True, dtype=dtype)
@@ -110,7 +111,7 @@ class BertIntermediate(nn.Module):
         return self.act(self.dense(x))
 
 
-class BertLayer(nn.Module):
+class BertLayer(DirectCall, nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype, layer_idx: int) -> None:
         super().__init__()
         self.dtype = dtype
@@ -124,13 +125,13 @@ class BertLayer(nn.Module):
         return self.output(self.intermediate(x.to(self.dtype)), x)
 
 
-class BertEncoder(nn.Module):
+class BertEncoder(DirectCall, nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(cfg, dtype, i) for i in range(cfg.num_hidden_layers))
 
 
-class BertModel(nn.Module):
+class BertModel(DirectCall, nn.Module):
     """BERT encoder returning the last hidden states; pooling happens in the model runner's pooler."""
 
     is_encoder_only = True  # no KV cache; whole prompts in one step

@@ -16,6 +16,7 @@ from torch import nn
 from pagedllm.attention.layer import Attention
 from pagedllm.attention.spec import AttentionSpec
 from pagedllm.model_executor.layers.activation import gated_activation
+from pagedllm.model_executor.layers.direct_call import DirectCall
 from pagedllm.model_executor.layers.linear import Linear
 from pagedllm.model_executor.layers.rotary_embedding import RopeStep
 
@@ -42,7 +43,7 @@ def head_dim_of(cfg: Any) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
-class GatedMLP(nn.Module):
+class GatedMLP(DirectCall, nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up in one matmul (rows [gate | up])."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str, *, bias: bool = False,
@@ -60,7 +61,7 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
-class RotaryAttention(nn.Module):
+class RotaryAttention(DirectCall, nn.Module):
     """Fused q/k/v projection, optional per-head q/k norm, rotary positions, paged attention, output proj.
 
     ``qk_norm``: a factory ``(head_dim) -> norm module`` (Qwen3, Gemma 3) applied per head before rotary.

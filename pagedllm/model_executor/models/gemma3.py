@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.spec import AttentionSpec, layer_attention_specs
+from pagedllm.model_executor.layers.direct_call import DirectCall
 from pagedllm.model_executor.layers.layernorm import GemmaRMSNorm
 from pagedllm.model_executor.layers.rotary_embedding import RopeStep, RotaryEmbedding
 from pagedllm.model_executor.models.base import CausalLM
@@ -32,7 +33,7 @@ def _rope_params(cfg: Any, layer_type: str) -> tuple[float, dict[str, Any]]:
     return float(params.get("rope_theta", default)), params
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(DirectCall, nn.Module):
     def __init__(self, cfg: Any, layer_idx: int, spec: AttentionSpec, dtype: torch.dtype,
                  quant_config: Any = None) -> None:
         super().__init__()
@@ -67,7 +68,7 @@ class Gemma3DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
-class Gemma3Model(nn.Module):
+class Gemma3Model(DirectCall, nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype, quant_config: Any = None) -> None:
         super().__init__()
         specs = layer_attention_specs(cfg)

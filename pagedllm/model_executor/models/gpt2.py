@@ -13,13 +13,14 @@ import torch
 from torch import nn
 
 from pagedllm.model_executor.layers.activation import activation
+from pagedllm.model_executor.layers.direct_call import DirectCall
 from pagedllm.model_executor.layers.layernorm import LayerNorm
 from pagedllm.model_executor.models.base import CausalLM
 from pagedllm.model_executor.models.blocks import RotaryAttention, make_linear
 from pagedllm.model_executor.models.weight_loading import WeightMapping
 
 
-class GPT2MLP(nn.Module):
+class GPT2MLP(DirectCall, nn.Module):
     def __init__(self, hidden: int, inner: int, act: str, dtype: torch.dtype, quant_config: Any, prefix: str) -> None:
         super().__init__()
         self.c_fc = make_linear(hidden, inner, bias=True, dtype=dtype, quant_config=quant_config,
@@ -32,7 +33,7 @@ class GPT2MLP(nn.Module):
         return self.c_proj(self.act(self.c_fc(x)))
 
 
-class GPT2Block(nn.Module):
+class GPT2Block(DirectCall, nn.Module):
     def __init__(self, cfg: Any, layer_idx: int, dtype: torch.dtype, quant_config: Any = None) -> None:
         super().__init__()
         if getattr(cfg, "scale_attn_by_inverse_layer_idx", False) or getattr(cfg, "reorder_and_upcast_attn", False):
@@ -56,7 +57,7 @@ class GPT2Block(nn.Module):
         return self.mlp(x), residual
 
 
-class GPT2Model(nn.Module):
+class GPT2Model(DirectCall, nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype, quant_config: Any = None) -> None:
         super().__init__()
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd, dtype=dtype)

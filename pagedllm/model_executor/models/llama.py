@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.spec import AttentionSpec, layer_attention_specs
+from pagedllm.model_executor.layers.direct_call import DirectCall
 from pagedllm.model_executor.layers.layernorm import RMSNorm
 from pagedllm.model_executor.layers.rotary_embedding import RopeStep, RotaryEmbedding, rope_settings
 from pagedllm.model_executor.models.base import CausalLM
@@ -22,7 +23,7 @@ from pagedllm.model_executor.models.blocks import GatedMLP, RotaryAttention, hea
 from pagedllm.model_executor.models.weight_loading import STACKED_QKV_GATE_UP, WeightMapping
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(DirectCall, nn.Module):
     def __init__(self, cfg: Any, layer_idx: int, spec: AttentionSpec, arch: type[LlamaForCausalLM],
                  dtype: torch.dtype, quant_config: Any = None) -> None:
         super().__init__()
@@ -55,7 +56,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DirectCall, nn.Module):
     def __init__(self, cfg: Any, arch: type[LlamaForCausalLM], dtype: torch.dtype, quant_config: Any = None) -> None:
         super().__init__()
         if float(getattr(cfg, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
