@@ -15,6 +15,7 @@ from torch import nn
 
 from pagedllm.model_executor.layers.direct_call import DirectCall
 from pagedllm.model_executor.layers.quantization.base import (
+    CpuMatmul,
     LinearMethod,
     QuantizationConfig,
     load_rows,
@@ -50,6 +51,7 @@ class Linear(DirectCall, nn.Module):
         self.quant_method: LinearMethod = (quant_config.get_linear_method(self, prefix) if quant_config is not None
                                            else UnquantizedLinearMethod())
         self.quant_method.create_weights(self, dtype)
+        self._cpu_matmul: CpuMatmul | None = None  # set after loading (quant_method.cpu_matmul)
         if bias:
             b = nn.Parameter(torch.zeros(output_size, dtype=torch.float32 if quant_config else dtype),
                              requires_grad=False)
@@ -60,6 +62,8 @@ class Linear(DirectCall, nn.Module):
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] -> [..., N]. ``out``: optional [M, N] float32 destination (M = rows of x), returned."""
         if x.dim() == 2:  # the model runner's flat [T, K] batches: no reshape round trip
+            if self._cpu_matmul is not None and x.dtype == torch.float32 and not x.is_cuda:
+                return self._cpu_matmul(x, self.bias, out)
             return self.quant_method.apply(self, x, self.bias, out)
         lead = x.shape[:-1]
         y = self.quant_method.apply(self, x.reshape(-1, self.in_features), self.bias, out)
@@ -68,6 +72,7 @@ class Linear(DirectCall, nn.Module):
     def process_weights_after_loading(self) -> None:
         """Repack the loaded weights for the kernels (call once, after every shard is loaded)."""
         self.quant_method.process_weights_after_loading(self)
+        self._cpu_matmul = self.quant_method.cpu_matmul(self)
 
     def weight_nbytes(self) -> int:
         """Bytes of this layer's weights as stored now (parameters, buffers, packed panels)."""

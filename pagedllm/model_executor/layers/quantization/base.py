@@ -38,6 +38,13 @@ class LinearMethod:
         """Name for the memory report (a GGUF layer names its block type)."""
         return self.name
 
+    def cpu_matmul(self, layer: nn.Module) -> CpuMatmul | None:
+        """``apply`` with its choices made once, for float32 CPU inputs: ``(x [M, K], bias, out) -> [M, N]``,
+        or None where no C++ kernel serves the layer. Called after ``process_weights_after_loading``; the
+        default serves any method that leaves its weights in ``layer.qpanels``."""
+        qpanels = getattr(layer, "qpanels", None)
+        return qpanels.cpu_matmul() if qpanels is not None else None
+
 
 class QuantizationConfig:
     """A quantization scheme chosen for a whole model (``--quantization`` or a checkpoint's config)."""
@@ -59,6 +66,7 @@ class QuantizationConfig:
 
 
 WeightLoader = Callable[[nn.Parameter, Any, "int | None"], None]
+CpuMatmul = Callable[[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"], torch.Tensor]
 
 
 def set_weight_loader(param: nn.Parameter, loader: WeightLoader) -> nn.Parameter:

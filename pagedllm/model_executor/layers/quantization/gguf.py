@@ -20,6 +20,7 @@ from torch import nn
 
 from pagedllm.logger import init_logger
 from pagedllm.model_executor.layers.quantization.base import (
+    CpuMatmul,
     LinearMethod,
     QuantizationConfig,
     check_shape,
@@ -218,6 +219,11 @@ class GGUFLinearMethod(LinearMethod):
         if layer.qpanels is None and getattr(layer, "gguf_float", None) is not None:
             return layer.gguf_float.apply(layer, x, bias, out)
         return layer.qpanels.matmul(x, bias, out)
+
+    def cpu_matmul(self, layer: nn.Module) -> CpuMatmul | None:
+        if layer.qpanels is None and getattr(layer, "gguf_float", None) is not None:
+            return layer.gguf_float.cpu_matmul(layer)
+        return super().cpu_matmul(layer)
 
     def scheme(self, layer: nn.Module) -> str:
         return layer.gguf_scheme

@@ -14,6 +14,7 @@ wherever the group is a multiple of 8, else ``pairs`` (``quant_gemm.cpp``: float
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,6 +147,32 @@ class QPanels:
             return kernels.q4_gemm(x, self.qweight, self.scales, self.mins, self.group, self.out_features, bias,
                                    out, isa)
         return kernels.q8_gemm(x, self.qweight, self.scales, self.group, self.out_features, bias, out, isa)
+
+
+    def cpu_matmul(self) -> Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor] | None:
+        """``matmul`` for float32 CPU inputs with the kernel and ISA chosen now: ``(x, bias, out) -> y``; None
+        without the C++ kernels or off the CPU. A decode step makes ~120 matmuls: the dispatch above costs
+        a few microseconds each."""
+        kernels = load_cpu_kernels()
+        if kernels is None or self.qweight.device.type != "cpu":
+            return None
+        isa = cpu_isa()
+        qw, s, mins, g, n = self.qweight, self.scales, self.mins, self.group, self.out_features
+        if self.is_q4 and self.layout == "dot8":
+            dot8 = kernels.q4_dot_gemm
+            return lambda x, bias, out: dot8(x, qw, s, mins, g, n, bias, out, isa)
+        if self.is_fp8:
+            f8 = kernels.f8_gemm
+            return lambda x, bias, out: f8(x, qw, s, g, n, bias, out, isa)
+        if self.is_q4:
+            q4 = kernels.q4_gemm
+            return lambda x, bias, out: q4(x, qw, s, mins, g, n, bias, out, isa)
+        q8 = kernels.q8_gemm
+        if self.dynamic_int8_activations and isa in (0, 2) and kernels.w8a8_supported():
+            w8a8 = kernels.w8a8_gemm
+            return lambda x, bias, out: (w8a8(x, qw, s, n, bias, out) if x.shape[0] >= W8A8_MIN_ROWS
+                                         else q8(x, qw, s, g, n, bias, out, isa))
+        return lambda x, bias, out: q8(x, qw, s, g, n, bias, out, isa)
 
 
 def _kernels_for(x: torch.Tensor) -> Any | None:

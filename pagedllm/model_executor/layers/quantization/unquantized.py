@@ -17,7 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels.cpu import kernels_for
-from pagedllm.model_executor.layers.quantization.base import LinearMethod, load_rows, set_weight_loader
+from pagedllm.model_executor.layers.quantization.base import (
+    CpuMatmul,
+    LinearMethod,
+    load_rows,
+    set_weight_loader,
+)
 
 PANEL = 16  # output columns per panel; must match NR in packed_gemm.cpp / quant_gemm.cpp
 
@@ -69,6 +74,12 @@ class UnquantizedLinearMethod(LinearMethod):
         if layer.packed_weight is not None:
             return layer._kernels.packed_gemm(x, layer.packed_weight, layer.out_features, bias, out)
         return F.linear(x, layer.weight, bias)
+
+    def cpu_matmul(self, layer: nn.Module) -> CpuMatmul | None:
+        if layer.packed_weight is None:
+            return None
+        gemm, packed, n = layer._kernels.packed_gemm, layer.packed_weight, layer.out_features
+        return lambda x, bias, out: gemm(x, packed, n, bias, out)
 
     def scheme(self, layer: nn.Module) -> str:
         w = layer.packed_weight if layer.packed_weight is not None else layer.weight
