@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from pagedllm.attention.backends.torch_encoder import (
     bucket_length,
     bucketed_attention,
+    encoder_attention,
     encoder_plan,
     plan_encoder_attention,
 )
@@ -17,6 +18,7 @@ from pagedllm.attention.forward_context import forward_context
 from pagedllm.attention.layer import Attention
 from pagedllm.attention.metadata import build_attention_metadata
 from pagedllm.attention.spec import AttentionSpec
+from pagedllm.kernels.cpu import load_cpu_kernels
 
 LENGTHS = [[5], [16, 16, 16], [1, 3, 17, 40, 9, 16, 2, 33, 100], [64, 1], [7, 300, 129, 128, 250, 12]]
 
@@ -53,6 +55,38 @@ def test_matches_per_sequence_sdpa(lengths, kv_heads):
     assert len(plan.buckets) == len({bucket_length(n) for n in lengths})
 
 
+@pytest.mark.parametrize("lengths", LENGTHS)
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_matches_per_sequence_sdpa(lengths, kv_heads, dtype):
+    """The C++ kernel reads q/k/v in place from a fused projection (strided rows) and attends per sequence."""
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C++ CPU kernels on this machine (no compiler)")
+    torch.manual_seed(2)
+    heads, dim = 4, 32
+    qsl = _offsets(lengths)
+    qkv = torch.randn(qsl[-1], (heads + 2 * kv_heads) * dim, dtype=dtype)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k, v = q.view(-1, heads, dim), k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim)
+    out = kernels.encoder_attention(q, k, v, torch.tensor(qsl, dtype=torch.int32), dim ** -0.5)
+    assert out.shape == (qsl[-1], heads, dim) and out.dtype == dtype and out.is_contiguous()
+    ref = _reference(q.float(), k.float(), v.float(), qsl)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float().view(qsl[-1], -1), ref, atol=tol, rtol=tol)
+
+
+def test_cpu_kernel_rejects_bad_offsets():
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C++ CPU kernels on this machine (no compiler)")
+    q = torch.randn(10, 2, 8)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.encoder_attention(q, q, q, torch.tensor([0, 4, 11], dtype=torch.int32), 1.0)
+    with pytest.raises(RuntimeError, match="non-decreasing"):
+        kernels.encoder_attention(q, q, q, torch.tensor([0, 6, 4, 10], dtype=torch.int32), 1.0)
+
+
 def test_bucket_lengths_pad_little():
     assert [bucket_length(n) for n in (1, 16, 17, 100, 128, 129, 256, 257)] == [16, 16, 32, 112, 128, 256, 256, 512]
     # A bucket is padded to its longest member only, not to its upper bound.
@@ -63,8 +97,8 @@ def test_bucket_lengths_pad_little():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_layer_with_encoder_spec(dtype):
-    """The shared layer routes encoder specs to the bucketed path; q/k/v may be views of a fused projection,
-    and the plan is built once per step."""
+    """The shared layer routes encoder specs to the encoder path (the C++ kernel on CPU, else the buckets); q/k/v
+    may be views of a fused projection, and the per-step plan is built once."""
     torch.manual_seed(1)
     lengths = [4, 30, 9, 70, 30]
     qsl = _offsets(lengths)
@@ -87,3 +121,6 @@ def test_chunked_sequences_are_refused():
     meta = build_attention_metadata([4, 8], [4, 12], [[], []], 16)
     with pytest.raises(ValueError, match="whole in one step"):
         encoder_plan(meta)
+    q = torch.randn(12, 2, 8)
+    with pytest.raises(ValueError, match="whole in one step"):
+        encoder_attention(q, q, q, meta, 1.0)

@@ -1,6 +1,6 @@
 """Bidirectional encoder attention (``AttentionSpec.encoder()``): every token sees every token of its own
-sequence, no KV cache, no mask beyond the sequence boundary. Plain torch, any device; every backend
-routes encoder layers here.
+sequence, no KV cache, no mask beyond the sequence boundary. Every backend routes encoder layers here: on a
+CPU with the C++ kernels one kernel call per layer (``encoder_attention``), elsewhere plain torch:
 
 Sequences are bucketed by length (multiples of ``BUCKET_STEP`` up to ``MIN_POW2_BUCKET``, powers of two
 above), each bucket is gathered into a padded [n, H, L, D] block and run through one SDPA call with a
@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kernels.cpu import load_cpu_kernels
 
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 BUCKET_STEP = 16  # sequences up to MIN_POW2_BUCKET tokens are bucketed by multiples of this
 MIN_POW2_BUCKET = 128  # longer ones by powers of two (few buckets even with long-tail lengths)
 
@@ -105,5 +107,24 @@ def bucketed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata,
                       scale: float) -> torch.Tensor:
-    """The backends' encoder path. query: [T, H, D]; key/value: [T, Hkv, D] -> [T, H, D]."""
+    """The backends' encoder path. query: [T, H, D]; key/value: [T, Hkv, D] -> [T, H, D].
+
+    On a CPU with the C++ kernels (float32 or bfloat16) each (sequence, head) is attended in place, with no
+    gather, padding or mask (``kernels/csrc/encoder_attention.cpp``); elsewhere the length buckets above.
+    """
+    kernels = load_cpu_kernels() if query.device.type == "cpu" and query.dtype in _KERNEL_DTYPES else None
+    if kernels is not None:
+        return kernels.encoder_attention(query, key, value, _query_start_cpu(meta), scale)
     return bucketed_attention(query, key, value, encoder_plan(meta), scale).view(query.shape)
+
+
+def _query_start_cpu(meta: AttentionMetadata) -> torch.Tensor:
+    """The step's sequence offsets as an int32 host tensor (memoized: every layer asks)."""
+    qs = getattr(meta, "_encoder_query_start", None)
+    if qs is None:
+        qsl = meta.query_start_loc_cpu
+        if any(qsl[i + 1] - qsl[i] != meta.seq_lens_cpu[i] for i in range(meta.num_reqs)):
+            raise ValueError("encoder attention needs each sequence whole in one step (no chunked prefill)")
+        qs = torch.tensor(qsl, dtype=torch.int32)
+        meta._encoder_query_start = qs
+    return qs

@@ -4,6 +4,9 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "Store K/V rows at their cache slots");
   m.def("paged_attention", &paged_attention, "Paged attention reading K/V through block tables");
+  m.def("encoder_attention", &encoder_attention,
+        "Bidirectional attention within each sequence of a flat batch, K/V read in place -> [T, H, D]",
+        py::arg("query"), py::arg("key"), py::arg("value"), py::arg("query_start"), py::arg("scale"));
   m.def("packed_gemm", &packed_gemm, "x[M,K] @ W^T (+ bias) with W packed in 16-column panels [N/16, K, 16]",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none(),
         py::arg("out") = py::none());

@@ -13,6 +13,10 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
 void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
               torch::Tensor& value_cache, const torch::Tensor& slot_mapping);
 
+// encoder_attention.cpp: bidirectional attention within each sequence (query_start [R + 1] int32, host)
+torch::Tensor encoder_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
+                                const torch::Tensor& query_start, double scale);
+
 // packed_gemm.cpp
 torch::Tensor packed_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                           const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& out);

@@ -1,0 +1,206 @@
+// Bidirectional attention for encoder models (BERT and kin): every token attends to every token of its own
+// sequence. Sequences are short (an embedding request is a sentence or a paragraph) and a step holds many, so
+// torch's SDPA spends more on gathering them into padded, masked batches than on the arithmetic: one task
+// here is one (sequence, head), read in place from the fused qkv projection's output, never padded.
+//
+// Shapes:
+//   query [T, H, D], key / value [T, Hkv, D]   rows may be strided (views into qkv); float32 or bfloat16
+//   query_start [R + 1] int32 (host)           token offsets of the R sequences in the flat batch
+//   out [T, H, D] contiguous, the query's dtype
+// Arithmetic is float32 whatever the dtype; loops are plain C++ that -O3 -march=native vectorises.
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t KP = 16;  // keys (and value columns) per register block: one AVX-512 register of float32
+// Query rows per register block: RB x KP accumulators, 8 independent FMA chains on AVX-512 (32 registers),
+// 4 x 2 on AVX2 (16 registers).
+#if defined(__AVX512F__)
+constexpr int64_t RB = 8;
+#else
+constexpr int64_t RB = 4;
+#endif
+// Softmax arguments are clamped here: libmvec's vector expf sends lanes below ~-87 (and -inf) through a
+// scalar slow path, which padded keys hit on every row. exp(-87) ~ 1.6e-38: nothing a sum of ones notices.
+constexpr float MIN_EXP_ARG = -87.f;
+
+constexpr float PAD_SCORE = -1e30f;  // finite: -inf - -inf would be NaN in an all-padding block
+
+// max of s[0, n) for n a multiple of KP, in KP lanes (the compiler left a plain max reduction scalar).
+inline float row_max(const float* s, int64_t n) {
+  float m[KP];
+  for (int c = 0; c < KP; ++c) m[c] = PAD_SCORE;
+  for (int64_t j0 = 0; j0 < n; j0 += KP)
+    for (int c = 0; c < KP; ++c) m[c] = s[j0 + c] > m[c] ? s[j0 + c] : m[c];
+  float r = m[0];
+  for (int c = 1; c < KP; ++c) r = m[c] > r ? m[c] : r;
+  return r;
+}
+
+// dst[i] = src[i] * mul as T; bfloat16 rounds to nearest even with integer ops so the loop vectorises.
+inline void store_row(float* dst, const float* src, float mul, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * mul;
+}
+inline void store_row(at::BFloat16* dst, const float* src, float mul, int64_t n) {
+  uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    const float f = src[i] * mul;
+    std::memcpy(&bits, &f, 4);
+    d[i] = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+  }
+}
+
+inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// Register-blocked small matmuls: with fixed trip counts the compiler keeps the RB x KP accumulators in
+// registers (a loop over a runtime length that updates a row of scores in memory chains every step through a
+// store and a reload instead, which made this kernel as slow as the padded SDPA it replaces).
+
+// s[r, j] = sum_d q[r, d] * kt[d, j] for RB rows and KP keys; q [RB, D] (row stride D), kt [D, Lp].
+inline void score_block(const float* q, int64_t D, const float* kt, int64_t Lp, float* s, int64_t s_row) {
+  float acc[RB][KP] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    const float* k = kt + d * Lp;
+    for (int r = 0; r < RB; ++r) {
+      const float qd = q[r * D + d];
+#pragma omp simd
+      for (int c = 0; c < KP; ++c) acc[r][c] += qd * k[c];
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < KP; ++c) s[r * s_row + c] = acc[r][c];
+}
+
+// o[r, c] = sum_j p[r, j] * v[j, c] for RB rows and KP value columns; p [RB, n] (row stride p_row), v [n, Dp].
+inline void value_block(const float* p, int64_t p_row, const float* v, int64_t Dp, int64_t n, float* o,
+                        int64_t o_row) {
+  float acc[RB][KP] = {};
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vj = v + j * Dp;
+    for (int r = 0; r < RB; ++r) {
+      const float pj = p[r * p_row + j];
+#pragma omp simd
+      for (int c = 0; c < KP; ++c) acc[r][c] += pj * vj[c];
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < KP; ++c) o[r * o_row + c] = acc[r][c];
+}
+
+template <typename T>
+void run(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& out,
+         const int32_t* qs, int64_t num_seqs, float scale) {
+  const int64_t H = query.size(1), D = query.size(2), Hkv = key.size(1);
+  const int64_t group = H / Hkv;
+  const int64_t Dp = round_up(D, KP);
+  const T* q_ptr = query.data_ptr<T>();
+  const T* k_ptr = key.data_ptr<T>();
+  const T* v_ptr = value.data_ptr<T>();
+  T* o_ptr = out.data_ptr<T>();
+  const int64_t q_row = query.stride(0), k_row = key.stride(0), v_row = value.stride(0);
+  // Tasks in the order (sequence, kv head): the query heads of one KV head share its converted K and V.
+  const int64_t num_tasks = num_seqs * Hkv;
+  at::parallel_for(0, num_tasks, 1, [&](int64_t t0, int64_t t1) {
+    // float32 copies, zero-padded: K^T [D, Lp], V [Lp, Dp], Q [Lr, D], scores [Lr, Lp], out [Lr, Dp]
+    std::vector<float> kt, krow, v, q, s, o, inv_sum;
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t seq = task / Hkv, hk = task % Hkv;
+      const int64_t start = qs[seq], L = qs[seq + 1] - qs[seq];
+      if (L <= 0) continue;
+      const int64_t Lp = round_up(L, KP), Lr = round_up(L, RB);
+      kt.assign(static_cast<size_t>(D * Lp), 0.f);
+      v.assign(static_cast<size_t>(Lp * Dp), 0.f);
+      krow.resize(static_cast<size_t>(L * D));
+      q.assign(static_cast<size_t>(Lr * D), 0.f);
+      s.resize(static_cast<size_t>(Lr * Lp));
+      o.resize(static_cast<size_t>(Lr * Dp));
+      inv_sum.resize(static_cast<size_t>(L));
+      // Convert row by row (contiguous, vectorised), then transpose K in float32, KP keys at a time.
+      for (int64_t j = 0; j < L; ++j) {
+        const T* kr = k_ptr + (start + j) * k_row + hk * D;
+        const T* vr = v_ptr + (start + j) * v_row + hk * D;
+        float* kj = krow.data() + j * D;
+        float* vj = v.data() + j * Dp;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) {
+          kj[d] = static_cast<float>(kr[d]);
+          vj[d] = static_cast<float>(vr[d]);
+        }
+      }
+      for (int64_t j = 0; j < L; ++j)
+        for (int64_t d = 0; d < D; ++d) kt[d * Lp + j] = krow[j * D + d];
+      for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+        for (int64_t i = 0; i < L; ++i) {
+          const T* qr = q_ptr + (start + i) * q_row + h * D;
+          float* qi = q.data() + i * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) qi[d] = static_cast<float>(qr[d]) * scale;
+        }
+        for (int64_t i0 = 0; i0 < Lr; i0 += RB)
+          for (int64_t j0 = 0; j0 < Lp; j0 += KP) score_block(q.data() + i0 * D, D, kt.data() + j0, Lp,
+                                                              s.data() + i0 * Lp + j0, Lp);
+        // Softmax numerators per row; padded keys get -inf (weight 0). The normalisation is applied last.
+        for (int64_t i = 0; i < L; ++i) {
+          float* sp = s.data() + i * Lp;
+          for (int64_t j = L; j < Lp; ++j) sp[j] = PAD_SCORE;  // padded keys: weight exp(MIN_EXP_ARG) ~ 0
+          const float max_s = row_max(sp, Lp);
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = 0; j < Lp; ++j) {
+            sp[j] = expf(std::max(sp[j] - max_s, MIN_EXP_ARG));
+            sum += sp[j];
+          }
+          inv_sum[i] = 1.f / sum;
+        }
+        for (int64_t i = L; i < Lr; ++i) std::fill(s.data() + i * Lp, s.data() + (i + 1) * Lp, 0.f);
+        for (int64_t i0 = 0; i0 < Lr; i0 += RB)
+          for (int64_t c0 = 0; c0 < Dp; c0 += KP) value_block(s.data() + i0 * Lp, Lp, v.data() + c0, Dp, L,
+                                                              o.data() + i0 * Dp + c0, Dp);
+        for (int64_t i = 0; i < L; ++i) store_row(o_ptr + ((start + i) * H + h) * D, o.data() + i * Dp, inv_sum[i], D);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor encoder_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
+                                const torch::Tensor& query_start, double scale) {
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, "query/key/value must be [T, heads, D]");
+  TORCH_CHECK(query.scalar_type() == key.scalar_type() && key.scalar_type() == value.scalar_type(),
+              "query, key and value must share a dtype");
+  TORCH_CHECK(query.size(0) == key.size(0) && key.sizes() == value.sizes() && query.size(2) == key.size(2),
+              "query [T, H, D] and key/value [T, Hkv, D] do not match");
+  TORCH_CHECK(key.size(1) > 0 && query.size(1) % key.size(1) == 0, "query heads must be a multiple of KV heads");
+  for (const torch::Tensor* t : {&query, &key, &value})
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2), "heads must be contiguous within each token row");
+  TORCH_CHECK(query_start.scalar_type() == torch::kInt32 && query_start.is_contiguous() && query_start.dim() == 1 &&
+              query_start.device().is_cpu(), "query_start must be a contiguous int32 CPU tensor [R + 1]");
+  const int64_t num_seqs = query_start.size(0) - 1;
+  const int32_t* qs = query_start.data_ptr<int32_t>();
+  TORCH_CHECK(num_seqs >= 0 && (num_seqs == 0 || (qs[0] >= 0 && qs[num_seqs] <= query.size(0))),
+              "query_start is out of range of the batch");
+  for (int64_t i = 0; i < num_seqs; ++i) TORCH_CHECK(qs[i] <= qs[i + 1], "query_start must be non-decreasing");
+  torch::Tensor out = torch::empty({query.size(0), query.size(1), query.size(2)}, query.options());
+  const float fscale = static_cast<float>(scale);
+  if (query.scalar_type() == torch::kFloat32) {
+    run<float>(query, key, value, out, qs, num_seqs, fscale);
+  } else if (query.scalar_type() == torch::kBFloat16) {
+    run<at::BFloat16>(query, key, value, out, qs, num_seqs, fscale);
+  } else {
+    TORCH_CHECK(false, "encoder_attention: dtype must be float32 or bfloat16");
+  }
+  return out;
+}
