@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.model_executor.layers.linear import Linear, pack_weight
+from pagedllm.model_executor.layers.quantization.unquantized import onednn_bf16_available
 from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 
 
@@ -75,9 +76,63 @@ def test_linear_packs_its_weight_and_keeps_its_output(kernels) -> None:
 
 
 def test_linear_stays_plain_where_the_kernels_do_not_apply() -> None:
-    layer = Linear(16, 8, dtype=torch.bfloat16)
+    layer = Linear(16, 8, dtype=torch.float16)
     layer.process_weights_after_loading()
-    assert layer.weight is not None and layer.packed_weight is None
+    assert layer.weight is not None and layer.packed_weight is None and layer.onednn_weight is None
+
+
+@pytest.mark.parametrize("m", [1, 7, 300])
+def test_bf16_linear_packed_for_onednn_with_fused_activations(m: int) -> None:
+    """bf16 weights on a CPU with native bf16: prepacked for oneDNN, bias and GELU / ReLU fused."""
+    if not onednn_bf16_available():
+        pytest.skip("this CPU has no native bf16 (oneDNN's packed bf16 linear is not used here)")
+    torch.manual_seed(m)
+    layer = Linear(96, 40, bias=True, dtype=torch.bfloat16)
+    w, b = layer.weight.detach().float().clone(), layer.bias.detach().float().clone()
+    layer.process_weights_after_loading()
+    assert layer.weight is None and layer.onednn_weight is not None
+    assert layer.weight_nbytes() == 96 * 40 * 2 + 40 * 2
+    x = torch.randn(m, 96).bfloat16()
+    ref = F.linear(x.float(), w, b)
+    tol = dict(atol=0.05 * ref.abs().max().item(), rtol=0.02)
+    torch.testing.assert_close(layer(x).float(), ref, **tol)
+    torch.testing.assert_close(layer(x.view(m, 1, 96)).float(), ref.view(m, 1, 40), **tol)  # leading dims kept
+    for act, fn in [("gelu", F.gelu), ("gelu_tanh", lambda t: F.gelu(t, approximate="tanh")), ("relu", F.relu)]:
+        torch.testing.assert_close(layer.forward_activation(x, act).float(), fn(ref), **tol)
+    assert layer.forward_activation(x, "silu") is None  # not fusable: the caller applies it
+    plain = Linear(96, 40, bias=True, dtype=torch.float32)
+    assert plain.forward_activation(torch.randn(m, 96), "gelu") is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("want_bf16", [False, True])
+def test_add_layer_norm(kernels, dtype: torch.dtype, want_bf16: bool) -> None:
+    torch.manual_seed(0)
+    x, res = torch.randn(37, 384).to(dtype), torch.randn(37, 384)
+    w, b = torch.randn(384), torch.randn(384)
+    out, low = kernels.add_layer_norm(x, res, w, b, 1e-12, want_bf16)
+    ref = F.layer_norm(x.float() + res, (384,), w, b, 1e-12)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    if want_bf16:
+        assert low.dtype == torch.bfloat16
+        torch.testing.assert_close(low, out.bfloat16(), atol=0, rtol=0)  # round to nearest even, as torch
+    else:
+        assert low.data_ptr() == out.data_ptr()
+    with pytest.raises(RuntimeError, match="residual must be float32"):
+        kernels.add_layer_norm(x, res.bfloat16(), w, b, 1e-12, False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tanh", [False, True])
+def test_gelu_in_place(kernels, dtype: torch.dtype, tanh: bool) -> None:
+    torch.manual_seed(1)
+    x = (torch.randn(9, 1536) * 4).to(dtype)
+    ref = F.gelu(x.float(), approximate="tanh" if tanh else "none")
+    y = x.clone()
+    kernels.gelu_(y, tanh)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(y.float(), ref, atol=tol, rtol=tol)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

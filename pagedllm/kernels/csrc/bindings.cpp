@@ -7,6 +7,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("encoder_attention", &encoder_attention,
         "Bidirectional attention within each sequence of a flat batch, K/V read in place -> [T, H, D]",
         py::arg("query"), py::arg("key"), py::arg("value"), py::arg("query_start"), py::arg("scale"));
+  m.def("add_layer_norm", &add_layer_norm,
+        "(layer_norm(x + residual) in float32, its bfloat16 copy if want_bf16 else the same tensor)",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("bias"), py::arg("eps"),
+        py::arg("want_bf16"));
+  m.def("gelu_", &gelu_, "In place GELU (erf form, or the tanh approximation)", py::arg("x"),
+        py::arg("tanh_approx") = false);
   m.def("packed_gemm", &packed_gemm, "x[M,K] @ W^T (+ bias) with W packed in 16-column panels [N/16, K, 16]",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none(),
         py::arg("out") = py::none());

@@ -8,6 +8,7 @@
 //   query_start [R + 1] int32 (host)           token offsets of the R sequences in the flat batch
 //   out [T, H, D] contiguous, the query's dtype
 // Arithmetic is float32 whatever the dtype; loops are plain C++ that -O3 -march=native vectorises.
+#include "bf16_rows.h"
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -44,22 +45,6 @@ inline float row_max(const float* s, int64_t n) {
   float r = m[0];
   for (int c = 1; c < KP; ++c) r = m[c] > r ? m[c] : r;
   return r;
-}
-
-// dst[i] = src[i] * mul as T; bfloat16 rounds to nearest even with integer ops so the loop vectorises.
-inline void store_row(float* dst, const float* src, float mul, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * mul;
-}
-inline void store_row(at::BFloat16* dst, const float* src, float mul, int64_t n) {
-  uint16_t* d = reinterpret_cast<uint16_t*>(dst);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t bits;
-    const float f = src[i] * mul;
-    std::memcpy(&bits, &f, 4);
-    d[i] = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-  }
 }
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
@@ -127,26 +112,19 @@ void run(const torch::Tensor& query, const torch::Tensor& key, const torch::Tens
       s.resize(static_cast<size_t>(Lr * Lp));
       o.resize(static_cast<size_t>(Lr * Dp));
       inv_sum.resize(static_cast<size_t>(L));
-      // Convert row by row (contiguous, vectorised), then transpose K in float32, KP keys at a time.
+      // Convert row by row (contiguous, vectorised), then transpose K in float32.
       for (int64_t j = 0; j < L; ++j) {
-        const T* kr = k_ptr + (start + j) * k_row + hk * D;
-        const T* vr = v_ptr + (start + j) * v_row + hk * D;
-        float* kj = krow.data() + j * D;
-        float* vj = v.data() + j * Dp;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) {
-          kj[d] = static_cast<float>(kr[d]);
-          vj[d] = static_cast<float>(vr[d]);
-        }
+        load_row(krow.data() + j * D, k_ptr + (start + j) * k_row + hk * D, D);
+        load_row(v.data() + j * Dp, v_ptr + (start + j) * v_row + hk * D, D);
       }
       for (int64_t j = 0; j < L; ++j)
         for (int64_t d = 0; d < D; ++d) kt[d * Lp + j] = krow[j * D + d];
       for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
         for (int64_t i = 0; i < L; ++i) {
-          const T* qr = q_ptr + (start + i) * q_row + h * D;
           float* qi = q.data() + i * D;
+          load_row(qi, q_ptr + (start + i) * q_row + h * D, D);
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) qi[d] = static_cast<float>(qr[d]) * scale;
+          for (int64_t d = 0; d < D; ++d) qi[d] *= scale;
         }
         for (int64_t i0 = 0; i0 < Lr; i0 += RB)
           for (int64_t j0 = 0; j0 < Lp; j0 += KP) score_block(q.data() + i0 * D, D, kt.data() + j0, Lp,
@@ -168,7 +146,8 @@ void run(const torch::Tensor& query, const torch::Tensor& key, const torch::Tens
         for (int64_t i0 = 0; i0 < Lr; i0 += RB)
           for (int64_t c0 = 0; c0 < Dp; c0 += KP) value_block(s.data() + i0 * Lp, Lp, v.data() + c0, Dp, L,
                                                               o.data() + i0 * Dp + c0, Dp);
-        for (int64_t i = 0; i < L; ++i) store_row(o_ptr + ((start + i) * H + h) * D, o.data() + i * Dp, inv_sum[i], D);
+        for (int64_t i = 0; i < L; ++i)
+          store_row(o_ptr + ((start + i) * H + h) * D, o.data() + i * Dp, inv_sum[i], D);
       }
     }
   });

@@ -17,6 +17,12 @@ void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
 torch::Tensor encoder_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
                                 const torch::Tensor& query_start, double scale);
 
+// encoder_ops.cpp: (layer_norm(x + residual) float32, its bfloat16 copy or itself); GELU in place
+std::tuple<torch::Tensor, torch::Tensor> add_layer_norm(const torch::Tensor& x, const torch::Tensor& residual,
+                                                        const torch::Tensor& weight, const torch::Tensor& bias,
+                                                        double eps, bool want_bf16);
+void gelu_(torch::Tensor& x, bool tanh_approx);
+
 // packed_gemm.cpp
 torch::Tensor packed_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                           const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& out);

@@ -69,6 +69,11 @@ class Linear(DirectCall, nn.Module):
         y = self.quant_method.apply(self, x.reshape(-1, self.in_features), self.bias, out)
         return y if out is not None else y.view(*lead, self.out_features)
 
+    def forward_activation(self, x: torch.Tensor, activation: str) -> torch.Tensor | None:
+        """activation(x [M, K] @ W^T + b) fused into the matmul where the weight's method can ("gelu",
+        "gelu_tanh", "relu"); None otherwise, and the caller applies the activation to ``forward``'s output."""
+        return self.quant_method.apply_activation(self, x, self.bias, activation)
+
     def process_weights_after_loading(self) -> None:
         """Repack the loaded weights for the kernels (call once, after every shard is loaded)."""
         self.quant_method.process_weights_after_loading(self)
@@ -77,9 +82,10 @@ class Linear(DirectCall, nn.Module):
     def weight_nbytes(self) -> int:
         """Bytes of this layer's weights as stored now (parameters, buffers, packed panels)."""
         total = sum(t.numel() * t.element_size() for t in [*self.parameters(), *self.buffers()])
-        packed = getattr(self, "packed_weight", None)
-        if packed is not None:
-            total += packed.numel() * packed.element_size()
+        for name in ("packed_weight", "onednn_weight"):
+            packed = getattr(self, name, None)
+            if packed is not None:
+                total += packed.numel() * packed.element_size()
         qpanels = getattr(self, "qpanels", None)
         if qpanels is not None:
             total += qpanels.nbytes()

@@ -22,6 +22,7 @@ from torch import nn
 
 from pagedllm.attention.layer import Attention
 from pagedllm.attention.spec import AttentionSpec
+from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.model_executor.layers.direct_call import DirectCall
 from pagedllm.model_executor.layers.linear import Linear
 
@@ -31,14 +32,41 @@ _QKV_SHARD = {"query": 0, "key": 1, "value": 2}
 _UNUSED = ("pooler.", "cls.", "embeddings.position_ids")
 
 
+_TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+
+
+def _activation_kind(name: str) -> str:
+    """The config's ``hidden_act`` as ``Linear.forward_activation`` names it."""
+    if name == "gelu" or name == "relu":
+        return name
+    if name in _TANH_GELUS:
+        return "gelu_tanh"
+    raise ValueError(f"hidden_act {name!r} is not supported for BERT (gelu, gelu_new, relu)")
+
+
 def _activation(name: str) -> Any:
-    if name == "gelu":
-        return F.gelu
-    if name in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
-        return lambda x: F.gelu(x, approximate="tanh")
+    """The activation, applied in place to the intermediate projection's fresh output."""
+    if name in ("gelu", *_TANH_GELUS):
+        tanh = name != "gelu"
+
+        def gelu_(x: torch.Tensor) -> torch.Tensor:
+            kernels = _cpu_kernels(x)
+            if kernels is None:
+                return F.gelu(x, approximate="tanh" if tanh else "none")
+            kernels.gelu_(x, tanh)
+            return x
+
+        return gelu_
     if name == "relu":
         return F.relu
     raise ValueError(f"hidden_act {name!r} is not supported for BERT (gelu, gelu_new, relu)")
+
+
+def _cpu_kernels(x: torch.Tensor) -> Any | None:
+    """The C++ kernels for a float32 / bfloat16 CPU tensor (encoder_ops.cpp), else None."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return load_cpu_kernels()
 
 
 class BertEmbeddings(DirectCall, nn.Module):
@@ -82,8 +110,8 @@ class BertAttention(DirectCall, nn.Module):
         self.self = BertSelfAttention(cfg, dtype, layer_idx)
         self.output = BertAddNorm(cfg.hidden_size, cfg.hidden_size, cfg.layer_norm_eps, dtype)
 
-    def forward(self, x: torch.Tensor, x_low: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden] float32 residual; x_low: the same in the model dtype -> float32."""
+    def forward(self, x: torch.Tensor, x_low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] float32 residual; x_low: the same in the model dtype -> (float32, model dtype)."""
         return self.output(self.self(x_low), x)
 
 
@@ -93,22 +121,34 @@ class BertAddNorm(DirectCall, nn.Module):
 
     def __init__(self, in_features: int, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
+        self.dtype = dtype
         self.dense = Linear(in_features, hidden_size, bias=True, dtype=dtype)
         self.LayerNorm = nn.LayerNorm(hidden_size, eps=eps, dtype=torch.float32)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """x: [T, in] model dtype; residual: [T, hidden] float32 -> [T, hidden] float32."""
-        return self.LayerNorm(residual + self.dense(x))  # type promotion: the sum is float32
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, in] model dtype; residual: [T, hidden] float32 -> the output [T, hidden] in float32 and in
+        the model dtype (what the next matmul reads): one fused pass on CPU."""
+        y = self.dense(x)
+        kernels = _cpu_kernels(y)
+        if kernels is not None:
+            norm = self.LayerNorm
+            return kernels.add_layer_norm(y, residual, norm.weight, norm.bias, norm.eps, self.dtype == torch.bfloat16)
+        out = self.LayerNorm(residual + y)  # type promotion: the sum is float32
+        return out, out.to(self.dtype)
 
 
 class BertIntermediate(DirectCall, nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
         super().__init__()
         self.dense = Linear(cfg.hidden_size, cfg.intermediate_size, bias=True, dtype=dtype)
-        self.act = _activation(getattr(cfg, "hidden_act", "gelu"))
+        act = getattr(cfg, "hidden_act", "gelu")
+        self.act_kind = _activation_kind(act)
+        self.act = _activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.dense(x))
+        """x: [T, hidden] model dtype -> act(dense(x)) [T, intermediate], fused into the matmul where it can be."""
+        y = self.dense.forward_activation(x, self.act_kind)
+        return y if y is not None else self.act(self.dense(x))
 
 
 class BertLayer(DirectCall, nn.Module):
@@ -119,10 +159,10 @@ class BertLayer(DirectCall, nn.Module):
         self.intermediate = BertIntermediate(cfg, dtype)
         self.output = BertAddNorm(cfg.intermediate_size, cfg.hidden_size, cfg.layer_norm_eps, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden] float32 -> [T, hidden] float32."""
-        x = self.attention(x, x.to(self.dtype))
-        return self.output(self.intermediate(x.to(self.dtype)), x)
+    def forward(self, x: torch.Tensor, x_low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] float32, x_low: the same in the model dtype -> the layer's output, both ways."""
+        x, x_low = self.attention(x, x_low)
+        return self.output(self.intermediate(x_low), x)
 
 
 class BertEncoder(DirectCall, nn.Module):
@@ -159,8 +199,9 @@ class BertModel(DirectCall, nn.Module):
         starts (``query_start_loc_cpu``) and plans its buckets once per step.
         """
         x = self.embeddings(input_ids, positions, token_type_ids)
+        x_low = x.to(self.dtype)
         for layer in self.encoder.layer:
-            x = layer(x)
+            x, x_low = layer(x, x_low)
         return x
 
     @torch.no_grad()

@@ -38,6 +38,12 @@ class LinearMethod:
         """Name for the memory report (a GGUF layer names its block type)."""
         return self.name
 
+    def apply_activation(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                         activation: str) -> torch.Tensor | None:
+        """activation(x [M, K] @ W^T + bias) in one fused call ("gelu", "gelu_tanh", "relu"), or None where the
+        method has no fused form (the caller then applies the activation itself)."""
+        return None
+
     def cpu_matmul(self, layer: nn.Module) -> CpuMatmul | None:
         """``apply`` with its choices made once, for float32 CPU inputs: ``(x [M, K], bias, out) -> [M, N]``,
         or None where no C++ kernel serves the layer. Called after ``process_weights_after_loading``; the

@@ -9,6 +9,7 @@ plain ``F.linear``.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -46,8 +47,26 @@ def packed_linear(kernels: Any, x: torch.Tensor, packed: torch.Tensor, out_featu
     return y if out is not None else y.view(*lead, out_features)
 
 
+@functools.cache
+def onednn_bf16_available() -> bool:
+    """Whether bfloat16 weights can be prepacked for oneDNN (``torch.ops.mkldnn._linear_pointwise``, the op
+    torch.compile's CPU backend emits): needs a CPU with native bf16 (AVX-512 BF16 / AMX)."""
+    try:
+        return (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+                and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+# Activations oneDNN fuses into the matmul: name -> (post-op, algorithm)
+_ONEDNN_ACTIVATIONS = {"gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh"), "relu": ("relu", "")}
+
+
 class UnquantizedLinearMethod(LinearMethod):
-    """``weight`` [N, K] in the model dtype; packed into fp32 panels after loading where the kernel applies."""
+    """``weight`` [N, K] in the model dtype, repacked after loading where a kernel applies: float32 into the
+    panels of the C++ kernel; bfloat16 on a CPU with native bf16 into oneDNN's blocked layout. The latter
+    skips oneDNN's per-call weight reorder (~20% of a BERT matmul) and fuses bias and GELU into the matmul
+    (torch's separate bf16 GELU cost more than the matmul it follows)."""
 
     name = "unquantized"
 
@@ -57,10 +76,16 @@ class UnquantizedLinearMethod(LinearMethod):
             nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
         layer.weight = set_weight_loader(weight, lambda p, w, shard_id=None: load_rows(layer, p, w, shard_id))
         layer.packed_weight = None
+        layer.onednn_weight = None
         layer._kernels = None
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if layer.packed_weight is not None:
+        if layer.packed_weight is not None or layer.onednn_weight is not None:
+            return
+        w = layer.weight
+        if w.dtype == torch.bfloat16 and w.device.type == "cpu" and onednn_bf16_available():
+            layer.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+            layer.weight = None  # the packed copy replaces it
             return
         kernels = kernels_for(layer.weight)
         if kernels is None:
@@ -73,7 +98,17 @@ class UnquantizedLinearMethod(LinearMethod):
               out: torch.Tensor | None) -> torch.Tensor:
         if layer.packed_weight is not None:
             return layer._kernels.packed_gemm(x, layer.packed_weight, layer.out_features, bias, out)
+        if layer.onednn_weight is not None:
+            y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), layer.onednn_weight, bias, "none", [], "")
+            return out.copy_(y) if out is not None else y
         return F.linear(x, layer.weight, bias)
+
+    def apply_activation(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                         activation: str) -> torch.Tensor | None:
+        if layer.onednn_weight is None or activation not in _ONEDNN_ACTIVATIONS:
+            return None
+        op, algorithm = _ONEDNN_ACTIVATIONS[activation]
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), layer.onednn_weight, bias, op, [], algorithm)
 
     def cpu_matmul(self, layer: nn.Module) -> CpuMatmul | None:
         if layer.packed_weight is None:
@@ -82,5 +117,7 @@ class UnquantizedLinearMethod(LinearMethod):
         return lambda x, bias, out: gemm(x, packed, n, bias, out)
 
     def scheme(self, layer: nn.Module) -> str:
+        if layer.onednn_weight is not None:
+            return f"{self.name} bfloat16 (oneDNN packed)"
         w = layer.packed_weight if layer.packed_weight is not None else layer.weight
         return f"{self.name} {str(w.dtype).removeprefix('torch.')}"
