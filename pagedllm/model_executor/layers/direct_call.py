@@ -20,13 +20,12 @@ from torch import nn
 class DirectCall:
     """Mixin for ``nn.Module`` subclasses: ``layer(x)`` is ``layer.forward(x)``, with no hook dispatch.
 
-    Put it first among the bases (``class RMSNorm(DirectCall, nn.Module)``); every subclass gets its own
-    ``forward`` as ``__call__``.
+    Put it first among the bases (``class RMSNorm(DirectCall, nn.Module)``) so this ``__call__`` wins.
+    ``forward`` is looked up on the instance, so a ``forward`` patched onto one layer (tests, wrappers) runs.
     """
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        cls.__call__ = cls.forward  # type: ignore[method-assign]
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
 
 
 def promote_attributes(model: nn.Module) -> None:

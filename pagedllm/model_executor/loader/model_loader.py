@@ -43,7 +43,7 @@ def load_model(mc: ModelConfig, device: torch.device | str = "cpu") -> nn.Module
     model_cls = get_model_cls([mc.architecture])
     quant_config = get_quantization_config(mc.quantization, mc.hf_config, mc.gguf_file)
     if quant_config is not None:
-        quant_config.check_dtype(dtype)
+        quant_config.check_dtype(dtype, device)
     # Build on the meta device so no time goes into random init, then allocate real storage once.
     with torch.device("meta"):
         model = model_cls(mc.hf_config, dtype, quant_config) if quant_config else model_cls(mc.hf_config, dtype)

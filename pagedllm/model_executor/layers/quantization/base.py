@@ -61,8 +61,19 @@ class QuantizationConfig:
         """The method for the layer whose parameters are named ``prefix`` (e.g. ``model.layers.0.mlp.down_proj``)."""
         raise NotImplementedError
 
-    def check_dtype(self, dtype: torch.dtype) -> None:
-        """Raise ValueError if the scheme cannot run with activations of ``dtype``."""
+    def check_dtype(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        """Raise ValueError if the scheme cannot run with activations of ``dtype`` on ``device``: the CPU
+        kernels take float32; on CUDA the Triton kernel takes float32, bfloat16 and float16."""
+        if torch.device(device).type == "cuda":
+            from pagedllm.kernels.triton_ops import triton_available
+
+            if not triton_available():
+                raise ValueError(f"quantization {self.name!r} on CUDA needs triton (it ships with CUDA builds "
+                                 "of torch)")
+            if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                raise ValueError(f"quantization {self.name!r} on CUDA runs float32, bfloat16 or float16 "
+                                 f"activations (got {dtype})")
+            return
         if dtype != torch.float32:
             raise ValueError(f"quantization {self.name!r} runs float32 activations on the CPU; "
                              f"use --dtype float32 (got {dtype})")

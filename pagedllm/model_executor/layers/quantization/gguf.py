@@ -182,29 +182,31 @@ class GGUFLinearMethod(LinearMethod):
         shards = [layer.gguf_shards.get(i) for i in range(n_shards)]
         if any(s is None for s in shards):
             raise ValueError(f"{layer.prefix or 'linear'}: not every shard was loaded")
+        device = layer.weight.device  # blocks are decoded on the CPU; the packed weight lives with the layer
         types = {s.ggml_type if isinstance(s, GGUFQuantTensor) else None for s in shards}
         if types == {None} and layer.prefix != "lm_head":
             # F32 / F16 / BF16 matrices stay float (fp32 panels): kept quantized means as stored, never coarser.
             # (The tied head is built from the embedding's dequantized rows: int8 below, as a quantized file's.)
             layer.gguf_float = UnquantizedLinearMethod()
-            layer.weight = nn.Parameter(torch.cat([s.float() for s in shards]), requires_grad=False)
-            layer.packed_weight, layer._kernels = None, None
+            layer.weight = nn.Parameter(torch.cat([s.float() for s in shards]).to(device), requires_grad=False)
+            layer.packed_weight, layer.onednn_weight, layer._kernels = None, None, None
             layer.gguf_float.process_weights_after_loading(layer)
             layer.gguf_scheme = "gguf float (kept float32)"
             layer.gguf_shards = {}
             return
         if types <= Q4_TYPES and self._k_quant_fits(layer, types):
             parts = [decode_q4(s) for s in shards]
-            layer.qpanels = QPanels.pack_q4(*(torch.cat([p[i] for p in parts]) for i in range(3)))
+            layer.qpanels = QPanels.pack_q4(*(torch.cat([p[i] for p in parts]).to(device) for i in range(3)))
             layer.gguf_scheme = "gguf " + "+".join(sorted(_TYPE_NAMES[t] for t in types))
         elif types <= Q8_TYPES and self._k_quant_fits(layer, types):
             group = 16 if Q6_K in types else BLOCK
             parts = [decode_q8(s, group) for s in shards]
-            layer.qpanels = QPanels.pack_q8(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
+            layer.qpanels = QPanels.pack_q8(torch.cat([p[0] for p in parts]).to(device),
+                                            torch.cat([p[1] for p in parts]).to(device))
             layer.gguf_scheme = "gguf " + "+".join(sorted(_TYPE_NAMES[t] for t in types))
         else:
             w = torch.cat([s.dequantize() if isinstance(s, GGUFQuantTensor) else s.float() for s in shards])
-            layer.qpanels = QPanels.pack_q8(*quantize_q8(w, BLOCK))
+            layer.qpanels = QPanels.pack_q8(*(t.to(device) for t in quantize_q8(w, BLOCK)))
             names = sorted({s.type_name if isinstance(s, GGUFQuantTensor) else "float" for s in shards})
             layer.gguf_scheme = f"gguf {'+'.join(names)} -> int8 g32"
         layer.gguf_shards = {}

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels.cpu import cpu_isa, load_cpu_kernels
+from pagedllm.model_executor.layers.quantization.qrows import QRows
 
 PANEL = 16
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
@@ -56,20 +57,25 @@ class QPanels:
     is_fp8: bool = False
 
     @classmethod
-    def pack_q8(cls, q: torch.Tensor, scales: torch.Tensor) -> QPanels:
-        """q int8 [N, K], scales float [N, K / group]."""
+    def pack_q8(cls, q: torch.Tensor, scales: torch.Tensor) -> QPanels | QRows:
+        """q int8 [N, K], scales float [N, K / group]. (Every ``pack_*``: tensors on a CUDA device are packed
+        by rows for the Triton kernel instead, ``qrows.py``.)"""
+        if q.is_cuda:
+            return QRows.pack_q8(q, scales)
         n, k = q.shape
         group = k // scales.shape[1]
         return cls(_panels(q.to(torch.int8)), _panels(scales.float()), None, group, n, k)
 
     @classmethod
     def pack_q4(cls, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, layout: str | None = None
-                ) -> QPanels:
+                ) -> QPanels | QRows:
         """q uint8 values 0..15 [N, K] (K even), scales / mins float [N, K / group].
 
         ``layout``: "dot8" or "pairs" (module docstring); default dot8 where the group is a multiple of 8
         (``PAGEDLLM_Q4_LAYOUT=pairs`` picks the old layout, for comparisons).
         """
+        if q.is_cuda:
+            return QRows.pack_q4(q, scales, mins)
         n, k = q.shape
         group = k // scales.shape[1]
         if layout is None:
@@ -92,8 +98,10 @@ class QPanels:
                    n, k, layout=layout)
 
     @classmethod
-    def pack_f8(cls, q: torch.Tensor, scales: torch.Tensor) -> QPanels:
+    def pack_f8(cls, q: torch.Tensor, scales: torch.Tensor) -> QPanels | QRows:
         """q float8_e4m3fn (or its uint8 bytes) [N, K], scales float [N, K / group]: w = scale * q."""
+        if q.is_cuda:
+            return QRows.pack_f8(q, scales)
         n, k = q.shape
         group = k // scales.shape[1]
         return cls(_panels(q.view(torch.uint8)), _panels(scales.float()), None, group, n, k, is_fp8=True)

@@ -1,0 +1,113 @@
+"""Weight-only quantized matmul for CUDA, as one Triton kernel: y = x @ W^T (+ bias) with W stored as int8,
+4-bit or fp8 rows plus per-(row, group) scales (and minimums for 4-bit), dequantized tile by tile in
+registers. W never exists in float in memory, so a decode step reads 2-4x fewer weight bytes than bf16.
+
+Layouts (``layers/quantization/qrows.py`` builds them), W [N, K]:
+  KIND_Q8  int8 [N, K]                                  w = scale * q
+  KIND_Q4  uint8 [N, ceil(K / 2)], k even in the low nibble  w = scale * q + min, q in 0..15
+  KIND_F8  uint8 [N, K], float8 e4m3fn bit patterns     w = scale * fp8(q)
+  scales / mins float32 [N, G], G = ceil(K / group)
+
+Tested through Triton's interpreter on the CPU (tests/quantization/test_triton_quant_matmul.py) and on a GPU
+by ``benchmarks/gpu_check.sh``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pagedllm.kernels.triton_ops import triton_available
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - the CPU build of torch ships no triton
+    triton = None
+    tl = None
+
+KIND_Q8, KIND_Q4, KIND_F8 = 0, 1, 2
+# Triton's interpreter (tests on the CPU) computes bf16 arithmetic on raw bits: its dots stay float32.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def block_k_for(group: int, k: int) -> int:
+    """The K tile: a power of two in 16..64 that divides the group (every tile then lies in one group), or
+    64 when one group spans the whole row."""
+    if group >= k:
+        return 64
+    for bk in (64, 32, 16):
+        if group % bk == 0:
+            return bk
+    raise ValueError(f"quantization group {group} must be a multiple of 16 (or the whole row)")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _wo_matmul_kernel(x_ptr, q_ptr, s_ptr, mn_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_sn,
+                          stride_ym, group, KIND: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_BF16: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)
+            w_mask = n_ok[:, None] & k_ok[None, :]
+            if KIND == 1:
+                byte = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_k[None, :] // 2, mask=w_mask, other=0)
+                q = ((byte.to(tl.int32) >> ((offs_k[None, :] % 2) * 4)) & 15).to(tl.float32)
+            elif KIND == 2:
+                raw = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_k[None, :], mask=w_mask, other=0)
+                q = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:
+                q = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_k[None, :], mask=w_mask, other=0).to(tl.float32)
+            g = k0 // group  # the whole tile lies in one group (block_k_for)
+            s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_ok, other=0.0)
+            w = q * s[:, None]
+            if KIND == 1:
+                w += tl.load(mn_ptr + offs_n * stride_sn + g, mask=n_ok, other=0.0)[:, None]
+            w = tl.where(w_mask, w, 0.0)
+            if DOT_BF16:  # bf16 / fp16 activations: tensor-core products, float32 sums
+                acc += tl.dot(x.to(tl.bfloat16), tl.trans(w).to(tl.bfloat16))
+            else:
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+
+def weight_only_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                       group: int, out_features: int, kind: int, bias: torch.Tensor | None = None,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (float32 / bf16 / fp16) @ dequantized W^T (+ bias) -> [M, out_features] in x's dtype."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    m, k = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = out if out is not None else torch.empty(m, out_features, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n, block_k = 64, block_k_for(group, k)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(out_features, block_n))
+    dummy = scales  # unused pointer arguments still need a tensor
+    _wo_matmul_kernel[grid](
+        x, qweight, scales, mins if mins is not None else dummy, bias if bias is not None else dummy, y,
+        m, out_features, k, x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0), group,
+        KIND=kind, HAS_BIAS=bias is not None, DOT_BF16=x.dtype in (torch.bfloat16, torch.float16) and not _INTERPRET,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    return y
+
+
+__all__ = ["KIND_F8", "KIND_Q4", "KIND_Q8", "block_k_for", "triton_available", "weight_only_matmul"]
