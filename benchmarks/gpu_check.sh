@@ -44,6 +44,11 @@ step latency_b1 180 $PY -m pagedllm bench latency "${ENGINE[@]}" --batch-size 1 
   --num-iters $ITERS --output-json "$OUT/latency_b1.json"
 step latency_b1_eager 180 $PY -m pagedllm bench latency "${ENGINE[@]}" --enforce-eager --batch-size 1 \
   --input-len $LEN --output-len $LEN --num-iters $ITERS --output-json "$OUT/latency_b1_eager.json"
+# 2b. Quantized weights on the GPU (the Triton weight-only kernel): int4 groups of 32 and int8, batch 1.
+for q in int4 int8; do
+  step "latency_b1_$q" 120 $PY -m pagedllm bench latency "${ENGINE[@]}" --quantization $q --batch-size 1 \
+    --input-len $LEN --output-len $LEN --num-iters $ITERS --output-json "$OUT/latency_b1_$q.json"
+done
 # 3. Throughput, 1,000 x 128/128 with 512 sequences, and Hugging Face generate() at batch 200 beside it.
 step throughput 240 $PY -m pagedllm bench throughput "${ENGINE[@]}" --max-num-seqs 512 --num-prompts $N_TP \
   --input-len $LEN --output-len $LEN --output-json "$OUT/throughput.json"

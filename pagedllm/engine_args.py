@@ -69,7 +69,8 @@ class EngineArgs:
                                 "Q4_0/Q4_1/Q4_K/Q8_0/Q6_K blocks quantized: the default for GGUF files on the "
                                 "CPU); none (float weights; a GGUF file is dequantized). GPTQ/AWQ/fp8 "
                                 "checkpoints are read from their config.json without this flag. With a "
-                                "quantization, dtype auto becomes float32. See docs/quantization.md.")
+                                "quantization, dtype auto becomes float32 on the CPU (bfloat16 on CUDA). See "
+                                "docs/quantization.md.")
         group.add_argument("--max-model-len", type=int, default=None,
                            help="Context length (prompt + output) in tokens; default: the model's.")
         group.add_argument("--block-size", type=int, default=d.block_size, help="Tokens per KV cache block.")

@@ -98,7 +98,10 @@ def resolve_model_config(mc: ModelConfig) -> ModelConfig:
 
     # Fails early with a clear message (unknown method, checkpoint format we cannot read, gguf without GGUF).
     if get_quantization_config(mc.quantization, hf_config, mc.gguf_file) is not None and mc.dtype == "auto":
-        mc.dtype = "float32"  # the quantized kernels take float32 activations
+        import torch
+
+        if not torch.cuda.is_available():
+            mc.dtype = "float32"  # the CPU's quantized kernels take float32 activations (CUDA's: bf16 too)
     mc.dtype = resolve_dtype(mc.dtype, "auto")
     st_max_len = _resolve_runner(mc, None if mc.gguf_file else source.folder)
 
