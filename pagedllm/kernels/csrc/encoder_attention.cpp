@@ -98,20 +98,19 @@ void run(const torch::Tensor& query, const torch::Tensor& key, const torch::Tens
   // Tasks in the order (sequence, kv head): the query heads of one KV head share its converted K and V.
   const int64_t num_tasks = num_seqs * Hkv;
   at::parallel_for(0, num_tasks, 1, [&](int64_t t0, int64_t t1) {
-    // float32 copies, zero-padded: K^T [D, Lp], V [Lp, Dp], Q [Lr, D], scores [Lr, Lp], out [Lr, Dp]
-    std::vector<float> kt, krow, v, q, s, o, inv_sum;
+    // float32 copies, zero-padded: K^T [D, Lp], V [Lp, Dp]; per block of RB query rows: Q [RB, D],
+    // scores [RB, Lp] and out [RB, Dp] (a row block at a time: memory linear in the length, not quadratic).
+    std::vector<float> kt, krow, v, q(static_cast<size_t>(RB * D)), s, o(static_cast<size_t>(RB * Dp));
+    float inv_sum[RB];
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t seq = task / Hkv, hk = task % Hkv;
       const int64_t start = qs[seq], L = qs[seq + 1] - qs[seq];
       if (L <= 0) continue;
-      const int64_t Lp = round_up(L, KP), Lr = round_up(L, RB);
+      const int64_t Lp = round_up(L, KP);
       kt.assign(static_cast<size_t>(D * Lp), 0.f);
       v.assign(static_cast<size_t>(Lp * Dp), 0.f);
       krow.resize(static_cast<size_t>(L * D));
-      q.assign(static_cast<size_t>(Lr * D), 0.f);
-      s.resize(static_cast<size_t>(Lr * Lp));
-      o.resize(static_cast<size_t>(Lr * Dp));
-      inv_sum.resize(static_cast<size_t>(L));
+      s.resize(static_cast<size_t>(RB * Lp));
       // Convert row by row (contiguous, vectorised), then transpose K in float32.
       for (int64_t j = 0; j < L; ++j) {
         load_row(krow.data() + j * D, k_ptr + (start + j) * k_row + hk * D, D);
@@ -120,34 +119,37 @@ void run(const torch::Tensor& query, const torch::Tensor& key, const torch::Tens
       for (int64_t j = 0; j < L; ++j)
         for (int64_t d = 0; d < D; ++d) kt[d * Lp + j] = krow[j * D + d];
       for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
-        for (int64_t i = 0; i < L; ++i) {
-          float* qi = q.data() + i * D;
-          load_row(qi, q_ptr + (start + i) * q_row + h * D, D);
+        for (int64_t i0 = 0; i0 < L; i0 += RB) {
+          const int64_t rows = std::min(RB, L - i0);
+          std::fill(q.begin(), q.end(), 0.f);  // rows past L stay zero
+          for (int64_t r = 0; r < rows; ++r) {
+            float* qr = q.data() + r * D;
+            load_row(qr, q_ptr + (start + i0 + r) * q_row + h * D, D);
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) qi[d] *= scale;
-        }
-        for (int64_t i0 = 0; i0 < Lr; i0 += RB)
-          for (int64_t j0 = 0; j0 < Lp; j0 += KP) score_block(q.data() + i0 * D, D, kt.data() + j0, Lp,
-                                                              s.data() + i0 * Lp + j0, Lp);
-        // Softmax numerators per row; padded keys get -inf (weight 0). The normalisation is applied last.
-        for (int64_t i = 0; i < L; ++i) {
-          float* sp = s.data() + i * Lp;
-          for (int64_t j = L; j < Lp; ++j) sp[j] = PAD_SCORE;  // padded keys: weight exp(MIN_EXP_ARG) ~ 0
-          const float max_s = row_max(sp, Lp);
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t j = 0; j < Lp; ++j) {
-            sp[j] = expf(std::max(sp[j] - max_s, MIN_EXP_ARG));
-            sum += sp[j];
+            for (int64_t d = 0; d < D; ++d) qr[d] *= scale;
           }
-          inv_sum[i] = 1.f / sum;
+          for (int64_t j0 = 0; j0 < Lp; j0 += KP) score_block(q.data(), D, kt.data() + j0, Lp, s.data() + j0, Lp);
+          // Softmax numerators per row; the normalisation is applied to the output.
+          for (int64_t r = 0; r < RB; ++r) {
+            float* sp = s.data() + r * Lp;
+            if (r >= rows) {  // rows past L: zero weights, their output is never stored
+              std::fill(sp, sp + Lp, 0.f);
+              continue;
+            }
+            for (int64_t j = L; j < Lp; ++j) sp[j] = PAD_SCORE;  // padded keys: weight exp(MIN_EXP_ARG) ~ 0
+            const float max_s = row_max(sp, Lp);
+            float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = 0; j < Lp; ++j) {
+              sp[j] = expf(std::max(sp[j] - max_s, MIN_EXP_ARG));
+              sum += sp[j];
+            }
+            inv_sum[r] = 1.f / sum;
+          }
+          for (int64_t c0 = 0; c0 < Dp; c0 += KP) value_block(s.data(), Lp, v.data() + c0, Dp, L, o.data() + c0, Dp);
+          for (int64_t r = 0; r < rows; ++r)
+            store_row(o_ptr + ((start + i0 + r) * H + h) * D, o.data() + r * Dp, inv_sum[r], D);
         }
-        for (int64_t i = L; i < Lr; ++i) std::fill(s.data() + i * Lp, s.data() + (i + 1) * Lp, 0.f);
-        for (int64_t i0 = 0; i0 < Lr; i0 += RB)
-          for (int64_t c0 = 0; c0 < Dp; c0 += KP) value_block(s.data() + i0 * Lp, Lp, v.data() + c0, Dp, L,
-                                                              o.data() + i0 * Dp + c0, Dp);
-        for (int64_t i = 0; i < L; ++i)
-          store_row(o_ptr + ((start + i) * H + h) * D, o.data() + i * Dp, inv_sum[i], D);
       }
     }
   });
