@@ -1,0 +1,30 @@
+"""How a hybrid model's KV memory splits between its full group and its sliding-window group.
+
+The sliding group (Gemma 3's local layers) never needs more than the window per request: at most
+``ceil((window + chunk + lookahead) / block_size) + 1`` blocks each (a prefill chunk writes all its tokens
+before attending; ``core/kv_cache_group.py`` frees what fell out of the window), so it is sized for
+``max_num_seqs`` such requests and the full group (the global layers) gets the rest of the budget.
+"""
+
+from __future__ import annotations
+
+from pagedllm.utils import cdiv
+
+
+def sliding_group_blocks_wanted(window: int, block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
+                                num_lookahead_tokens: int = 0) -> int:
+    """Blocks (null block included) the sliding group needs for ``max_num_seqs`` requests at their peak."""
+    per_request = cdiv(window + max_num_batched_tokens + num_lookahead_tokens, block_size) + 1
+    return max_num_seqs * per_request + 1
+
+
+def split_kv_budget(budget: int, full_bytes_per_block: int, sliding_bytes_per_block: int,
+                    sliding_wanted: int) -> tuple[int, int]:
+    """(full group blocks, sliding group blocks) that fit ``budget`` bytes: as many full blocks as possible
+    with the sliding group at ``sliding_wanted`` blocks, but never more sliding than full blocks (a request
+    holds no more sliding blocks than full ones, so then the sliding group is never the limit)."""
+    full = (budget - sliding_wanted * sliding_bytes_per_block) // full_bytes_per_block
+    if full >= sliding_wanted:
+        return int(full), sliding_wanted
+    both = budget // (full_bytes_per_block + sliding_bytes_per_block)
+    return int(both), int(both)
