@@ -114,8 +114,10 @@ def test_uncache_and_reset_cover_both_groups() -> None:
 
 
 def test_sliding_group_sizing() -> None:
-    # Per request ceil((8 + 32 + 0) / 4) + 1 = 11 blocks, 3 requests, plus the null block.
-    assert sliding_group_blocks_wanted(8, 4, 32, 3) == 34
+    # Per request ceil(8 / 4) + 2 = 4 blocks, 3 requests, one step's 32 tokens (8 blocks), the null block.
+    assert sliding_group_blocks_wanted(8, 4, 32, 3) == 21
+    # One request alone always fits: its peak is ceil((8 + 32) / 4) + 1 = 11 blocks.
+    assert sliding_group_blocks_wanted(8, 4, 32, 1) - 1 >= 11
     assert split_kv_budget(1000, 10, 5, 34) == (83, 34)  # 34 * 5 = 170 bytes for the sliding group
     assert split_kv_budget(300, 10, 5, 34) == (20, 20)  # too small: never more sliding than full blocks
 
@@ -128,7 +130,8 @@ def hybrid_scheduler(num_blocks: int, budget: int, max_seqs: int, caching: bool,
                         sliding_group_num_blocks=sliding_blocks or min(wanted, num_blocks))
     sched = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=64,
                                       num_lookahead_tokens=lookahead), cache)
-    sched.__dict__["_fake_runner"] = FakeRunner(num_blocks, BS, window=WINDOW,
+    sched.__dict__["_fake_runner"] = FakeRunner(num_blocks, BS, num_drafts=lookahead, draft_error_rate=0.3,
+                                                window=WINDOW,
                                                 sliding_num_blocks=cache.sliding_group_num_blocks,
                                                 sliding_tables=sched.kv.groups[1].req_to_blocks)
     return sched
@@ -155,11 +158,12 @@ def test_the_fake_runner_catches_a_sliding_group_that_frees_too_much() -> None:
 @given(
     st.lists(st.tuples(st.integers(0, 15), st.integers(1, 40), st.integers(1, 16), st.integers(0, 3)),
              min_size=1, max_size=10),
-    st.integers(12, 48), st.integers(4, 24), st.integers(1, 5), st.booleans())
-def test_random_workloads_through_both_groups(reqs, num_blocks, budget, max_seqs, caching):
-    """Random arrivals with shared prefixes on a tight cache (preemption): every token read through the
-    sliding group's window is right, and every block of both groups comes back."""
-    sched = hybrid_scheduler(num_blocks, budget, max_seqs, caching)
+    st.integers(12, 48), st.integers(4, 24), st.integers(1, 5), st.booleans(), st.sampled_from([0, 3]))
+def test_random_workloads_through_both_groups(reqs, num_blocks, budget, max_seqs, caching, lookahead):
+    """Random arrivals with shared prefixes on a tight cache (preemption), with or without drafts in
+    lookahead slots: every token read through the sliding group's window is right, and every block of both
+    groups comes back."""
+    sched = hybrid_scheduler(num_blocks, budget, max_seqs, caching, lookahead)
     arrivals: dict[int, list] = {}
     expected = {}
     for i, (arrive, plen, max_tokens, family) in enumerate(reqs):
@@ -192,3 +196,15 @@ def test_abort_returns_both_groups_blocks() -> None:
     assert live(sched.kv, 0, "a") and live(sched.kv, 1, "a")
     sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     assert all_free(sched.kv)
+
+
+def test_layers_split_into_groups_by_attention_spec() -> None:
+    from pagedllm.attention.spec import AttentionSpec, kv_cache_groups
+
+    causal, local = AttentionSpec.causal(), AttentionSpec.sliding(512)
+    assert kv_cache_groups([local] * 5 + [causal] + [local] * 2) == ([1] * 5 + [0] + [1] * 2, 512)
+    assert kv_cache_groups([causal] * 3) == ([0, 0, 0], None)
+    assert kv_cache_groups([local] * 3) == ([0, 0, 0], None)  # all sliding: one group that frees (Mistral)
+    # Sliding layers of two windows: one group, nothing freed (correct, just no saving).
+    assert kv_cache_groups([local, AttentionSpec.sliding(256), causal]) == ([0, 0, 0], None)
+    assert kv_cache_groups([AttentionSpec.encoder()] * 2) == ([], None)

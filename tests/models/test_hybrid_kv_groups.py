@@ -55,9 +55,9 @@ def run(engine: LLMEngine, requests: dict[str, list[int]], max_tokens: int, on_s
 
 def test_long_request_matches_transformers_with_sliding_blocks_bounded(gemma3) -> None:
     path, hf = gemma3
-    engine = make_engine(path, max_num_seqs=1)  # a sliding group of 8 blocks: freed blocks are reused at once
+    engine = make_engine(path, max_num_seqs=1)  # a sliding group of 9 blocks: freed blocks are reused at once
     kv = engine.core.scheduler.kv
-    assert len(kv.groups) == 2 and kv.groups[1].pool.num_blocks == 8
+    assert len(kv.groups) == 2 and kv.groups[1].pool.num_blocks == 9
     assert kv.groups[1].sliding_window == WINDOW and kv.sliding_window is None
     prompt = prompt_of(6 * WINDOW, 1)  # 96 tokens, six windows
     peaks = [0, 0]
@@ -79,8 +79,8 @@ def test_sliding_group_is_sized_for_the_window(gemma3) -> None:
     engine = make_engine(path, max_num_seqs=4)
     cache = engine.config.cache
     assert cache.sliding_group_window == WINDOW
-    per_request = -(-(WINDOW + CHUNK) // BLOCK) + 1
-    assert cache.sliding_group_num_blocks == 4 * per_request + 1 < cache.num_blocks
+    # Per request the window's blocks + 2, plus one step's tokens, plus the null block.
+    assert cache.sliding_group_num_blocks == 4 * (WINDOW // BLOCK + 2) + CHUNK // BLOCK + 1 < cache.num_blocks
     runner = engine.core.worker.runner
     assert [c.shape[1] for c in runner.kv_caches] == [cache.sliding_group_num_blocks] * 5 + [cache.num_blocks]
 
@@ -103,11 +103,11 @@ def test_batched_equals_solo_and_prefix_hits_keep_outputs(gemma3) -> None:
 
 def test_preemption_and_abort_return_every_block(gemma3) -> None:
     path, hf = gemma3
-    # 2 KiB per full block (1 layer), 10 KiB per sliding block (5 layers): the sliding group gets its 29
+    # 2 KiB per full block (1 layer), 10 KiB per sliding block (5 layers): the sliding group gets its 21
     # blocks, the full group 30 (240 tokens), so four requests of up to 95 tokens cannot all run at once.
-    engine = make_engine(path, memory="350KiB", max_num_seqs=4, enable_prefix_caching=False)
+    engine = make_engine(path, memory="270KiB", max_num_seqs=4, enable_prefix_caching=False)
     kv = engine.core.scheduler.kv
-    assert [g.pool.num_blocks for g in kv.groups] == [30, 29]
+    assert [g.pool.num_blocks for g in kv.groups] == [30, 21]
     prompts = {f"r{i}": prompt_of(50 + 5 * i, 20 + i) for i in range(4)}
     out = run(engine, prompts, 30)
     assert engine.core.scheduler.num_preemptions > 0
