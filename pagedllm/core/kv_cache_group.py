@@ -8,7 +8,7 @@ group frees what fell out of the window. ``KVCacheManager`` runs every operation
 
 from __future__ import annotations
 
-from pagedllm.core.block_pool import BlockPool, KVCacheBlock
+from pagedllm.core.block_pool import BlockHash, BlockPool, KVCacheBlock
 
 
 class KVCacheGroup:
@@ -45,10 +45,26 @@ class KVCacheGroup:
             while n < limit and found[n] is not None:
                 n += 1
             return n
+        last_miss, misses = -1, []  # misses[i]: the last block <= i that is not cached (-1: none)
+        for i in range(limit):
+            if found[i] is None:
+                last_miss = i
+            misses.append(last_miss)
         for n in range(limit, 0, -1):
-            if all(found[i] is not None for i in range(self.first_needed_block(n * self.block_size), n)):
+            if misses[n - 1] < self.first_needed_block(n * self.block_size):
                 return n
         return 0
+
+    def lookup(self, keys: list[tuple[BlockHash, int]]) -> list[KVCacheBlock | None]:
+        """The cached block (or None) for each (hash, parent value); a group without a window stops at the
+        first miss (nothing after it can be part of its hit)."""
+        found: list[KVCacheBlock | None] = []
+        for block_hash, parent in keys:
+            block = self.pool.lookup(block_hash, parent)
+            if block is None and self.sliding_window is None:
+                return found + [None] * (len(keys) - len(found))
+            found.append(block)
+        return found
 
     def hit_blocks(self, found: list[KVCacheBlock | None], num_hit: int) -> list[KVCacheBlock]:
         """The table entries of a ``num_hit``-block hit: the null block where the window no longer looks."""

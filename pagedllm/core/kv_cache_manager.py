@@ -88,7 +88,7 @@ class KVCacheManager:
         self._update_block_hashes(request)
         limit = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
         keys = [(request.block_hashes[i], self._parent_value(request, i)) for i in range(limit)]
-        found = [[g.pool.lookup(h, p) for h, p in keys] for g in self.groups]
+        found = [g.lookup(keys) for g in self.groups]
         num_hit = limit
         while True:  # a smaller hit can fail a sliding group's test, so shrink until every group agrees
             shrunk = min(g.longest_hit(f, num_hit) for g, f in zip(self.groups, found))

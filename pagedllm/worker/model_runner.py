@@ -145,8 +145,7 @@ class ModelRunner:
         """Allocate per layer [2, num_blocks, block_size, Hkv, D] and bind it to the attention layers; the
         layers of a hybrid model's sliding group get ``sliding_group_num_blocks`` blocks (0: num_blocks)."""
         num_layers, num_kv_heads, head_size = self.kv_cache_spec()
-        groups, window = self.kv_cache_groups()
-        self.num_kv_groups = 2 if window is not None else 1
+        groups = self.kv_cache_groups()[0]
         group_blocks = (num_blocks, sliding_group_num_blocks or num_blocks)
         self.kv_caches = [_zeros((2, group_blocks[g], self.block_size, num_kv_heads, head_size), self.dtype,
                                  self.device) for g in groups]
