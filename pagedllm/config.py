@@ -75,6 +75,16 @@ class CacheConfig:
     num_blocks: int = 0  # filled by the worker
     # Filled by the worker when every attention layer slides with one window (KV beyond it is freed).
     sliding_window: int | None = None
+    # Filled by the worker for a hybrid model (sliding and full layers, e.g. Gemma 3): the sliding layers'
+    # own KV cache group, its window and blocks (docs/architecture.md); 0 blocks: one group.
+    sliding_group_window: int | None = None
+    sliding_group_num_blocks: int = 0
+
+    def sliding_group(self) -> tuple[int, int] | None:
+        """(num_blocks, window) of the sliding layers' KV cache group, or None when there is one group."""
+        if self.sliding_group_window is None or self.sliding_group_num_blocks <= 0:
+            return None
+        return self.sliding_group_num_blocks, self.sliding_group_window
 
 
 @dataclass

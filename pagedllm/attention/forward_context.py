@@ -24,9 +24,12 @@ def forward_context(metadata: AttentionMetadata | None) -> Iterator[None]:
         _current = previous
 
 
-def get_attn_metadata() -> AttentionMetadata:
+def get_attn_metadata(group: int = 0) -> AttentionMetadata:
+    """This step's metadata for KV cache group ``group`` (group 0's carries the others, if any)."""
     if _current is None:
         raise RuntimeError("attention called outside forward_context(); the model runner sets it per step")
+    if group and _current.group_metadata is not None:
+        return _current.group_metadata[group]
     return _current
 
 

@@ -33,6 +33,7 @@ class Attention(DirectCall, nn.Module):
         self.spec = spec or AttentionSpec.causal()
         self.backend = backend or _DEFAULT_BACKEND
         self.kv_cache: torch.Tensor | None = None
+        self.kv_group = 0  # the KV cache group whose block tables index kv_cache (set by bind_kv_caches)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """query: [T, H*D], key/value: [T, Hkv*D] -> [T, H*D]."""
@@ -43,7 +44,7 @@ class Attention(DirectCall, nn.Module):
             query.view(t, self.num_heads, self.head_size),
             key.view(t, self.num_kv_heads, self.head_size),
             value.view(t, self.num_kv_heads, self.head_size),
-            self.kv_cache, get_attn_metadata(), self.spec, self.scale)
+            self.kv_cache, get_attn_metadata(self.kv_group), self.spec, self.scale)
         return out.view(t, self.num_heads * self.head_size)
 
 
@@ -52,10 +53,12 @@ def attention_layers(model: nn.Module) -> list[Attention]:
     return sorted((m for m in model.modules() if isinstance(m, Attention)), key=lambda m: m.layer_idx)
 
 
-def bind_kv_caches(model: nn.Module, kv_caches: list[torch.Tensor]) -> None:
-    """Give each cached Attention layer (by ``layer_idx``) its cache tensor; encoder layers get none."""
+def bind_kv_caches(model: nn.Module, kv_caches: list[torch.Tensor], groups: list[int] | None = None) -> None:
+    """Give each cached Attention layer (by ``layer_idx``) its cache tensor and, when ``groups`` is given,
+    its KV cache group (one entry per cached layer); encoder layers get none."""
     layers = [m for m in attention_layers(model) if m.spec.uses_kv_cache]
     if len(layers) != len(kv_caches):
         raise ValueError(f"model has {len(layers)} cached attention layers but {len(kv_caches)} KV caches")
-    for layer in layers:
+    for i, layer in enumerate(layers):
         layer.kv_cache = kv_caches[layer.layer_idx]
+        layer.kv_group = groups[i] if groups is not None else 0

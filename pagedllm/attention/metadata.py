@@ -71,6 +71,9 @@ class AttentionMetadata:
     max_decode_seq_len: int
     block_size: int
     _plan: AttentionPlan | None = field(default=None, repr=False)
+    # A model with several KV cache groups: every group's metadata, this one (group 0) first; the groups
+    # differ only in block_tables and slot_mapping. None: one group, or all groups share this table.
+    group_metadata: list[AttentionMetadata] | None = field(default=None, repr=False)
     _encoder_plan: Any = field(default=None, init=False, repr=False)  # torch_encoder's plan, for encoder layers
 
     def plan(self) -> AttentionPlan:

@@ -82,3 +82,15 @@ def common_sliding_window(specs: list[AttentionSpec]) -> int | None:
     if cached and all(s.kind == "sliding" for s in cached) and len({s.window for s in cached}) == 1:
         return cached[0].window
     return None
+
+
+def kv_cache_groups(specs: list[AttentionSpec]) -> tuple[list[int], int | None]:
+    """Split a hybrid model's cached layers into KV cache groups: (the group of each cached layer, the
+    sliding group's window). Group 0 holds the full (causal) layers, group 1 the sliding layers of one
+    window, whose blocks out of the window can be freed while group 0 keeps the whole context. Any other
+    model (one kind of layer, or sliding layers of several windows) keeps one group: ([0, ...], None)."""
+    cached = [s for s in specs if s.uses_kv_cache]
+    windows = {s.window for s in cached if s.kind == "sliding"}
+    if len(windows) == 1 and any(s.kind == "causal" for s in cached):
+        return [1 if s.kind == "sliding" else 0 for s in cached], windows.pop()
+    return [0] * len(cached), None

@@ -1,33 +1,56 @@
-"""Per-request block tables on top of the block pool, with automatic prefix caching."""
+"""Per-request block tables (one per KV cache group) on top of the block pools, with automatic prefix caching."""
 
 from __future__ import annotations
 
 import random
 
 from pagedllm.core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block
+from pagedllm.core.kv_cache_group import KVCacheGroup
 from pagedllm.core.kv_cache_snapshot import KVCacheSnapshot, build_snapshot
 from pagedllm.core.request import Request
 from pagedllm.utils import cdiv
 
+# One list of blocks per KV cache group, in group order.
+GroupBlocks = tuple[list[KVCacheBlock], ...]
+
 
 class KVCacheManager:
-    """Allocates blocks for requests; the scheduler only sees opaque results (blocks or None)."""
+    """Allocates blocks for requests; the scheduler only sees opaque results (blocks or None).
+
+    Every operation runs over the KV cache groups (``core/kv_cache_group.py``): one for most models; a
+    hybrid model's sliding-window layers get a second one (``sliding_group``: its blocks and window), whose
+    blocks out of the window are freed while the full group keeps the whole context. Group 0 is the one
+    usage, admission and the cache map follow.
+    """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 hash_seed: int | None = None, sliding_window: int | None = None) -> None:
+                 hash_seed: int | None = None, sliding_window: int | None = None,
+                 sliding_group: tuple[int, int] | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        # Set when every attention layer slides with this window: blocks that fell out of it are freed.
-        self.sliding_window = sliding_window
-        self.pool = BlockPool(num_blocks, enable_caching)
+        # sliding_window: every attention layer slides with it (one group, Mistral-style).
+        self.groups = [KVCacheGroup(num_blocks, block_size, enable_caching, sliding_window)]
+        if sliding_group is not None:  # (num_blocks, window) of a hybrid model's sliding layers
+            self.groups.append(KVCacheGroup(sliding_group[0], block_size, enable_caching, sliding_group[1]))
         # The first block's parent value: random per process unless configured, so hashes can't be
         # predicted across deployments.
         self.root_hash = hash(("pagedllm", hash_seed)) if hash_seed is not None else random.getrandbits(63)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.num_cached_blocks: dict[str, int] = {}
         # Prefix-cache statistics, counted in tokens.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+
+    # Group 0's state, under the names callers used before there were groups.
+    @property
+    def pool(self) -> BlockPool:
+        return self.groups[0].pool
+
+    @property
+    def req_to_blocks(self) -> dict[str, list[KVCacheBlock]]:
+        return self.groups[0].req_to_blocks
+
+    @property
+    def sliding_window(self) -> int | None:
+        return self.groups[0].sliding_window
 
     @property
     def usage(self) -> float:
@@ -35,7 +58,7 @@ class KVCacheManager:
 
     @property
     def num_usable_blocks(self) -> int:
-        return self.pool.num_blocks - 1
+        return self.groups[0].num_usable_blocks
 
     def _parent_value(self, request: Request, index: int) -> int:
         return self.root_hash if index == 0 else request.block_hashes[index - 1].value
@@ -52,112 +75,92 @@ class KVCacheManager:
                 hash_block(self._parent_value(request, i), tuple(tokens[i * bs:(i + 1) * bs]),
                            extra if i == 0 else ()))
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest run of cached full blocks for a new request, and the tokens they cover.
+    def get_computed_blocks(self, request: Request) -> tuple[GroupBlocks, int]:
+        """Cached full blocks a new request may start from (one list per group), and the tokens they cover.
 
-        The last token is always left to compute: its logits are needed to sample.
+        The hit is the longest that every group can serve: a full group needs each block of it cached, a
+        sliding group only the blocks its window still sees. The last token is always left to compute: its
+        logits are needed to sample.
         """
+        empty = tuple([] for _ in self.groups)
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0  # prompt logprobs need the logits of every prompt position
+            return empty, 0  # prompt logprobs need the logits of every prompt position
         self._update_block_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVCacheBlock] = []
-        for i in range(min(max_blocks, len(request.block_hashes))):
-            block = self.pool.lookup(request.block_hashes[i], self._parent_value(request, i))
-            if block is None:
+        limit = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
+        keys = [(request.block_hashes[i], self._parent_value(request, i)) for i in range(limit)]
+        found = [g.lookup(keys) for g in self.groups]
+        num_hit = limit
+        while True:  # a smaller hit can fail a sliding group's test, so shrink until every group agrees
+            shrunk = min(g.longest_hit(f, num_hit) for g, f in zip(self.groups, found))
+            if shrunk == num_hit:
                 break
-            hits.append(block)
+            num_hit = shrunk
         self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += len(hits) * self.block_size
-        return hits, len(hits) * self.block_size
+        self.prefix_cache_hits += num_hit * self.block_size
+        return tuple(g.hit_blocks(f, num_hit) for g, f in zip(self.groups, found)), num_hit * self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVCacheBlock] | None = None,
+                       new_computed_blocks: GroupBlocks | None = None,
                        num_new_computed_tokens: int = 0,
-                       num_lookahead_tokens: int = 0) -> list[KVCacheBlock] | None:
-        """Make room for ``num_new_tokens`` more tokens (after any prefix hits). None if it can't.
+                       num_lookahead_tokens: int = 0) -> GroupBlocks | None:
+        """Make room for ``num_new_tokens`` more tokens (after any prefix hits) in every group: the new
+        blocks per group, or None (and nothing taken) if one group can't.
 
         ``num_lookahead_tokens`` more slots are reserved past them (a draft model writes its proposals'
         K/V there); they are never hashed for the prefix cache.
         """
-        new_computed_blocks = new_computed_blocks or []
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        if self.sliding_window is not None and blocks:
-            self._free_outside_window(request, blocks)
+        rid = request.request_id
+        hits = new_computed_blocks or tuple([] for _ in self.groups)
+        for group in self.groups:
+            group.free_outside_window(rid, request.num_computed_tokens)
         total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_needed = (cdiv(total_tokens + num_lookahead_tokens, self.block_size) - len(blocks)
-                      - len(new_computed_blocks))
-        # Hits that sit in the free queue stop being allocatable once we take them.
-        num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_needed > self.pool.num_free_blocks - num_free_hits:
-            if not blocks:
-                del self.req_to_blocks[request.request_id]
+        needed = [g.num_new_blocks(rid, total_tokens + num_lookahead_tokens, h) for g, h in zip(self.groups, hits)]
+        if not all(g.can_allocate(n, h) for g, n, h in zip(self.groups, needed, hits)):
             return None
-        self.pool.touch(new_computed_blocks)
-        blocks.extend(new_computed_blocks)
-        new_blocks = self.pool.get_new_blocks(max(num_needed, 0))
-        blocks.extend(new_blocks)
+        new_blocks = tuple(g.allocate(rid, n, h) for g, n, h in zip(self.groups, needed, hits))
         if self.enable_caching:
-            self._cache_full_blocks(request, blocks, total_tokens)
+            self._cache_full_blocks(request, total_tokens)
         return new_blocks
 
-    def _free_outside_window(self, request: Request, blocks: list[KVCacheBlock]) -> None:
-        """Swap blocks that no query of this request can see any more for the null block and free them.
-
-        The next query sits at position ``num_computed_tokens`` and sees keys after
-        ``num_computed_tokens - window``; a block ending at or before that is out of every later window.
-        """
-        null = self.pool.null_block
-        num_out = max(0, request.num_computed_tokens - self.sliding_window) // self.block_size
-        freed = []
-        for i in range(min(num_out, len(blocks))):
-            if blocks[i] is not null:
-                freed.append(blocks[i])
-                blocks[i] = null
-        if freed:
-            self.pool.free_blocks(reversed(freed))
-
-    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         # K/V of these tokens is written during the coming step, before any later step can read it,
         # and within a step every layer writes the whole batch's K/V before attending.
         self._update_block_hashes(request)
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
-        start = self.num_cached_blocks.get(request.request_id, 0)
-        for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], request.block_hashes[i], self._parent_value(request, i))
-        self.num_cached_blocks[request.request_id] = max(start, num_full)
+        rid = request.request_id
+        for group in self.groups:
+            blocks, null = group.req_to_blocks[rid], group.pool.null_block
+            start = group.num_cached_blocks.get(rid, 0)
+            for i in range(start, num_full):
+                if blocks[i] is not null:  # a sliding group's block already out of the window
+                    group.pool.cache_block(blocks[i], request.block_hashes[i], self._parent_value(request, i))
+            group.num_cached_blocks[rid] = max(start, num_full)
 
     def free(self, request: Request) -> None:
-        """Release a finished, aborted or preempted request's blocks (tail first, for LRU order)."""
-        blocks = self.req_to_blocks.pop(request.request_id, None)
-        self.num_cached_blocks.pop(request.request_id, None)
-        if blocks:
-            null = self.pool.null_block
-            self.pool.free_blocks(b for b in reversed(blocks) if b is not null)
+        """Release a finished, aborted or preempted request's blocks in every group."""
+        for group in self.groups:
+            group.free(request.request_id)
 
     def uncache_from(self, request: Request, num_valid_tokens: int) -> None:
         """Forget the prefix-cache entries of the request's blocks past its first ``num_valid_tokens``
         tokens: after a failed step their K/V may be half-written."""
-        blocks = self.req_to_blocks.get(request.request_id, [])
-        first = num_valid_tokens // self.block_size
-        for block in blocks[first:]:
-            if block is not self.pool.null_block:
-                self.pool.uncache(block)
-        if request.request_id in self.num_cached_blocks:
-            self.num_cached_blocks[request.request_id] = min(self.num_cached_blocks[request.request_id], first)
+        for group in self.groups:
+            group.uncache_from(request.request_id, num_valid_tokens // self.block_size)
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block table in each group (null block 0 where a sliding group freed one)."""
+        return tuple([b.block_id for b in g.req_to_blocks.get(request_id, [])] for g in self.groups)
 
     def reset_prefix_cache(self) -> int:
-        return self.pool.reset_prefix_cache()
+        return sum(g.pool.reset_prefix_cache() for g in self.groups)
 
     def snapshot(self) -> KVCacheSnapshot:
-        """Every block's state and owning request, for the playground's cache map. O(num_blocks)."""
+        """Every block's state and owning request in group 0, for the playground's cache map. O(num_blocks)."""
         tables = {rid: [b.block_id for b in blocks] for rid, blocks in self.req_to_blocks.items()}
         return build_snapshot(self.pool.block_states(), self.block_size, tables)
 
     def can_ever_fit(self, num_tokens: int) -> bool:
+        # A sliding group is sized to hold any request group 0 admits (worker/kv_cache_groups.py).
         return cdiv(num_tokens, self.block_size) <= self.num_usable_blocks
 
 

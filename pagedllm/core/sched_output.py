@@ -17,7 +17,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # non-empty only for a resumed request
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # the block table in each KV cache group
     num_computed_tokens: int
     pooling_params: Any = None  # PoolingParams for a pooling request
 
@@ -27,7 +27,7 @@ class CachedRequestData:
     """For a request the runner already knows: only its newly allocated blocks."""
 
     req_id: str
-    new_block_ids: list[int]
+    new_block_ids: tuple[list[int], ...]  # per KV cache group
     num_computed_tokens: int
 
 

@@ -37,7 +37,8 @@ class Scheduler:
         self.max_model_len = scheduler_config.max_model_len
         self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
                                  cache_config.enable_prefix_caching, cache_config.prefix_caching_hash_seed,
-                                 sliding_window=cache_config.sliding_window)
+                                 sliding_window=cache_config.sliding_window,
+                                 sliding_group=cache_config.sliding_group())
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -155,7 +156,8 @@ class Scheduler:
                 spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
             request.spec_token_ids = []
             if request.request_id in self._known_to_runner:
-                cached_reqs.append(CachedRequestData(request.request_id, [b.block_id for b in new_blocks],
+                cached_reqs.append(CachedRequestData(request.request_id,
+                                                     tuple([b.block_id for b in g] for g in new_blocks),
                                                      request.num_computed_tokens))
             else:
                 new_reqs.append(self._new_request_data(request))

@@ -107,7 +107,7 @@ class SpecDecoder:
         if state.params.max_tokens is not None:
             room = min(room, state.params.max_tokens - len(state.output_token_ids) - 1)
         if self.drafter is not None:
-            room = min(room, len(state.block_ids) * self.block_size - len(state.token_ids) + 1)
+            room = min(room, len(state.block_ids[0]) * self.block_size - len(state.token_ids) + 1)
         return max(room, 0)
 
     def propose(self, states: list[Any], starts: list[int], query_lens: list[int], sampled: set[str]
@@ -131,7 +131,7 @@ class SpecDecoder:
         for state, start, q in zip(states, starts, query_lens):
             proposing = enabled and state.req_id in sampled and can_speculate(state.params)
             num = self._room(state) if proposing else 0
-            capacity = len(state.block_ids) * self.block_size
+            capacity = len(state.block_ids[0]) * self.block_size
             if self.catch_up_all:
                 end = min(len(state.token_ids) if state.req_id in sampled else start + q, capacity)
                 begin = start
@@ -142,7 +142,7 @@ class SpecDecoder:
                 num = 0  # its newest token has no slot yet: catch up now, propose next step
             if num == 0 and not self.catch_up_all:
                 continue
-            jobs.append(DraftJob(state.req_id, state.token_ids, state.block_ids, begin, end, num,
+            jobs.append(DraftJob(state.req_id, state.token_ids, state.block_ids[0], begin, end, num,
                                  state.params.temperature, state.generator))
         drafts, probs = self.drafter.propose(jobs)
         self.draft_probs.update(probs)

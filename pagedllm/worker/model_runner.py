@@ -16,7 +16,7 @@ from torch import nn
 from pagedllm.attention.forward_context import forward_context
 from pagedllm.attention.layer import attention_layers, bind_kv_caches
 from pagedllm.attention.metadata import AttentionMetadata, build_attention_metadata, token_positions
-from pagedllm.attention.spec import common_sliding_window
+from pagedllm.attention.spec import common_sliding_window, kv_cache_groups
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.sample.metadata import build_sampling_metadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_logprobs_for_targets
@@ -81,7 +81,7 @@ class CachedRequestState:
     prompt_token_ids: list[int]
     token_ids: list[int]  # prompt + outputs so far
     params: SamplingParams
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # the block table in each KV cache group
     num_computed_tokens: int
     generator: torch.Generator | None = None
     output_token_ids: list[int] = field(default_factory=list)
@@ -122,21 +122,34 @@ class ModelRunner:
         that fell out of it); None otherwise."""
         return common_sliding_window([m.spec for m in attention_layers(self.model)])
 
-    def bytes_per_block(self) -> int:
-        """Bytes of one block over all layers (the draft model's layers included)."""
+    def kv_cache_groups(self) -> tuple[list[int], int | None]:
+        """(KV cache group of each cached layer, the sliding group's window or None): two groups only for a
+        hybrid model whose sliding layers share one window (attention/spec.py ``kv_cache_groups``)."""
+        return kv_cache_groups([m.spec for m in attention_layers(self.model)])
+
+    def bytes_per_block(self, group: int | None = None) -> int:
+        """Bytes of one block over all layers (the draft model's layers included); with ``group``, over that
+        KV cache group's layers only (a draft model's layers all index group 0's blocks)."""
         total = 0
         for model in (self.model, self.draft_model):
             if model is not None:
                 num_layers, num_kv_heads, head_size = _kv_spec(model)
+                if group is not None and model is self.model:
+                    num_layers = sum(1 for g in self.kv_cache_groups()[0] if g == group)
+                elif group:
+                    num_layers = 0
                 total += 2 * num_layers * self.block_size * num_kv_heads * head_size * torch.finfo(self.dtype).bits // 8
         return total
 
-    def init_kv_cache(self, num_blocks: int) -> None:
-        """Allocate per layer [2, num_blocks, block_size, Hkv, D] and bind it to the attention layers."""
+    def init_kv_cache(self, num_blocks: int, sliding_group_num_blocks: int = 0) -> None:
+        """Allocate per layer [2, num_blocks, block_size, Hkv, D] and bind it to the attention layers; the
+        layers of a hybrid model's sliding group get ``sliding_group_num_blocks`` blocks (0: num_blocks)."""
         num_layers, num_kv_heads, head_size = self.kv_cache_spec()
-        shape = (2, num_blocks, self.block_size, num_kv_heads, head_size)
-        self.kv_caches = [_zeros(shape, self.dtype, self.device) for _ in range(num_layers)]
-        bind_kv_caches(self.model, self.kv_caches)
+        groups = self.kv_cache_groups()[0]
+        group_blocks = (num_blocks, sliding_group_num_blocks or num_blocks)
+        self.kv_caches = [_zeros((2, group_blocks[g], self.block_size, num_kv_heads, head_size), self.dtype,
+                                 self.device) for g in groups]
+        bind_kv_caches(self.model, self.kv_caches, groups)
         if self.draft_model is not None:
             num_layers, num_kv_heads, head_size = _kv_spec(self.draft_model)
             shape = (2, num_blocks, self.block_size, num_kv_heads, head_size)
@@ -180,11 +193,13 @@ class ModelRunner:
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id, prompt_token_ids=new.prompt_token_ids,
                 token_ids=list(new.prompt_token_ids) + list(new.output_token_ids), params=new.sampling_params,
-                block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens, generator=gen,
+                block_ids=tuple(list(ids) for ids in new.block_ids), num_computed_tokens=new.num_computed_tokens,
+                generator=gen,
                 output_token_ids=list(new.output_token_ids), pooling_params=new.pooling_params)
         for cached in sched.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
+            for table, new_ids in zip(state.block_ids, cached.new_block_ids):
+                table.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     # ---- one step ----------------------------------------------------------------------------------
@@ -280,11 +295,16 @@ class ModelRunner:
                         spec: dict[str, list[int]] | None = None
                         ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
         seq_lens = [state.num_computed_tokens + q for state, q in zip(states, query_lens)]
-        width = max(len(s.block_ids) for s in states)
-        tables = np.zeros((len(states), width), dtype=np.int32)
-        for i, state in enumerate(states):
-            tables[i, :len(state.block_ids)] = state.block_ids
-        meta = build_attention_metadata(query_lens, seq_lens, tables, self.block_size, self.device)
+        metas = []
+        for group in range(len(states[0].block_ids)):  # one metadata per KV cache group
+            width = max(len(s.block_ids[group]) for s in states)
+            tables = np.zeros((len(states), width), dtype=np.int32)
+            for i, state in enumerate(states):
+                tables[i, :len(state.block_ids[group])] = state.block_ids[group]
+            metas.append(build_attention_metadata(query_lens, seq_lens, tables, self.block_size, self.device))
+        meta = metas[0]
+        if len(metas) > 1:
+            meta.group_metadata = metas  # each layer picks its group's (attention/forward_context.py)
         ids: list[int] = []
         for state, q in zip(states, query_lens):
             start = state.num_computed_tokens

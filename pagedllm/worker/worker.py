@@ -67,6 +67,7 @@ class Worker:
         self.runner = ModelRunner(model, self.device, self.dtype, config.cache.block_size, mc.vocab_size,
                                   mc.eos_token_ids, pooling=pooling)
         config.cache.sliding_window = self.runner.kv_sliding_window()
+        config.cache.sliding_group_window = self.runner.kv_cache_groups()[1]
         if config.speculative is not None:
             from pagedllm.spec_decode.setup import attach_spec_decoder
 
@@ -83,12 +84,32 @@ class Worker:
             budget, flag = self._profile_gpu_kv_budget(), "gpu_memory_utilization"
         else:
             budget, flag = CPU_DEFAULT_KV_CACHE_MEMORY, "kv_cache_memory"
+        if cache.sliding_group_window is not None:
+            return self._split_hybrid_budget(budget, flag)
         num_blocks = budget // per_block
         if num_blocks < 2:
             raise ValueError(
                 f"{flag}: {format_bytes(budget)} for the KV cache holds no KV block "
                 f"(one block needs {format_bytes(per_block)}); raise --{flag.replace('_', '-')}")
         return int(num_blocks)
+
+    def _split_hybrid_budget(self, budget: int, flag: str) -> int:
+        """A hybrid model: size the sliding group for its window (worker/kv_cache_groups.py), give the full
+        group the rest; set the sliding group's blocks in the cache config, return the full group's."""
+        from pagedllm.worker.kv_cache_groups import sliding_group_blocks_wanted, split_kv_budget
+
+        cache, sched = self.config.cache, self.config.scheduler
+        wanted = sliding_group_blocks_wanted(cache.sliding_group_window, cache.block_size,
+                                             sched.max_num_batched_tokens, sched.max_num_seqs,
+                                             sched.num_lookahead_tokens)
+        full, sliding = split_kv_budget(budget, self.runner.bytes_per_block(0), self.runner.bytes_per_block(1),
+                                        wanted)
+        if full < 2:
+            raise ValueError(
+                f"{flag}: {format_bytes(budget)} for the KV cache holds no KV block "
+                f"(one block needs {format_bytes(self.runner.bytes_per_block())}); raise --{flag.replace('_', '-')}")
+        cache.sliding_group_num_blocks = sliding
+        return full
 
     @torch.inference_mode()
     def _profile_gpu_kv_budget(self) -> int:
@@ -129,20 +150,32 @@ class Worker:
             logger.info("no KV cache: %s is an encoder; each prompt runs whole in one step (up to %d tokens "
                         "per step)", self.config.model.architecture, self.config.scheduler.max_num_batched_tokens)
             return
-        self.runner.init_kv_cache(num_blocks)
         cache = self.config.cache
+        self.runner.init_kv_cache(num_blocks, cache.sliding_group_num_blocks)
         tokens = (num_blocks - 1) * cache.block_size
         max_len = self.config.scheduler.max_model_len
-        size = format_bytes(num_blocks * self.runner.bytes_per_block())
+        group = cache.sliding_group()
+        per_block = self.runner.bytes_per_block() if group is None else self.runner.bytes_per_block(0)
+        size = format_bytes(num_blocks * per_block)
         logger.info("KV cache: %d blocks of %d tokens (%s, %s), %d tokens; max concurrency %.1fx at %d tokens "
                     "per request", num_blocks, cache.block_size, size, self.config.model.dtype, tokens,
                     tokens / max_len, max_len)
+        if group is not None:
+            logger.info("KV cache: the sliding-window layers (window %d) keep their own %d blocks (%s), sized for "
+                        "%d requests at the window plus one step's tokens; the blocks above are the full-attention "
+                        "layers'", group[1], group[0], format_bytes(group[0] * self.runner.bytes_per_block(1)),
+                        self.config.scheduler.max_num_seqs)
         self.capture_decode_graphs()
 
     def capture_decode_graphs(self) -> None:
         """CUDA only, after the KV cache exists: capture decode steps for a ladder of batch sizes (skipped
         with --enforce-eager, or without triton, whose kernels are what makes a step graph-safe)."""
         if self.device.type != "cuda" or self.config.device.enforce_eager:
+            return
+        if self.config.cache.sliding_group() is not None:
+            # The captured graphs hold one block table; a hybrid model's two KV cache groups need two.
+            logger.info("hybrid model (sliding-window and full-attention KV cache groups): decode steps run "
+                        "eagerly (no CUDA graphs)")
             return
         from pagedllm.attention.backends.triton_paged import triton_available
         from pagedllm.worker.cuda_graphs import DecodeGraphRunner, graph_batch_sizes

@@ -9,6 +9,12 @@ With ``draft_error_rate`` set it also speculates: after each sampled token it pr
 scheduled drafts the way a real runner does: their K/V is written, the true token at each position is
 read back from the fake cache, and drafts are accepted while they match. A rejected draft's K/V stays in
 the cache, so a scheduler that forgets to recompute it produces wrong outputs.
+
+With ``window`` set it stands in for a hybrid model with two KV cache groups: every token is written to
+both, and a context reads the last ``window`` positions through the sliding group's table (group 1, its
+own ``sliding_num_blocks`` cache), the rest through group 0's; a sliding block handed to two requests
+changes the output, and ``sliding_tables`` (the manager's live tables of group 1) catches a block freed
+while the window still reads it.
 """
 
 from __future__ import annotations
@@ -28,27 +34,44 @@ def next_token(context: list[int]) -> int:
 
 class FakeRunner:
     def __init__(self, num_blocks: int, block_size: int, num_drafts: int = 0, draft_error_rate: float = 0.0,
-                 seed: int = 0) -> None:
+                 seed: int = 0, window: int | None = None, sliding_num_blocks: int = 0,
+                 sliding_tables: dict | None = None) -> None:
         self.block_size = block_size
         self.kv = np.full(num_blocks * block_size, -1, dtype=np.int64)
+        self.window = window
+        self.kv_sliding = np.full(max(sliding_num_blocks, 1) * block_size, -1, dtype=np.int64)
+        self.sliding_tables = sliding_tables
         self.state: dict[str, dict] = {}
         self.num_drafts = num_drafts
         self.draft_error_rate = draft_error_rate
         self.rng = random.Random(seed)
 
-    def _slot(self, st: dict, pos: int) -> int:
+    def _slot(self, st: dict, pos: int, table: str = "blocks") -> int:
         bs = self.block_size
-        return st["blocks"][pos // bs] * bs + pos % bs
+        return st[table][pos // bs] * bs + pos % bs
+
+    def _read(self, st: dict, pos: int, query_pos: int) -> int:
+        if self.window is not None and pos > query_pos - self.window:
+            slot = self._slot(st, pos, "sliding")
+            assert st["sliding"][pos // self.block_size] != 0, "the window reads a null block"
+            if self.sliding_tables is not None:
+                block = self.sliding_tables[st["rid"]][pos // self.block_size]
+                assert block.block_id == st["sliding"][pos // self.block_size] and block.ref_cnt > 0, \
+                    "the window reads a block the KV cache manager freed"
+            return int(self.kv_sliding[slot])
+        return int(self.kv[self._slot(st, pos)])
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for rid in sched.finished_req_ids | sched.preempted_req_ids:
             self.state.pop(rid, None)
         for new in sched.scheduled_new_reqs:
             self.state[new.req_id] = {"tokens": new.prompt_token_ids + new.output_token_ids,
-                                      "blocks": list(new.block_ids), "computed": new.num_computed_tokens}
+                                      "blocks": list(new.block_ids[0]), "computed": new.num_computed_tokens,
+                                      "sliding": list(new.block_ids[-1]), "rid": new.req_id}
         for cached in sched.scheduled_cached_reqs:
             st = self.state[cached.req_id]
-            st["blocks"].extend(cached.new_block_ids)
+            st["blocks"].extend(cached.new_block_ids[0])
+            st["sliding"].extend(cached.new_block_ids[-1])
             assert st["computed"] == cached.num_computed_tokens, "scheduler and runner disagree on rollback"
         out = ModelRunnerOutput(sampled_token_ids={})
         bs = self.block_size
@@ -61,6 +84,8 @@ class FakeRunner:
             assert len(st["blocks"]) * bs >= start + n, "not enough blocks for the scheduled tokens"
             for pos in range(start, start + n):
                 self.kv[self._slot(st, pos)] = inputs[pos]
+                if self.window is not None:
+                    self.kv_sliding[self._slot(st, pos, "sliding")] = inputs[pos]
             st["computed"] = start + n
             if st["computed"] < len(st["tokens"]):
                 continue  # a partial prefill chunk
@@ -68,7 +93,7 @@ class FakeRunner:
             emitted = []
             first = len(st["tokens"])
             for i in range(len(drafts) + 1):
-                context = [int(self.kv[self._slot(st, p)]) for p in range(first + i)]
+                context = [self._read(st, p, first + i - 1) for p in range(first + i)]
                 token = next_token(context)
                 emitted.append(token)
                 if i == len(drafts) or drafts[i] != token:

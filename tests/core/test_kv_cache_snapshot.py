@@ -40,7 +40,7 @@ def test_allocation_marks_blocks_used_by_their_request():
     states, owners = snap.states(), snap.block_owners()
     assert snap.owners == ("a", "b") and snap.owner_num_blocks == (3, 2)
     for index, req in enumerate((a, b)):
-        for block_id in kv.get_block_ids(req.request_id):
+        for block_id in kv.get_block_ids(req.request_id)[0]:
             assert states[block_id] == "u" and owners[block_id] == index
     assert snap.count("u") == 5 and snap.count("f") == 10
     assert all(owners[i] == NO_OWNER for i, s in enumerate(states) if s != "u")
@@ -49,7 +49,7 @@ def test_allocation_marks_blocks_used_by_their_request():
 def test_freeing_turns_full_blocks_cached_and_the_rest_free():
     kv = manager(16)
     a = allocate(kv, "a", list(range(10)))  # 2 full blocks (hashed) + 1 partial
-    ids = kv.get_block_ids("a")
+    ids = kv.get_block_ids("a")[0]
     kv.free(a)
     snap = kv.snapshot()
     states = snap.states()
@@ -69,13 +69,13 @@ def test_prefix_hit_shares_blocks_and_first_owner_keeps_them():
     prompt = list(range(12))  # 3 full blocks; a second request with one more token hits all three
     a = allocate(kv, "a", prompt)
     b = allocate(kv, "b", prompt + [99])
-    shared = kv.get_block_ids("b")[:3]
-    assert shared == kv.get_block_ids("a")
+    shared = kv.get_block_ids("b")[0][:3]
+    assert shared == kv.get_block_ids("a")[0]
     snap = kv.snapshot()
     states, owners = snap.states(), snap.block_owners()
     assert [states[i] for i in shared] == ["s", "s", "s"]
     assert all(owners[i] == snap.owners.index("a") for i in shared)
-    own_b = kv.get_block_ids("b")[3:]
+    own_b = kv.get_block_ids("b")[0][3:]
     assert len(own_b) == 1
     assert all(states[i] == "u" and owners[i] == snap.owners.index("b") for i in own_b)
     assert snap.owner_num_blocks[snap.owners.index("b")] == 4

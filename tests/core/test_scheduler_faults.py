@@ -27,7 +27,7 @@ class PoisonRunner(FakeRunner):
             for new in sched.scheduled_new_reqs:
                 start, n = new.num_computed_tokens, sched.num_scheduled_tokens[new.req_id]
                 for pos in range(start, start + n):
-                    self.kv[new.block_ids[pos // bs] * bs + pos % bs] = -7
+                    self.kv[new.block_ids[0][pos // bs] * bs + pos % bs] = -7
             raise RuntimeError("the model cannot compute this token")
         return super().execute(sched)
 
