@@ -60,6 +60,11 @@ class KVCacheManager:
     def num_usable_blocks(self) -> int:
         return self.groups[0].num_usable_blocks
 
+    @property
+    def sliding_group_usage(self) -> float | None:
+        """Usage of a hybrid model's sliding-window group (``usage`` is the full group's); None with one group."""
+        return self.groups[1].pool.usage if len(self.groups) > 1 else None
+
     def _parent_value(self, request: Request, index: int) -> int:
         return self.root_hash if index == 0 else request.block_hashes[index - 1].value
 

@@ -48,6 +48,10 @@ class PrometheusMetrics:
         self.num_requests_running = gauge("vllm:num_requests_running", "Requests in model execution batches.")
         self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be processed.")
         self.kv_cache_usage_perc = gauge("vllm:kv_cache_usage_perc", "KV cache usage; 1 means 100 percent.")
+        self.kv_cache_sliding_usage_perc = gauge(
+            "pagedllm:kv_cache_sliding_window_usage_perc",
+            "Usage of a hybrid model's sliding-window KV cache group (Gemma 3's local layers; "
+            "vllm:kv_cache_usage_perc is then the full-attention layers'); 0 for models with one group.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens processed.")
         self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")

@@ -88,6 +88,7 @@ class StatsRecorder:
             m.num_requests_running.set(sched.num_running)
             m.num_requests_waiting.set(sched.num_waiting)
             m.kv_cache_usage_perc.set(kv.usage)
+            m.kv_cache_sliding_usage_perc.set(kv.sliding_group_usage or 0.0)
             if d_pre > 0:
                 m.num_preemptions.inc(d_pre)
             if d_q > 0:
@@ -202,12 +203,15 @@ class StatsRecorder:
             self.metrics.num_requests_running.set(sched.num_running)
             self.metrics.num_requests_waiting.set(sched.num_waiting)
             self.metrics.kv_cache_usage_perc.set(sched.kv.usage)
+            self.metrics.kv_cache_sliding_usage_perc.set(sched.kv.sliding_group_usage or 0.0)
         if active and self.log_stats and elapsed > 0:
             hit_rate = self._interval_hits / self._interval_queries if self._interval_queries else 0.0
+            sliding = sched.kv.sliding_group_usage
             logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
-                        "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: "
+                        "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%%s, Prefix cache hit rate: "
                         "%.1f%%", self._interval_prompt_tokens / elapsed, self._interval_gen_tokens / elapsed,
-                        sched.num_running, sched.num_waiting, sched.kv.usage * 100, hit_rate * 100)
+                        sched.num_running, sched.num_waiting, sched.kv.usage * 100,
+                        "" if sliding is None else f" (sliding-window layers: {sliding * 100:.1f}%)", hit_rate * 100)
             if self._interval_drafts:
                 logger.info("Speculative decoding: mean acceptance length %.2f tokens per step (%d drafts, "
                             "%d draft tokens accepted)", 1 + self._interval_accepted / self._interval_drafts,

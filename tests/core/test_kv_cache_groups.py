@@ -44,6 +44,7 @@ def test_one_kind_of_layer_keeps_one_group() -> None:
     req = make_request("r", list(range(10)), 4)
     new = kv.allocate_slots(req, 10)
     assert len(kv.groups) == 1 and len(new) == 1 and kv.get_block_ids("r") == ([b.block_id for b in new[0]],)
+    assert kv.sliding_group_usage is None
 
 
 def test_sliding_group_stays_within_the_window_while_the_full_group_grows() -> None:
@@ -56,6 +57,8 @@ def test_sliding_group_stays_within_the_window_while_the_full_group_grows() -> N
         decode(kv, req, 1)
         assert len(live(kv, 1, "r")) <= WINDOW // BS + 2
     assert len(live(kv, 0, "r")) == 18  # 71 tokens: every block of the full group
+    # metrics see both: usage is the full group's, sliding_group_usage the window's few blocks
+    assert kv.usage == pytest.approx(18 / 63) and kv.sliding_group_usage == pytest.approx(len(live(kv, 1, "r")) / 15)
     full_ids, sliding_ids = kv.get_block_ids("r")
     assert len(full_ids) == len(sliding_ids) and sliding_ids[0] == 0  # null where the window no longer looks
     kv.free(req)

@@ -10,7 +10,7 @@ from pagedllm.metrics.stats import StatsRecorder
 
 
 def _engine(stats: SpecDecodingStats) -> SimpleNamespace:
-    kv = SimpleNamespace(prefix_cache_queries=0, prefix_cache_hits=0, usage=0.0)
+    kv = SimpleNamespace(prefix_cache_queries=0, prefix_cache_hits=0, usage=0.0, sliding_group_usage=None)
     sched = SimpleNamespace(spec_stats=stats, kv=kv, num_preemptions=0, num_running=1, num_waiting=0,
                             requests={})
     return SimpleNamespace(core=SimpleNamespace(scheduler=sched, num_steps=0, last_step_tokens=0))
