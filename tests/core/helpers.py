@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fake_runner import FakeRunner
+from fake_runner import FakeRunner, reference_output
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.request import Request
@@ -49,3 +49,22 @@ def run_to_completion(sched: Scheduler, arrivals: dict[int, list[Request]] | Non
     else:
         raise AssertionError("scheduler did not finish")
     return outputs, steps
+
+
+def random_arrivals(sched: Scheduler, reqs: list[tuple[int, int, int, int]], max_model_len: int = 64
+                    ) -> tuple[dict[int, list[Request]], dict[str, list[int]]]:
+    """Hypothesis-drawn ``(arrival step, prompt length, max_tokens, family)`` tuples -> (requests by arrival
+    step, each request's expected output). Requests of one family share a prompt prefix, so prefix caching gets
+    exercised; a prompt the cache could never hold is left out."""
+    arrivals: dict[int, list[Request]] = {}
+    expected: dict[str, list[int]] = {}
+    for i, (arrive, plen, max_tokens, family) in enumerate(reqs):
+        prompt = [family * 50 + j for j in range(plen)]
+        req = make_request(f"r{i}", prompt, max_tokens)
+        try:
+            sched.check_fits(len(prompt))
+        except ValueError:
+            continue
+        arrivals.setdefault(arrive, []).append(req)
+        expected[req.request_id] = reference_output(prompt, min(max_tokens, max_model_len - plen))
+    return arrivals, expected

@@ -7,7 +7,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import pytest
 from fake_runner import FakeRunner, reference_output
-from helpers import make_request, run_to_completion
+from helpers import make_request, random_arrivals, run_to_completion
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -167,17 +167,7 @@ def test_random_workloads_through_both_groups(reqs, num_blocks, budget, max_seqs
     lookahead slots: every token read through the sliding group's window is right, and every block of both
     groups comes back."""
     sched = hybrid_scheduler(num_blocks, budget, max_seqs, caching, lookahead)
-    arrivals: dict[int, list] = {}
-    expected = {}
-    for i, (arrive, plen, max_tokens, family) in enumerate(reqs):
-        prompt = [family * 50 + j for j in range(plen)]
-        req = make_request(f"r{i}", prompt, max_tokens)
-        try:
-            sched.check_fits(len(prompt))
-        except ValueError:
-            continue
-        arrivals.setdefault(arrive, []).append(req)
-        expected[req.request_id] = reference_output(prompt, min(max_tokens, 64 - plen))
+    arrivals, expected = random_arrivals(sched, reqs)
     outputs, _ = run_to_completion(sched, arrivals)
     for rid, tokens in expected.items():
         got = outputs.get(rid, [])

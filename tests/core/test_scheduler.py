@@ -1,5 +1,5 @@
 from fake_runner import reference_output
-from helpers import make_request, make_scheduler, run_to_completion
+from helpers import make_request, make_scheduler, random_arrivals, run_to_completion
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -107,19 +107,7 @@ def test_random_workloads(reqs, num_blocks, budget, max_seqs, caching, block_siz
     max_model_len = 64
     sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, budget=budget, max_seqs=max_seqs,
                            max_model_len=max_model_len, caching=caching)
-    arrivals: dict[int, list] = {}
-    expected = {}
-    for i, (arrive, plen, max_tokens, family) in enumerate(reqs):
-        # Requests of one family share a prompt prefix, so prefix caching gets exercised.
-        prompt = [family * 50 + j for j in range(plen)]
-        req = make_request(f"r{i}", prompt, max_tokens)
-        try:
-            sched.check_fits(len(prompt))
-        except ValueError:
-            continue
-        arrivals.setdefault(arrive, []).append(req)
-        n = min(max_tokens, max_model_len - plen)
-        expected[req.request_id] = reference_output(prompt, n)
+    arrivals, expected = random_arrivals(sched, reqs, max_model_len)
     outputs, steps = run_to_completion(sched, arrivals)
     capacity = sched.kv.num_usable_blocks * block_size
     for rid, tokens in expected.items():
