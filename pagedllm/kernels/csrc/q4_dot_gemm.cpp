@@ -141,6 +141,21 @@ void tile_generic(const Problem& pb, int64_t p, int64_t m0, int rows, float* acc
 }
 
 #if defined(PAGEDLLM_X86)
+// The 8 int8 activations of row m at block b, as the 32-bit words the byte dot products broadcast: x1 and x2
+// (the two terms), k 8b..8b+3 (the weights' low nibbles) and 8b+4..8b+7 (the high nibbles).
+struct XWords {
+  int32_t x1_lo, x1_hi, x2_lo, x2_hi;
+};
+inline XWords x_words(const Problem& pb, int64_t m, int64_t b) {
+  const int64_t off = m * pb.K + b * BLOCK_K;
+  XWords w;
+  std::memcpy(&w.x1_lo, pb.a->x1.data() + off, 4);
+  std::memcpy(&w.x1_hi, pb.a->x1.data() + off + 4, 4);
+  std::memcpy(&w.x2_lo, pb.a->x2.data() + off, 4);
+  std::memcpy(&w.x2_hi, pb.a->x2.data() + off + 4, 4);
+  return w;
+}
+
 // Prefetches past the end of an array are harmless: prefetch instructions never fault.
 inline void prefetch_scales(const Problem& pb, int64_t p, int64_t g) {
   const int64_t o = (p * pb.G + g + PREFETCH_GROUPS) * NR;
@@ -168,14 +183,9 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const Problem& pb, int64
       const __m256i lo0 = _mm256_and_si256(v0, mask), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), mask);
       const __m256i lo1 = _mm256_and_si256(v1, mask), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), mask);
       for (int i = 0; i < R; ++i) {
-        const int64_t off = (m0 + i) * pb.K + b * BLOCK_K;
-        int32_t a0, a1, e0, e1;
-        std::memcpy(&a0, pb.a->x1.data() + off, 4);
-        std::memcpy(&a1, pb.a->x1.data() + off + 4, 4);
-        std::memcpy(&e0, pb.a->x2.data() + off, 4);
-        std::memcpy(&e1, pb.a->x2.data() + off + 4, 4);
-        const __m256i xa0 = _mm256_set1_epi32(a0), xa1 = _mm256_set1_epi32(a1);
-        const __m256i xe0 = _mm256_set1_epi32(e0), xe1 = _mm256_set1_epi32(e1);
+        const XWords x = x_words(pb, m0 + i, b);
+        const __m256i xa0 = _mm256_set1_epi32(x.x1_lo), xa1 = _mm256_set1_epi32(x.x1_hi);
+        const __m256i xe0 = _mm256_set1_epi32(x.x2_lo), xe1 = _mm256_set1_epi32(x.x2_hi);
         // u8 x s8 pairs into s16: 2 * 15 * 127 twice stays below 2^15, so two halves add without saturating.
         c1[i][0] = _mm256_add_epi32(c1[i][0], _mm256_madd_epi16(_mm256_add_epi16(
             _mm256_maddubs_epi16(lo0, xa0), _mm256_maddubs_epi16(hi0, xa1)), ones));
@@ -223,16 +233,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void tile_vnni51
       const __m512i v = _mm512_loadu_si512(panel + b * BLOCK_BYTES);
       const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
       for (int i = 0; i < R; ++i) {
-        const int64_t off = (m0 + i) * pb.K + b * BLOCK_K;
-        int32_t a0, a1, e0, e1;
-        std::memcpy(&a0, pb.a->x1.data() + off, 4);
-        std::memcpy(&a1, pb.a->x1.data() + off + 4, 4);
-        std::memcpy(&e0, pb.a->x2.data() + off, 4);
-        std::memcpy(&e1, pb.a->x2.data() + off + 4, 4);
-        c1[i] = _mm512_dpbusd_epi32(c1[i], lo, _mm512_set1_epi32(a0));
-        h1[i] = _mm512_dpbusd_epi32(h1[i], hi, _mm512_set1_epi32(a1));
-        c2[i] = _mm512_dpbusd_epi32(c2[i], lo, _mm512_set1_epi32(e0));
-        h2[i] = _mm512_dpbusd_epi32(h2[i], hi, _mm512_set1_epi32(e1));
+        const XWords x = x_words(pb, m0 + i, b);
+        c1[i] = _mm512_dpbusd_epi32(c1[i], lo, _mm512_set1_epi32(x.x1_lo));
+        h1[i] = _mm512_dpbusd_epi32(h1[i], hi, _mm512_set1_epi32(x.x1_hi));
+        c2[i] = _mm512_dpbusd_epi32(c2[i], lo, _mm512_set1_epi32(x.x2_lo));
+        h2[i] = _mm512_dpbusd_epi32(h2[i], hi, _mm512_set1_epi32(x.x2_hi));
       }
     }
     const int64_t o = (p * pb.G + g) * NR;
