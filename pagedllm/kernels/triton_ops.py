@@ -8,6 +8,8 @@ spends 4-8 kernel launches on each of these ops; here each is one. Statistics ar
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
@@ -20,6 +22,12 @@ except ImportError:  # pragma: no cover - the CPU build of torch ships no triton
 
 def triton_available() -> bool:
     return triton is not None
+
+
+# Under TRITON_INTERPRET=1 (the tests on the CPU) Triton's interpreter multiplies bf16 operands of tl.dot and
+# computes bf16 arithmetic as raw bits (triton 3.9): kernels that dot bf16 operands upcast to fp32 there.
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def next_pow2(n: int) -> int:

@@ -14,11 +14,9 @@ by ``benchmarks/gpu_check.sh``.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from pagedllm.kernels.triton_ops import triton_available
+from pagedllm.kernels.triton_ops import interpreted, triton_available
 
 try:
     import triton
@@ -28,8 +26,6 @@ except ImportError:  # pragma: no cover - the CPU build of torch ships no triton
     tl = None
 
 KIND_Q8, KIND_Q4, KIND_F8 = 0, 1, 2
-# Triton's interpreter (tests on the CPU) computes bf16 arithmetic on raw bits: its dots stay float32.
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def block_k_for(group: int, k: int) -> int:
@@ -105,9 +101,9 @@ def weight_only_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     _wo_matmul_kernel[grid](
         x, qweight, scales, mins if mins is not None else dummy, bias if bias is not None else dummy, y,
         m, out_features, k, x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0), group,
-        KIND=kind, HAS_BIAS=bias is not None, DOT_BF16=x.dtype in (torch.bfloat16, torch.float16) and not _INTERPRET,
+        KIND=kind, HAS_BIAS=bias is not None, DOT_BF16=x.dtype in (torch.bfloat16, torch.float16) and not interpreted(),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     return y
 
 
-__all__ = ["KIND_F8", "KIND_Q4", "KIND_Q8", "block_k_for", "triton_available", "weight_only_matmul"]
+__all__ = ["interpreted", "KIND_F8", "KIND_Q4", "KIND_Q8", "block_k_for", "triton_available", "weight_only_matmul"]

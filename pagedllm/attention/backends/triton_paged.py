@@ -13,18 +13,15 @@ the portable torch path).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.spec import AttentionSpec
-from pagedllm.kernels.triton_ops import next_pow2, tl, triton, triton_available  # noqa: F401 (re-exported)
+from pagedllm.kernels.triton_ops import interpreted, next_pow2, tl, triton, triton_available  # noqa: F401
 
-# Triton's CPU interpreter multiplies bf16 operands of tl.dot as raw bits (triton 3.9): there the kernel
-# upcasts to fp32 before each dot; on a GPU the dots take the cache's dtype (tensor cores).
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Under the interpreter the kernel upcasts to fp32 before each dot (triton_ops.interpreted); on a GPU the dots
+# take the cache's dtype (tensor cores).
 
 
 if triton is not None:
@@ -159,7 +156,7 @@ def triton_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
         meta.block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_N=max(16, next_pow2(block_size)), BLOCK_M=block_m, BLOCK_Q=block_q,
-        WINDOW=max(0, int(sliding_window)), DOT_FP32=_INTERPRETED,
+        WINDOW=max(0, int(sliding_window)), DOT_FP32=interpreted(),
     )
     return out
 

@@ -6,6 +6,8 @@ import json
 import os
 from typing import Any
 
+import torch
+
 from pagedllm.config import ModelConfig
 from pagedllm.logger import init_logger
 from pagedllm.model_executor.loader.dtype import resolve_dtype
@@ -87,8 +89,6 @@ def resolve_model_config(mc: ModelConfig) -> ModelConfig:
     from pagedllm.model_executor.layers.quantization import default_gguf_quantization, get_quantization_config
 
     if mc.gguf_file and mc.quantization is None:
-        import torch
-
         mc.quantization, why = default_gguf_quantization(str(mc.dtype).lower(), torch.cuda.is_available(),
                                                          gguf_quantized)
         logger.info("GGUF file: %s (--quantization %s: %s; %s)", "blocks kept quantized" if mc.quantization == "gguf"
@@ -98,8 +98,6 @@ def resolve_model_config(mc: ModelConfig) -> ModelConfig:
 
     # Fails early with a clear message (unknown method, checkpoint format we cannot read, gguf without GGUF).
     if get_quantization_config(mc.quantization, hf_config, mc.gguf_file) is not None and mc.dtype == "auto":
-        import torch
-
         if not torch.cuda.is_available():
             mc.dtype = "float32"  # the CPU's quantized kernels take float32 activations (CUDA's: bf16 too)
     mc.dtype = resolve_dtype(mc.dtype, "auto")
