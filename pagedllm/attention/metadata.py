@@ -75,6 +75,7 @@ class AttentionMetadata:
     # differ only in block_tables and slot_mapping. None: one group, or all groups share this table.
     group_metadata: list[AttentionMetadata] | None = field(default=None, repr=False)
     _encoder_plan: Any = field(default=None, init=False, repr=False)  # torch_encoder's plan, for encoder layers
+    _encoder_query_start: Any = field(default=None, init=False, repr=False)  # its int32 offsets, C++ kernel path
 
     def plan(self) -> AttentionPlan:
         if self._plan is None:

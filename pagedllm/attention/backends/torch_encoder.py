@@ -73,14 +73,18 @@ def plan_encoder_attention(query_start_loc: list[int], device: torch.device | st
     return EncoderAttentionPlan(buckets, token_to_slot.to(device), offset)
 
 
+def _check_whole_sequences(meta: AttentionMetadata) -> None:
+    qsl = meta.query_start_loc_cpu
+    if any(qsl[i + 1] - qsl[i] != meta.seq_lens_cpu[i] for i in range(meta.num_reqs)):
+        raise ValueError("encoder attention needs each sequence whole in one step (no chunked prefill)")
+
+
 def encoder_plan(meta: AttentionMetadata) -> EncoderAttentionPlan:
     """The step's plan, built by the first encoder layer that asks and reused by the others."""
     plan = getattr(meta, "_encoder_plan", None)
     if plan is None:
-        qsl = meta.query_start_loc_cpu
-        if any(qsl[i + 1] - qsl[i] != meta.seq_lens_cpu[i] for i in range(meta.num_reqs)):
-            raise ValueError("encoder attention needs each sequence whole in one step (no chunked prefill)")
-        plan = plan_encoder_attention(qsl, meta.query_start_loc.device)
+        _check_whole_sequences(meta)
+        plan = plan_encoder_attention(meta.query_start_loc_cpu, meta.query_start_loc.device)
         meta._encoder_plan = plan
     return plan
 
@@ -122,9 +126,7 @@ def _query_start_cpu(meta: AttentionMetadata) -> torch.Tensor:
     """The step's sequence offsets as an int32 host tensor (memoized: every layer asks)."""
     qs = getattr(meta, "_encoder_query_start", None)
     if qs is None:
-        qsl = meta.query_start_loc_cpu
-        if any(qsl[i + 1] - qsl[i] != meta.seq_lens_cpu[i] for i in range(meta.num_reqs)):
-            raise ValueError("encoder attention needs each sequence whole in one step (no chunked prefill)")
-        qs = torch.tensor(qsl, dtype=torch.int32)
+        _check_whole_sequences(meta)
+        qs = torch.tensor(meta.query_start_loc_cpu, dtype=torch.int32)
         meta._encoder_query_start = qs
     return qs

@@ -154,7 +154,6 @@ class BertIntermediate(DirectCall, nn.Module):
 class BertLayer(DirectCall, nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype, layer_idx: int) -> None:
         super().__init__()
-        self.dtype = dtype
         self.attention = BertAttention(cfg, dtype, layer_idx)
         self.intermediate = BertIntermediate(cfg, dtype)
         self.output = BertAddNorm(cfg.intermediate_size, cfg.hidden_size, cfg.layer_norm_eps, dtype)
