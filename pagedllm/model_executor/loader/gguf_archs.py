@@ -22,7 +22,7 @@ import torch
 
 from pagedllm.model_executor.loader.gguf_file import GGUFFile, block_part, gguf_hf_name
 
-_LLAMA_LIKE_LAYER = {
+LLAMA_LIKE_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -35,7 +35,7 @@ _LLAMA_LIKE_LAYER = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_LLAMA_LIKE_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+LLAMA_LIKE_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
 @dataclass(frozen=True)
@@ -185,12 +185,12 @@ def _gpt2_config(gguf: GGUFFile) -> Any:
 
 # GGUF ``general.architecture`` -> mapping (llama and gemma3 have their own modules).
 GGUF_ARCHS: dict[str, GGUFArch] = {
-    "qwen2": GGUFArch("Qwen2ForCausalLM", _qwen2_config, _LLAMA_LIKE_LAYER, _LLAMA_LIKE_GLOBAL),
-    "qwen3": GGUFArch("Qwen3ForCausalLM", _qwen3_config, _LLAMA_LIKE_LAYER, _LLAMA_LIKE_GLOBAL),
+    "qwen2": GGUFArch("Qwen2ForCausalLM", _qwen2_config, LLAMA_LIKE_LAYER_NAMES, LLAMA_LIKE_GLOBAL_NAMES),
+    "qwen3": GGUFArch("Qwen3ForCausalLM", _qwen3_config, LLAMA_LIKE_LAYER_NAMES, LLAMA_LIKE_GLOBAL_NAMES),
     "phi3": GGUFArch(
         "Phi3ForCausalLM", _phi3_config,
-        {**_LLAMA_LIKE_LAYER, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
-        _LLAMA_LIKE_GLOBAL, skip=("rope_factors_short.weight", "rope_factors_long.weight"),
+        {**LLAMA_LIKE_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+        LLAMA_LIKE_GLOBAL_NAMES, skip=("rope_factors_short.weight", "rope_factors_long.weight"),
         fused={"attn_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                "ffn_up": ("mlp.gate_proj", "mlp.up_proj")}),
     "gpt2": GGUFArch(

@@ -17,24 +17,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedllm.model_executor.loader.gguf_archs import LLAMA_LIKE_GLOBAL_NAMES, LLAMA_LIKE_LAYER_NAMES
 from pagedllm.model_executor.loader.gguf_file import GGUFFile, gguf_hf_name
 
+# Llama's names, plus the four norms of a Gemma 3 layer (GGUF's "ffn_norm" is the pre-feed-forward one here).
 _LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
+    **LLAMA_LIKE_LAYER_NAMES,
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
 }
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GLOBAL_NAMES = LLAMA_LIKE_GLOBAL_NAMES
 
 
 def gemma3_config(gguf: GGUFFile) -> Any:
