@@ -94,14 +94,19 @@ def weight_only_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     y = out if out is not None else torch.empty(m, out_features, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n, block_k = 64, block_k_for(group, k)
+    dot_bf16 = x.dtype in (torch.bfloat16, torch.float16) and not interpreted()
+    if dot_bf16:
+        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+        block_n, block_k = 64, block_k_for(group, k)
+    else:  # float32 dots run on FMA units from registers: 64 x 64 x 64 tiles spill on sm_90, these do not
+        block_k_for(group, k)  # the group check
+        block_m, block_n, block_k = (16 if m <= 16 else 32), 32, 16
     grid = (triton.cdiv(m, block_m), triton.cdiv(out_features, block_n))
     dummy = scales  # unused pointer arguments still need a tensor
     _wo_matmul_kernel[grid](
         x, qweight, scales, mins if mins is not None else dummy, bias if bias is not None else dummy, y,
         m, out_features, k, x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0), group,
-        KIND=kind, HAS_BIAS=bias is not None, DOT_BF16=x.dtype in (torch.bfloat16, torch.float16) and not interpreted(),
+        KIND=kind, HAS_BIAS=bias is not None, DOT_BF16=dot_bf16,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     return y
 

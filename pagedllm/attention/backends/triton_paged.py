@@ -20,8 +20,9 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.spec import AttentionSpec
 from pagedllm.kernels.triton_ops import interpreted, next_pow2, tl, triton, triton_available  # noqa: F401
 
-# Under the interpreter the kernel upcasts to fp32 before each dot (triton_ops.interpreted); on a GPU the dots
-# take the cache's dtype (tensor cores).
+# DOT_FP32: both dots take float32 operands at full precision ("ieee", not tf32): for a float32 cache, whose
+# users expect float32 attention, and under the interpreter (triton_ops.interpreted), which multiplies bf16 as
+# raw bits. Otherwise the dots take the cache's dtype on tensor cores.
 
 
 if triton is not None:
@@ -79,7 +80,10 @@ if triton is not None:
                             mask=slot_ok[:, None] & dim_ok[None, :], other=0.0)
                 if DOT_FP32:
                     k = k.to(tl.float32)
-                scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BLOCK_M, BLOCK_N]
+                if DOT_FP32:
+                    scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N]
+                else:
+                    scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
                 k_pos = b * BLOCK_SIZE + slots
                 allowed = slot_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
                 if WINDOW > 0:
@@ -96,7 +100,10 @@ if triton is not None:
                             mask=slot_ok[:, None] & dim_ok[None, :], other=0.0)
                 if DOT_FP32:
                     v = v.to(tl.float32)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+                if DOT_FP32:
+                    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
                 m_i = m_new
             acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             o_offsets = (q_start + tok).to(tl.int64)[:, None] * stride_o_tok + head[:, None] * stride_o_head
@@ -104,13 +111,16 @@ if triton is not None:
                      mask=row_ok[:, None] & dim_ok[None, :])
 
 
-def tile_shape(group: int, max_query_len: int) -> tuple[int, int]:
+def tile_shape(group: int, max_query_len: int, head_dim: int = 64, fp32: bool = False) -> tuple[int, int]:
     """(BLOCK_M rows per program, BLOCK_Q query tokens per program) for G = ``group`` heads per KV head.
 
     Rows are tokens x heads of one KV group. Decode steps use 16 rows (the smallest ``tl.dot`` tile);
-    steps with longer queries use 64 so fewer programs reload the same K/V.
+    steps with longer queries use 64 so fewer programs reload the same K/V, or 32 where a 64-row float32
+    accumulator would spill registers on sm_90 (heads over 128 wide, or float32 dots on FMA units; see
+    benchmarks/gpu/compile_sm90.py).
     """
-    rows = 16 if max_query_len * group <= 16 else 64
+    wide = head_dim > 128 or (fp32 and head_dim > 64)
+    rows = 16 if max_query_len * group <= 16 else 32 if wide else 64
     block_m = max(rows, next_pow2(group))
     return block_m, max(1, block_m // group)
 
@@ -145,7 +155,8 @@ def triton_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0:
         return out
-    block_m, block_q = tile_shape(group, max_query_len)
+    dot_fp32 = interpreted() or kv_cache.dtype == torch.float32
+    block_m, block_q = tile_shape(group, max_query_len, head_dim, dot_fp32 and not interpreted())
     grid = (meta.num_reqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
     _paged_attention_kernel[grid](
         out, query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
@@ -156,7 +167,7 @@ def triton_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
         meta.block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_N=max(16, next_pow2(block_size)), BLOCK_M=block_m, BLOCK_Q=block_q,
-        WINDOW=max(0, int(sliding_window)), DOT_FP32=interpreted(),
+        WINDOW=max(0, int(sliding_window)), DOT_FP32=dot_fp32,
     )
     return out
 

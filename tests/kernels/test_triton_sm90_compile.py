@@ -1,0 +1,61 @@
+"""Every Triton kernel launch the engine makes on CUDA compiles for Hopper (sm_90: H100 / H200), without a GPU.
+
+``benchmarks/gpu/compile_sm90.py`` records the launches through the engine's own launch functions and compiles
+each one with Triton's compiler and bundled ptxas (see its docstring); it runs in a subprocess because triton
+picks the interpreter, which the other Triton tests use, when kernels are defined.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("sm90") / "launches.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "compile_sm90.py"), "--output-json",
+                           str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert out.exists(), proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_every_launch_compiles(launches: list[dict]) -> None:
+    failed = [(row["case"], row["kernel"], row["error"]) for row in launches if "error" in row]
+    assert not failed, failed
+    kernels = {row["kernel"] for row in launches}
+    assert kernels == {"_paged_attention_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel", "_rotary_kernel",
+                       "_wo_matmul_kernel"}
+    assert len(launches) >= 100
+
+
+def test_no_launch_spills_registers(launches: list[dict]) -> None:
+    """Spilled registers go to local memory through the stack: a kernel that spills is several times slower."""
+    spills = [(row["case"], row["kernel"], row["REG"], row["STACK"]) for row in launches
+              if row["STACK"] or row["LOCAL"]]
+    assert not spills, spills
+
+
+def test_half_precision_dots_use_tensor_cores_and_float32_stays_exact(launches: list[dict]) -> None:
+    """bf16 / fp16 attention and quantized matmuls compile to mma instructions; float32 dots stay at full
+    precision (no tf32), so a float32 engine computes attention like the float32 reference."""
+    for row in launches:
+        if row["kernel"] not in ("_paged_attention_kernel", "_wo_matmul_kernel"):
+            continue
+        half = not row["case"].endswith("fp32")
+        assert row["mma"] == half, row
+        assert row.get("DOT_FP32", not half) == (not half) and row.get("DOT_BF16", half) == half, row
+
+
+def test_tiles_follow_the_step(launches: list[dict]) -> None:
+    """Decode-only steps use 16-row attention tiles; mixed steps bigger ones (fewer K/V re-reads)."""
+    attention = [row for row in launches if row["kernel"] == "_paged_attention_kernel"]
+    assert {row["BLOCK_M"] for row in attention if " decode " in row["case"]} == {16}
+    assert all(row["BLOCK_M"] >= 32 for row in attention if " mixed " in row["case"])
