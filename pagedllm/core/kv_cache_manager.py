@@ -115,10 +115,19 @@ class KVCacheManager:
         K/V there); they are never hashed for the prefix cache.
         """
         rid = request.request_id
+        total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        if not new_computed_blocks and len(self.groups) == 1 and self.groups[0].sliding_window is None:
+            # Most calls of a decode step: the request's blocks already hold the new tokens. Nothing to take
+            # from the pool; only a block that just filled is hashed and cached (every 16th token).
+            group = self.groups[0]
+            held = group.req_to_blocks.get(rid)
+            if held is not None and total_tokens + num_lookahead_tokens <= len(held) * self.block_size:
+                if self.enable_caching and total_tokens // self.block_size > group.num_cached_blocks.get(rid, 0):
+                    self._cache_full_blocks(request, total_tokens)
+                return ([],)
         hits = new_computed_blocks or tuple([] for _ in self.groups)
         for group in self.groups:
             group.free_outside_window(rid, request.num_computed_tokens)
-        total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         needed = [g.num_new_blocks(rid, total_tokens + num_lookahead_tokens, h) for g, h in zip(self.groups, hits)]
         if not all(g.can_allocate(n, h) for g, n, h in zip(self.groups, needed, hits)):
             return None
