@@ -103,6 +103,8 @@ class SchedulerConfig:
 class DeviceConfig:
     device: str = "auto"  # auto | cpu | cuda; resolved to cpu/cuda
     enforce_eager: bool = False  # GPU: no CUDA graphs
+    # GPU: the previous step's outputs are detokenized while the device runs the next step (llm_engine.py)
+    disable_async_output_proc: bool = False
 
 
 @dataclass

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from pagedllm.config import EngineConfig
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutput, ModelRunnerOutput
@@ -45,7 +47,25 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self, overlap: Callable[[], None] | None = None) -> list[EngineCoreOutput]:
+        """One scheduled step. ``overlap`` runs exactly once: while the device computes the step when it
+        samples (ModelRunner.execute_model), else after the step."""
+        if overlap is None:
+            return self._step(None)
+        done = False
+
+        def once() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                overlap()
+
+        try:
+            return self._step(once)
+        finally:
+            once()
+
+    def _step(self, overlap: Callable[[], None] | None) -> list[EngineCoreOutput]:
         so = self.structured_output
         grammar_errors = self._poll_grammars() if so is not None and so.has_waiting() else []
         sched = self.scheduler.schedule()
@@ -58,7 +78,7 @@ class EngineCore:
         if so is not None:
             so.fill_bitmask(sched, self.scheduler.requests)
         try:
-            result = self.worker.execute_model(sched)
+            result = self.worker.execute_model(sched, overlap)
         except Exception:  # one bad request must not take the engine down; isolate it instead
             logger.exception("model step failed with %d requests in the batch; running them one at a time "
                              "to find the one at fault", len(sched.num_scheduled_tokens))

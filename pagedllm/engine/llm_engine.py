@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.sched_output import EngineCoreOutput
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.output_processor import OutputKind, OutputProcessor
 from pagedllm.engine.processor import Processor, PromptType
@@ -32,6 +33,10 @@ class LLMEngine:
         self.processor = Processor(config.model, self.tokenizer, config.scheduler.max_model_len,
                                    self.core.scheduler.check_fits)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # Async output processing (GPU): a step's outputs are detokenized and handed out while the device
+        # computes the next step, instead of between the two. Off on CPUs, where the host is the device.
+        self.async_output = self.core.worker.device.type == "cuda" and not config.device.disable_async_output_proc
+        self._unprocessed: list[EngineCoreOutput] = []  # the last step's outputs, when async_output
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -82,14 +87,40 @@ class LLMEngine:
             self.core.abort_requests(children)
 
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
-        outputs = self.core.step()
+        if not self.async_output:
+            return self._process(self.core.step())
+        earlier, self._unprocessed = self._unprocessed, []
+        results: list[RequestOutput | PoolingRequestOutput] = []
+        errors: list[BaseException] = []
+
+        def process_earlier() -> None:
+            # The previous step's outputs, while the device runs this one. A request that hit a stop string
+            # there was already scheduled again: that step's token for it is dropped (it has no parent).
+            try:
+                results.extend(self._process(earlier))
+            except BaseException as e:  # noqa: BLE001 - raised below, not blamed on the model step
+                errors.append(e)
+
+        outputs = self.core.step(overlap=process_earlier)
+        if errors:
+            raise errors[0]
+        if self.core.has_unfinished_requests():
+            self._unprocessed = outputs
+        else:  # no step follows to hide them behind: hand them out now
+            results.extend(self._process(outputs))
+        return results
+
+    def _process(self, outputs: list[EngineCoreOutput]) -> list[RequestOutput | PoolingRequestOutput]:
+        """Detokenize, apply stop strings, build the RequestOutputs."""
+        if not outputs:
+            return []
         request_outputs, to_stop = self.output_processor.process_outputs(outputs)
         if to_stop:
             self.core.finish_stopped(to_stop)
         return request_outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests()
+        return self.core.has_unfinished_requests() or bool(self._unprocessed)
 
     def reset_prefix_cache(self) -> int:
         return self.core.reset_prefix_cache()

@@ -6,6 +6,7 @@ scheduler's diffs to it, so per step only new tokens and new block ids travel.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -204,7 +205,10 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, sched: SchedulerOutput, overlap: Callable[[], None] | None = None) -> ModelRunnerOutput:
+        """One step. ``overlap``, if given, is called once the step's sampling is queued on the device and
+        before the host waits for its tokens: on a GPU, host work done there hides behind the step's kernels.
+        Steps that sample nothing do not call it (the caller does, after)."""
         self._update_states(sched)
         if sched.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
@@ -251,7 +255,7 @@ class ModelRunner:
         if verify_jobs:
             self._verify(hidden, verify_rows, verify_jobs, result)
         if sample_rows:
-            self._sample(hidden, sample_rows, sample_states, result, sched)
+            self._sample(hidden, sample_rows, sample_states, result, sched, overlap)
         if self.spec_decoder is not None:
             result.spec_token_ids = self.spec_decoder.propose(states, starts, query_lens,
                                                               set(result.sampled_token_ids))
@@ -270,7 +274,7 @@ class ModelRunner:
                 result.logprobs[state.req_id] = entries
 
     def _sample(self, hidden: torch.Tensor, sample_rows: list[int], sample_states: list[CachedRequestState],
-                result: ModelRunnerOutput, sched: SchedulerOutput) -> None:
+                result: ModelRunnerOutput, sched: SchedulerOutput, overlap: Callable[[], None] | None = None) -> None:
         # Valid until the next compute_logits call: the sampler reads it and keeps nothing of it.
         logits = self.model.compute_logits(hidden[sample_rows], out=self._logits_out(len(sample_rows)))
         grammar_rows, grammar_bitmask = _grammar_rows(sched, sample_states)
@@ -279,7 +283,9 @@ class ModelRunner:
             [s.prompt_token_ids for s in sample_states], [s.generator for s in sample_states],
             self.eos_token_ids, self.vocab_size, self.device, grammar_rows, grammar_bitmask)
         out = self.sampler(logits, sampling_meta)
-        sampled = out.sampled_token_ids.tolist()
+        if overlap is not None:
+            overlap()
+        sampled = out.sampled_token_ids.tolist()  # the host waits for the device here
         entries = None
         if out.logprobs is not None:
             entries = _logprob_dicts(out.logprobs, [s.params.logprobs or 0 for s in sample_states])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -190,5 +191,6 @@ class Worker:
         graphs.capture()
         self.runner.decode_graphs = graphs
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(sched)
+    def execute_model(self, sched: SchedulerOutput, overlap: Callable[[], None] | None = None) -> ModelRunnerOutput:
+        """One step; ``overlap`` (if any) runs while the device computes it (see ModelRunner.execute_model)."""
+        return self.runner.execute_model(sched, overlap)
