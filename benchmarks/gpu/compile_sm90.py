@@ -107,7 +107,7 @@ def resource_usage(compiled: Any, folder: Path) -> dict[str, int]:
 
 # ---- the launches: each case runs the engine's launch functions as a step of that model would ----------------
 ATTENTION = {"smollm2": (9, 3, 64, 0), "gemma3": (4, 1, 256, 512), "llama8b": (32, 8, 128, 0)}  # H, Hkv, D, window
-ELEMENTWISE = {"smollm2": (576, 1536, 12, 64), "gemma3": (640, 2048, 6, 256), "llama8b": (4096, 14336, 48, 128)}
+ELEMENTWISE = {"smollm2": (576, 1536), "gemma3": (640, 2048), "llama8b": (4096, 14336)}  # hidden, MLP
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 QUANTIZE = {"q8": (quantize_q8, QRows.pack_q8), "q4": (quantize_q4, QRows.pack_q4), "f8": (quantize_f8, QRows.pack_f8)}
 
@@ -127,15 +127,20 @@ def attention_step(dtype: torch.dtype, model: str, query_lens: list[int]) -> Non
 
 
 def elementwise_ops(dtype: torch.dtype, model: str) -> None:
-    """A decoder layer's RMSNorms (with and without the residual), SiLU-and-mul and rotary."""
-    hidden, inter, rotated_heads, head_dim = ELEMENTWISE[model]
+    """A decoder layer's RMSNorms (with and without the residual), SiLU-and-mul, rotary, and rotary fused with
+    the KV-cache write."""
+    hidden, inter = ELEMENTWISE[model]
+    heads, kv_heads, head_dim, _ = ATTENTION[model]
     x = torch.zeros(8, hidden, dtype=dtype)
     weight = torch.ones(hidden, dtype=dtype)
     triton_ops.rms_norm_(x, x.clone(), weight, 1e-6)
     triton_ops.rms_norm_(x, None, weight, 1e-6)
     triton_ops.silu_and_mul(torch.zeros(8, 2 * inter, dtype=dtype))
-    qkv = torch.zeros(8, (rotated_heads + 1) * head_dim, dtype=dtype)
-    triton_ops.rotary_(qkv, torch.arange(8), torch.zeros(64, head_dim), rotated_heads, head_dim)
+    qkv = torch.zeros(8, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    table = torch.zeros(64, head_dim)
+    triton_ops.rotary_(qkv, torch.arange(8), table, heads + kv_heads, head_dim)
+    cache = torch.zeros(2, 4, 16, kv_heads, head_dim, dtype=dtype)
+    triton_ops.rotary_and_write_kv_(qkv, torch.arange(8), table, heads, kv_heads, head_dim, cache, torch.arange(8))
 
 
 def quantized_matmul(dtype: torch.dtype, kind: str, group: int, m: int) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -35,17 +37,27 @@ class Attention(DirectCall, nn.Module):
         self.kv_cache: torch.Tensor | None = None
         self.kv_group = 0  # the KV cache group whose block tables index kv_cache (set by bind_kv_caches)
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """query: [T, H*D], key/value: [T, Hkv*D] -> [T, H*D]."""
+    def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None) -> torch.Tensor:
+        """query: [T, H*D], key/value: [T, Hkv*D] -> [T, H*D]. key = value = None: this step's K/V is in
+        the cache already (``write_kv_with_rotary``)."""
         if self.kv_cache is None and self.spec.uses_kv_cache:
             raise RuntimeError(f"no KV cache bound to attention layer {self.layer_idx}")
         t = query.shape[0]
         out = self.backend.forward(
             query.view(t, self.num_heads, self.head_size),
-            key.view(t, self.num_kv_heads, self.head_size),
-            value.view(t, self.num_kv_heads, self.head_size),
+            None if key is None else key.view(t, self.num_kv_heads, self.head_size),
+            None if value is None else value.view(t, self.num_kv_heads, self.head_size),
             self.kv_cache, get_attn_metadata(self.kv_group), self.spec, self.scale)
         return out.view(t, self.num_heads * self.head_size)
+
+    def write_kv_with_rotary(self, qkv: torch.Tensor, rope: Any) -> bool:
+        """Rotate q/k inside ``qkv`` [T, (H + 2*Hkv) * D] and write this step's K/V into the cache in one
+        kernel, when the backend allows it (CUDA, Triton); False: nothing done, rotate and attend as usual."""
+        if self.kv_cache is None or not self.spec.uses_kv_cache or not self.backend.takes_kv_from_rotary(qkv):
+            return False
+        rope.rotate_qk_and_write_kv(qkv, self.num_heads, self.num_kv_heads, self.kv_cache,
+                                    get_attn_metadata(self.kv_group).slot_mapping)
+        return True
 
 
 def attention_layers(model: nn.Module) -> list[Attention]:

@@ -67,8 +67,10 @@ if triton is not None:
         tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _rotary_kernel(qkv_ptr, pos_ptr, cache_ptr, stride_qkv, stride_cache, num_heads,
-                       HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    def _rotary_kernel(qkv_ptr, pos_ptr, cache_ptr, kv_ptr, slot_ptr, stride_qkv, stride_cache, num_heads,
+                       num_q_heads, num_kv_heads, kv_half,
+                       HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_KV: tl.constexpr,
+                       WRITE_KV: tl.constexpr):
         tok = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr + tok).to(tl.int64)
         i = tl.arange(0, BLOCK_HALF)
@@ -80,8 +82,25 @@ if triton is not None:
         base = qkv_ptr + tok * stride_qkv + heads[:, None] * (2 * HALF) + i[None, :]
         x1 = tl.load(base, mask=ok, other=0.0).to(tl.float32)
         x2 = tl.load(base + HALF, mask=ok, other=0.0).to(tl.float32)
-        tl.store(base, (x1 * cos[None, :] - x2 * sin[None, :]).to(qkv_ptr.dtype.element_ty), mask=ok)
-        tl.store(base + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(qkv_ptr.dtype.element_ty), mask=ok)
+        y1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(qkv_ptr.dtype.element_ty)
+        y2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(qkv_ptr.dtype.element_ty)
+        tl.store(base, y1, mask=ok)
+        tl.store(base + HALF, y2, mask=ok)
+        if WRITE_KV:  # this token's rotated K and its V into the paged cache, at its slot (-1: none)
+            slot = tl.load(slot_ptr + tok).to(tl.int64)
+            if slot >= 0:
+                row = kv_ptr + slot * (num_kv_heads * 2 * HALF)  # [Hkv, D] of the slot in the K half
+                k_ok = ok & (heads >= num_q_heads)[:, None]
+                k_dst = row + (heads - num_q_heads)[:, None] * (2 * HALF) + i[None, :]
+                tl.store(k_dst, y1.to(kv_ptr.dtype.element_ty), mask=k_ok)
+                tl.store(k_dst + HALF, y2.to(kv_ptr.dtype.element_ty), mask=k_ok)
+                v_heads = tl.arange(0, BLOCK_KV)
+                v_ok = (v_heads < num_kv_heads)[:, None] & i_ok[None, :]
+                v_src = qkv_ptr + tok * stride_qkv + (num_heads + v_heads)[:, None] * (2 * HALF) + i[None, :]
+                v_dst = row + kv_half + v_heads[:, None] * (2 * HALF) + i[None, :]
+                tl.store(v_dst, tl.load(v_src, mask=v_ok, other=0.0).to(kv_ptr.dtype.element_ty), mask=v_ok)
+                tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=v_ok, other=0.0).to(kv_ptr.dtype.element_ty),
+                         mask=v_ok)
 
 
 def rms_norm_(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> None:
@@ -108,16 +127,37 @@ def rotary_(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Ten
     """In place: rotate (rotate-half pairing) the first ``num_heads`` heads of each row of qkv [T, >= H*D]
     at ``positions`` [T]; cos_sin_cache: [max_position, D] laid out [cos(D/2) | sin(D/2)]."""
     half = head_dim // 2
-    _rotary_kernel[(qkv.shape[0],)](qkv, positions, cos_sin_cache, qkv.stride(0), cos_sin_cache.stride(0),
-                                    num_heads, HALF=half, BLOCK_H=next_pow2(num_heads), BLOCK_HALF=next_pow2(half))
+    _rotary_kernel[(qkv.shape[0],)](qkv, positions, cos_sin_cache, qkv, positions, qkv.stride(0),
+                                    cos_sin_cache.stride(0), num_heads, num_heads, 0, 0, HALF=half,
+                                    BLOCK_H=next_pow2(num_heads), BLOCK_HALF=next_pow2(half), BLOCK_KV=1,
+                                    WRITE_KV=False)
+
+
+def rotary_and_write_kv_(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_heads: int,
+                         num_kv_heads: int, head_dim: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Rotary and the KV-cache write of one attention layer in one launch (instead of three).
+
+    qkv: [T, (H + 2*Hkv) * D] laid out [q | k | v]; q and k are rotated in place (as ``rotary_``), then each
+    token's rotated k and its v go to ``kv_cache`` [2, num_blocks, block_size, Hkv, D] (contiguous) at
+    ``slot_mapping`` [T] (slot -1: not written).
+    """
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be contiguous")
+    half = head_dim // 2
+    rotated = num_heads + num_kv_heads
+    _rotary_kernel[(qkv.shape[0],)](qkv, positions, cos_sin_cache, kv_cache, slot_mapping, qkv.stride(0),
+                                    cos_sin_cache.stride(0), rotated, num_heads, num_kv_heads,
+                                    kv_cache[0].numel(), HALF=half, BLOCK_H=next_pow2(rotated),
+                                    BLOCK_HALF=next_pow2(half), BLOCK_KV=next_pow2(num_kv_heads), WRITE_KV=True)
 
 
 class _TritonOps:
-    """The three ops under the CPU kernels' names."""
+    """The three ops under the CPU kernels' names, plus rotary fused with the KV-cache write."""
 
     rms_norm_ = staticmethod(rms_norm_)
     silu_and_mul = staticmethod(silu_and_mul)
     rotary_ = staticmethod(rotary_)
+    rotary_and_write_kv_ = staticmethod(rotary_and_write_kv_)
 
 
 TRITON_OPS = _TritonOps()

@@ -148,3 +148,46 @@ def test_cpu_processes_do_not_import_triton() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PAGEDLLM_CPU_KERNELS": "0"})
     assert out.stdout.strip() == "False"
+
+
+def test_layer_with_rotary_writing_kv_equals_the_torch_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rotary attention layer on the Triton backend takes the fused path (rotary writes K/V, the kernel
+    attends with key = value = None) and matches the same layer on the torch backend, cache included, over a
+    prefill step and a mixed step that reads it back."""
+    from pagedllm.attention.backends import triton_paged
+    from pagedllm.attention.backends.torch_sdpa import TorchPagedAttentionBackend
+    from pagedllm.attention.backends.triton_paged import TritonPagedAttentionBackend
+    from pagedllm.attention.forward_context import forward_context
+    from pagedllm.model_executor.layers.rotary_embedding import RopeStep, RotaryEmbedding
+    from pagedllm.model_executor.models.blocks import RotaryAttention
+
+    def unfused(*args):
+        raise AssertionError("the Triton backend wrote K/V itself: the fused path was not taken")
+
+    monkeypatch.setattr(triton_paged, "write_kv", unfused)
+    layers, caches = [], []
+    for backend in (TorchPagedAttentionBackend(), TritonPagedAttentionBackend(TorchPagedAttentionBackend())):
+        torch.manual_seed(0)
+        layer = RotaryAttention(48, 4, 2, 16, layer_idx=0, dtype=torch.float32)
+        for p in layer.parameters():
+            torch.nn.init.normal_(p, std=0.2)
+        layer.to(DEVICE)
+        layer.attn.backend = backend
+        layer.attn.kv_cache = torch.zeros(2, 8, 4, 2, 16, device=DEVICE)
+        layers.append(layer)
+        caches.append(layer.attn.kv_cache)
+    assert layers[1].attn.backend.takes_kv_from_rotary(torch.zeros(1)) and not layers[0].attn.write_kv_with_rotary(
+        torch.zeros(1, 128), None)
+    emb = RotaryEmbedding(16, 64, 10000.0, {}, torch.float32)
+    tables = [[3, 5], [1, 6, 2]]
+    for query_lens, seq_lens in (([5, 7], [5, 7]), ([1, 4], [6, 11])):  # prefill, then a decode + a chunk
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, 4, DEVICE)
+        positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)]).to(DEVICE)
+        x = torch.randn(sum(query_lens), 48).to(DEVICE)
+        outs = []
+        for layer in layers:
+            with forward_context(meta):
+                outs.append(layer(x, RopeStep(emb, positions)))
+        torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(caches[1], caches[0], atol=1e-6, rtol=1e-6)
+    assert caches[1].abs().sum() > 0

@@ -67,6 +67,36 @@ def test_rotary_in_place_inside_qkv(num_heads, num_kv_heads, head_dim) -> None:
     torch.testing.assert_close(got.cpu(), expected, atol=1e-5, rtol=1e-5)  # v untouched, q/k rotated
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 1, 16), (6, 6, 8)])
+def test_rotary_and_kv_write_in_one_kernel(dtype, num_heads, num_kv_heads, head_dim) -> None:
+    """The fused kernel leaves qkv as ``rotary_`` does and the cache as writing the rotated k and v by slot
+    does, bit for bit; slot -1 writes nothing, other slots stay untouched."""
+    torch.manual_seed(num_heads * head_dim)
+    emb = RotaryEmbedding(head_dim, 256, 10000.0, {}, torch.float32)
+    t, block_size, num_blocks = 5, 4, 6
+    qkv = torch.randn(t, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
+    positions = torch.tensor([0, 9, 17, 3, 200])
+    slots = torch.tensor([5, 22, -1, 0, 13])
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+    table = emb.cos_sin_cache.to(DEVICE)
+    expected_qkv = qkv.to(DEVICE, copy=True)
+    triton_ops.rotary_(expected_qkv, positions.to(DEVICE), table, num_heads + num_kv_heads, head_dim)
+    expected_qkv = expected_qkv.cpu()
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    expected_cache = cache.clone()
+    flat = expected_cache.view(2, -1, num_kv_heads, head_dim)
+    for row, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            flat[0, slot] = expected_qkv[row, q_size:q_size + kv_size].view(num_kv_heads, head_dim)
+            flat[1, slot] = expected_qkv[row, q_size + kv_size:].view(num_kv_heads, head_dim)
+    got_qkv, got_cache = qkv.to(DEVICE, copy=True), cache.to(DEVICE, copy=True)
+    triton_ops.rotary_and_write_kv_(got_qkv, positions.to(DEVICE), table, num_heads, num_kv_heads, head_dim,
+                                    got_cache, slots.to(DEVICE))
+    torch.testing.assert_close(got_qkv.cpu(), expected_qkv, atol=0, rtol=0)
+    torch.testing.assert_close(got_cache.cpu(), expected_cache, atol=0, rtol=0)
+
+
 def test_dispatch_by_device() -> None:
     from pagedllm.kernels.dispatch import elementwise_kernels_for
 

@@ -24,5 +24,11 @@ class AttentionBackend(ABC):
         """query: [T, H, D]; key/value: [T, Hkv, D] (this step's new tokens) -> output [T, H, D].
 
         ``kv_cache`` ([2, num_blocks, block_size, Hkv, D]) receives this step's K/V by ``meta.slot_mapping``
-        before any request reads it; it is None for encoder layers, which keep no cache.
+        before any request reads it; it is None for encoder layers, which keep no cache. key/value None
+        (only where ``takes_kv_from_rotary`` said yes): the step's K/V is in the cache already.
         """
+
+    def takes_kv_from_rotary(self, qkv: torch.Tensor) -> bool:
+        """Whether, for tensors like ``qkv``, this backend lets the rotary kernel write the step's K/V into the
+        cache (``triton_ops.rotary_and_write_kv_``) and then attends with key = value = None."""
+        return False

@@ -31,6 +31,9 @@ class DeviceAttentionBackend(AttentionBackend):
             self._cuda_checked = True
         return self._cuda_backend or self.torch_backend
 
+    def takes_kv_from_rotary(self, qkv: torch.Tensor) -> bool:
+        return qkv.is_cuda and self.cuda_backend().takes_kv_from_rotary(qkv)
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor | None,
                 meta: AttentionMetadata, spec: AttentionSpec, scale: float) -> torch.Tensor:
         backend = self.cuda_backend() if query.is_cuda else self.torch_backend

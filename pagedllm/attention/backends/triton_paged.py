@@ -133,19 +133,21 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
     flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
-def triton_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                           meta: AttentionMetadata, scale: float, sliding_window: int = 0) -> torch.Tensor:
+def triton_paged_attention(query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+                           kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                           sliding_window: int = 0) -> torch.Tensor:
     """query: [T, H, D]; key/value: [T, Hkv, D] (this step's tokens) -> [T, H, D].
 
-    Writes this step's K/V into ``kv_cache`` ([2, num_blocks, block_size, Hkv, D]) by ``meta.slot_mapping``,
-    then every request attends through its block table. ``sliding_window`` > 0: each query sees only the
-    last ``sliding_window`` positions (itself included).
+    Writes this step's K/V into ``kv_cache`` ([2, num_blocks, block_size, Hkv, D]) by ``meta.slot_mapping``
+    (key/value None: the rotary kernel did), then every request attends through its block table.
+    ``sliding_window`` > 0: each query sees only the last ``sliding_window`` positions (itself included).
     """
     if triton is None:
         raise RuntimeError("the Triton attention backend needs triton (it ships with CUDA builds of torch)")
     if query.stride(-1) != 1:
         raise ValueError("query's head dimension must be contiguous")
-    write_kv(kv_cache, key, value, meta.slot_mapping)
+    if key is not None:
+        write_kv(kv_cache, key, value, meta.slot_mapping)
     num_tokens, num_heads, head_dim = query.shape
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -181,8 +183,12 @@ class TritonPagedAttentionBackend(AttentionBackend):
     def __init__(self, fallback: AttentionBackend) -> None:
         self.fallback = fallback
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor | None,
-                meta: AttentionMetadata, spec: AttentionSpec, scale: float) -> torch.Tensor:
+    def takes_kv_from_rotary(self, qkv: torch.Tensor) -> bool:
+        return True
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+                kv_cache: torch.Tensor | None, meta: AttentionMetadata, spec: AttentionSpec,
+                scale: float) -> torch.Tensor:
         if spec.kind == "encoder" or kv_cache is None:
             return self.fallback.forward(query, key, value, kv_cache, meta, spec, scale)
         window = spec.window if spec.kind == "sliding" else 0

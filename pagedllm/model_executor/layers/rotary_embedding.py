@@ -207,6 +207,16 @@ class RopeStep:
         return apply_rotary(q, cos, sin, num_heads), apply_rotary(k, cos, sin, num_kv_heads)
 
 
+    def rotate_qk_and_write_kv(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, kv_cache: torch.Tensor,
+                               slot_mapping: torch.Tensor) -> None:
+        """``rotate_qk`` in place plus the layer's KV-cache write, as one Triton kernel (CUDA): kv_cache
+        [2, num_blocks, block_size, Hkv, D] receives each token's rotated k and its v at ``slot_mapping`` [T]."""
+        from pagedllm.kernels import triton_ops
+
+        triton_ops.rotary_and_write_kv_(qkv, self.positions, self.emb.table_on(qkv.device), num_heads, num_kv_heads,
+                                        self.emb.head_dim, kv_cache, slot_mapping)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int) -> torch.Tensor:
     """x: [T, H*D], cos/sin: [T, 1, D/2] -> rotated [T, H*D] (rotate-half pairing: i with i + D/2)."""
     t = x.shape[0]

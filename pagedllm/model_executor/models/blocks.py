@@ -96,6 +96,8 @@ class RotaryAttention(DirectCall, nn.Module):
             q = self.q_norm(qkv[:, :q_end].reshape(-1, d)).view(-1, self.q_size)
             k = self.k_norm(qkv[:, q_end:k_end].reshape(-1, d)).view(-1, self.kv_size)
             qkv = torch.cat([q, k, qkv[:, k_end:]], dim=-1)
+        if rope is not None and self.attn.write_kv_with_rotary(qkv, rope):
+            return self.o_proj(self.attn(qkv[:, :q_end], None, None))  # CUDA: rotary wrote K/V into the cache
         if rope is not None:
             q, k = rope.rotate_qk(qkv, self.num_heads, self.num_kv_heads)
         else:
