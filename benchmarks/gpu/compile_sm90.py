@@ -47,7 +47,8 @@ from pagedllm.model_executor.layers.quantization.qrows import QRows  # noqa: E40
 
 HOPPER = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_Q", "BLOCK", "DOT_BF16", "DOT_FP32", "WINDOW", "KIND")
+TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_Q", "BLOCK", "DOT_BF16", "DOT_FP32", "WINDOW", "KIND",
+             "NUM_SPLITS")
 
 
 @dataclass
@@ -72,7 +73,8 @@ class Recorder:
 def record(run: Callable[[], None]) -> list[Launch]:
     """The launches ``run`` makes through the engine's launch functions."""
     launches: list[Launch] = []
-    swapped = [(triton_paged, "_paged_attention_kernel"), (triton_ops, "_rms_norm_kernel"),
+    swapped = [(triton_paged, "_paged_attention_kernel"), (triton_paged, "_combine_splits_kernel"),
+               (triton_ops, "_rms_norm_kernel"),
                (triton_ops, "_silu_and_mul_kernel"), (triton_ops, "_rotary_kernel"), (tqm, "_wo_matmul_kernel")]
     originals = [getattr(module, name) for module, name in swapped]
     for (module, name), kernel in zip(swapped, originals):
@@ -112,8 +114,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 QUANTIZE = {"q8": (quantize_q8, QRows.pack_q8), "q4": (quantize_q4, QRows.pack_q4), "f8": (quantize_f8, QRows.pack_f8)}
 
 
-def attention_step(dtype: torch.dtype, model: str, query_lens: list[int]) -> None:
-    """One step of paged attention: decodes first, then prompts or chunks (block size 16)."""
+def attention_step(dtype: torch.dtype, model: str, query_lens: list[int], num_splits: int | None = None) -> None:
+    """One step of paged attention: decodes first, then prompts or chunks (block size 16); ``num_splits``:
+    a decode-only step split over the context (flash-decoding) and combined."""
     heads, kv_heads, head_dim, window = ATTENTION[model]
     block_size = 16
     seq_lens = [q + 20 for q in query_lens]
@@ -123,7 +126,7 @@ def attention_step(dtype: torch.dtype, model: str, query_lens: list[int]) -> Non
     cache = torch.zeros(2, 16 * len(query_lens) + 1, block_size, kv_heads, head_dim, dtype=dtype)
     kv = torch.zeros(t, kv_heads, head_dim, dtype=dtype)
     triton_paged.triton_paged_attention(torch.zeros(t, heads, head_dim, dtype=dtype), kv, kv, cache, meta,
-                                        head_dim ** -0.5, sliding_window=window)
+                                        head_dim ** -0.5, sliding_window=window, num_splits=num_splits)
 
 
 def elementwise_ops(dtype: torch.dtype, model: str) -> None:
@@ -156,6 +159,8 @@ def cases() -> list[tuple[str, Callable[[], None]]]:
     for dname, dtype in DTYPES.items():
         for model in ATTENTION:
             out.append((f"attention {model} decode {dname}", lambda d=dtype, m=model: attention_step(d, m, [1, 1, 1])))
+            out.append((f"attention {model} decode-split {dname}",
+                        lambda d=dtype, m=model: attention_step(d, m, [1], num_splits=16)))
             out.append((f"attention {model} mixed {dname}",
                         lambda d=dtype, m=model: attention_step(d, m, [1, 1, 37, 100])))
             out.append((f"elementwise {model} {dname}", lambda d=dtype, m=model: elementwise_ops(d, m)))

@@ -47,7 +47,7 @@ def _reference(query, key, value, query_lens, context_lens, scale, window):
 
 
 def _run(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, window=0, seed=0,
-         dtype=torch.float32):
+         dtype=torch.float32, num_splits=None):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
@@ -80,7 +80,8 @@ def _run(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size
     on = {"device": DEVICE}
     qkv, key, value, cache = qkv.to(**on), key.to(**on), value.to(**on), cache.to(**on)
     query = qkv[:, :num_heads * head_dim].view(t, num_heads, head_dim)
-    got = triton_paged_attention(query, key, value, cache, meta, scale, sliding_window=window).cpu()
+    got = triton_paged_attention(query, key, value, cache, meta, scale, sliding_window=window,
+                                 num_splits=num_splits).cpu()
     return got, expected, cache.cpu(), meta, key.cpu()
 
 
@@ -191,3 +192,25 @@ def test_layer_with_rotary_writing_kv_equals_the_torch_backend(monkeypatch: pyte
         torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(caches[1], caches[0], atol=1e-6, rtol=1e-6)
     assert caches[1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("num_splits", [2, 4, 16])
+@pytest.mark.parametrize("window", [0, 21])
+def test_decode_split_over_the_context(num_splits: int, window: int) -> None:
+    """Flash-decoding: a decode-only step whose contexts are split into shares (some empty: short contexts,
+    windows) and combined matches the dense reference."""
+    from pagedllm.attention.backends import triton_paged
+
+    got, expected, *_ = _run([1, 1, 1], [70, 3, 130], 6, 2, 16, 8, window=window, seed=num_splits,
+                             num_splits=num_splits)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+    assert triton_paged.decode_splits(3 * 2, 17, 64) == 2  # capped by the shortest useful share (8 blocks)
+
+
+def test_decode_split_count() -> None:
+    from pagedllm.attention.backends.triton_paged import decode_splits
+
+    assert decode_splits(3, 512, 132) == 32  # batch 1, long context: as many shares as allowed
+    assert decode_splits(3, 12, 132) == 1  # short contexts: no split
+    assert decode_splits(512 * 3, 512, 132) == 1  # the batch fills the GPU already
+    assert decode_splits(24, 64, 132) == 8  # 11 wanted, 8 blocks per share at least, powers of two

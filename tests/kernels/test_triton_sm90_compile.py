@@ -31,8 +31,8 @@ def test_every_launch_compiles(launches: list[dict]) -> None:
     failed = [(row["case"], row["kernel"], row["error"]) for row in launches if "error" in row]
     assert not failed, failed
     kernels = {row["kernel"] for row in launches}
-    assert kernels == {"_paged_attention_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel", "_rotary_kernel",
-                       "_wo_matmul_kernel"}
+    assert kernels == {"_paged_attention_kernel", "_combine_splits_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel",
+                       "_rotary_kernel", "_wo_matmul_kernel"}
     assert len(launches) >= 100
 
 
@@ -57,5 +57,5 @@ def test_half_precision_dots_use_tensor_cores_and_float32_stays_exact(launches: 
 def test_tiles_follow_the_step(launches: list[dict]) -> None:
     """Decode-only steps use 16-row attention tiles; mixed steps bigger ones (fewer K/V re-reads)."""
     attention = [row for row in launches if row["kernel"] == "_paged_attention_kernel"]
-    assert {row["BLOCK_M"] for row in attention if " decode " in row["case"]} == {16}
+    assert {row["BLOCK_M"] for row in attention if " decode" in row["case"]} == {16}
     assert all(row["BLOCK_M"] >= 32 for row in attention if " mixed " in row["case"])

@@ -7,6 +7,12 @@ per KV head), so a decode step still fills the rows of a matrix multiply and eac
 per KV head, not once per query head. Scores use an online softmax over KV blocks (flash-attention style),
 with a causal mask and an optional sliding window.
 
+A decode-only step with few requests would leave most of a GPU idle (one program per request and KV head,
+walking the whole context), so there the context is split (flash-decoding): ``NUM_SPLITS`` programs per
+request and KV head each take a share of its blocks and write a partial result with its softmax statistics,
+and a second kernel combines them. The split count depends only on the batch and the block table's width,
+never on tensor values, so a captured CUDA graph stays valid for any context length.
+
 On a machine without a GPU the same kernel runs under ``TRITON_INTERPRET=1`` (the tests do that against
 the portable torch path).
 """
@@ -34,14 +40,19 @@ if triton is not None:
         stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
         stride_k_block, stride_k_slot, stride_k_head,
         stride_v_block, stride_v_slot, stride_v_head,
-        stride_table,
+        stride_table, part_ptr, m_part_ptr, l_part_ptr, num_heads,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
-        WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
+        WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, NUM_SPLITS: tl.constexpr,
     ):
         req = tl.program_id(0)
         kv_head = tl.program_id(1)
-        q_tile = tl.program_id(2)
+        if NUM_SPLITS == 1:
+            q_tile = tl.program_id(2)
+            split = 0
+        else:  # a decode-only step split over the context: axis 2 is the share of the blocks
+            q_tile = 0
+            split = tl.program_id(2)
         q_start = tl.load(query_start_loc_ptr + req)
         q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
         if q_tile * BLOCK_Q < q_len:
@@ -71,6 +82,10 @@ if triton is not None:
             if WINDOW > 0:
                 first_pos = tl.maximum(context_len + q_tile * BLOCK_Q - WINDOW + 1, 0)
                 start_block = first_pos // BLOCK_SIZE
+            if NUM_SPLITS > 1:
+                per_split = (end_block - start_block + NUM_SPLITS - 1) // NUM_SPLITS
+                start_block = start_block + split * per_split
+                end_block = tl.minimum(start_block + per_split, end_block)
             slots = tl.arange(0, BLOCK_N)
             slot_ok = slots < BLOCK_SIZE
             for b in range(start_block, end_block):
@@ -106,9 +121,35 @@ if triton is not None:
                     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
                 m_i = m_new
             acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-            o_offsets = (q_start + tok).to(tl.int64)[:, None] * stride_o_tok + head[:, None] * stride_o_head
-            tl.store(out_ptr + o_offsets + dims[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=row_ok[:, None] & dim_ok[None, :])
+            if NUM_SPLITS == 1:
+                o_offsets = (q_start + tok).to(tl.int64)[:, None] * stride_o_tok + head[:, None] * stride_o_head
+                tl.store(out_ptr + o_offsets + dims[None, :], acc.to(out_ptr.dtype.element_ty),
+                         mask=row_ok[:, None] & dim_ok[None, :])
+            else:  # this share's normalised output and its (max, sum) at [token, head, split]
+                part = ((q_start + tok).to(tl.int64) * num_heads + head) * NUM_SPLITS + split
+                tl.store(part_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc,
+                         mask=row_ok[:, None] & dim_ok[None, :])
+                tl.store(m_part_ptr + part, m_i, mask=row_ok)
+                tl.store(l_part_ptr + part, l_i, mask=row_ok)
+
+    @triton.jit
+    def _combine_splits_kernel(out_ptr, part_ptr, m_part_ptr, l_part_ptr, stride_o_tok, stride_o_head, num_heads,
+                               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+        tok = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        base = (tok * num_heads + head) * NUM_SPLITS
+        splits = tl.arange(0, NUM_SPLITS)
+        maxes = tl.load(m_part_ptr + base + splits)
+        sums = tl.load(l_part_ptr + base + splits)
+        # A share with no visible key has sum 0 (and max -inf): weight 0. Every decode sees at least itself.
+        weight = tl.where(sums > 0.0, tl.exp(maxes - tl.max(maxes, 0)) * sums, 0.0)
+        dims = tl.arange(0, BLOCK_D)
+        dim_ok = dims < HEAD_DIM
+        parts = tl.load(part_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :], mask=dim_ok[None, :],
+                        other=0.0)
+        out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+        tl.store(out_ptr + tok * stride_o_tok + head * stride_o_head + dims, out.to(out_ptr.dtype.element_ty),
+                 mask=dim_ok)
 
 
 def tile_shape(group: int, max_query_len: int, head_dim: int = 64, fp32: bool = False) -> tuple[int, int]:
@@ -125,6 +166,25 @@ def tile_shape(group: int, max_query_len: int, head_dim: int = 64, fp32: bool = 
     return block_m, max(1, block_m // group)
 
 
+# Flash-decoding: split a decode-only step's contexts until about this many programs per SM run, each share at
+# least MIN_SPLIT_BLOCKS blocks, and at most MAX_SPLITS shares (powers of two: few compiled variants).
+PROGRAMS_PER_SM, MIN_SPLIT_BLOCKS, MAX_SPLITS = 2, 8, 32
+
+
+def decode_splits(num_programs: int, max_blocks: int, num_sms: int) -> int:
+    """Shares to split each decode's context into: 1 when ``num_programs`` (requests x KV heads) already fill
+    ``num_sms`` multiprocessors or the contexts (up to ``max_blocks`` blocks) are short."""
+    want = -(-PROGRAMS_PER_SM * num_sms // max(1, num_programs))
+    splits = min(want, max_blocks // MIN_SPLIT_BLOCKS, MAX_SPLITS)
+    return 1 if splits < 2 else 1 << (splits.bit_length() - 1)  # round down to a power of two
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 64  # the interpreter (tests): an arbitrary GPU-sized count
+
+
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store new K/V by slot. kv_cache: [2, num_blocks, block_size, Hkv, D]; key/value: [T, Hkv, D]."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
@@ -135,12 +195,13 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
 
 def triton_paged_attention(query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
                            kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                           sliding_window: int = 0) -> torch.Tensor:
+                           sliding_window: int = 0, num_splits: int | None = None) -> torch.Tensor:
     """query: [T, H, D]; key/value: [T, Hkv, D] (this step's tokens) -> [T, H, D].
 
     Writes this step's K/V into ``kv_cache`` ([2, num_blocks, block_size, Hkv, D]) by ``meta.slot_mapping``
     (key/value None: the rotary kernel did), then every request attends through its block table.
     ``sliding_window`` > 0: each query sees only the last ``sliding_window`` positions (itself included).
+    ``num_splits``: shares of each context in a decode-only step (a power of two; default ``decode_splits``).
     """
     if triton is None:
         raise RuntimeError("the Triton attention backend needs triton (it ships with CUDA builds of torch)")
@@ -159,18 +220,37 @@ def triton_paged_attention(query: torch.Tensor, key: torch.Tensor | None, value:
         return out
     dot_fp32 = interpreted() or kv_cache.dtype == torch.float32
     block_m, block_q = tile_shape(group, max_query_len, head_dim, dot_fp32 and not interpreted())
-    grid = (meta.num_reqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
+    if max_query_len != 1:
+        num_splits = 1
+    elif num_splits is None:
+        max_blocks = meta.block_tables.shape[1]  # static under CUDA graphs: never a tensor's value
+        if sliding_window > 0:
+            max_blocks = min(max_blocks, sliding_window // block_size + 2)
+        num_splits = decode_splits(meta.num_reqs * num_kv_heads, max_blocks, _num_sms(query.device))
+    if num_splits > 1:
+        f32 = dict(dtype=torch.float32, device=query.device)
+        part = torch.empty(num_tokens, num_heads, num_splits, head_dim, **f32)
+        m_part, l_part = torch.empty(num_tokens, num_heads, num_splits, **f32), torch.empty(num_tokens, num_heads,
+                                                                                             num_splits, **f32)
+        grid = (meta.num_reqs, num_kv_heads, num_splits)
+    else:
+        part = m_part = l_part = out  # unused
+        grid = (meta.num_reqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
     _paged_attention_kernel[grid](
         out, query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
         scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        meta.block_tables.stride(0),
+        meta.block_tables.stride(0), part, m_part, l_part, num_heads,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_N=max(16, next_pow2(block_size)), BLOCK_M=block_m, BLOCK_Q=block_q,
-        WINDOW=max(0, int(sliding_window)), DOT_FP32=dot_fp32,
+        WINDOW=max(0, int(sliding_window)), DOT_FP32=dot_fp32, NUM_SPLITS=num_splits,
     )
+    if num_splits > 1:
+        _combine_splits_kernel[(num_tokens, num_heads)](
+            out, part, m_part, l_part, out.stride(0), out.stride(1), num_heads,
+            HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), NUM_SPLITS=num_splits)
     return out
 
 
