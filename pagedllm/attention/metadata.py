@@ -76,6 +76,7 @@ class AttentionMetadata:
     group_metadata: list[AttentionMetadata] | None = field(default=None, repr=False)
     _encoder_plan: Any = field(default=None, init=False, repr=False)  # torch_encoder's plan, for encoder layers
     _encoder_query_start: Any = field(default=None, init=False, repr=False)  # its int32 offsets, C++ kernel path
+    _max_query_len: int | None = field(default=None, init=False, repr=False)
 
     def plan(self) -> AttentionPlan:
         if self._plan is None:
@@ -99,6 +100,15 @@ class AttentionMetadata:
     @property
     def max_seq_len(self) -> int:
         return max(self.seq_lens_cpu, default=0)
+
+    @property
+    def max_query_len(self) -> int:
+        """The most new tokens of one request in this step (0 for an empty step); computed once per step, not
+        once per layer."""
+        if self._max_query_len is None:
+            qsl = self.query_start_loc_cpu
+            self._max_query_len = max((qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)), default=0)
+        return self._max_query_len
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]] | np.ndarray,

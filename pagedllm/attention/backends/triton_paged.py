@@ -213,8 +213,7 @@ def triton_paged_attention(query: torch.Tensor, key: torch.Tensor | None, value:
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
-    qsl = meta.query_start_loc_cpu
-    max_query_len = max((qsl[i + 1] - qsl[i] for i in range(meta.num_reqs)), default=0)
+    max_query_len = meta.max_query_len
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0:
         return out
