@@ -86,21 +86,24 @@ if triton is not None:
                 per_split = (end_block - start_block + NUM_SPLITS - 1) // NUM_SPLITS
                 start_block = start_block + split * per_split
                 end_block = tl.minimum(start_block + per_split, end_block)
-            slots = tl.arange(0, BLOCK_N)
-            slot_ok = slots < BLOCK_SIZE
-            for b in range(start_block, end_block):
-                block_id = tl.load(block_tables_ptr + req * stride_table + b).to(tl.int64)
-                k = tl.load(k_cache_ptr + block_id * stride_k_block + slots[:, None] * stride_k_slot
-                            + kv_head * stride_k_head + dims[None, :],
-                            mask=slot_ok[:, None] & dim_ok[None, :], other=0.0)
+            # BLOCK_N keys per iteration, gathered from as many cache blocks as they span.
+            keys = tl.arange(0, BLOCK_N)
+            end_pos = end_block * BLOCK_SIZE
+            for k_start in range(start_block * BLOCK_SIZE, end_pos, BLOCK_N):
+                k_pos = k_start + keys
+                key_ok = k_pos < end_pos
+                block_id = tl.load(block_tables_ptr + req * stride_table + k_pos // BLOCK_SIZE, mask=key_ok,
+                                   other=0).to(tl.int64)
+                in_block = k_pos % BLOCK_SIZE
+                k = tl.load(k_cache_ptr + (block_id * stride_k_block + in_block * stride_k_slot
+                                           + kv_head * stride_k_head)[:, None] + dims[None, :],
+                            mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
                 if DOT_FP32:
                     k = k.to(tl.float32)
-                if DOT_FP32:
                     scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N]
                 else:
                     scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-                k_pos = b * BLOCK_SIZE + slots
-                allowed = slot_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+                allowed = key_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
                 if WINDOW > 0:
                     allowed = allowed & (k_pos[None, :] > q_pos[:, None] - WINDOW)
                 scores = tl.where(allowed, scores, float("-inf"))
@@ -110,12 +113,11 @@ if triton is not None:
                 p = tl.exp(scores - m_shift[:, None])
                 alpha = tl.exp(m_i - m_shift)
                 l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(v_cache_ptr + block_id * stride_v_block + slots[:, None] * stride_v_slot
-                            + kv_head * stride_v_head + dims[None, :],
-                            mask=slot_ok[:, None] & dim_ok[None, :], other=0.0)
+                v = tl.load(v_cache_ptr + (block_id * stride_v_block + in_block * stride_v_slot
+                                           + kv_head * stride_v_head)[:, None] + dims[None, :],
+                            mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
                 if DOT_FP32:
                     v = v.to(tl.float32)
-                if DOT_FP32:
                     acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
                 else:
                     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
@@ -185,6 +187,15 @@ def _num_sms(device: torch.device) -> int:
     return 64  # the interpreter (tests): an arbitrary GPU-sized count
 
 
+def keys_per_iteration(head_dim: int, block_m: int, fp32_dots: bool) -> int:
+    """Keys (across cache blocks) one loop iteration of the attention kernel scores: 64 on tensor cores, fewer
+    where the tile would spill registers on sm_90 (benchmarks/gpu/compile_sm90.py): 32 for heads over 128
+    wide with 32+ row tiles, 16 for float32 dots, which run on FMA units from registers."""
+    if fp32_dots:
+        return 16
+    return 32 if head_dim > 128 and block_m > 16 else 64
+
+
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store new K/V by slot. kv_cache: [2, num_blocks, block_size, Hkv, D]; key/value: [T, Hkv, D]."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
@@ -243,7 +254,8 @@ def triton_paged_attention(query: torch.Tensor, key: torch.Tensor | None, value:
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         meta.block_tables.stride(0), part, m_part, l_part, num_heads,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
-        BLOCK_SIZE=block_size, BLOCK_N=max(16, next_pow2(block_size)), BLOCK_M=block_m, BLOCK_Q=block_q,
+        BLOCK_SIZE=block_size, BLOCK_N=keys_per_iteration(head_dim, block_m, dot_fp32 and not interpreted()),
+        BLOCK_M=block_m, BLOCK_Q=block_q,
         WINDOW=max(0, int(sliding_window)), DOT_FP32=dot_fp32, NUM_SPLITS=num_splits,
     )
     if num_splits > 1:
