@@ -53,3 +53,17 @@ def test_batched_equals_solo(model_path: str, dtype: str) -> None:
     batched = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
     solo = [llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids for p in PROMPTS]
     assert batched == solo
+
+
+def test_async_output_processing_changes_no_token(model_path: str) -> None:
+    """On by default on CUDA only; either way the same tokens and texts, stop strings included."""
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + i, ignore_eos=True) for i in range(len(PROMPTS))]
+    params[2] = SamplingParams(temperature=0.0, max_tokens=30, stop=[" "])
+    runs = []
+    for disable in (False, True):
+        llm = LLM(model=model_path, device=DEVICE, dtype="float32", kv_cache_memory="16MiB", block_size=16,
+                  disable_async_output_proc=disable)
+        assert llm.engine.async_output == (DEVICE == "cuda" and not disable)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs])
+    assert runs[0] == runs[1]
