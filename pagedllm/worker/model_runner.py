@@ -157,10 +157,13 @@ class ModelRunner:
             bind_kv_caches(self.draft_model, self.draft_kv_caches)
 
     def release_kv_cache(self) -> None:
-        """Drop the KV cache tensors (after the GPU profiling step) and unbind them from the layers."""
+        """Drop the KV cache tensors (after the GPU profiling step) and unbind them from the layers (the draft
+        model's too: a cache still bound to a layer would keep its memory)."""
         self.kv_caches = []
-        for layer in attention_layers(self.model):
-            layer.kv_cache = None
+        self.draft_kv_caches = []
+        for model in (self.model, self.draft_model):
+            for layer in attention_layers(model) if model is not None else []:
+                layer.kv_cache = None
 
     def _logits_out(self, rows: int) -> torch.Tensor | None:
         """A reused [rows, vocab] float32 buffer for this step's logits on CPU, or None (allocate fresh).
