@@ -26,6 +26,10 @@ from pagedllm.worker.cpu_memory import zeroed_host_tensor
 
 # Rows of the reused logits buffer (a decode step samples one row per running request).
 LOGITS_BUFFER_ROWS = 256
+# Prompt logprobs take the logits of a chunk's positions this many at a time: a whole chunk at once would
+# need [max_num_batched_tokens, vocab] float32 (and its log-softmax), a peak the GPU KV sizing does not
+# profile (worker/profile_step.py profiles max_num_seqs sampled rows).
+PROMPT_LOGPROBS_ROWS = 256
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -327,10 +331,11 @@ class ModelRunner:
             # Positions start..end-1 predict tokens start+1..end; stop at the last prompt token.
             end = min(start + query_lens[i], num_prompt - 1)
             entries: list[dict[int, tuple[float, int]]] = []
-            if end > start:
-                rows = hidden[qsl[i]:qsl[i] + (end - start)]
-                targets = torch.tensor(state.prompt_token_ids[start + 1:end + 1], device=self.device)
-                k = state.params.prompt_logprobs
+            k = state.params.prompt_logprobs
+            for lo in range(start, end, PROMPT_LOGPROBS_ROWS):
+                hi = min(lo + PROMPT_LOGPROBS_ROWS, end)
+                rows = hidden[qsl[i] + lo - start:qsl[i] + hi - start]
+                targets = torch.tensor(state.prompt_token_ids[lo + 1:hi + 1], device=self.device)
                 lp = compute_logprobs_for_targets(self.model.compute_logits(rows), targets, k)
-                entries = _logprob_dicts(lp, [k] * (end - start))
+                entries.extend(_logprob_dicts(lp, [k] * (hi - lo)))
             result.prompt_logprobs[state.req_id] = entries
