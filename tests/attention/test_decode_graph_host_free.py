@@ -13,9 +13,9 @@ if os.environ.get("PAGEDLLM_TEST_DEVICE", "cpu") == "cpu":
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, "tests/models")
+from host_reads import HostReads  # noqa: E402
 from model_helpers import make_kv_caches, tiny_llama_config  # noqa: E402
 
 from pagedllm.attention.backends.torch_sdpa import TorchPagedAttentionBackend  # noqa: E402
@@ -27,27 +27,6 @@ from pagedllm.worker.cuda_graphs import DecodeGraphRunner  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not (triton_ops.triton_available() and triton_ops.interpreted()),
                                 reason="runs CPU tensors through Triton's interpreter (triton is a test dependency)")
-
-
-class HostReads(TorchDispatchMode):
-    """Records aten ops that read a tensor value on the host or lift host data into a tensor."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = str(func)
-        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
-                    torch.ops.aten.lift_fresh.default, torch.ops.aten.masked_select.default):
-            self.seen.append(name)
-        elif func is torch.ops.aten.index.Tensor and any(
-                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]):
-            self.seen.append(name + " (boolean mask)")
-        elif func is torch.ops.aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
-            self.seen.append(name + " (no output_size)")
-        return func(*args, **kwargs)
 
 
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
