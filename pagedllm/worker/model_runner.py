@@ -18,6 +18,7 @@ from pagedllm.attention.layer import attention_layers, bind_kv_caches
 from pagedllm.attention.metadata import AttentionMetadata, build_attention_metadata, token_positions
 from pagedllm.attention.spec import common_sliding_window, kv_cache_groups
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.host_to_device import tensor_on, to_device
 from pagedllm.sample.metadata import build_sampling_metadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_logprobs_for_targets
 from pagedllm.sampling_params import SamplingParams
@@ -52,6 +53,14 @@ def _logprob_dicts(lp: LogprobsTensors, ks: list[int]) -> list[dict[int, tuple[f
             entry.setdefault(ids[row][j], (vals[row][j], j))
         out.append(entry)
     return out
+
+
+def _rows_of(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """hidden[rows] ([len(rows), H]): a view for the leading rows (a decode-only step), else a gather whose index
+    reaches a GPU without a stream sync (indexing with a list would copy it to the device blocking)."""
+    if rows == list(range(len(rows))):
+        return hidden[:len(rows)]
+    return hidden.index_select(0, tensor_on(rows, torch.long, hidden.device))
 
 
 def _grammar_rows(sched: SchedulerOutput, sample_states: list[CachedRequestState]
@@ -279,7 +288,7 @@ class ModelRunner:
     def _sample(self, hidden: torch.Tensor, sample_rows: list[int], sample_states: list[CachedRequestState],
                 result: ModelRunnerOutput, sched: SchedulerOutput) -> None:
         # Valid until the next compute_logits call: the sampler reads it and keeps nothing of it.
-        logits = self.model.compute_logits(hidden[sample_rows], out=self._logits_out(len(sample_rows)))
+        logits = self.model.compute_logits(_rows_of(hidden, sample_rows), out=self._logits_out(len(sample_rows)))
         grammar_rows, grammar_bitmask = _grammar_rows(sched, sample_states)
         sampling_meta = build_sampling_metadata(
             [s.params for s in sample_states], [s.output_token_ids for s in sample_states],
@@ -318,9 +327,9 @@ class ModelRunner:
             drafts = spec.get(state.req_id, []) if spec else []  # verified after the request's own tokens
             ids.extend(state.token_ids[start:start + q - len(drafts)])
             ids.extend(drafts)
-        input_ids = torch.tensor(ids, dtype=torch.long)
-        positions = torch.from_numpy(token_positions(query_lens, seq_lens))
-        return meta, input_ids.to(self.device), positions.to(self.device)
+        input_ids = tensor_on(ids, torch.long, self.device)
+        positions = to_device(torch.from_numpy(token_positions(query_lens, seq_lens)), self.device)
+        return meta, input_ids, positions
 
     def _prompt_logprobs(self, jobs, hidden: torch.Tensor, qsl: list[int], query_lens: list[int],
                          result: ModelRunnerOutput) -> None:
