@@ -53,3 +53,16 @@ def test_batched_equals_solo(model_path: str, dtype: str) -> None:
     batched = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
     solo = [llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids for p in PROMPTS]
     assert batched == solo
+
+
+def test_kv_cache_sized_by_the_device_default(model_path: str) -> None:
+    """No --kv-cache-memory: on CUDA the worker profiles the largest step (here 1,024 tokens in prompts of
+    the 256-token max_model_len, then the sampler's costliest stages) and sizes the cache from what is left;
+    on a CPU the default budget applies. Either way the engine then serves a sampled batch."""
+    dtype = "bfloat16" if DEVICE == "cuda" else "float32"
+    llm = LLM(model=model_path, device=DEVICE, dtype=dtype, gpu_memory_utilization=0.3, block_size=16,
+              max_num_batched_tokens=1024, max_num_seqs=16)
+    assert llm.engine.config.cache.num_blocks > 64
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, ignore_eos=True, seed=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
