@@ -175,6 +175,8 @@ class Worker:
             logger.info("hybrid model (sliding-window and full-attention KV cache groups): decode steps run "
                         "eagerly (no CUDA graphs)")
             return
+        if self.runner.pooling is not None:
+            return  # a pooling model's steps run through the pooling runner, never a decode graph
         from pagedllm.attention.backends.triton_paged import triton_available
         from pagedllm.worker.cuda_graphs import DecodeGraphRunner, graph_batch_sizes
 
