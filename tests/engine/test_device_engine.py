@@ -51,15 +51,6 @@ def test_fp32_greedy_equals_transformers(model_path: str) -> None:
         assert out.outputs[0].token_ids == _hf_greedy(model_path, prompt, 12)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_batched_equals_solo(model_path: str, dtype: str) -> None:
-    llm = LLM(model=model_path, device=DEVICE, dtype=dtype, kv_cache_memory="16MiB", block_size=16)
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    batched = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
-    solo = [llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids for p in PROMPTS]
-    assert batched == solo
-
-
 def test_kv_cache_sized_by_the_device_default(model_path: str) -> None:
     """No --kv-cache-memory: on CUDA the worker profiles the largest step (here 1,024 tokens in prompts of
     the 256-token max_model_len, then the sampler's costliest stages) and sizes the cache from what is left;
@@ -71,3 +62,13 @@ def test_kv_cache_sized_by_the_device_default(model_path: str) -> None:
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, ignore_eos=True, seed=3)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batched_equals_solo(model_path: str, dtype: str) -> None:
+    llm = LLM(model=model_path, device=DEVICE, dtype=dtype, kv_cache_memory="16MiB", block_size=16)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    batched = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+    solo = [llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids for p in PROMPTS]
+    assert batched == solo
+
