@@ -71,4 +71,3 @@ def test_batched_equals_solo(model_path: str, dtype: str) -> None:
     batched = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
     solo = [llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids for p in PROMPTS]
     assert batched == solo
-
