@@ -34,7 +34,10 @@ step() {  # step NAME SECONDS CMD...: run, keep the log, say how it went
 
 # 1. Kernels and engine on the device: Triton attention and fused ops compiled for real, fidelity vs
 #    transformers, batched == solo, the graph runner's padding.
+#    On the GPU the CPU kernels are off: the few CPU-side checks there do not need them, and a C++ build (where
+#    the image has a compiler and ninja) would spend device time.
 step tests 240 env PAGEDLLM_TEST_DEVICE="$DEVICE" TRITON_INTERPRET=$([ "$DEVICE" = cuda ] && echo 0 || echo 1) \
+  PAGEDLLM_CPU_KERNELS=$([ "$DEVICE" = cuda ] && echo 0 || echo 1) \
   $PY -m pytest -q -x tests/attention/test_triton_paged_attention.py tests/kernels/test_triton_ops.py \
   tests/quantization/test_triton_quant_matmul.py \
   tests/engine/test_device_engine.py tests/attention/test_cuda_graph_runner.py

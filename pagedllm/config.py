@@ -44,6 +44,7 @@ class ModelConfig:
     pooler_config: PoolerConfig | None = None  # overrides; resolved for pooling models
     quantization: str | None = None  # --quantization: none | int8 | int4[-g64|-g128] | fp8 | gguf | ... (None:
     # as stored; a GGUF file then resolves to gguf, kept quantized, on the CPU)
+    device: str = "auto"  # auto | cpu | cuda: where the model will run (the dtype and GGUF defaults depend on it)
     # Filled by resolution:
     model_path: str = ""  # folder (HF) or file (GGUF)
     gguf_file: str | None = None

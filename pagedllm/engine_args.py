@@ -148,7 +148,7 @@ class EngineArgs:
             model=self.model or DEFAULT_MODEL, tokenizer=self.tokenizer, dtype=self.dtype,
             max_model_len=self.max_model_len, seed=self.seed, served_model_name=self.served_model_name,
             chat_template=self.chat_template, runner=self.runner, pooler_config=self._pooler_config(),
-            quantization=self.quantization))
+            quantization=self.quantization, device=self.device))
         kv_memory = None if self.kv_cache_memory in (None, "", "auto") else parse_size(self.kv_cache_memory)
         cache = CacheConfig(block_size=self.block_size, kv_cache_memory=kv_memory,
                             gpu_memory_utilization=float(self.gpu_memory_utilization),

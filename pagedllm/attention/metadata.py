@@ -8,6 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedllm.host_to_device import tensor_on, to_device
+
 
 @dataclass
 class AttentionPlan:
@@ -160,10 +162,11 @@ def build_attention_metadata(query_lens: list[int], seq_lens: list[int], block_t
     seq_list = [int(s) for s in seq_lens]
     return AttentionMetadata(
         num_actual_tokens=qsl_list[-1],
-        slot_mapping=torch.from_numpy(slot_mapping).to(device),
-        query_start_loc=torch.tensor(qsl_list, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_list, dtype=torch.int32, device=device),
-        block_tables=torch.from_numpy(np.ascontiguousarray(tables)).to(device),
+        # Queued without a stream sync on CUDA (host_to_device.py).
+        slot_mapping=to_device(torch.from_numpy(slot_mapping), device),
+        query_start_loc=tensor_on(qsl_list, torch.int32, device),
+        seq_lens=tensor_on(seq_list, torch.int32, device),
+        block_tables=to_device(torch.from_numpy(np.ascontiguousarray(tables)), device),
         num_decodes=num_decodes,
         query_start_loc_cpu=qsl_list,
         seq_lens_cpu=seq_list,

@@ -27,8 +27,10 @@ class LLMEngine:
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
         self.core = EngineCore(config)
+        # On a GPU the host is idle while the forward runs: fill the grammar bitmask then, whatever the core count.
         self.structured_output = StructuredOutputManager(self.tokenizer, config.model.vocab_size,
-                                                         config.model.eos_token_ids)
+                                                         config.model.eos_token_ids,
+                                                         overlap_fill=True if config.device.device == "cuda" else None)
         self.core.structured_output = self.structured_output
         self.processor = Processor(config.model, self.tokenizer, config.scheduler.max_model_len,
                                    self.core.scheduler.check_fits)

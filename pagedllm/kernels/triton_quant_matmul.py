@@ -72,8 +72,9 @@ if triton is not None:
             if KIND == 1:
                 w += tl.load(mn_ptr + offs_n * stride_sn + g, mask=n_ok, other=0.0)[:, None]
             w = tl.where(w_mask, w, 0.0)
-            if DOT_BF16:  # bf16 / fp16 activations: tensor-core products, float32 sums
-                acc += tl.dot(x.to(tl.bfloat16), tl.trans(w).to(tl.bfloat16))
+            if DOT_BF16:  # bf16 / fp16 activations: tensor-core products in their own dtype, float32 sums
+                half = x_ptr.dtype.element_ty  # fp16 keeps its 10-bit mantissa (a bf16 cast would drop 3 bits)
+                acc += tl.dot(x.to(half), tl.trans(w).to(half))
             else:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         if HAS_BIAS:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagedllm.host_to_device import tensor_on, to_device
 from pagedllm.sampling_params import SAMPLING_EPS, SamplingParams
 
 
@@ -81,7 +82,7 @@ def _pad_rows(rows: list[list[int]], pad: int, device: torch.device) -> torch.Te
     for i, row in enumerate(rows):
         if row:
             arr[i, : len(row)] = row
-    return torch.from_numpy(arr).to(device)
+    return to_device(torch.from_numpy(arr), device)
 
 
 def build_sampling_metadata(
@@ -199,11 +200,13 @@ def build_sampling_metadata(
     all_greedy = all(greedy)
     all_random = not any(greedy)
 
+    # On CUDA every tensor below is queued without a stream sync (host_to_device.py): the model runner builds
+    # this metadata while the GPU still runs the step's forward pass.
     def f32(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device)
+        return tensor_on(values, torch.float32, device)
 
     def i64(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
+        return tensor_on(values, torch.int64, device)
 
     prompt_tensor = output_tensor = None
     if use_penalties:
@@ -216,7 +219,7 @@ def build_sampling_metadata(
         all_greedy=all_greedy,
         all_random=all_random,
         temperature=None if all_greedy else f32(temperature),
-        greedy_mask=None if (all_greedy or all_random) else torch.tensor(greedy, device=device),
+        greedy_mask=None if (all_greedy or all_random) else tensor_on(greedy, torch.bool, device),
         top_p=f32(top_p) if use_top_p else None,
         top_k=i64(top_k) if use_top_k else None,
         max_top_k=max_top_k,
@@ -242,5 +245,5 @@ def build_sampling_metadata(
         no_min_tokens=not mask_rows,
         num_logprobs=num_logprobs,
         grammar_rows=i64(grammar_rows) if grammar_rows else None,
-        grammar_bitmask=grammar_bitmask.to(device) if grammar_rows else None,
+        grammar_bitmask=to_device(grammar_bitmask, device) if grammar_rows else None,
     )

@@ -27,7 +27,8 @@ def resolve_speculative_config(raw: Any, target: ModelConfig) -> SpeculativeConf
 
         try:
             draft = resolve_model_config(ModelConfig(model=cfg.model, dtype=target.dtype,
-                                                     max_model_len=target.max_model_len, seed=target.seed))
+                                                     max_model_len=target.max_model_len, seed=target.seed,
+                                                     device=target.device))
         except ValueError as e:
             raise ValueError(f"speculative_config.model: {e}") from None
         if draft.vocab_size != target.vocab_size:

@@ -19,6 +19,7 @@ from pagedllm.attention.layer import attention_layers, bind_kv_caches
 from pagedllm.attention.metadata import AttentionMetadata, build_attention_metadata, token_positions
 from pagedllm.attention.spec import common_sliding_window, kv_cache_groups
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.host_to_device import tensor_on, to_device
 from pagedllm.sample.metadata import build_sampling_metadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_logprobs_for_targets
 from pagedllm.sampling_params import SamplingParams
@@ -27,6 +28,10 @@ from pagedllm.worker.cpu_memory import zeroed_host_tensor
 
 # Rows of the reused logits buffer (a decode step samples one row per running request).
 LOGITS_BUFFER_ROWS = 256
+# Prompt logprobs take the logits of a chunk's positions this many at a time: a whole chunk at once would
+# need [max_num_batched_tokens, vocab] float32 (and its log-softmax), a peak the GPU KV sizing does not
+# profile (worker/profile_step.py profiles max_num_seqs sampled rows).
+PROMPT_LOGPROBS_ROWS = 256
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -49,6 +54,14 @@ def _logprob_dicts(lp: LogprobsTensors, ks: list[int]) -> list[dict[int, tuple[f
             entry.setdefault(ids[row][j], (vals[row][j], j))
         out.append(entry)
     return out
+
+
+def _rows_of(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """hidden[rows] ([len(rows), H]): a view for the leading rows (a decode-only step), else a gather whose index
+    reaches a GPU without a stream sync (indexing with a list would copy it to the device blocking)."""
+    if rows == list(range(len(rows))):
+        return hidden[:len(rows)]
+    return hidden.index_select(0, tensor_on(rows, torch.long, hidden.device))
 
 
 def _grammar_rows(sched: SchedulerOutput, sample_states: list[CachedRequestState]
@@ -158,10 +171,13 @@ class ModelRunner:
             bind_kv_caches(self.draft_model, self.draft_kv_caches)
 
     def release_kv_cache(self) -> None:
-        """Drop the KV cache tensors (after the GPU profiling step) and unbind them from the layers."""
+        """Drop the KV cache tensors (after the GPU profiling step) and unbind them from the layers (the draft
+        model's too: a cache still bound to a layer would keep its memory)."""
         self.kv_caches = []
-        for layer in attention_layers(self.model):
-            layer.kv_cache = None
+        self.draft_kv_caches = []
+        for model in (self.model, self.draft_model):
+            for layer in attention_layers(model) if model is not None else []:
+                layer.kv_cache = None
 
     def _logits_out(self, rows: int) -> torch.Tensor | None:
         """A reused [rows, vocab] float32 buffer for this step's logits on CPU, or None (allocate fresh).
@@ -276,7 +292,7 @@ class ModelRunner:
     def _sample(self, hidden: torch.Tensor, sample_rows: list[int], sample_states: list[CachedRequestState],
                 result: ModelRunnerOutput, sched: SchedulerOutput, overlap: Callable[[], None] | None = None) -> None:
         # Valid until the next compute_logits call: the sampler reads it and keeps nothing of it.
-        logits = self.model.compute_logits(hidden[sample_rows], out=self._logits_out(len(sample_rows)))
+        logits = self.model.compute_logits(_rows_of(hidden, sample_rows), out=self._logits_out(len(sample_rows)))
         grammar_rows, grammar_bitmask = _grammar_rows(sched, sample_states)
         sampling_meta = build_sampling_metadata(
             [s.params for s in sample_states], [s.output_token_ids for s in sample_states],
@@ -317,9 +333,9 @@ class ModelRunner:
             drafts = spec.get(state.req_id, []) if spec else []  # verified after the request's own tokens
             ids.extend(state.token_ids[start:start + q - len(drafts)])
             ids.extend(drafts)
-        input_ids = torch.tensor(ids, dtype=torch.long)
-        positions = torch.from_numpy(token_positions(query_lens, seq_lens))
-        return meta, input_ids.to(self.device), positions.to(self.device)
+        input_ids = tensor_on(ids, torch.long, self.device)
+        positions = to_device(torch.from_numpy(token_positions(query_lens, seq_lens)), self.device)
+        return meta, input_ids, positions
 
     def _prompt_logprobs(self, jobs, hidden: torch.Tensor, qsl: list[int], query_lens: list[int],
                          result: ModelRunnerOutput) -> None:
@@ -330,10 +346,11 @@ class ModelRunner:
             # Positions start..end-1 predict tokens start+1..end; stop at the last prompt token.
             end = min(start + query_lens[i], num_prompt - 1)
             entries: list[dict[int, tuple[float, int]]] = []
-            if end > start:
-                rows = hidden[qsl[i]:qsl[i] + (end - start)]
-                targets = torch.tensor(state.prompt_token_ids[start + 1:end + 1], device=self.device)
-                k = state.params.prompt_logprobs
+            k = state.params.prompt_logprobs
+            for lo in range(start, end, PROMPT_LOGPROBS_ROWS):
+                hi = min(lo + PROMPT_LOGPROBS_ROWS, end)
+                rows = hidden[qsl[i] + lo - start:qsl[i] + hi - start]
+                targets = torch.tensor(state.prompt_token_ids[lo + 1:hi + 1], device=self.device)
                 lp = compute_logprobs_for_targets(self.model.compute_logits(rows), targets, k)
-                entries = _logprob_dicts(lp, [k] * (end - start))
+                entries.extend(_logprob_dicts(lp, [k] * (hi - lo)))
             result.prompt_logprobs[state.req_id] = entries

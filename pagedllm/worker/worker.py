@@ -112,38 +112,36 @@ class Worker:
         cache.sliding_group_num_blocks = sliding
         return full
 
-    @torch.inference_mode()
     def _profile_gpu_kv_budget(self) -> int:
-        """Run the largest step the scheduler can issue (one prompt of the whole token budget, logits for
-        max_num_seqs rows) on a throw-away KV cache, and size the real cache from what is left."""
-        from pagedllm.attention.forward_context import forward_context
-        from pagedllm.attention.metadata import AttentionMetadata
+        """Run the largest step the scheduler can issue (the whole token budget in prompts of at most
+        max_model_len tokens, then the sampler's costliest stages on max_num_seqs rows) on a throw-away KV
+        cache, and size the real cache from what is left."""
+        import gc
+
         from pagedllm.worker.gpu_memory import gpu_kv_cache_budget
+        from pagedllm.worker.profile_step import profile_query_lens, run_profile_step
 
         sched, bs = self.config.scheduler, self.config.cache.block_size
-        num_tokens = max(1, min(sched.max_num_batched_tokens, sched.max_model_len))
+        query_lens = profile_query_lens(sched.max_num_batched_tokens, sched.max_model_len, sched.max_num_seqs)
+        # Loading may leave freed blocks in the caching allocator: hand them back first, or they would count
+        # as "in use" below although the allocator would reuse them.
+        gc.collect()
+        torch.cuda.empty_cache()
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         used_before = total - free
         torch.cuda.reset_peak_memory_stats(self.device)
         allocated_before = torch.cuda.memory_allocated(self.device)
-        num_blocks = -(-num_tokens // bs) + 1
-        self.runner.init_kv_cache(num_blocks)
-        meta = AttentionMetadata.build([num_tokens], [num_tokens], [list(range(1, num_blocks))], bs, self.device)
-        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        positions = torch.arange(num_tokens, device=self.device)
-        with forward_context(meta):
-            hidden = self.runner.model(input_ids, positions)
-        rows = min(num_tokens, sched.max_num_seqs)
-        self.runner.model.compute_logits(hidden[:rows]).softmax(dim=-1)  # the sampler's biggest temporaries
+        run_profile_step(self.runner, query_lens, bs, sched.max_num_seqs)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - allocated_before
-        self.runner.release_kv_cache()
         torch.cuda.empty_cache()
         budget = gpu_kv_cache_budget(total, used_before, peak, self.config.cache.gpu_memory_utilization)
-        logger.info("GPU memory: %s in use before profiling, largest step peaks at %s more; KV cache gets %s "
-                    "(--gpu-memory-utilization %g of %s)", format_bytes(used_before), format_bytes(peak),
-                    format_bytes(budget), self.config.cache.gpu_memory_utilization, format_bytes(total))
+        logger.info("GPU memory: %s in use before profiling, largest step (%d tokens in %d prompts, %d sampled "
+                    "rows) peaks at %s more; KV cache gets %s (--gpu-memory-utilization %g of %s)",
+                    format_bytes(used_before), sum(query_lens), len(query_lens),
+                    min(sum(query_lens), sched.max_num_seqs), format_bytes(peak), format_bytes(budget),
+                    self.config.cache.gpu_memory_utilization, format_bytes(total))
         return budget
 
     def init_kv_cache(self, num_blocks: int) -> None:
@@ -178,6 +176,8 @@ class Worker:
             logger.info("hybrid model (sliding-window and full-attention KV cache groups): decode steps run "
                         "eagerly (no CUDA graphs)")
             return
+        if self.runner.pooling is not None:
+            return  # a pooling model's steps run through the pooling runner, never a decode graph
         from pagedllm.attention.backends.triton_paged import triton_available
         from pagedllm.worker.cuda_graphs import DecodeGraphRunner, graph_batch_sizes
 

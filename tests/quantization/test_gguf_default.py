@@ -98,3 +98,16 @@ def test_gguf_draft_model_is_kept_quantized_too(default_model_path: str) -> None
     spec = resolve_speculative_config({"method": "draft_model", "model": default_model_path,
                                        "num_speculative_tokens": 2}, target)
     assert spec.draft_model_config.quantization == "gguf" and spec.draft_model_config.dtype == "float32"
+
+
+def test_defaults_follow_the_device_asked_for_not_the_host(default_model_path: str, monkeypatch) -> None:
+    """--device cpu on a GPU host keeps the CPU defaults (GGUF kept quantized, float32 activations for the CPU
+    kernels); --device cuda gets the GPU ones even where this process sees no GPU yet."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    mc = resolve_model_config(ModelConfig(model=default_model_path, device="cpu"))
+    assert mc.quantization == "gguf" and mc.dtype == "float32"
+    mc = resolve_model_config(ModelConfig(model=default_model_path))  # auto on a GPU host: the GPU's
+    assert mc.quantization == "none" and mc.dtype == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    mc = resolve_model_config(ModelConfig(model=default_model_path, device="cuda"))
+    assert mc.quantization == "none" and mc.dtype == "bfloat16"

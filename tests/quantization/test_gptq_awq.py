@@ -157,3 +157,19 @@ def test_unknown_checkpoint_format_fails_at_start_up(tmp_path: Path) -> None:
         resolve_model_config(ModelConfig(model=str(src)))
     with pytest.raises(ValueError, match="already quantized"):
         resolve_model_config(ModelConfig(model=str(src), quantization="int8"))
+
+
+@pytest.mark.parametrize("case", ["gptq4-sym", "gptq8-sym", "gptq4-act-order", "awq4"])
+def test_packed_weight_lives_on_the_layers_device(case: str) -> None:
+    """Checkpoint tensors arrive on the CPU; a CUDA layer must pack them on CUDA (else its matmul would mix
+    devices). Checked with a layer on the meta device, which stands in for a non-CPU one."""
+    config, pack = CASES[case]
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        layer = Linear(128, 64, bias=False, dtype=torch.float32, quant_config=config, prefix="mlp.down_proj")
+    tensors, _ = pack(torch.randn(64, 128) * 0.1)
+    for name, t in tensors.items():
+        param = getattr(layer, name)
+        param.weight_loader(param, t)
+    layer.process_weights_after_loading()
+    assert layer.qpanels.qweight.device.type == "meta" and layer.qpanels.scales.device.type == "meta"

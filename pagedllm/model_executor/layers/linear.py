@@ -53,7 +53,10 @@ class Linear(DirectCall, nn.Module):
         self.quant_method.create_weights(self, dtype)
         self._cpu_matmul: CpuMatmul | None = None  # set after loading (quant_method.cpu_matmul)
         if bias:
-            b = nn.Parameter(torch.zeros(output_size, dtype=torch.float32 if quant_config else dtype),
+            # Quantized kernels add a float32 bias; a layer a quantized checkpoint keeps in float (its head, an
+            # ignored layer) goes through F.linear, which needs the bias in the activations' dtype (bf16 on CUDA).
+            quantized = not isinstance(self.quant_method, UnquantizedLinearMethod)
+            b = nn.Parameter(torch.zeros(output_size, dtype=torch.float32 if quantized else dtype),
                              requires_grad=False)
             self.bias = set_weight_loader(b, lambda p, w, shard_id=None: load_rows(self, p, w, shard_id))
         else:

@@ -88,8 +88,10 @@ def resolve_model_config(mc: ModelConfig) -> ModelConfig:
     mc.eos_token_ids = _eos_ids(source.folder, hf_config, gguf_metadata)
     from pagedllm.model_executor.layers.quantization import default_gguf_quantization, get_quantization_config
 
+    # The defaults follow the device the model runs on, not whether this host has a GPU (--device cpu on one).
+    on_cuda = mc.device == "cuda" or (mc.device == "auto" and torch.cuda.is_available())
     if mc.gguf_file and mc.quantization is None:
-        mc.quantization, why = default_gguf_quantization(str(mc.dtype).lower(), torch.cuda.is_available(),
+        mc.quantization, why = default_gguf_quantization(str(mc.dtype).lower(), on_cuda,
                                                          gguf_quantized)
         logger.info("GGUF file: %s (--quantization %s: %s; %s)", "blocks kept quantized" if mc.quantization == "gguf"
                     else "dequantized to float", mc.quantization, why,
@@ -98,9 +100,9 @@ def resolve_model_config(mc: ModelConfig) -> ModelConfig:
 
     # Fails early with a clear message (unknown method, checkpoint format we cannot read, gguf without GGUF).
     if get_quantization_config(mc.quantization, hf_config, mc.gguf_file) is not None and mc.dtype == "auto":
-        if not torch.cuda.is_available():
+        if not on_cuda:
             mc.dtype = "float32"  # the CPU's quantized kernels take float32 activations (CUDA's: bf16 too)
-    mc.dtype = resolve_dtype(mc.dtype, "auto")
+    mc.dtype = resolve_dtype(mc.dtype, "cuda" if on_cuda else "cpu")
     st_max_len = _resolve_runner(mc, None if mc.gguf_file else source.folder)
 
     model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0)

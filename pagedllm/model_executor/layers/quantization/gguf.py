@@ -168,6 +168,7 @@ class GGUFLinearMethod(LinearMethod):
         layer.gguf_shards = {}
         layer.qpanels = None
         layer.gguf_scheme = "gguf"
+        layer.gguf_dtype = dtype  # float matrices stay float in this dtype (float32 on the CPU, bf16/fp16 on CUDA)
 
     def _load(self, layer: nn.Module, loaded: GGUFQuantTensor | torch.Tensor, shard_id: int | None) -> None:
         _, rows = shard_range(layer, shard_id)
@@ -188,10 +189,13 @@ class GGUFLinearMethod(LinearMethod):
             # F32 / F16 / BF16 matrices stay float (fp32 panels): kept quantized means as stored, never coarser.
             # (The tied head is built from the embedding's dequantized rows: int8 below, as a quantized file's.)
             layer.gguf_float = UnquantizedLinearMethod()
-            layer.weight = nn.Parameter(torch.cat([s.float() for s in shards]).to(device), requires_grad=False)
+            dtype = getattr(layer, "gguf_dtype", torch.float32)
+            layer.weight = nn.Parameter(torch.cat([s.float() for s in shards]).to(device, dtype), requires_grad=False)
+            if layer.bias is not None:  # F.linear takes the bias in the activations' dtype
+                layer.bias = nn.Parameter(layer.bias.data.to(dtype), requires_grad=False)
             layer.packed_weight, layer.onednn_weight, layer._kernels = None, None, None
             layer.gguf_float.process_weights_after_loading(layer)
-            layer.gguf_scheme = "gguf float (kept float32)"
+            layer.gguf_scheme = f"gguf float (kept {str(dtype).removeprefix('torch.')})"
             layer.gguf_shards = {}
             return
         if types <= Q4_TYPES and self._k_quant_fits(layer, types):

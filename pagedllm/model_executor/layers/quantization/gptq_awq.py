@@ -91,14 +91,21 @@ class _PackedCheckpointMethod(LinearMethod):
                        None) for q, z, s, g in shards]
         qs, zs, ss = ([sh[i] for sh in shards] for i in range(3))
         q, z, s = torch.cat(qs), torch.cat(zs), torch.cat(ss)
+        # The checkpoint's tensors arrive on the CPU; the packed weight lives with the layer (a CUDA layer packs
+        # rows for the Triton kernel, qrows.py), as its placeholder parameters do.
+        device = getattr(layer, self.tensor_names[0]).device
+
+        def on_device(*tensors: torch.Tensor) -> list[torch.Tensor]:
+            return [t.to(device) for t in tensors]
+
         if trivial_groups and self.bits == 4:
-            layer.qpanels = QPanels.pack_q4(q.to(torch.uint8), s, -s * z.float())
+            layer.qpanels = QPanels.pack_q4(*on_device(q.to(torch.uint8), s, -s * z.float()))
         elif trivial_groups and self.bits == 8 and bool((z == 128).all()):
-            layer.qpanels = QPanels.pack_q8((q - 128).to(torch.int8), s)
+            layer.qpanels = QPanels.pack_q8(*on_device((q - 128).to(torch.int8), s))
         else:
             group = layer.in_features // s.shape[1]
             w = (q.float() - z.float().repeat_interleave(group, 1)) * s.repeat_interleave(group, 1)
-            layer.qpanels = QPanels.pack_q8(*quantize_q8(w, layer.in_features))
+            layer.qpanels = QPanels.pack_q8(*on_device(*quantize_q8(w, layer.in_features)))
             layer.ckpt_scheme = f"{self.name} -> int8 per-channel"
         layer.ckpt_parts = {}
         for tname in self.tensor_names:

@@ -1,0 +1,30 @@
+"""Host data (lists, NumPy arrays, CPU tensors) to device tensors without a stream sync.
+
+A blocking host-to-device copy (``torch.tensor(values, device="cuda")``, ``t.to("cuda")``) makes torch
+synchronize the stream after the copy: the host waits for every kernel queued before it, so it cannot prepare
+a step's sampling inputs while the GPU runs the forward pass. From pinned (page-locked) memory the copy is
+queued like a kernel instead, and torch's pinned-memory cache keeps the host buffer alive and unused until
+the copy has run. Off CUDA both helpers are plain ``.to(device)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t`` on ``device``; a CPU tensor goes to CUDA through pinned memory, queued without a sync."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def tensor_on(values: Any, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype)`` on ``device``, queued without a sync on CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
