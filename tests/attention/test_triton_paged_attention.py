@@ -214,3 +214,23 @@ def test_decode_split_count() -> None:
     assert decode_splits(3, 12, 132) == 1  # short contexts: no split
     assert decode_splits(512 * 3, 512, 132) == 1  # the batch fills the GPU already
     assert decode_splits(24, 64, 132) == 8  # 11 wanted, 8 blocks per share at least, powers of two
+
+
+@pytest.mark.parametrize("window", [0, 6])
+def test_stale_non_finite_cache_slots_are_never_read(window: int) -> None:
+    """Slots past a request's last token and before its window hold other requests' data, maybe NaN/Inf (an
+    overflowed fp16 request): masked scores alone would still give 0 * NaN = NaN in the p @ V dot."""
+    query_lens, context_lens, heads, kv_heads, dim, bs = [1, 1, 9], [10, 29, 5], 4, 2, 16, 8
+    seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
+    tables = [[1, 2], [3, 4, 5, 6], [7, 8]]
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, bs, DEVICE)
+    cache = torch.full((2, 9, bs, kv_heads, dim), float("nan"))
+    for table, context_len in zip(tables, context_lens):
+        first_needed = max(0, context_len - window + 1) if window else 0  # the request's first query sees it
+        for pos in range(first_needed, context_len):  # this step's own tokens are written by the call
+            cache[:, table[pos // bs], pos % bs] = torch.randn(2, kv_heads, dim)
+    t = sum(query_lens)
+    q, k, v = torch.randn(t, heads, dim), torch.randn(t, kv_heads, dim), torch.randn(t, kv_heads, dim)
+    out = triton_paged_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), cache.to(DEVICE), meta, dim ** -0.5,
+                                 sliding_window=window, num_splits=None)
+    assert torch.isfinite(out.cpu()).all()

@@ -79,6 +79,7 @@ if triton is not None:
             last_tok = tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
             end_block = (context_len + last_tok + BLOCK_SIZE - 1) // BLOCK_SIZE
             start_block = 0
+            first_pos = 0
             if WINDOW > 0:
                 first_pos = tl.maximum(context_len + q_tile * BLOCK_Q - WINDOW + 1, 0)
                 start_block = first_pos // BLOCK_SIZE
@@ -87,11 +88,15 @@ if triton is not None:
                 start_block = start_block + split * per_split
                 end_block = tl.minimum(start_block + per_split, end_block)
             # BLOCK_N keys per iteration, gathered from as many cache blocks as they span.
+            # Keys outside [first_pos, visible_end) are never loaded: the slots past a request's last token (or
+            # before its window, or a freed block's null block) hold another request's data, maybe non-finite,
+            # and 0 * NaN in the p @ V dot would poison the row.
             keys = tl.arange(0, BLOCK_N)
             end_pos = end_block * BLOCK_SIZE
+            visible_end = context_len + last_tok
             for k_start in range(start_block * BLOCK_SIZE, end_pos, BLOCK_N):
                 k_pos = k_start + keys
-                key_ok = k_pos < end_pos
+                key_ok = (k_pos < end_pos) & (k_pos < visible_end) & (k_pos >= first_pos)
                 block_id = tl.load(block_tables_ptr + req * stride_table + k_pos // BLOCK_SIZE, mask=key_ok,
                                    other=0).to(tl.int64)
                 in_block = k_pos % BLOCK_SIZE
