@@ -163,12 +163,14 @@ def tile_shape(group: int, max_query_len: int, head_dim: int = 64, fp32: bool = 
     """(BLOCK_M rows per program, BLOCK_Q query tokens per program) for G = ``group`` heads per KV head.
 
     Rows are tokens x heads of one KV group. Decode steps use 16 rows (the smallest ``tl.dot`` tile);
-    steps with longer queries use 64 so fewer programs reload the same K/V, or 32 where a 64-row float32
-    accumulator would spill registers on sm_90 (heads over 128 wide, or float32 dots on FMA units; see
+    steps with longer queries use 64 so fewer programs reload the same K/V, or 32 (16) where a bigger float32
+    accumulator would spill registers on sm_90 (heads over 128 wide, float32 dots on FMA units; see
     benchmarks/gpu/compile_sm90.py).
     """
-    wide = head_dim > 128 or (fp32 and head_dim > 64)
-    rows = 16 if max_query_len * group <= 16 else 32 if wide else 64
+    if max_query_len * group <= 16 or (fp32 and head_dim > 128):
+        rows = 16
+    else:
+        rows = 32 if head_dim > 128 or (fp32 and head_dim > 64) else 64
     block_m = max(rows, next_pow2(group))
     return block_m, max(1, block_m // group)
 
