@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from pagedllm.config import EngineConfig
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutput, ModelRunnerOutput
@@ -13,6 +15,17 @@ from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.worker import Worker
 
 logger = init_logger(__name__)
+
+
+def is_fatal_device_error(exc: BaseException) -> bool:
+    """A CUDA error (device-side assert, illegal address, launch failure ...) leaves the CUDA context broken:
+    every later call fails too, so retrying requests one by one would only fail them all. Out-of-memory is not
+    one of these (the allocator recovers)."""
+    text = str(exc)
+    accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8 raises CUDA errors as this
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return "out of memory" not in text
+    return isinstance(exc, RuntimeError) and "CUDA error" in text and "out of memory" not in text
 
 
 class EngineCore:
@@ -79,7 +92,11 @@ class EngineCore:
             so.fill_bitmask(sched, self.scheduler.requests)
         try:
             result = self.worker.execute_model(sched, overlap)
-        except Exception:  # one bad request must not take the engine down; isolate it instead
+        except Exception as e:  # one bad request must not take the engine down; isolate it instead
+            if is_fatal_device_error(e):
+                logger.critical("the GPU reported an error that breaks its context (%s); the engine stops, since "
+                                "every later step would fail too: restart the server", e)
+                raise
             logger.exception("model step failed with %d requests in the batch; running them one at a time "
                              "to find the one at fault", len(sched.num_scheduled_tokens))
             # Matchers have not moved: they advance only after a step succeeded.

@@ -31,3 +31,29 @@ def test_poisoned_request_fails_alone_and_the_rest_match_solo_runs(llm, monkeypa
     assert again == solo[0]
     kv = llm.engine.core.scheduler.kv
     assert kv.pool.num_free_blocks == kv.num_usable_blocks
+
+
+def test_a_broken_cuda_context_ends_the_engine_instead_of_failing_requests_one_by_one(llm, monkeypatch) -> None:
+    """After a device-side assert every CUDA call fails: isolating requests would only fail each in turn while the
+    server looked healthy. The error propagates (the server's engine loop then reports itself dead)."""
+    import pytest
+
+    from pagedllm.engine.engine_core import is_fatal_device_error
+
+    model = llm.engine.core.worker.runner.model
+
+    def broken_forward(input_ids, positions):
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    monkeypatch.setattr(model, "forward", broken_forward)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    with pytest.raises(RuntimeError, match="device-side assert"):
+        llm.generate([{"prompt_token_ids": [100, 200, 300]}] * 2, params, use_tqdm=False)
+    assert not llm.engine.core.scheduler._isolate  # no one-by-one retries were queued
+    monkeypatch.undo()
+    assert not is_fatal_device_error(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not is_fatal_device_error(RuntimeError("cannot compute this token"))
+    # The offline engine aborted the batch; it serves again once the context is fine (here: the patch is gone).
+    assert llm.generate([{"prompt_token_ids": [100, 200, 300]}], params, use_tqdm=False)[0].finished
+    kv = llm.engine.core.scheduler.kv
+    assert kv.pool.num_free_blocks == kv.num_usable_blocks
