@@ -1,16 +1,18 @@
-"""Compile every Triton kernel the engine launches on CUDA for Hopper (sm_90: H100 / H200), without a GPU.
+"""Compile every Triton kernel the engine launches on CUDA for Hopper (sm_90: H100 / H200) and Ampere (sm_80:
+A100), without a GPU.
 
 The interpreter tests check what the kernels compute, but the interpreter never lowers a kernel: a dot shape,
 a dtype or a layout that the real compiler rejects, or a tile that spills registers, would first show on a
 GPU. Here the engine's own launch functions run on CPU tensors while each kernel is swapped for a recorder,
-so every recorded launch carries exactly the constexprs and argument types the engine passes on a GPU. Each
-is compiled to an sm_90 cubin (Triton's compiler and the ptxas it bundles) and the cubin's registers, stack
-and spills are read with the bundled ``cuobjdump``.
+so every recorded launch carries exactly the constexprs and argument types the engine passes on a GPU of that
+architecture (``PAGEDLLM_TRITON_ARCH``, read by ``triton_ops.target_arch``). Each is compiled to a cubin
+(Triton's compiler and the ptxas it bundles) and the cubin's registers, stack and spills are read with the
+bundled ``cuobjdump``.
 
 Shapes: SmolLM2-135M (the default model: 9 heads over 3 KV heads of 64, hidden 576, MLP 1536), Gemma 3 270M
 (heads of 256, sliding window 512), a Llama-3-8B-sized layer (32 heads over 8 of 128, MLP 14336).
 
-    python benchmarks/gpu/compile_sm90.py                  # a table
+    python benchmarks/gpu/compile_sm90.py --arch 90        # a table (default: --arch 90,80)
     python benchmarks/gpu/compile_sm90.py --output-json F  # the rows as JSON (read by its test)
 
 Run it without TRITON_INTERPRET (it removes it): triton picks the interpreter when kernels are defined.
@@ -45,7 +47,6 @@ from pagedllm.kernels import triton_quant_matmul as tqm  # noqa: E402
 from pagedllm.model_executor.layers.quantization.qpanels import quantize_f8, quantize_q4, quantize_q8  # noqa: E402
 from pagedllm.model_executor.layers.quantization.qrows import QRows  # noqa: E402
 
-HOPPER = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_Q", "BLOCK", "DOT_BF16", "DOT_FP32", "WINDOW", "KIND",
              "NUM_SPLITS")
@@ -87,14 +88,14 @@ def record(run: Callable[[], None]) -> list[Launch]:
     return launches
 
 
-def compile_for_hopper(launch: Launch) -> Any:
-    """The launch's kernel compiled to an sm_90 cubin."""
+def compile_for(launch: Launch, target: GPUTarget) -> Any:
+    """The launch's kernel compiled to a cubin for ``target``."""
     fn = launch.kernel
-    backend = make_backend(HOPPER)
+    backend = make_backend(target)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, options = binder(*launch.args, **launch.kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, launch.kwargs, bound, specialization, options)
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=HOPPER, options=options.__dict__)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
 def resource_usage(compiled: Any, folder: Path) -> dict[str, int]:
@@ -172,16 +173,19 @@ def cases() -> list[tuple[str, Callable[[], None]]]:
     return out
 
 
-def report() -> list[dict[str, Any]]:
-    """One row per recorded launch: the case, the kernel, its tile constexprs, resources, tensor-core use."""
+def report(arch: int) -> list[dict[str, Any]]:
+    """One row per recorded launch for ``arch`` (90: sm_90): the case, the kernel, its tile constexprs,
+    resources, tensor-core use."""
+    os.environ["PAGEDLLM_TRITON_ARCH"] = str(arch)  # the launch functions tune for it
+    target = GPUTarget("cuda", arch, 32)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for case, run in cases():
             for launch in record(run):
-                row: dict[str, Any] = {"case": case, "kernel": launch.kernel.fn.__name__,
+                row: dict[str, Any] = {"arch": arch, "case": case, "kernel": launch.kernel.fn.__name__,
                                        **{k: v for k, v in launch.kwargs.items() if k in TILE_KEYS}}
                 try:
-                    compiled = compile_for_hopper(launch)
+                    compiled = compile_for(launch, target)
                 except Exception as exc:  # reported per launch: one bad kernel must not hide the others
                     row["error"] = f"{type(exc).__name__}: {exc}"[:2000]
                 else:
@@ -192,17 +196,18 @@ def report() -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", default="90,80", help="comma-separated compute capabilities (default 90,80)")
     parser.add_argument("--output-json", help="write the rows here as JSON")
     args = parser.parse_args(argv)
-    rows = report()
+    rows = [row for arch in args.arch.split(",") for row in report(int(arch))]
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(rows, indent=1))
     for row in rows:
         tiles = " ".join(f"{k}={row[k]}" for k in TILE_KEYS if k in row)
         usage = row.get("error") or f"REG {row['REG']:3d} STACK {row['STACK']:3d} LOCAL {row['LOCAL']} mma {row['mma']}"
-        print(f"{row['case']:32s} {row['kernel']:24s} {usage}  {tiles}")
+        print(f"sm_{row['arch']} {row['case']:32s} {row['kernel']:24s} {usage}  {tiles}")
     failed = sum(1 for row in rows if "error" in row)
-    print(f"{len(rows)} launches compiled for sm_90, {failed} failed", file=sys.stderr)
+    print(f"{len(rows)} launches compiled for sm_{args.arch.replace(',', ', sm_')}, {failed} failed", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -30,6 +30,15 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def target_arch(device: torch.device) -> int:
+    """The GPU architecture launches on ``device`` tune for, as major * 10 + minor (90: H100/H200, 80: A100).
+    Tensors off a GPU (the interpreter, the ahead-of-time compile check) get ``PAGEDLLM_TRITON_ARCH`` (90)."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return major * 10 + minor
+    return int(os.environ.get("PAGEDLLM_TRITON_ARCH", "90"))
+
+
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1): Triton block shapes must be powers of two."""
     return 1 << max(0, (n - 1).bit_length())

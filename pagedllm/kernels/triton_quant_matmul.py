@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.kernels.triton_ops import interpreted, triton_available
+from pagedllm.kernels.triton_ops import interpreted, target_arch, triton_available
 
 try:
     import triton
@@ -44,7 +44,8 @@ if triton is not None:
     @triton.jit
     def _wo_matmul_kernel(x_ptr, q_ptr, s_ptr, mn_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_sn,
                           stride_ym, group, KIND: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_BF16: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          FP8_NATIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -63,7 +64,15 @@ if triton is not None:
                 q = ((byte.to(tl.int32) >> ((offs_k[None, :] % 2) * 4)) & 15).to(tl.float32)
             elif KIND == 2:
                 raw = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_k[None, :], mask=w_mask, other=0)
-                q = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                if FP8_NATIVE:  # sm_89+ converts e4m3 in hardware
+                    q = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                else:  # e4m3fn by hand (A100 and older): sign, 4 exponent bits (bias 7), 3 mantissa bits
+                    bits = raw.to(tl.int32)
+                    exponent = (bits >> 3) & 15
+                    mantissa = (bits & 7).to(tl.float32) * 0.125
+                    magnitude = tl.where(exponent == 0, mantissa * 0.015625,
+                                         (1.0 + mantissa) * tl.exp2((exponent - 7).to(tl.float32)))
+                    q = tl.where(bits >= 128, -magnitude, magnitude)
             else:
                 q = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_k[None, :], mask=w_mask, other=0).to(tl.float32)
             g = k0 // group  # the whole tile lies in one group (block_k_for)
@@ -107,7 +116,7 @@ def weight_only_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     _wo_matmul_kernel[grid](
         x, qweight, scales, mins if mins is not None else dummy, bias if bias is not None else dummy, y,
         m, out_features, k, x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0), group,
-        KIND=kind, HAS_BIAS=bias is not None, DOT_BF16=dot_bf16,
+        KIND=kind, HAS_BIAS=bias is not None, DOT_BF16=dot_bf16, FP8_NATIVE=target_arch(x.device) >= 89,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     return y
 

@@ -110,3 +110,16 @@ def test_cuda_accepts_half_precision_activations_the_cpu_does_not() -> None:
         Int8Config().check_dtype(torch.bfloat16, "cpu")
     with pytest.raises(ValueError, match="on CUDA runs"):
         Int8Config().check_dtype(torch.float64, "cuda")
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the architecture is the GPU's own there")
+def test_fp8_weights_decode_by_hand_before_ada(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPUs before sm_89 (A100) have no e4m3 conversion: the kernel decodes the bits itself, exactly, every
+    exponent (subnormals included) and both signs."""
+    monkeypatch.setenv("PAGEDLLM_TRITON_ARCH", "80")
+    torch.manual_seed(3)
+    w = torch.randn(40, 96) * torch.logspace(-4, 2, 96)  # spans e4m3's subnormals up to its largest values
+    rows, _ = _pack("f8", w, 32)
+    assert (rows.qweight & 0x78 == 0).any() and (rows.qweight & 0x80 != 0).any()  # subnormals and negatives
+    x = torch.randn(5, 96)
+    torch.testing.assert_close(rows.matmul(x), F.linear(x, rows.dequantize()), atol=1e-4, rtol=1e-4)

@@ -24,7 +24,7 @@ import torch
 from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.spec import AttentionSpec
-from pagedllm.kernels.triton_ops import interpreted, next_pow2, tl, triton, triton_available  # noqa: F401
+from pagedllm.kernels.triton_ops import interpreted, next_pow2, target_arch, tl, triton, triton_available  # noqa: F401
 
 # DOT_FP32: both dots take float32 operands at full precision ("ieee", not tf32): for a float32 cache, whose
 # users expect float32 attention, and under the interpreter (triton_ops.interpreted), which multiplies bf16 as
@@ -194,13 +194,15 @@ def _num_sms(device: torch.device) -> int:
     return 64  # the interpreter (tests): an arbitrary GPU-sized count
 
 
-def keys_per_iteration(head_dim: int, block_m: int, fp32_dots: bool) -> int:
+def keys_per_iteration(head_dim: int, block_m: int, fp32_dots: bool, arch: int = 90) -> int:
     """Keys (across cache blocks) one loop iteration of the attention kernel scores: 64 on tensor cores, fewer
-    where the tile would spill registers on sm_90 (benchmarks/gpu/compile_sm90.py): 32 for heads over 128
-    wide with 32+ row tiles, 16 for float32 dots, which run on FMA units from registers."""
+    where the tile would spill registers (benchmarks/gpu/compile_sm90.py): 32 for heads over 128 wide with
+    32+ row tiles, or 128 wide with 64-row tiles before Hopper; 16 for float32 dots (FMA units, registers)."""
     if fp32_dots:
         return 16
-    return 32 if head_dim > 128 and block_m > 16 else 64
+    if (head_dim > 128 and block_m > 16) or (arch < 90 and head_dim >= 128 and block_m >= 64):
+        return 32
+    return 64
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -261,7 +263,8 @@ def triton_paged_attention(query: torch.Tensor, key: torch.Tensor | None, value:
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         meta.block_tables.stride(0), part, m_part, l_part, num_heads,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
-        BLOCK_SIZE=block_size, BLOCK_N=keys_per_iteration(head_dim, block_m, dot_fp32 and not interpreted()),
+        BLOCK_SIZE=block_size, BLOCK_N=keys_per_iteration(head_dim, block_m, dot_fp32 and not interpreted(),
+                                                          target_arch(query.device)),
         BLOCK_M=block_m, BLOCK_Q=block_q,
         WINDOW=max(0, int(sliding_window)), DOT_FP32=dot_fp32, NUM_SPLITS=num_splits,
     )
