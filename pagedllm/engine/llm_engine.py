@@ -27,17 +27,18 @@ class LLMEngine:
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
         self.core = EngineCore(config)
+        on_gpu = self.core.worker.device.type == "cuda"  # the resolved device ("auto" included)
         # On a GPU the host is idle while the forward runs: fill the grammar bitmask then, whatever the core count.
         self.structured_output = StructuredOutputManager(self.tokenizer, config.model.vocab_size,
                                                          config.model.eos_token_ids,
-                                                         overlap_fill=True if config.device.device == "cuda" else None)
+                                                         overlap_fill=True if on_gpu else None)
         self.core.structured_output = self.structured_output
         self.processor = Processor(config.model, self.tokenizer, config.scheduler.max_model_len,
                                    self.core.scheduler.check_fits)
         self.output_processor = OutputProcessor(self.tokenizer)
         # Async output processing (GPU): a step's outputs are detokenized and handed out while the device
         # computes the next step, instead of between the two. Off on CPUs, where the host is the device.
-        self.async_output = self.core.worker.device.type == "cuda" and not config.device.disable_async_output_proc
+        self.async_output = on_gpu and not config.device.disable_async_output_proc
         self._unprocessed: list[EngineCoreOutput] = []  # the last step's outputs, when async_output
 
     @classmethod
