@@ -206,7 +206,6 @@ class RopeStep:
         cos, sin = self._cos_sin
         return apply_rotary(q, cos, sin, num_heads), apply_rotary(k, cos, sin, num_kv_heads)
 
-
     def rotate_qk_and_write_kv(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, kv_cache: torch.Tensor,
                                slot_mapping: torch.Tensor) -> None:
         """``rotate_qk`` in place plus the layer's KV-cache write, as one Triton kernel (CUDA): kv_cache
