@@ -49,7 +49,7 @@ from pagedllm.model_executor.layers.quantization.qrows import QRows  # noqa: E40
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_Q", "BLOCK", "DOT_BF16", "DOT_FP32", "WINDOW", "KIND",
-             "NUM_SPLITS")
+             "NUM_SPLITS", "SPLIT_K")
 
 
 @dataclass
@@ -76,7 +76,8 @@ def record(run: Callable[[], None]) -> list[Launch]:
     launches: list[Launch] = []
     swapped = [(triton_paged, "_paged_attention_kernel"), (triton_paged, "_combine_splits_kernel"),
                (triton_ops, "_rms_norm_kernel"),
-               (triton_ops, "_silu_and_mul_kernel"), (triton_ops, "_rotary_kernel"), (tqm, "_wo_matmul_kernel")]
+               (triton_ops, "_silu_and_mul_kernel"), (triton_ops, "_rotary_kernel"), (tqm, "_wo_matmul_kernel"),
+               (tqm, "_sum_splits_kernel")]
     originals = [getattr(module, name) for module, name in swapped]
     for (module, name), kernel in zip(swapped, originals):
         setattr(module, name, Recorder(kernel, launches))

@@ -39,6 +39,19 @@ def target_arch(device: torch.device) -> int:
     return int(os.environ.get("PAGEDLLM_TRITON_ARCH", "90"))
 
 
+def multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (132 on an H200); 64 off a GPU, where only the interpreter and
+    the compile check launch (an arbitrary GPU-sized count, so those exercise the same launch choices)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 64
+
+
+def floor_pow2(n: int) -> int:
+    """The largest power of two <= n (1 for n <= 1): split counts stay few compiled variants."""
+    return 1 << max(0, n.bit_length() - 1)
+
+
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1): Triton block shapes must be powers of two."""
     return 1 << max(0, (n - 1).bit_length())

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.kernels.triton_ops import interpreted, target_arch, triton_available
+from pagedllm.kernels.triton_ops import floor_pow2, interpreted, multiprocessors, target_arch, triton_available
 
 try:
     import triton
@@ -42,18 +42,23 @@ def block_k_for(group: int, k: int) -> int:
 if triton is not None:
 
     @triton.jit
-    def _wo_matmul_kernel(x_ptr, q_ptr, s_ptr, mn_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_sn,
-                          stride_ym, group, KIND: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_BF16: tl.constexpr,
-                          FP8_NATIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
+    def _wo_matmul_kernel(x_ptr, q_ptr, s_ptr, mn_ptr, b_ptr, y_ptr, part_ptr, M, N, K, stride_xm, stride_qn,
+                          stride_sn, stride_ym, group, KIND: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          DOT_BF16: tl.constexpr, FP8_NATIVE: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+        # Split-K: program pid_k takes a run of whole K tiles (so each tile still lies in one group).
+        pid_k = tl.program_id(2)
+        k_tiles_per_split = (K + BLOCK_K * SPLIT_K - 1) // (BLOCK_K * SPLIT_K)
+        k_lo = pid_k * k_tiles_per_split * BLOCK_K
+        k_hi = k_lo + k_tiles_per_split * BLOCK_K  # may pass K: the loads mask offs_k >= K
         offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         m_ok = offs_m < M
         n_ok = offs_n < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < K
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
@@ -86,16 +91,49 @@ if triton is not None:
                 acc += tl.dot(x.to(half), tl.trans(w).to(half))
             else:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        if SPLIT_K > 1:  # a float32 partial [SPLIT_K, M, N]; _sum_splits_kernel adds the bias and stores y
+            part = (pid_k * M + offs_m)[:, None] * N + offs_n[None, :]
+            tl.store(part_ptr + part, acc, mask=m_ok[:, None] & n_ok[None, :])
+        else:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+                     mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _sum_splits_kernel(part_ptr, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+                           BLOCK_N: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = cols < N
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for s in range(SPLIT_K):  # a fixed order: the same sums whatever the batch (deterministic)
+            acc += tl.load(part_ptr + (s * M + row) * N + cols, mask=ok, other=0.0)
         if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
+            acc += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+# Split-K for decode-sized M: a [1, N] x [N, K] product has only N / BLOCK_N programs (9 for N = 576), too few to
+# pull the weights at the GPU's bandwidth; K is split until about this many programs per SM run, each split
+# at least MIN_SPLIT_TILES K tiles, at most MAX_SPLIT_K splits (powers of two: few compiled variants).
+PROGRAMS_PER_SM, MIN_SPLIT_TILES, MAX_SPLIT_K = 2, 4, 16
+
+
+def split_k_for(num_programs: int, k_tiles: int, num_sms: int) -> int:
+    """Splits of K for a grid of ``num_programs`` (M x N tiles) over ``k_tiles`` K tiles."""
+    want = -(-PROGRAMS_PER_SM * num_sms // max(1, num_programs))
+    return floor_pow2(min(want, k_tiles // MIN_SPLIT_TILES, MAX_SPLIT_K))
 
 
 def weight_only_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                        group: int, out_features: int, kind: int, bias: torch.Tensor | None = None,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (float32 / bf16 / fp16) @ dequantized W^T (+ bias) -> [M, out_features] in x's dtype."""
+                       out: torch.Tensor | None = None, split_k: int | None = None) -> torch.Tensor:
+    """x [M, K] (float32 / bf16 / fp16) @ dequantized W^T (+ bias) -> [M, out_features] in x's dtype.
+
+    ``split_k``: K splits, summed by a second kernel in a fixed order (default ``split_k_for`` when M fits one
+    tile; a power of two).
+    """
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, k = x.shape
@@ -111,13 +149,22 @@ def weight_only_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     else:  # float32 dots run on FMA units from registers: 64 x 64 x 64 tiles spill on sm_90, these do not
         block_k_for(group, k)  # the group check
         block_m, block_n, block_k = (16 if m <= 16 else 32), 32, 16
-    grid = (triton.cdiv(m, block_m), triton.cdiv(out_features, block_n))
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(out_features, block_n)
+    if split_k is None:
+        split_k = split_k_for(tiles, triton.cdiv(k, block_k), multiprocessors(x.device)) if m <= block_m else 1
+    grid = (triton.cdiv(m, block_m), triton.cdiv(out_features, block_n), split_k)
     dummy = scales  # unused pointer arguments still need a tensor
+    part = torch.empty(split_k, m, out_features, dtype=torch.float32, device=x.device) if split_k > 1 else dummy
     _wo_matmul_kernel[grid](
-        x, qweight, scales, mins if mins is not None else dummy, bias if bias is not None else dummy, y,
+        x, qweight, scales, mins if mins is not None else dummy, bias if bias is not None else dummy, y, part,
         m, out_features, k, x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0), group,
         KIND=kind, HAS_BIAS=bias is not None, DOT_BF16=dot_bf16, FP8_NATIVE=target_arch(x.device) >= 89,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k)
+    if split_k > 1:
+        sum_block = min(1024, triton.next_power_of_2(out_features))
+        _sum_splits_kernel[(m, triton.cdiv(out_features, sum_block))](
+            part, bias if bias is not None else dummy, y, m, out_features, y.stride(0), HAS_BIAS=bias is not None,
+            SPLIT_K=split_k, BLOCK_N=sum_block)
     return y
 
 

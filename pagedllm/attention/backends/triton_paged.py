@@ -24,7 +24,16 @@ import torch
 from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.spec import AttentionSpec
-from pagedllm.kernels.triton_ops import interpreted, next_pow2, target_arch, tl, triton, triton_available  # noqa: F401
+from pagedllm.kernels.triton_ops import (  # noqa: F401
+    floor_pow2,
+    interpreted,
+    multiprocessors,
+    next_pow2,
+    target_arch,
+    tl,
+    triton,
+    triton_available,
+)
 
 # DOT_FP32: both dots take float32 operands at full precision ("ieee", not tf32): for a float32 cache, whose
 # users expect float32 attention, and under the interpreter (triton_ops.interpreted), which multiplies bf16 as
@@ -184,14 +193,7 @@ def decode_splits(num_programs: int, max_blocks: int, num_sms: int) -> int:
     """Shares to split each decode's context into: 1 when ``num_programs`` (requests x KV heads) already fill
     ``num_sms`` multiprocessors or the contexts (up to ``max_blocks`` blocks) are short."""
     want = -(-PROGRAMS_PER_SM * num_sms // max(1, num_programs))
-    splits = min(want, max_blocks // MIN_SPLIT_BLOCKS, MAX_SPLITS)
-    return 1 if splits < 2 else 1 << (splits.bit_length() - 1)  # round down to a power of two
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 64  # the interpreter (tests): an arbitrary GPU-sized count
+    return floor_pow2(min(want, max_blocks // MIN_SPLIT_BLOCKS, MAX_SPLITS))
 
 
 def keys_per_iteration(head_dim: int, block_m: int, fp32_dots: bool, arch: int = 90) -> int:
@@ -245,7 +247,7 @@ def triton_paged_attention(query: torch.Tensor, key: torch.Tensor | None, value:
         max_blocks = meta.block_tables.shape[1]  # static under CUDA graphs: never a tensor's value
         if sliding_window > 0:
             max_blocks = min(max_blocks, sliding_window // block_size + 2)
-        num_splits = decode_splits(meta.num_reqs * num_kv_heads, max_blocks, _num_sms(query.device))
+        num_splits = decode_splits(meta.num_reqs * num_kv_heads, max_blocks, multiprocessors(query.device))
     if num_splits > 1:
         f32 = dict(dtype=torch.float32, device=query.device)
         part = torch.empty(num_tokens, num_heads, num_splits, head_dim, **f32)
