@@ -47,9 +47,16 @@ def multiprocessors(device: torch.device) -> int:
     return 64
 
 
-def floor_pow2(n: int) -> int:
-    """The largest power of two <= n (1 for n <= 1): split counts stay few compiled variants."""
-    return 1 << max(0, n.bit_length() - 1)
+# A kernel whose grid leaves the GPU idle (a batch-1 decode) splits its work until about this many programs per
+# SM run; the split counts are powers of two, so they stay few compiled variants.
+PROGRAMS_PER_SM = 2
+
+
+def splits_to_fill(num_programs: int, num_sms: int, most: int) -> int:
+    """How many ways to split each of ``num_programs`` programs so ``num_sms`` multiprocessors fill: a power of
+    two, at most ``most`` (1: no split)."""
+    want = min(-(-PROGRAMS_PER_SM * num_sms // max(1, num_programs)), most)
+    return 1 << max(0, want.bit_length() - 1)
 
 
 def next_pow2(n: int) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.kernels.triton_ops import floor_pow2, interpreted, multiprocessors, target_arch, triton_available
+from pagedllm.kernels.triton_ops import interpreted, multiprocessors, splits_to_fill, target_arch, triton_available
 
 try:
     import triton
@@ -114,16 +114,14 @@ if triton is not None:
         tl.store(y_ptr + row * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-# Split-K for decode-sized M: a [1, N] x [N, K] product has only N / BLOCK_N programs (9 for N = 576), too few to
-# pull the weights at the GPU's bandwidth; K is split until about this many programs per SM run, each split
-# at least MIN_SPLIT_TILES K tiles, at most MAX_SPLIT_K splits (powers of two: few compiled variants).
-PROGRAMS_PER_SM, MIN_SPLIT_TILES, MAX_SPLIT_K = 2, 4, 16
+# Split-K for decode-sized M: a [1, K] x [K, N] product has only N / BLOCK_N programs (9 for N = 576), too few to
+# pull the weights at the GPU's bandwidth. Each split takes at least MIN_SPLIT_TILES K tiles; at most MAX_SPLIT_K.
+MIN_SPLIT_TILES, MAX_SPLIT_K = 4, 16
 
 
 def split_k_for(num_programs: int, k_tiles: int, num_sms: int) -> int:
     """Splits of K for a grid of ``num_programs`` (M x N tiles) over ``k_tiles`` K tiles."""
-    want = -(-PROGRAMS_PER_SM * num_sms // max(1, num_programs))
-    return floor_pow2(min(want, k_tiles // MIN_SPLIT_TILES, MAX_SPLIT_K))
+    return splits_to_fill(num_programs, num_sms, min(k_tiles // MIN_SPLIT_TILES, MAX_SPLIT_K))
 
 
 def weight_only_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,

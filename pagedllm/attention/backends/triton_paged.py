@@ -25,10 +25,10 @@ from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.spec import AttentionSpec
 from pagedllm.kernels.triton_ops import (  # noqa: F401
-    floor_pow2,
     interpreted,
     multiprocessors,
     next_pow2,
+    splits_to_fill,
     target_arch,
     tl,
     triton,
@@ -174,7 +174,7 @@ def tile_shape(group: int, max_query_len: int, head_dim: int = 64, fp32: bool = 
     Rows are tokens x heads of one KV group. Decode steps use 16 rows (the smallest ``tl.dot`` tile);
     steps with longer queries use 64 so fewer programs reload the same K/V, or 32 (16) where a bigger float32
     accumulator would spill registers on sm_90 (heads over 128 wide, float32 dots on FMA units; see
-    benchmarks/gpu/compile_sm90.py).
+    benchmarks/gpu/compile_kernels.py).
     """
     if max_query_len * group <= 16 or (fp32 and head_dim > 128):
         rows = 16
@@ -184,21 +184,19 @@ def tile_shape(group: int, max_query_len: int, head_dim: int = 64, fp32: bool = 
     return block_m, max(1, block_m // group)
 
 
-# Flash-decoding: split a decode-only step's contexts until about this many programs per SM run, each share at
-# least MIN_SPLIT_BLOCKS blocks, and at most MAX_SPLITS shares (powers of two: few compiled variants).
-PROGRAMS_PER_SM, MIN_SPLIT_BLOCKS, MAX_SPLITS = 2, 8, 32
+# Flash-decoding: each share of a split context holds at least MIN_SPLIT_BLOCKS blocks; at most MAX_SPLITS shares.
+MIN_SPLIT_BLOCKS, MAX_SPLITS = 8, 32
 
 
 def decode_splits(num_programs: int, max_blocks: int, num_sms: int) -> int:
     """Shares to split each decode's context into: 1 when ``num_programs`` (requests x KV heads) already fill
     ``num_sms`` multiprocessors or the contexts (up to ``max_blocks`` blocks) are short."""
-    want = -(-PROGRAMS_PER_SM * num_sms // max(1, num_programs))
-    return floor_pow2(min(want, max_blocks // MIN_SPLIT_BLOCKS, MAX_SPLITS))
+    return splits_to_fill(num_programs, num_sms, min(max_blocks // MIN_SPLIT_BLOCKS, MAX_SPLITS))
 
 
 def keys_per_iteration(head_dim: int, block_m: int, fp32_dots: bool, arch: int = 90) -> int:
     """Keys (across cache blocks) one loop iteration of the attention kernel scores: 64 on tensor cores, fewer
-    where the tile would spill registers (benchmarks/gpu/compile_sm90.py): 32 for heads over 128 wide with
+    where the tile would spill registers (benchmarks/gpu/compile_kernels.py): 32 for heads over 128 wide with
     32+ row tiles, or 128 wide with 64-row tiles before Hopper; 16 for float32 dots (FMA units, registers)."""
     if fp32_dots:
         return 16
