@@ -39,6 +39,9 @@ class LLMEngine:
         # Async output processing (GPU): a step's outputs are detokenized and handed out while the device
         # computes the next step, instead of between the two. Off on CPUs, where the host is the device.
         self.async_output = on_gpu and not config.device.disable_async_output_proc
+        if on_gpu:
+            logger.info("async output processing: %s", "on (outputs are detokenized while the GPU runs the next "
+                        "step)" if self.async_output else "off (--disable-async-output-proc)")
         self._unprocessed: list[EngineCoreOutput] = []  # the last step's outputs, when async_output
 
     @classmethod
