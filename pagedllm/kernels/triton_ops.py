@@ -8,6 +8,7 @@ spends 4-8 kernel launches on each of these ops; here each is one. Statistics ar
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -34,16 +35,22 @@ def target_arch(device: torch.device) -> int:
     """The GPU architecture launches on ``device`` tune for, as major * 10 + minor (90: H100/H200, 80: A100).
     Tensors off a GPU (the interpreter, the ahead-of-time compile check) get ``PAGEDLLM_TRITON_ARCH`` (90)."""
     if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return major * 10 + minor
+        return _cuda_properties(device.index)[0]
     return int(os.environ.get("PAGEDLLM_TRITON_ARCH", "90"))
+
+
+@functools.cache
+def _cuda_properties(index: int | None) -> tuple[int, int]:
+    """(architecture, multiprocessors) of a CUDA device, read once: launches ask in every layer of every step."""
+    props = torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device())
+    return props.major * 10 + props.minor, props.multi_processor_count
 
 
 def multiprocessors(device: torch.device) -> int:
     """Streaming multiprocessors of ``device`` (132 on an H200); 64 off a GPU, where only the interpreter and
     the compile check launch (an arbitrary GPU-sized count, so those exercise the same launch choices)."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_properties(device.index)[1]
     return 64
 
 

@@ -237,8 +237,8 @@ def triton_paged_attention(query: torch.Tensor, key: torch.Tensor | None, value:
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0:
         return out
-    dot_fp32 = interpreted() or kv_cache.dtype == torch.float32
-    block_m, block_q = tile_shape(group, max_query_len, head_dim, dot_fp32 and not interpreted())
+    fp32_cache = kv_cache.dtype == torch.float32
+    block_m, block_q = tile_shape(group, max_query_len, head_dim, fp32_cache)
     if max_query_len != 1:
         num_splits = 1
     elif num_splits is None:
@@ -249,8 +249,8 @@ def triton_paged_attention(query: torch.Tensor, key: torch.Tensor | None, value:
     if num_splits > 1:
         f32 = dict(dtype=torch.float32, device=query.device)
         part = torch.empty(num_tokens, num_heads, num_splits, head_dim, **f32)
-        m_part, l_part = torch.empty(num_tokens, num_heads, num_splits, **f32), torch.empty(num_tokens, num_heads,
-                                                                                             num_splits, **f32)
+        m_part = torch.empty(num_tokens, num_heads, num_splits, **f32)
+        l_part = torch.empty(num_tokens, num_heads, num_splits, **f32)
         grid = (meta.num_reqs, num_kv_heads, num_splits)
     else:
         part = m_part = l_part = out  # unused
@@ -263,10 +263,9 @@ def triton_paged_attention(query: torch.Tensor, key: torch.Tensor | None, value:
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         meta.block_tables.stride(0), part, m_part, l_part, num_heads,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
-        BLOCK_SIZE=block_size, BLOCK_N=keys_per_iteration(head_dim, block_m, dot_fp32 and not interpreted(),
-                                                          target_arch(query.device)),
+        BLOCK_SIZE=block_size, BLOCK_N=keys_per_iteration(head_dim, block_m, fp32_cache, target_arch(query.device)),
         BLOCK_M=block_m, BLOCK_Q=block_q,
-        WINDOW=max(0, int(sliding_window)), DOT_FP32=dot_fp32, NUM_SPLITS=num_splits,
+        WINDOW=max(0, int(sliding_window)), DOT_FP32=fp32_cache or interpreted(), NUM_SPLITS=num_splits,
     )
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
