@@ -26,8 +26,8 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
-    flat[0].index_copy_(0, slot_mapping, key)
-    flat[1].index_copy_(0, slot_mapping, value)
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))  # no-op casts unless the cache's dtype differs
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int) -> torch.Tensor:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention.backends.base import AttentionBackend
+from pagedllm.attention.backends.torch_sdpa import write_kv
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.spec import AttentionSpec
 from pagedllm.kernels.triton_ops import (  # noqa: F401
@@ -204,13 +205,6 @@ def keys_per_iteration(head_dim: int, block_m: int, fp32_dots: bool, arch: int =
         return 32
     return 64
 
-
-def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store new K/V by slot. kv_cache: [2, num_blocks, block_size, Hkv, D]; key/value: [T, Hkv, D]."""
-    num_kv_heads, head_dim = kv_cache.shape[-2:]
-    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
-    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
 def triton_paged_attention(query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
