@@ -108,6 +108,22 @@ class DeviceConfig:
     disable_async_output_proc: bool = False
 
 
+# How the API process picks an engine for a request when several serve it (docs/data_parallel.md).
+ROUTING_POLICIES = ("prefix-aware", "least-loaded", "round-robin")
+
+
+@dataclass
+class ParallelConfig:
+    """Engines behind one API server. ``data_parallel_size`` engine processes share this host's CPU threads."""
+
+    data_parallel_size: int = 1
+    routing: str = "prefix-aware"
+    # SGLang's cache-aware rule and its defaults: route by cached prefix unless the loads are out of balance.
+    routing_cache_threshold: float = 0.3
+    routing_balance_abs_threshold: int = 64
+    routing_balance_rel_threshold: float = 1.5
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig
@@ -117,3 +133,4 @@ class EngineConfig:
     log_stats: bool = True
     disable_log_requests: bool = True
     speculative: Any = None  # spec_decode.config.SpeculativeConfig, or None (no speculative decoding)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -9,11 +9,13 @@ from dataclasses import dataclass, fields
 from pagedllm.config import (
     DEFAULT_MODEL,
     DEFAULT_POOLING_MODEL,
+    ROUTING_POLICIES,
     RUNNERS,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     PoolerConfig,
     SchedulerConfig,
 )
@@ -46,6 +48,11 @@ class EngineArgs:
     pooler_config: PoolerConfig | dict | None = None
     speculative_config: str | dict | None = None  # JSON or dict with vLLM's keys (spec_decode/config.py)
     quantization: str | None = None
+    data_parallel_size: int = 1
+    data_parallel_routing: str = "prefix-aware"
+    routing_cache_threshold: float = 0.3
+    routing_balance_abs_threshold: int = 64
+    routing_balance_rel_threshold: float = 1.5
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> argparse.ArgumentParser:
@@ -123,6 +130,22 @@ class EngineArgs:
                                 "(prompt_lookup_min/max), draft_model (model), layer_skip (num_draft_layers); "
                                 "disable_by_batch_size turns drafting off in steps with more requests. "
                                 "Output is the same as without it (see docs/speculative_decoding.md).")
+        dp = parser.add_argument_group("data parallelism (pagedllm serve)")
+        dp.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size,
+                        help="Engine-core processes behind one server, each with its own model copy and KV cache; "
+                             "the host's CPU cores are split between them (default: 1).")
+        dp.add_argument("--data-parallel-routing", default=d.data_parallel_routing, choices=list(ROUTING_POLICIES),
+                        help="Which engine gets a request: prefix-aware (the engine that caches the longest part of "
+                             "its prompt, unless the loads are out of balance; default), least-loaded, round-robin.")
+        dp.add_argument("--routing-cache-threshold", type=float, default=d.routing_cache_threshold,
+                        help="prefix-aware: route by cache only when the best engine holds more than this share of "
+                             "the prompt's blocks; else to the least loaded (default: 0.3, SGLang's).")
+        dp.add_argument("--routing-balance-abs-threshold", type=int, default=d.routing_balance_abs_threshold,
+                        help="prefix-aware: loads count as out of balance when the busiest engine holds this many "
+                             "more requests than the idlest (default: 64, SGLang's) ...")
+        dp.add_argument("--routing-balance-rel-threshold", type=float, default=d.routing_balance_rel_threshold,
+                        help="... and more than this many times as many (default: 1.5, SGLang's); requests then "
+                             "go to the least loaded engine.")
         return parser
 
     @classmethod
@@ -166,7 +189,16 @@ class EngineArgs:
         speculative = resolve_speculative_config(self.speculative_config, model)
         if speculative is not None:
             scheduler.num_lookahead_tokens = speculative.num_lookahead_tokens
-        return EngineConfig(model=model, cache=cache, scheduler=scheduler,
+        if int(self.data_parallel_size) < 1:
+            raise ValueError(f"data_parallel_size must be a positive integer, got {self.data_parallel_size}")
+        if self.data_parallel_routing not in ROUTING_POLICIES:
+            raise ValueError(f"data_parallel_routing: must be one of {list(ROUTING_POLICIES)}, got "
+                             f"{self.data_parallel_routing!r}")
+        parallel = ParallelConfig(data_parallel_size=int(self.data_parallel_size), routing=self.data_parallel_routing,
+                                  routing_cache_threshold=float(self.routing_cache_threshold),
+                                  routing_balance_abs_threshold=int(self.routing_balance_abs_threshold),
+                                  routing_balance_rel_threshold=float(self.routing_balance_rel_threshold))
+        return EngineConfig(model=model, cache=cache, scheduler=scheduler, parallel=parallel,
                             device=DeviceConfig(self.device, enforce_eager=self.enforce_eager,
                                                 disable_async_output_proc=self.disable_async_output_proc),
                             log_stats=not self.disable_log_stats, speculative=speculative)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 if TYPE_CHECKING:
     from pagedllm.sampling_params import SamplingParams
 
@@ -69,9 +71,11 @@ class ModelRunnerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
-@dataclass
-class EngineCoreOutput:
-    """What one step produced for one request, for the front end to detokenize and stream."""
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one step produced for one request, for the front end to detokenize and stream.
+
+    A msgspec Struct: it crosses the engine-core process boundary as it is (``engine/core_messages.py``).
+    """
 
     req_id: str
     new_token_ids: list[int]
@@ -80,7 +84,8 @@ class EngineCoreOutput:
     new_logprobs: list[dict[int, tuple[float, int]]] | None = None
     prompt_logprobs: list[dict[int, tuple[float, int]]] | None = None
     num_cached_tokens: int = 0
-    pooling_output: Any = None  # the pooled vector of a finished pooling request
+    # The pooled vector of a finished pooling request: a float32 tensor in the engine, its raw bytes on the wire.
+    pooling_output: Any = None
 
     @property
     def finished(self) -> bool:

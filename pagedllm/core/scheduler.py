@@ -23,6 +23,7 @@ from pagedllm.core.sched_output import (
 )
 from pagedllm.core.spec_decode_stats import SpecDecodingStats
 from pagedllm.logger import init_logger
+from pagedllm.utils import cdiv
 
 logger = init_logger(__name__)
 
@@ -57,31 +58,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def check_fits(self, num_prompt_tokens: int, pooling: bool = False) -> None:
-        if pooling:  # nothing is generated: the whole context may be prompt
-            self._check_pooling_fits(num_prompt_tokens)
-            return
-        if num_prompt_tokens >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {num_prompt_tokens} tokens is too long; the maximum context length is "
-                f"{self.max_model_len} tokens and at least one token must be generated")
-        if not self.kv.can_ever_fit(num_prompt_tokens + 1):
-            raise ValueError(
-                f"prompt: {num_prompt_tokens} tokens can never fit in the KV cache "
-                f"({self.kv.num_usable_blocks} blocks of {self.kv.block_size} tokens); "
-                "raise --kv-cache-memory")
-
-    def _check_pooling_fits(self, num_prompt_tokens: int) -> None:
-        if num_prompt_tokens > self.max_model_len:
-            raise ValueError(
-                f"input: {num_prompt_tokens} tokens is too long; the model's maximum length is "
-                f"{self.max_model_len} tokens (set truncate_prompt_tokens to cut the input)")
-        if self.config.is_encoder_only:
-            if num_prompt_tokens > self.config.max_num_batched_tokens:
-                raise ValueError(f"input: {num_prompt_tokens} tokens do not fit in one step of "
-                                 f"{self.config.max_num_batched_tokens} tokens; raise --max-num-batched-tokens")
-        elif not self.kv.can_ever_fit(num_prompt_tokens):
-            raise ValueError(f"input: {num_prompt_tokens} tokens can never fit in the KV cache; "
-                             "raise --kv-cache-memory")
+        check_prompt_fits(self.config, self.kv.num_usable_blocks, self.kv.block_size, num_prompt_tokens, pooling)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Finish requests from outside (abort, or a stop string seen by the detokenizer)."""
@@ -374,3 +351,33 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+
+def check_prompt_fits(config: SchedulerConfig, num_usable_blocks: int, block_size: int, num_prompt_tokens: int,
+                      pooling: bool = False) -> None:
+    """ValueError naming the field if a prompt can never run: longer than the context, or than the KV cache.
+
+    The one place admission limits are decided; the API side of an engine process calls it with the block
+    count the engine reported at start-up.
+    """
+    if pooling:  # nothing is generated: the whole context may be prompt
+        if num_prompt_tokens > config.max_model_len:
+            raise ValueError(
+                f"input: {num_prompt_tokens} tokens is too long; the model's maximum length is "
+                f"{config.max_model_len} tokens (set truncate_prompt_tokens to cut the input)")
+        if config.is_encoder_only:
+            if num_prompt_tokens > config.max_num_batched_tokens:
+                raise ValueError(f"input: {num_prompt_tokens} tokens do not fit in one step of "
+                                 f"{config.max_num_batched_tokens} tokens; raise --max-num-batched-tokens")
+        elif cdiv(num_prompt_tokens, block_size) > num_usable_blocks:
+            raise ValueError(f"input: {num_prompt_tokens} tokens can never fit in the KV cache; "
+                             "raise --kv-cache-memory")
+        return
+    if num_prompt_tokens >= config.max_model_len:
+        raise ValueError(
+            f"prompt: {num_prompt_tokens} tokens is too long; the maximum context length is "
+            f"{config.max_model_len} tokens and at least one token must be generated")
+    if cdiv(num_prompt_tokens + 1, block_size) > num_usable_blocks:
+        raise ValueError(
+            f"prompt: {num_prompt_tokens} tokens can never fit in the KV cache "
+            f"({num_usable_blocks} blocks of {block_size} tokens); raise --kv-cache-memory")

@@ -1,7 +1,9 @@
-"""``AsyncLLM``: the engine loop in its own thread, one asyncio stream of outputs per request.
+"""``AsyncLLM``: one asyncio stream of outputs per request, fed by an output thread that drives the engine.
 
-The engine (scheduler, model, detokenizer) is not thread-safe, so only the engine thread touches it.
-The asyncio side talks to it through a command queue (add / abort / call) and gets outputs back through
+The engine is an ``LLMEngine`` (its core runs on that thread: ``PAGEDLLM_ENABLE_MULTIPROCESSING=0``, tests) or a
+``MultiprocEngine`` (the server's default: the thread tokenizes, detokenizes and moves messages while the
+engine cores run in their own processes). Neither is thread-safe, so only that thread touches it. The asyncio
+side talks to it through a command queue (add / abort / utility call) and gets outputs back through
 ``loop.call_soon_threadsafe``; neither side ever waits on the other while holding anything.
 """
 
@@ -68,15 +70,43 @@ class AsyncLLM:
         self._stopping = False
         self.errored: BaseException | None = None
         self._exited = False  # set under _cond when the thread returns, so no command is left hanging
-        self.snapshots = SnapshotPublisher()  # the cache map's view of the engine (playground)
+        self.snapshots = SnapshotPublisher()  # the cache map's view of an in-thread engine (playground)
+        # Engine cores in other processes build their own snapshots, and wake this loop when they die.
+        self._remote = hasattr(engine, "kv_cache_snapshots")
+        self._wake_engine = getattr(engine, "wake", None)
+        if hasattr(engine, "set_wakeup"):
+            engine.set_wakeup(self._notify)
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
         self._thread.start()
 
     @classmethod
     def from_engine_args(cls, args: Any, stat_logger: Any | None = None) -> AsyncLLM:
+        """Engine cores in their own processes, unless ``PAGEDLLM_ENABLE_MULTIPROCESSING=0`` (``pagedllm/envs.py``)."""
+        from pagedllm import envs
+
+        config = args.create_engine_config()
+        if envs.enable_multiprocessing():
+            from pagedllm.engine.mp_engine import MultiprocEngine
+
+            return cls(MultiprocEngine(config), stat_logger)
+        if config.parallel.data_parallel_size > 1:
+            raise ValueError("data_parallel_size: more than one engine needs engine processes; unset "
+                             "PAGEDLLM_ENABLE_MULTIPROCESSING=0")
         from pagedllm.engine.llm_engine import LLMEngine
 
-        return cls(LLMEngine.from_engine_args(args), stat_logger)
+        logger.info("engine core on a thread of the API process (PAGEDLLM_ENABLE_MULTIPROCESSING=0)")
+        return cls(LLMEngine(config), stat_logger)
+
+    @property
+    def config(self) -> Any:
+        return self.engine.config
+
+    @property
+    def processor(self) -> Any:
+        return self.engine.processor
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.get_tokenizer()
 
     # ---- state ---------------------------------------------------------------------------------------
     @property
@@ -95,7 +125,7 @@ class AsyncLLM:
         engine = self.engine
         try:
             while True:
-                if not engine.has_unfinished_requests():
+                if not engine.has_unfinished_requests() and not self._remote:
                     self.snapshots.flush(engine)  # the idle state, before waiting
                 with self._cond:
                     while not self._commands and not self._stopping and not engine.has_unfinished_requests():
@@ -117,7 +147,7 @@ class AsyncLLM:
                 if commands and self.stat_logger is not None:
                     # An abort may have freed blocks with no step to follow; refresh the gauges now.
                     self.stat_logger.record_step(engine, [], time.time())
-                if commands:
+                if commands and not self._remote:
                     self.snapshots.after_step(engine, None)
                 if stopping and not engine.has_unfinished_requests():
                     return
@@ -131,7 +161,8 @@ class AsyncLLM:
                         self.stat_logger.maybe_log(engine, now)
                     if outputs:
                         self._deliver(outputs)
-                    self.snapshots.after_step(engine, step_time)  # after delivery: never delays tokens
+                    if not self._remote:
+                        self.snapshots.after_step(engine, step_time)  # after delivery: never delays tokens
         except BaseException as e:  # noqa: BLE001 - any failure means the loop is gone
             logger.exception("engine loop died")
             self.errored = e
@@ -183,18 +214,29 @@ class AsyncLLM:
                 return cmd.future
             self._commands.append(cmd)
             self._cond.notify()
+        if self._wake_engine is not None:
+            self._wake_engine()  # the loop may be waiting on the engines' sockets rather than on _cond
         return cmd.future
 
-    async def call_in_engine(self, fn: Callable[[Any], Any]) -> Any:
-        """Run ``fn(engine)`` on the engine thread between steps (e.g. reset_prefix_cache)."""
-        return await asyncio.wrap_future(self._submit(lambda: fn(self.engine)))
+    def _notify(self) -> None:
+        with self._cond:
+            self._cond.notify()
 
-    async def kv_cache_snapshot(self) -> EngineSnapshot | None:
+    async def call_utility(self, method: str, *args: Any) -> Any:
+        """Call a named engine utility (``reset_prefix_cache``, ...) between steps, on every engine."""
+        future = await asyncio.wrap_future(self._submit(lambda: self.engine.call_utility(method, *args)))
+        return await asyncio.wrap_future(future)
+
+    async def kv_cache_snapshot(self) -> EngineSnapshot | Any | None:
         """The latest published engine snapshot (KV blocks, counters); asks the loop for a fresh one when
-        the latest is missing or out of date. None if the engine cannot build one."""
+        the latest is missing or out of date. None if the engine cannot build one. Engine processes build
+        their own (one per engine); the answer then lists them all."""
+        if self._remote:
+            future = await asyncio.wrap_future(self._submit(self.engine.kv_cache_snapshots))
+            return await asyncio.wrap_future(future)
         self.snapshots.watch()
         if self.snapshots.is_stale():
-            return await self.call_in_engine(self.snapshots.publish)
+            return await asyncio.wrap_future(self._submit(lambda: self.snapshots.publish(self.engine)))
         return self.snapshots.latest
 
     # ---- the per-request stream ------------------------------------------------------------------------
@@ -284,17 +326,25 @@ class AsyncLLM:
 
             self._submit(abort_all)
             self._thread.join(10.0)
-        if self.stat_logger is not None:
-            self.stat_logger.maybe_log(self.engine, time.time(), force=True)
+        if self.stat_logger is not None and self.errored is None:
+            try:
+                self.stat_logger.maybe_log(self.engine, time.time(), force=True)
+            except Exception:  # noqa: BLE001 - the engines may be gone already; the last line is optional
+                logger.debug("no final stats line", exc_info=True)
+        engine_shutdown = getattr(self.engine, "shutdown", None)
+        if engine_shutdown is not None:
+            engine_shutdown()
 
     def _abort_all_now(self) -> None:
         """Engine thread: end every in-flight request with finish_reason 'abort'."""
         engine = self.engine
+        # An engine stand-in without abort_children (tests) aborts through its core.
+        abort_children = getattr(engine, "abort_children", None) or engine.core.abort_requests
         outputs = []
         for request_id in list(self._streams):
             children = engine.output_processor.child_ids(request_id)
             out = engine.output_processor.make_abort_output(request_id)
-            engine.core.abort_requests(children)
+            abort_children(children)
             if self.stat_logger is not None:
                 self.stat_logger.forget(request_id)
             if out is not None:

@@ -10,6 +10,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutput, ModelRunnerOutput
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler_stats import SchedulerStats, make_scheduler_stats
 from pagedllm.logger import init_logger
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.worker import Worker
@@ -40,8 +41,10 @@ class EngineCore:
         self.last_step_tokens = 0
         # Set by the engine that owns the tokenizer (LLMEngine); None = structured outputs unavailable.
         self.structured_output: StructuredOutputManager | None = None
+        self._unscheduled: set[str] = set()  # added, not yet scheduled once (their queue time is pending)
 
     def add_request(self, request: Request) -> None:
+        self._unscheduled.add(request.request_id)
         if getattr(request.sampling_params, "structured_outputs", None) is not None:  # pooling: none
             if self.structured_output is None:
                 raise ValueError("structured_outputs: this engine has no structured-output backend")
@@ -129,3 +132,19 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> int:
         return self.scheduler.kv.reset_prefix_cache()
+
+    def take_stats(self, engine_index: int = 0) -> SchedulerStats:
+        """The counters the front end reports (``core/scheduler_stats.py``), with the requests first scheduled
+        since the last call."""
+        newly: dict[str, tuple[float, float]] = {}
+        if self._unscheduled:
+            requests = self.scheduler.requests
+            for request_id in list(self._unscheduled):
+                request = requests.get(request_id)
+                if request is None:
+                    self._unscheduled.discard(request_id)
+                elif request.first_scheduled_time is not None:
+                    newly[request_id] = (request.first_scheduled_time,
+                                         max(request.first_scheduled_time - request.arrival_time, 0.0))
+                    self._unscheduled.discard(request_id)
+        return make_scheduler_stats(self, engine_index, newly)

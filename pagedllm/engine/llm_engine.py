@@ -2,25 +2,29 @@
 
 from __future__ import annotations
 
-import time
+import concurrent.futures
 from typing import Any
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.request import Request
 from pagedllm.core.sched_output import EngineCoreOutput
+from pagedllm.core.scheduler_stats import SchedulerStats
 from pagedllm.engine.engine_core import EngineCore
-from pagedllm.engine.output_processor import OutputKind, OutputProcessor
-from pagedllm.engine.processor import Processor, PromptType
+from pagedllm.engine.front_end import EngineFrontEnd
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.processor import Processor
 from pagedllm.engine_args import EngineArgs
 from pagedllm.logger import init_logger
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
-from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.manager import StructuredOutputManager
 
 logger = init_logger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(EngineFrontEnd):
+    """The front end and the engine core in one thread: ``step()`` runs the model."""
+
     def __init__(self, config: EngineConfig) -> None:
         from pagedllm.model_executor.loader import load_tokenizer
 
@@ -48,49 +52,20 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args.create_engine_config())
 
-    def get_tokenizer(self) -> Any:
-        return self.tokenizer
-
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
-                    arrival_time: float | None = None, kind: OutputKind = OutputKind.FINAL_ONLY,
-                    cache_salt: str | None = None, add_special_tokens: bool = True) -> None:
-        """Validate and queue a request; raises ValueError naming the bad field."""
-        if request_id in self.output_processor.parents or request_id in self.output_processor.pooling:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
-        arrival_time = arrival_time if arrival_time is not None else time.time()
-        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
-            cache_salt = str(prompt["cache_salt"])  # vLLM's place for it in offline prompts
-        if isinstance(params, PoolingParams) != self.config.model.is_pooling:
-            raise ValueError(_wrong_runner_message(self.config.model.name, self.config.model.is_pooling))
-        if isinstance(params, PoolingParams):
-            text, token_ids = self.processor.tokenize_for_pooling(prompt, params, add_special_tokens)
-            request = self.processor.make_pooling_request(request_id, token_ids, params, arrival_time)
-            self.output_processor.add_pooling_request(request_id, text, token_ids, arrival_time)
-            self.core.add_request(request)
-            return
-        if params.structured_outputs is not None:
-            future = self.structured_output.compile(params.structured_outputs)  # starts it; never waits
-            if future.done() and future.exception() is not None:
-                raise future.exception()
-        text, token_ids = self.processor.tokenize(prompt, add_special_tokens)
-        requests = self.processor.make_requests(request_id, token_ids, params, arrival_time, cache_salt)
-        self.output_processor.add_request(request_id, text, token_ids, params, kind, arrival_time)
+    def _queue(self, requests: list[Request]) -> None:
         for request in requests:
             self.core.add_request(request)
 
-    def validate_structured_outputs(self, params: SamplingParams) -> None:
-        """Compile the request's grammar (or find it cached); ValueError naming the field if it cannot be.
+    def _precompile(self, params: SamplingParams) -> None:
+        future = self.structured_output.compile(params.structured_outputs)  # starts it; never waits
+        if future.done() and future.exception() is not None:
+            raise future.exception()
 
-        Blocks the calling thread, so callers run it off the engine loop (AsyncLLM: in a worker thread).
-        """
-        if getattr(params, "structured_outputs", None) is not None:  # pooling params have none
-            self.structured_output.validate(params.structured_outputs)
+    def abort_children(self, child_ids: list[str]) -> None:
+        self.core.abort_requests(child_ids)
 
-    def abort_request(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            children = self.output_processor.child_ids(request_id)
-            self.output_processor.abort(request_id)
-            self.core.abort_requests(children)
+    def _finish_stopped(self, child_ids: list[str]) -> None:
+        self.core.finish_stopped(child_ids)
 
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         if not self.async_output:
@@ -116,25 +91,28 @@ class LLMEngine:
             results.extend(self._process(outputs))
         return results
 
-    def _process(self, outputs: list[EngineCoreOutput]) -> list[RequestOutput | PoolingRequestOutput]:
-        """Detokenize, apply stop strings, build the RequestOutputs."""
-        if not outputs:
-            return []
-        request_outputs, to_stop = self.output_processor.process_outputs(outputs)
-        if to_stop:
-            self.core.finish_stopped(to_stop)
-        return request_outputs
-
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests() or bool(self._unprocessed)
 
     def reset_prefix_cache(self) -> int:
         return self.core.reset_prefix_cache()
 
+    def take_stats(self) -> list[SchedulerStats]:
+        """The engine core's counters now (``core/scheduler_stats.py``), for the metrics room."""
+        return [self.core.take_stats()]
 
-def _wrong_runner_message(model: str, is_pooling: bool) -> str:
-    if is_pooling:
-        return (f"model: {model!r} runs the pooling runner (embeddings), which cannot generate text; use "
-                "LLM.embed or /v1/embeddings, or start it with --runner generate if it is a decoder")
-    return (f"model: {model!r} runs the generate runner; embeddings need a pooling model or "
-            "--runner pooling (LLM(model, runner='pooling'))")
+    def call_utility(self, method: str, *args: Any) -> concurrent.futures.Future:
+        """Run one of the engine's named utilities (``UTILITIES``) now; a done future, as the multiprocess
+        engine's (``MultiprocEngine.call_utility``) would be once its engines answer."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            if method not in UTILITIES:
+                raise ValueError(f"method: {method!r} is not an engine utility; known: {sorted(UTILITIES)}")
+            future.set_result(getattr(self, method)(*args))
+        except Exception as e:  # noqa: BLE001 - handed to the caller through the future
+            future.set_exception(e)
+        return future
+
+
+# The named calls the front end may make into a running engine (between steps), here and in engine processes.
+UTILITIES = frozenset({"reset_prefix_cache"})

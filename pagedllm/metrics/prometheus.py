@@ -1,6 +1,8 @@
 """Prometheus metrics with vLLM's names, so dashboards built for vLLM work unchanged.
 
-Every metric carries a ``model_name`` label. Each server owns its own ``CollectorRegistry`` (tests start
+Every metric carries a ``model_name`` label; the series an engine core reports (queue lengths, KV cache usage,
+preemptions, prefix-cache counters, step sizes, speculative decoding) also an ``engine`` label, its data-parallel
+index ("0" with one engine), as vLLM labels them. Each server owns its own ``CollectorRegistry`` (tests start
 several in one process). Counters are exposed with the ``_total`` suffix by ``prometheus_client``.
 """
 
@@ -45,26 +47,13 @@ class PrometheusMetrics:
         def histogram(name: str, doc: str, buckets) -> Histogram:
             return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
 
-        self.num_requests_running = gauge("vllm:num_requests_running", "Requests in model execution batches.")
-        self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be processed.")
-        self.kv_cache_usage_perc = gauge("vllm:kv_cache_usage_perc", "KV cache usage; 1 means 100 percent.")
-        self.kv_cache_sliding_usage_perc = gauge(
-            "pagedllm:kv_cache_sliding_window_usage_perc",
-            "Usage of a hybrid model's sliding-window KV cache group (Gemma 3's local layers; "
-            "vllm:kv_cache_usage_perc is then the full-attention layers'); 0 for models with one group.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens processed.")
-        self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
-        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
-                                            "Prefix cache queries, in terms of tokens.")
-        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of tokens.")
         self._request_success = Counter("vllm:request_success", "Successfully processed requests.",
                                         ["model_name", "finished_reason"], registry=r)
         for reason in FINISHED_REASONS:
             self._request_success.labels(model_name, reason)  # show zeros before the first request
         token_buckets = _token_buckets(max_model_len)
-        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens per engine step.",
-                                          _token_buckets(max(max_num_batched_tokens, 1)))
         self.time_to_first_token = histogram("vllm:time_to_first_token_seconds",
                                              "Time to first token in seconds.", _LATENCY_BUCKETS)
         self.inter_token_latency = histogram("vllm:inter_token_latency_seconds",
@@ -91,21 +80,78 @@ class PrometheusMetrics:
         self.request_time_per_output_token = histogram("vllm:request_time_per_output_token_seconds",
                                                        "Mean time per output token after the first, per request.",
                                                        _LATENCY_BUCKETS)
-        # Speculative decoding (zero when it is off), vLLM's names.
-        self.spec_decode_num_drafts = counter("vllm:spec_decode_num_drafts", "Draft runs verified (one per "
-                                              "request per step that had drafts).")
-        self.spec_decode_num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.")
-        self.spec_decode_num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens",
-                                                       "Draft tokens accepted.")
-        self._spec_decode_accepted_per_pos = Counter(
-            "vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft.",
-            ["model_name", "position"], registry=r)
+        self._engine_families = _EngineFamilies(r, max_num_batched_tokens)
+        self._engines: dict[int, EngineSeries] = {}
+        self.engine(0)  # show engine 0's series before its first step
 
-    def spec_decode_accepted_at(self, position: int, count: int) -> None:
-        self._spec_decode_accepted_per_pos.labels(self.model_name, str(position)).inc(count)
+    def engine(self, index: int) -> EngineSeries:
+        """The series one engine core reports (label ``engine``: its data-parallel index)."""
+        series = self._engines.get(index)
+        if series is None:
+            series = self._engines[index] = EngineSeries(self._engine_families, self.model_name, str(index))
+        return series
 
     def request_success(self, finished_reason: str) -> None:
         self._request_success.labels(self.model_name, finished_reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineFamilies:
+    """The metric families whose series carry an ``engine`` label (vLLM's label for a data-parallel rank)."""
+
+    def __init__(self, r: CollectorRegistry, max_num_batched_tokens: int) -> None:
+        labels = ["model_name", "engine"]
+        self.num_requests_running = Gauge("vllm:num_requests_running", "Requests in model execution batches.",
+                                          labels, registry=r)
+        self.num_requests_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be processed.",
+                                          labels, registry=r)
+        self.kv_cache_usage_perc = Gauge("vllm:kv_cache_usage_perc", "KV cache usage; 1 means 100 percent.",
+                                         labels, registry=r)
+        self.kv_cache_sliding_usage_perc = Gauge(
+            "pagedllm:kv_cache_sliding_window_usage_perc",
+            "Usage of a hybrid model's sliding-window KV cache group (Gemma 3's local layers; "
+            "vllm:kv_cache_usage_perc is then the full-attention layers'); 0 for models with one group.",
+            labels, registry=r)
+        self.num_preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemptions.", labels,
+                                       registry=r)
+        self.prefix_cache_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of tokens.",
+                                            labels, registry=r)
+        self.prefix_cache_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of tokens.",
+                                         labels, registry=r)
+        self.iteration_tokens = Histogram("vllm:iteration_tokens_total", "Tokens per engine step.", labels,
+                                          buckets=_token_buckets(max(max_num_batched_tokens, 1)), registry=r)
+        # Speculative decoding (zero when it is off), vLLM's names.
+        self.spec_decode_num_drafts = Counter(
+            "vllm:spec_decode_num_drafts", "Draft runs verified (one per request per step that had drafts).",
+            labels, registry=r)
+        self.spec_decode_num_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                                                    labels, registry=r)
+        self.spec_decode_num_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens",
+                                                       "Draft tokens accepted.", labels, registry=r)
+        self.spec_decode_accepted_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft.",
+            [*labels, "position"], registry=r)
+
+
+class EngineSeries:
+    """One engine's children of the ``_EngineFamilies``."""
+
+    def __init__(self, families: _EngineFamilies, model_name: str, engine: str) -> None:
+        self._families = families
+        self._labels = (model_name, engine)
+        self.num_requests_running = families.num_requests_running.labels(model_name, engine)
+        self.num_requests_waiting = families.num_requests_waiting.labels(model_name, engine)
+        self.kv_cache_usage_perc = families.kv_cache_usage_perc.labels(model_name, engine)
+        self.kv_cache_sliding_usage_perc = families.kv_cache_sliding_usage_perc.labels(model_name, engine)
+        self.num_preemptions = families.num_preemptions.labels(model_name, engine)
+        self.prefix_cache_queries = families.prefix_cache_queries.labels(model_name, engine)
+        self.prefix_cache_hits = families.prefix_cache_hits.labels(model_name, engine)
+        self.iteration_tokens = families.iteration_tokens.labels(model_name, engine)
+        self.spec_decode_num_drafts = families.spec_decode_num_drafts.labels(model_name, engine)
+        self.spec_decode_num_draft_tokens = families.spec_decode_num_draft_tokens.labels(model_name, engine)
+        self.spec_decode_num_accepted_tokens = families.spec_decode_num_accepted_tokens.labels(model_name, engine)
+
+    def spec_decode_accepted_at(self, position: int, count: int) -> None:
+        self._families.spec_decode_accepted_per_pos.labels(*self._labels, str(position)).inc(count)

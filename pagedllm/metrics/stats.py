@@ -1,7 +1,8 @@
 """Engine statistics → Prometheus metrics and a periodic one-line log.
 
-Runs on the engine thread (``AsyncLLM`` calls ``record_step`` after each step), so it reads scheduler
-state without locks; Prometheus objects are thread-safe for the ``/metrics`` reader.
+Runs on ``AsyncLLM``'s output thread (``record_step`` after each step's outputs). The engine cores' state
+arrives as ``SchedulerStats`` (``core/scheduler_stats.py``), one per engine per step, from the engine's side of
+the boundary; this room never reads a scheduler. Prometheus objects are thread-safe for the ``/metrics`` reader.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.core.scheduler_stats import SchedulerStats, make_scheduler_stats
 from pagedllm.engine.output_processor import OutputKind
 from pagedllm.engine.processor import child_request_id
 from pagedllm.logger import init_logger
@@ -38,38 +40,29 @@ class StatsRecorder:
         self.log_stats = log_stats
         self.log_interval_s = log_interval_s
         self._tracked: dict[str, _Tracked] = {}
-        self._unscheduled: set[str] = set()
-        # Engine counters are cumulative; remember what we already exported.
-        self._seen_preemptions = 0
-        self._seen_queries = 0
-        self._seen_hits = 0
-        self._seen_steps = 0
+        self._parent_of_first_child: dict[str, str] = {}  # whose queue time a child's first scheduling gives
+        # Each engine's latest stats; its counters are cumulative, so the previous report gives the differences.
+        self._engines: dict[int, SchedulerStats] = {}
         # Since the last log line.
         self._last_log = time.time()
         self._interval_prompt_tokens = 0
         self._interval_gen_tokens = 0
         self._interval_queries = 0
         self._interval_hits = 0
-        # Speculative decoding: cumulative counters already exported, and the interval's drafts.
-        self._seen_spec = (0, 0, 0, [])
+        # Speculative decoding: the interval's drafts.
         self._interval_drafts = 0
         self._interval_accepted = 0
 
     def add_request(self, request_id: str, kind: OutputKind, n: int) -> None:
-        """Engine thread, right after the engine accepted the request."""
-        self._tracked[request_id] = _Tracked(kind, child_request_id(request_id, 0, n))
-        self._unscheduled.add(request_id)
+        """Right after the engine accepted the request."""
+        first_child = child_request_id(request_id, 0, n)
+        self._tracked[request_id] = _Tracked(kind, first_child)
+        self._parent_of_first_child[first_child] = request_id
 
     def record_step(self, engine: Any, outputs: list[RequestOutput], now: float) -> None:
-        sched = engine.core.scheduler
-        m = self.metrics
         step_tokens = 0
-        if engine.core.num_steps != self._seen_steps:
-            self._seen_steps = engine.core.num_steps
-            step_tokens = engine.core.last_step_tokens
-            if m is not None:
-                m.iteration_tokens.observe(step_tokens)
-        self._record_queue_times(sched)
+        for stats in _take_stats(engine):
+            step_tokens += self._record_engine_stats(stats)
         gen_this_step = 0
         for out in outputs:
             gen_this_step += self._record_output(out, now)
@@ -77,59 +70,51 @@ class StatsRecorder:
         self._interval_prompt_tokens += max(step_tokens - gen_this_step, 0)
         self._interval_gen_tokens += gen_this_step
 
-        kv = sched.kv
-        d_pre, self._seen_preemptions = sched.num_preemptions - self._seen_preemptions, sched.num_preemptions
-        d_q, self._seen_queries = kv.prefix_cache_queries - self._seen_queries, kv.prefix_cache_queries
-        d_h, self._seen_hits = kv.prefix_cache_hits - self._seen_hits, kv.prefix_cache_hits
+    def _record_engine_stats(self, stats: SchedulerStats) -> int:
+        """Export one engine's report; returns the tokens of its model steps since its previous report."""
+        prev = self._engines.get(stats.engine_index) or SchedulerStats(engine_index=stats.engine_index)
+        self._engines[stats.engine_index] = stats
+        self._record_queue_times(stats)
+        d_q = stats.prefix_cache_queries - prev.prefix_cache_queries
+        d_h = stats.prefix_cache_hits - prev.prefix_cache_hits
         self._interval_queries += d_q
         self._interval_hits += d_h
-        self._record_spec_decode(sched)
-        if m is not None:
-            m.num_requests_running.set(sched.num_running)
-            m.num_requests_waiting.set(sched.num_waiting)
-            m.kv_cache_usage_perc.set(kv.usage)
-            m.kv_cache_sliding_usage_perc.set(kv.sliding_group_usage or 0.0)
-            if d_pre > 0:
-                m.num_preemptions.inc(d_pre)
-            if d_q > 0:
-                m.prefix_cache_queries.inc(d_q)
-            if d_h > 0:
-                m.prefix_cache_hits.inc(d_h)
-
-    def _record_spec_decode(self, sched: Any) -> None:
-        stats = getattr(sched, "spec_stats", None)
-        if stats is None or stats.num_drafts == self._seen_spec[0]:
-            return
-        drafts, draft_tokens, accepted, per_pos = self._seen_spec
-        d_drafts, d_accepted = stats.num_drafts - drafts, stats.num_accepted_tokens - accepted
+        d_drafts = stats.spec_num_drafts - prev.spec_num_drafts
+        d_accepted = stats.spec_num_accepted_tokens - prev.spec_num_accepted_tokens
         self._interval_drafts += d_drafts
         self._interval_accepted += d_accepted
-        m = self.metrics
-        if m is not None:
-            m.spec_decode_num_drafts.inc(d_drafts)
-            m.spec_decode_num_draft_tokens.inc(stats.num_draft_tokens - draft_tokens)
-            m.spec_decode_num_accepted_tokens.inc(d_accepted)
-            for pos, count in enumerate(stats.accepted_per_pos):
-                seen = per_pos[pos] if pos < len(per_pos) else 0
-                if count > seen:
-                    m.spec_decode_accepted_at(pos, count - seen)
-        self._seen_spec = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
-                           list(stats.accepted_per_pos))
+        stepped = stats.num_steps != prev.num_steps
+        if self.metrics is not None:
+            m = self.metrics.engine(stats.engine_index)
+            if stepped:
+                m.iteration_tokens.observe(stats.step_tokens)
+            m.num_requests_running.set(stats.num_running)
+            m.num_requests_waiting.set(stats.num_waiting)
+            m.kv_cache_usage_perc.set(stats.kv_cache_usage)
+            m.kv_cache_sliding_usage_perc.set(stats.sliding_kv_cache_usage or 0.0)
+            _inc(m.num_preemptions, stats.num_preemptions - prev.num_preemptions)
+            _inc(m.prefix_cache_queries, d_q)
+            _inc(m.prefix_cache_hits, d_h)
+            if d_drafts > 0:
+                m.spec_decode_num_drafts.inc(d_drafts)
+                _inc(m.spec_decode_num_draft_tokens, stats.spec_num_draft_tokens - prev.spec_num_draft_tokens)
+                _inc(m.spec_decode_num_accepted_tokens, d_accepted)
+                for pos, count in enumerate(stats.spec_accepted_per_pos):
+                    seen = prev.spec_accepted_per_pos[pos] if pos < len(prev.spec_accepted_per_pos) else 0
+                    if count > seen:
+                        m.spec_decode_accepted_at(pos, count - seen)
+        return stats.step_tokens if stepped else 0
 
-    def _record_queue_times(self, sched: Any) -> None:
-        if not self._unscheduled or self.metrics is None:
-            self._unscheduled.clear()
-            return
-        for request_id in list(self._unscheduled):
-            tracked = self._tracked.get(request_id)
-            request = sched.requests.get(tracked.first_child_id) if tracked else None
-            if request is None:
-                self._unscheduled.discard(request_id)
-            elif request.first_scheduled_time is not None:
-                tracked.first_scheduled_time = request.first_scheduled_time
-                queued = request.first_scheduled_time - request.arrival_time
-                self.metrics.request_queue_time.observe(max(queued, 0.0))
-                self._unscheduled.discard(request_id)
+    def _record_queue_times(self, stats: SchedulerStats) -> None:
+        for child_id, (scheduled_at, queued_s) in stats.first_scheduled.items():
+            parent = self._parent_of_first_child.pop(child_id, None)
+            tracked = self._tracked.get(parent) if parent is not None else None
+            if tracked is None or tracked.queue_time_recorded:
+                continue
+            tracked.first_scheduled_time = scheduled_at
+            tracked.queue_time_recorded = True
+            if self.metrics is not None:
+                self.metrics.request_queue_time.observe(queued_s)
 
     def _record_output(self, out: RequestOutput, now: float) -> int:
         """Returns the generation tokens this output adds."""
@@ -157,7 +142,7 @@ class StatsRecorder:
             tracked.last_token_time = now
         if out.finished:
             self._tracked.pop(out.request_id, None)
-            self._unscheduled.discard(out.request_id)
+            self._parent_of_first_child.pop(tracked.first_child_id, None)
             if m is not None:
                 reason = out.outputs[0].finish_reason if out.outputs else None
                 if reason in FINISHED_REASONS:
@@ -187,7 +172,8 @@ class StatsRecorder:
     def forget(self, request_id: str) -> None:
         """An aborted request produces no final output through the engine; drop its bookkeeping."""
         tracked = self._tracked.pop(request_id, None)
-        self._unscheduled.discard(request_id)
+        if tracked is not None:
+            self._parent_of_first_child.pop(tracked.first_child_id, None)
         if tracked is not None and self.metrics is not None:
             self.metrics.request_success("abort")
 
@@ -195,23 +181,25 @@ class StatsRecorder:
         elapsed = now - self._last_log
         if not force and elapsed < self.log_interval_s:
             return
-        sched = engine.core.scheduler
-        active = (self._interval_prompt_tokens or self._interval_gen_tokens or sched.num_running
-                  or sched.num_waiting)
-        if self.metrics is not None:
-            # Idle periods end with running/waiting/usage at their final values.
-            self.metrics.num_requests_running.set(sched.num_running)
-            self.metrics.num_requests_waiting.set(sched.num_waiting)
-            self.metrics.kv_cache_usage_perc.set(sched.kv.usage)
-            self.metrics.kv_cache_sliding_usage_perc.set(sched.kv.sliding_group_usage or 0.0)
+        for stats in _take_stats(engine):  # an idle engine's last word (e.g. blocks freed by an abort)
+            self._record_engine_stats(stats)
+        engines = list(self._engines.values())
+        running = sum(e.num_running for e in engines)
+        waiting = sum(e.num_waiting for e in engines)
+        active = self._interval_prompt_tokens or self._interval_gen_tokens or running or waiting
         if active and self.log_stats and elapsed > 0:
             hit_rate = self._interval_hits / self._interval_queries if self._interval_queries else 0.0
-            sliding = sched.kv.sliding_group_usage
+            usage = sum(e.kv_cache_usage for e in engines) / max(len(engines), 1)
+            sliding = [e.sliding_kv_cache_usage for e in engines if e.sliding_kv_cache_usage is not None]
+            per_engine = "" if len(engines) < 2 else " (" + ", ".join(
+                f"engine {e.engine_index}: {e.num_running} running, {e.num_waiting} waiting, "
+                f"KV {e.kv_cache_usage * 100:.1f}%" for e in sorted(engines, key=lambda e: e.engine_index)) + ")"
             logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                         "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%%s, Prefix cache hit rate: "
-                        "%.1f%%", self._interval_prompt_tokens / elapsed, self._interval_gen_tokens / elapsed,
-                        sched.num_running, sched.num_waiting, sched.kv.usage * 100,
-                        "" if sliding is None else f" (sliding-window layers: {sliding * 100:.1f}%)", hit_rate * 100)
+                        "%.1f%%%s", self._interval_prompt_tokens / elapsed, self._interval_gen_tokens / elapsed,
+                        running, waiting, usage * 100,
+                        "" if not sliding else f" (sliding-window layers: {sum(sliding) / len(sliding) * 100:.1f}%)",
+                        hit_rate * 100, per_engine)
             if self._interval_drafts:
                 logger.info("Speculative decoding: mean acceptance length %.2f tokens per step (%d drafts, "
                             "%d draft tokens accepted)", 1 + self._interval_accepted / self._interval_drafts,
@@ -220,3 +208,15 @@ class StatsRecorder:
         self._interval_prompt_tokens = self._interval_gen_tokens = 0
         self._interval_queries = self._interval_hits = 0
         self._interval_drafts = self._interval_accepted = 0
+
+
+def _take_stats(engine: Any) -> list[SchedulerStats]:
+    """The engine cores' reports since the last call (``LLMEngine`` / ``MultiprocEngine.take_stats``); an engine
+    object without that method is read directly (tests' stand-ins)."""
+    take = getattr(engine, "take_stats", None)
+    return take() if take is not None else [make_scheduler_stats(engine.core)]
+
+
+def _inc(counter: Any, amount: int) -> None:
+    if amount > 0:
+        counter.inc(amount)

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: app factory (``build_app``) and ``run_server(args)``.
 
-The engine runs in ``AsyncLLM``'s thread; this module only routes, authenticates and shapes errors.
+The engine cores run in their own processes behind ``AsyncLLM`` (``engine/mp_engine.py``); this module only
+routes, authenticates and shapes errors.
 """
 
 from __future__ import annotations
@@ -264,7 +265,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions, metrics: PrometheusMetri
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
-        await engine.call_in_engine(lambda e: e.reset_prefix_cache())
+        await engine.call_utility("reset_prefix_cache")
         return Response(status_code=200)
 
     add_kv_cache_routes(app, engine)
@@ -310,36 +311,40 @@ def run_server(args: argparse.Namespace) -> None:
     engine_args = EngineArgs.from_cli_args(args)
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
     engine = AsyncLLM.from_engine_args(engine_args)
-    config = engine.engine.config
-    names = [config.model.name]
-    metrics = PrometheusMetrics(names[0], config.scheduler.max_model_len,
-                                config.scheduler.max_num_batched_tokens)
-    engine.stat_logger = StatsRecorder(metrics, log_stats=config.log_stats)
-    options = ServerOptions(
-        served_model_names=names, api_key=api_key, max_body_bytes=args.max_request_body_bytes,
-        shutdown_timeout=args.shutdown_timeout, allowed_origins=args.allowed_origins,
-        allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
-        allow_credentials=args.allow_credentials, enable_frontend=not getattr(args, "disable_frontend", False),
-        enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
-        tool_call_parser=getattr(args, "tool_call_parser", "hermes"))
-    app = build_app(engine, options, metrics)
-
-    display_host = args.host if args.host not in ("", "0.0.0.0", "::") else "localhost"
-    logger.info("pagedllm %s serving %s as %s", pagedllm.__version__, config.model.model, ", ".join(names))
-    logger.info("dtype %s, max_model_len %d, KV cache %d blocks x %d tokens, API key %s",
-                config.model.dtype, config.scheduler.max_model_len, config.cache.num_blocks,
-                config.cache.block_size, "required" if api_key else "off")
-    logger.info("OpenAI-compatible API at http://%s:%d/v1 (health: /health, metrics: /metrics)",
-                display_host, args.port)
-    if options.enable_frontend:
-        logger.info("Playground (chat + live KV cache map) at http://%s:%d/ (turn off with --disable-frontend)",
-                    display_host, args.port)
-    server = _draining_server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout if args.shutdown_timeout > 0 else None,
-        timeout_keep_alive=5))
     try:
+        config = engine.engine.config
+        names = [config.model.name]
+        metrics = PrometheusMetrics(names[0], config.scheduler.max_model_len,
+                                    config.scheduler.max_num_batched_tokens)
+        engine.stat_logger = StatsRecorder(metrics, log_stats=config.log_stats)
+        options = ServerOptions(
+            served_model_names=names, api_key=api_key, max_body_bytes=args.max_request_body_bytes,
+            shutdown_timeout=args.shutdown_timeout, allowed_origins=args.allowed_origins,
+            allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
+            allow_credentials=args.allow_credentials, enable_frontend=not getattr(args, "disable_frontend", False),
+            enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+            tool_call_parser=getattr(args, "tool_call_parser", "hermes"))
+        app = build_app(engine, options, metrics)
+
+        display_host = args.host if args.host not in ("", "0.0.0.0", "::") else "localhost"
+        logger.info("pagedllm %s serving %s as %s", pagedllm.__version__, config.model.model, ", ".join(names))
+        logger.info("dtype %s, max_model_len %d, KV cache %d blocks x %d tokens, API key %s",
+                    config.model.dtype, config.scheduler.max_model_len, config.cache.num_blocks,
+                    config.cache.block_size, "required" if api_key else "off")
+        pids = getattr(engine.engine, "pids", None)
+        if pids is not None:
+            logger.info("%d engine core process%s (pid %s); this process serves HTTP, tokenizes and detokenizes",
+                        len(pids), "es" if len(pids) > 1 else "", ", ".join(map(str, pids)))
+        logger.info("OpenAI-compatible API at http://%s:%d/v1 (health: /health, metrics: /metrics)",
+                    display_host, args.port)
+        if options.enable_frontend:
+            logger.info("Playground (chat + live KV cache map) at http://%s:%d/ (turn off with --disable-frontend)",
+                        display_host, args.port)
+        server = _draining_server(uvicorn.Config(
+            app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+            timeout_graceful_shutdown=args.shutdown_timeout if args.shutdown_timeout > 0 else None,
+            timeout_keep_alive=5))
         server.run()
     finally:
-        engine.shutdown(0.0)
+        engine.shutdown(0.0)  # also after a failure before serving: no engine process outlives the server
     logger.info("server stopped")

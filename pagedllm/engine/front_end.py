@@ -1,0 +1,104 @@
+"""The API side of an engine, whatever runs its core: prompts in, detokenized outputs out.
+
+``EngineFrontEnd`` tokenizes and validates a prompt into engine-core ``Request``s, keeps one detokenizer per
+sequence, finds stop strings and builds ``RequestOutput``s. Its subclasses decide where the core runs:
+``LLMEngine`` (in this thread) and ``MultiprocEngine`` (engine-core processes behind ZMQ).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.request import Request
+from pagedllm.core.sched_output import EngineCoreOutput
+from pagedllm.engine.output_processor import OutputKind, OutputProcessor
+from pagedllm.engine.processor import Processor, PromptType
+from pagedllm.outputs import PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.manager import StructuredOutputManager
+
+
+class EngineFrontEnd:
+    """Subclasses set ``config``, ``tokenizer``, ``processor``, ``output_processor`` and ``structured_output``,
+    and implement ``_queue``, ``abort_children`` and ``_finish_stopped``."""
+
+    config: EngineConfig
+    tokenizer: Any
+    processor: Processor
+    output_processor: OutputProcessor
+    structured_output: StructuredOutputManager
+
+    # ---- where the core runs (subclasses) ------------------------------------------------------------------
+    def _queue(self, requests: list[Request]) -> None:
+        raise NotImplementedError
+
+    def abort_children(self, child_ids: list[str]) -> None:
+        raise NotImplementedError
+
+    def _finish_stopped(self, child_ids: list[str]) -> None:
+        raise NotImplementedError
+
+    def _precompile(self, params: SamplingParams) -> None:
+        """Start compiling a request's grammar early (where the core can use the result)."""
+
+    # ---- the front end ------------------------------------------------------------------------------------
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
+                    arrival_time: float | None = None, kind: OutputKind = OutputKind.FINAL_ONLY,
+                    cache_salt: str | None = None, add_special_tokens: bool = True) -> None:
+        """Validate and queue a request; raises ValueError naming the bad field."""
+        if request_id in self.output_processor.parents or request_id in self.output_processor.pooling:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        arrival_time = arrival_time if arrival_time is not None else time.time()
+        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+            cache_salt = str(prompt["cache_salt"])  # vLLM's place for it in offline prompts
+        if isinstance(params, PoolingParams) != self.config.model.is_pooling:
+            raise ValueError(_wrong_runner_message(self.config.model.name, self.config.model.is_pooling))
+        if isinstance(params, PoolingParams):
+            text, token_ids = self.processor.tokenize_for_pooling(prompt, params, add_special_tokens)
+            request = self.processor.make_pooling_request(request_id, token_ids, params, arrival_time)
+            self.output_processor.add_pooling_request(request_id, text, token_ids, arrival_time)
+            self._queue([request])
+            return
+        if params.structured_outputs is not None:
+            self._precompile(params)
+        text, token_ids = self.processor.tokenize(prompt, add_special_tokens)
+        requests = self.processor.make_requests(request_id, token_ids, params, arrival_time, cache_salt)
+        self.output_processor.add_request(request_id, text, token_ids, params, kind, arrival_time)
+        self._queue(requests)
+
+    def validate_structured_outputs(self, params: SamplingParams) -> None:
+        """Compile the request's grammar (or find it cached); ValueError naming the field if it cannot be.
+
+        Blocks the calling thread, so callers run it off the engine loop (AsyncLLM: in a worker thread).
+        """
+        if getattr(params, "structured_outputs", None) is not None:  # pooling params have none
+            self.structured_output.validate(params.structured_outputs)
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            children = self.output_processor.child_ids(request_id)
+            self.output_processor.abort(request_id)
+            self.abort_children(children)
+
+    def _process(self, outputs: list[EngineCoreOutput]) -> list[RequestOutput | PoolingRequestOutput]:
+        """Detokenize, apply stop strings, build the RequestOutputs."""
+        if not outputs:
+            return []
+        request_outputs, to_stop = self.output_processor.process_outputs(outputs)
+        if to_stop:
+            self._finish_stopped(to_stop)
+        return request_outputs
+
+
+def _wrong_runner_message(model: str, is_pooling: bool) -> str:
+    if is_pooling:
+        return (f"model: {model!r} runs the pooling runner (embeddings), which cannot generate text; use "
+                "LLM.embed or /v1/embeddings, or start it with --runner generate if it is a decoder")
+    return (f"model: {model!r} runs the generate runner; embeddings need a pooling model or "
+            "--runner pooling (LLM(model, runner='pooling'))")

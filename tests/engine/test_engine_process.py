@@ -1,0 +1,135 @@
+"""The engine core in its own process: same outputs as in-process, death seen within seconds, nothing left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import psutil
+import pytest
+from faulty_engine import run_engine_core_failing_after, run_engine_core_failing_at_start
+
+from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedllm.engine.core_client import EngineStartupError
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.mp_engine import MultiprocEngine
+from pagedllm.engine_args import EngineArgs
+from pagedllm.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "List three colours:", "def fibonacci(n):", "Once upon a time"]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+
+
+def _config(**kw):
+    return EngineArgs(kv_cache_memory="64MiB", max_model_len=1024, dtype="float32", **kw).create_engine_config()
+
+
+async def _generate(llm: AsyncLLM, prompt: str, rid: str, params: SamplingParams = GREEDY) -> tuple[str, list[int]]:
+    text, ids = "", []
+    async for out in llm.generate(prompt, params, rid):
+        text += out.outputs[0].text
+        ids += out.outputs[0].token_ids
+    return text, ids
+
+
+def _run_all(llm: AsyncLLM, params: SamplingParams = GREEDY) -> list[tuple[str, list[int]]]:
+    async def main():
+        return await asyncio.gather(*[_generate(llm, p, f"r{i}", params) for i, p in enumerate(PROMPTS)])
+    return asyncio.run(main())
+
+
+def _alive(pids: list[int]) -> list[int]:
+    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_process_outputs_equal_in_process_and_leave_no_process() -> None:
+    inproc = AsyncLLM(LLMEngine(_config()))
+    try:
+        expected = _run_all(inproc)
+    finally:
+        inproc.shutdown(1.0)
+    engine = MultiprocEngine(_config())
+    pids = engine.pids
+    assert len(pids) == 1 and pids[0] != os.getpid()
+    llm = AsyncLLM(engine)
+    try:
+        assert _run_all(llm) == expected
+        assert asyncio.run(llm.call_utility("reset_prefix_cache")) >= 1  # the prompts' blocks were cached
+        snap = asyncio.run(llm.kv_cache_snapshot())
+        assert b'"engines":[' in snap.json_bytes and b'"num_blocks"' in snap.json_bytes
+    finally:
+        llm.shutdown(5.0)
+    assert _alive(pids) == []
+
+
+def test_data_parallel_two_engines_give_the_same_greedy_outputs() -> None:
+    engine = MultiprocEngine(_config())
+    llm = AsyncLLM(engine)
+    try:
+        expected = _run_all(llm)
+    finally:
+        llm.shutdown(5.0)
+    engine = MultiprocEngine(_config(data_parallel_size=2, data_parallel_routing="round-robin"))
+    pids = engine.pids
+    assert len(set(pids)) == 2
+    llm = AsyncLLM(engine)
+    try:
+        assert _run_all(llm) == expected
+        stats = engine.take_stats()
+        assert {s.engine_index for s in stats} <= {0, 1}
+    finally:
+        llm.shutdown(5.0)
+    assert _alive(pids) == []
+
+
+def test_sigkill_of_the_engine_fails_streams_quickly() -> None:
+    engine = MultiprocEngine(_config())
+    pid = engine.pids[0]
+    llm = AsyncLLM(engine)
+    long = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        streams = [asyncio.ensure_future(_generate(llm, p, f"k{i}", long)) for i, p in enumerate(PROMPTS)]
+        await asyncio.sleep(1.0)
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        results = await asyncio.wait_for(asyncio.gather(*streams, return_exceptions=True), 30)
+        return results, time.monotonic() - start
+
+    try:
+        results, waited = asyncio.run(main())
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+        assert "killed by signal 9" in str(results[0])
+        assert waited < 30
+        assert not llm.is_running
+        with pytest.raises(EngineDeadError):
+            asyncio.run(_generate(llm, "after", "late"))
+    finally:
+        llm.shutdown(1.0)
+    assert _alive([pid]) == []
+
+
+def test_exception_in_the_engine_loop_is_reported_as_dead() -> None:
+    engine = MultiprocEngine(_config(), engine_target=run_engine_core_failing_after)
+    pid = engine.pids[0]
+    llm = AsyncLLM(engine)
+    try:
+        with pytest.raises(EngineDeadError, match="injected engine-loop failure"):
+            asyncio.run(asyncio.wait_for(_generate(llm, PROMPTS[0], "x", SamplingParams(max_tokens=50)), 30))
+        assert not llm.is_running
+    finally:
+        llm.shutdown(1.0)
+    assert _alive([pid]) == []
+
+
+def test_a_failed_start_up_names_the_reason_and_leaves_nothing() -> None:
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
+    with pytest.raises(EngineStartupError, match="injected start-up failure"):
+        MultiprocEngine(_config(), engine_target=run_engine_core_failing_at_start)
+    time.sleep(0.5)
+    after = {c.pid for c in psutil.Process().children(recursive=True)}
+    assert _alive(sorted(after - before)) == []
