@@ -17,6 +17,7 @@ from pagedllm.config import (
     PoolerConfig,
     SchedulerConfig,
 )
+from pagedllm.core.block_hash import HASH_ALGOS, check_hash_algo
 from pagedllm.model_executor.layers.quantization import QUANTIZATION_METHODS
 from pagedllm.utils import parse_size
 
@@ -37,6 +38,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     prefix_caching_hash_seed: int | None = None
+    prefix_caching_hash_algo: str = "builtin"
     seed: int = 0
     device: str = "auto"
     served_model_name: str | None = None
@@ -100,6 +102,11 @@ class EngineArgs:
                            help="Split long prompts into chunks that share steps with decodes (on by default).")
         group.add_argument("--prefix-caching-hash-seed", type=int, default=None,
                            help="Seed of the prefix-cache hash chain (default: random per process).")
+        group.add_argument("--prefix-caching-hash-algo", default=d.prefix_caching_hash_algo, choices=list(HASH_ALGOS),
+                           help="How prefix-cache block hashes are computed: builtin (Python's hash(), fastest, "
+                                "values differ between processes) or sha256 (the same values in every process "
+                                "for one --prefix-caching-hash-seed: needed when a router in another process "
+                                "follows the engines' KV cache events). See docs/data_parallel.md.")
         group.add_argument("--seed", type=int, default=d.seed, help="Global random seed.")
         group.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"],
                            help="Where to run the model.")
@@ -144,6 +151,7 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len}")
+        check_hash_algo(self.prefix_caching_hash_algo)
         model = resolve_model_config(ModelConfig(
             model=self.model or DEFAULT_MODEL, tokenizer=self.tokenizer, dtype=self.dtype,
             max_model_len=self.max_model_len, seed=self.seed, served_model_name=self.served_model_name,
@@ -153,7 +161,8 @@ class EngineArgs:
         cache = CacheConfig(block_size=self.block_size, kv_cache_memory=kv_memory,
                             gpu_memory_utilization=float(self.gpu_memory_utilization),
                             enable_prefix_caching=self.enable_prefix_caching,
-                            prefix_caching_hash_seed=self.prefix_caching_hash_seed)
+                            prefix_caching_hash_seed=self.prefix_caching_hash_seed,
+                            prefix_caching_hash_algo=self.prefix_caching_hash_algo)
         max_len = int(model.max_model_len)
         budget = self.max_num_batched_tokens
         if not self.enable_chunked_prefill or model.is_encoder_only:

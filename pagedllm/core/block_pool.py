@@ -3,25 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
+from pagedllm.core.block_hash import BlockHash
 from pagedllm.core.kv_cache_snapshot import BLOCK_CACHED, BLOCK_FREE, BLOCK_NULL, BLOCK_SHARED, BLOCK_USED
-
-
-@dataclass(frozen=True)
-class BlockHash:
-    """Identity of a full block: chained hash plus the exact tokens (so a hit can be verified).
-
-    ``value`` hashes the parent's value, this block's token ids and its extra keys (e.g. a cache salt).
-    """
-
-    value: int
-    token_ids: tuple[int, ...]
-    extra_keys: tuple = ()
-
-
-def hash_block(parent_value: int, token_ids: tuple[int, ...], extra_keys: tuple = ()) -> BlockHash:
-    return BlockHash(hash((parent_value, token_ids, extra_keys)), token_ids, extra_keys)
 
 
 class KVCacheBlock:

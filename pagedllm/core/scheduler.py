@@ -38,7 +38,8 @@ class Scheduler:
         self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
                                  cache_config.enable_prefix_caching, cache_config.prefix_caching_hash_seed,
                                  sliding_window=cache_config.sliding_window,
-                                 sliding_group=cache_config.sliding_group())
+                                 sliding_group=cache_config.sliding_group(),
+                                 hash_algo=cache_config.prefix_caching_hash_algo)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
