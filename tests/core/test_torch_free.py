@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-MODULES = ["pagedllm.core.kv_cache_manager", "pagedllm.core.scheduler", "pagedllm.core.block_hash", "pagedllm.config"]
+MODULES = ["pagedllm.core.kv_cache_manager", "pagedllm.core.scheduler", "pagedllm.core.block_hash",
+           "pagedllm.core.kv_events", "pagedllm.config"]
 
 
 @pytest.mark.parametrize("module", MODULES)
