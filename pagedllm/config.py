@@ -119,3 +119,4 @@ class EngineConfig:
     log_stats: bool = True
     disable_log_requests: bool = True
     speculative: Any = None  # spec_decode.config.SpeculativeConfig, or None (no speculative decoding)
+    kv_events: Any = None  # distributed.kv_events_config.KVEventsConfig, or None (no KV cache events)

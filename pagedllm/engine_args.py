@@ -18,6 +18,9 @@ from pagedllm.config import (
     SchedulerConfig,
 )
 from pagedllm.core.block_hash import HASH_ALGOS, check_hash_algo
+from pagedllm.distributed.kv_events_config import DEFAULT_ENDPOINT as DEFAULT_KV_EVENTS_ENDPOINT
+from pagedllm.distributed.kv_events_config import DEFAULT_TOPIC as DEFAULT_KV_EVENTS_TOPIC
+from pagedllm.distributed.kv_events_config import parse_kv_events_config
 from pagedllm.model_executor.layers.quantization import QUANTIZATION_METHODS
 from pagedllm.utils import parse_size
 
@@ -47,6 +50,7 @@ class EngineArgs:
     runner: str = "auto"
     pooler_config: PoolerConfig | dict | None = None
     speculative_config: str | dict | None = None  # JSON or dict with vLLM's keys (spec_decode/config.py)
+    kv_events_config: str | dict | None = None  # JSON or dict with vLLM's keys (distributed/kv_events_config.py)
     quantization: str | None = None
 
     @staticmethod
@@ -130,6 +134,14 @@ class EngineArgs:
                                 "(prompt_lookup_min/max), draft_model (model), layer_skip (num_draft_layers); "
                                 "disable_by_batch_size turns drafting off in steps with more requests. "
                                 "Output is the same as without it (see docs/speculative_decoding.md).")
+        group.add_argument("--kv-events-config", default=None,
+                           help="Publish KV cache events (BlockStored / BlockRemoved / AllBlocksCleared) as JSON "
+                                'with vLLM\'s keys, e.g. \'{"enable_kv_cache_events": true}\'; publisher zmq '
+                                f"(default when enabled) | null, endpoint (default {DEFAULT_KV_EVENTS_ENDPOINT}; "
+                                "engine i of a data-parallel group binds the port + i), topic (default "
+                                f"{DEFAULT_KV_EVENTS_TOPIC!r}), hwm. Use with --prefix-caching-hash-algo sha256 "
+                                "and a --prefix-caching-hash-seed so consumers can compute the hashes "
+                                "(see docs/data_parallel.md).")
         return parser
 
     @classmethod
@@ -152,6 +164,7 @@ class EngineArgs:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len}")
         check_hash_algo(self.prefix_caching_hash_algo)
+        kv_events = parse_kv_events_config(self.kv_events_config)
         model = resolve_model_config(ModelConfig(
             model=self.model or DEFAULT_MODEL, tokenizer=self.tokenizer, dtype=self.dtype,
             max_model_len=self.max_model_len, seed=self.seed, served_model_name=self.served_model_name,
@@ -178,7 +191,7 @@ class EngineArgs:
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
                             device=DeviceConfig(self.device, enforce_eager=self.enforce_eager,
                                                 disable_async_output_proc=self.disable_async_output_proc),
-                            log_stats=not self.disable_log_stats, speculative=speculative)
+                            log_stats=not self.disable_log_stats, speculative=speculative, kv_events=kv_events)
 
     def _pooler_config(self) -> PoolerConfig | None:
         if self.pooler_config is None or isinstance(self.pooler_config, PoolerConfig):

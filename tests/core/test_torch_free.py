@@ -9,7 +9,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 MODULES = ["pagedllm.core.kv_cache_manager", "pagedllm.core.scheduler", "pagedllm.core.block_hash",
-           "pagedllm.core.kv_events", "pagedllm.config"]
+           "pagedllm.core.kv_events", "pagedllm.config", "pagedllm.distributed.kv_events"]
 
 
 @pytest.mark.parametrize("module", MODULES)
