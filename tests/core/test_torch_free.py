@@ -9,7 +9,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 MODULES = ["pagedllm.core.kv_cache_manager", "pagedllm.core.scheduler", "pagedllm.core.block_hash",
-           "pagedllm.core.kv_events", "pagedllm.config", "pagedllm.distributed.kv_events"]
+           "pagedllm.core.kv_events", "pagedllm.config", "pagedllm.distributed.kv_events",
+           "pagedllm.engine.router"]
 
 
 @pytest.mark.parametrize("module", MODULES)
