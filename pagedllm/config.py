@@ -73,6 +73,8 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     prefix_caching_hash_seed: int | None = None  # None: a random seed per process
+    # builtin: Python's hash() (per process); sha256: equal in every process for one seed (core/block_hash.py)
+    prefix_caching_hash_algo: str = "builtin"
     num_blocks: int = 0  # filled by the worker
     # Filled by the worker when every attention layer slides with one window (KV beyond it is freed).
     sliding_window: int | None = None
@@ -134,3 +136,4 @@ class EngineConfig:
     disable_log_requests: bool = True
     speculative: Any = None  # spec_decode.config.SpeculativeConfig, or None (no speculative decoding)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_events: Any = None  # distributed.kv_events_config.KVEventsConfig, or None (no KV cache events)

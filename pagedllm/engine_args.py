@@ -19,6 +19,10 @@ from pagedllm.config import (
     PoolerConfig,
     SchedulerConfig,
 )
+from pagedllm.core.block_hash import HASH_ALGOS, check_hash_algo
+from pagedllm.distributed.kv_events_config import DEFAULT_ENDPOINT as DEFAULT_KV_EVENTS_ENDPOINT
+from pagedllm.distributed.kv_events_config import DEFAULT_TOPIC as DEFAULT_KV_EVENTS_TOPIC
+from pagedllm.distributed.kv_events_config import parse_kv_events_config
 from pagedllm.model_executor.layers.quantization import QUANTIZATION_METHODS
 from pagedllm.utils import parse_size
 
@@ -39,6 +43,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     prefix_caching_hash_seed: int | None = None
+    prefix_caching_hash_algo: str = "builtin"
     seed: int = 0
     device: str = "auto"
     served_model_name: str | None = None
@@ -47,6 +52,7 @@ class EngineArgs:
     runner: str = "auto"
     pooler_config: PoolerConfig | dict | None = None
     speculative_config: str | dict | None = None  # JSON or dict with vLLM's keys (spec_decode/config.py)
+    kv_events_config: str | dict | None = None  # JSON or dict with vLLM's keys (distributed/kv_events_config.py)
     quantization: str | None = None
     data_parallel_size: int = 1
     data_parallel_routing: str = "prefix-aware"
@@ -107,6 +113,11 @@ class EngineArgs:
                            help="Split long prompts into chunks that share steps with decodes (on by default).")
         group.add_argument("--prefix-caching-hash-seed", type=int, default=None,
                            help="Seed of the prefix-cache hash chain (default: random per process).")
+        group.add_argument("--prefix-caching-hash-algo", default=d.prefix_caching_hash_algo, choices=list(HASH_ALGOS),
+                           help="How prefix-cache block hashes are computed: builtin (Python's hash(), fastest, "
+                                "values differ between processes) or sha256 (the same values in every process "
+                                "for one --prefix-caching-hash-seed: needed when a router in another process "
+                                "follows the engines' KV cache events). See docs/data_parallel.md.")
         group.add_argument("--seed", type=int, default=d.seed, help="Global random seed.")
         group.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"],
                            help="Where to run the model.")
@@ -130,6 +141,14 @@ class EngineArgs:
                                 "(prompt_lookup_min/max), draft_model (model), layer_skip (num_draft_layers); "
                                 "disable_by_batch_size turns drafting off in steps with more requests. "
                                 "Output is the same as without it (see docs/speculative_decoding.md).")
+        group.add_argument("--kv-events-config", default=None,
+                           help="Publish KV cache events (BlockStored / BlockRemoved / AllBlocksCleared) as JSON "
+                                'with vLLM\'s keys, e.g. \'{"enable_kv_cache_events": true}\'; publisher zmq '
+                                f"(default when enabled) | null, endpoint (default {DEFAULT_KV_EVENTS_ENDPOINT}; "
+                                "engine i of a data-parallel group binds the port + i), topic (default "
+                                f"{DEFAULT_KV_EVENTS_TOPIC!r}), hwm. Use with --prefix-caching-hash-algo sha256 "
+                                "and a --prefix-caching-hash-seed so consumers can compute the hashes "
+                                "(see docs/data_parallel.md).")
         dp = parser.add_argument_group("data parallelism (pagedllm serve)")
         dp.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size,
                         help="Engine-core processes behind one server, each with its own model copy and KV cache; "
@@ -167,6 +186,8 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len}")
+        check_hash_algo(self.prefix_caching_hash_algo)
+        kv_events = parse_kv_events_config(self.kv_events_config)
         model = resolve_model_config(ModelConfig(
             model=self.model or DEFAULT_MODEL, tokenizer=self.tokenizer, dtype=self.dtype,
             max_model_len=self.max_model_len, seed=self.seed, served_model_name=self.served_model_name,
@@ -176,7 +197,8 @@ class EngineArgs:
         cache = CacheConfig(block_size=self.block_size, kv_cache_memory=kv_memory,
                             gpu_memory_utilization=float(self.gpu_memory_utilization),
                             enable_prefix_caching=self.enable_prefix_caching,
-                            prefix_caching_hash_seed=self.prefix_caching_hash_seed)
+                            prefix_caching_hash_seed=self.prefix_caching_hash_seed,
+                            prefix_caching_hash_algo=self.prefix_caching_hash_algo)
         max_len = int(model.max_model_len)
         budget = self.max_num_batched_tokens
         if not self.enable_chunked_prefill or model.is_encoder_only:
@@ -201,7 +223,7 @@ class EngineArgs:
         return EngineConfig(model=model, cache=cache, scheduler=scheduler, parallel=parallel,
                             device=DeviceConfig(self.device, enforce_eager=self.enforce_eager,
                                                 disable_async_output_proc=self.disable_async_output_proc),
-                            log_stats=not self.disable_log_stats, speculative=speculative)
+                            log_stats=not self.disable_log_stats, speculative=speculative, kv_events=kv_events)
 
     def _pooler_config(self) -> PoolerConfig | None:
         if self.pooler_config is None or isinstance(self.pooler_config, PoolerConfig):

@@ -3,25 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
+from pagedllm.core.block_hash import BlockHash
 from pagedllm.core.kv_cache_snapshot import BLOCK_CACHED, BLOCK_FREE, BLOCK_NULL, BLOCK_SHARED, BLOCK_USED
-
-
-@dataclass(frozen=True)
-class BlockHash:
-    """Identity of a full block: chained hash plus the exact tokens (so a hit can be verified).
-
-    ``value`` hashes the parent's value, this block's token ids and its extra keys (e.g. a cache salt).
-    """
-
-    value: int
-    token_ids: tuple[int, ...]
-    extra_keys: tuple = ()
-
-
-def hash_block(parent_value: int, token_ids: tuple[int, ...], extra_keys: tuple = ()) -> BlockHash:
-    return BlockHash(hash((parent_value, token_ids, extra_keys)), token_ids, extra_keys)
+from pagedllm.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 class KVCacheBlock:
@@ -84,9 +69,13 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """Owns every block. Block 0 is a reserved null block (padding in block tables), never handed out."""
+    """Owns every block. Block 0 is a reserved null block (padding in block tables), never handed out.
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    With ``enable_kv_cache_events`` the pool records how its set of findable hashes changes (``take_events``);
+    replaying the events gives exactly ``cached``'s keys. Off, recording costs one ``is None`` test.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool, enable_kv_cache_events: bool = False) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2 (one is reserved), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -96,6 +85,7 @@ class BlockPool:
         self.null_block.ref_cnt = 1
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: dict[int, KVCacheBlock] = {}  # hash value -> block
+        self._events: list[KVEvent] | None = [] if enable_kv_cache_events else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -145,8 +135,12 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, parent_value: int) -> None:
-        """Make a full block findable. First writer wins: a duplicate stays uncached."""
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, parent_value: int,
+                    parent_is_root: bool = False) -> None:
+        """Make a full block findable. First writer wins: a duplicate stays uncached.
+
+        ``parent_is_root``: the block is a prompt's first (its event names no parent block).
+        """
         if not self.enable_caching or block.block_hash is not None:
             return
         if block_hash.value in self.cached:
@@ -154,17 +148,47 @@ class BlockPool:
         block.block_hash = block_hash
         block.parent_value = parent_value
         self.cached[block_hash.value] = block
+        if self._events is not None:
+            self._record_stored(block_hash, None if parent_is_root else parent_value)
 
     def uncache(self, block: KVCacheBlock) -> None:
         """Make a block unfindable by prefix lookups (its K/V can no longer be trusted)."""
         self._evict(block)
 
-    def _evict(self, block: KVCacheBlock) -> None:
+    def _evict(self, block: KVCacheBlock, record: bool = True) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash.value) is block:
                 del self.cached[block.block_hash.value]
+                if record and self._events is not None:
+                    self._record_removed(block.block_hash.value)
             block.block_hash = None
             block.parent_value = None
+
+    def take_events(self) -> list[KVEvent]:
+        """The events recorded since the last call, oldest first ([] when recording is off)."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    def _record_stored(self, block_hash: BlockHash, parent: int | None) -> None:
+        assert self._events is not None
+        last = self._events[-1] if self._events else None
+        # A request's consecutive blocks, cached in one call, extend one event as a chain (vLLM's shape).
+        if (isinstance(last, BlockStored) and parent is not None and last.block_hashes[-1] == parent
+                and last.block_size == len(block_hash.token_ids)):
+            last.block_hashes.append(block_hash.value)
+            last.token_ids.extend(block_hash.token_ids)
+            return
+        self._events.append(BlockStored(block_hashes=[block_hash.value], parent_block_hash=parent,
+                                        token_ids=list(block_hash.token_ids), block_size=len(block_hash.token_ids)))
+
+    def _record_removed(self, value: int) -> None:
+        assert self._events is not None
+        if self._events and isinstance(self._events[-1], BlockRemoved):
+            self._events[-1].block_hashes.append(value)
+        else:
+            self._events.append(BlockRemoved(block_hashes=[value]))
 
     def block_states(self) -> list[str]:
         """One state character per block, in id order (see ``core/kv_cache_snapshot.py``)."""
@@ -178,6 +202,8 @@ class BlockPool:
         """Forget every cached hash (blocks in use keep their data). Returns how many were dropped."""
         dropped = len(self.cached)
         for block in list(self.cached.values()):
-            self._evict(block)
+            self._evict(block, record=False)  # one AllBlocksCleared says it all
         self.cached.clear()
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
         return dropped

@@ -16,10 +16,10 @@ class KVCacheGroup:
     window are swapped for the null block and freed."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, enable_kv_cache_events: bool = False) -> None:
         self.block_size = block_size
         self.sliding_window = sliding_window
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
 

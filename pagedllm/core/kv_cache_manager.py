@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import random
-
-from pagedllm.core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block
+from pagedllm.core.block_hash import BlockHash, check_hash_algo, extend_block_hashes, root_hash_value
+from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.kv_cache_group import KVCacheGroup
 from pagedllm.core.kv_cache_snapshot import KVCacheSnapshot, build_snapshot
+from pagedllm.core.kv_events import KVEvent
 from pagedllm.core.request import Request
 from pagedllm.utils import cdiv
 
@@ -20,21 +20,28 @@ class KVCacheManager:
     Every operation runs over the KV cache groups (``core/kv_cache_group.py``): one for most models; a
     hybrid model's sliding-window layers get a second one (``sliding_group``: its blocks and window), whose
     blocks out of the window are freed while the full group keeps the whole context. Group 0 is the one
-    usage, admission and the cache map follow.
+    usage, admission, the cache map and the KV cache events follow.
+
+    Block hashes come from ``core/block_hash.py`` (``hash_algo``: builtin | sha256, the root from
+    ``hash_seed``), the same functions a router uses to predict them. ``enable_kv_cache_events``: group 0's
+    pool records BlockStored / BlockRemoved / AllBlocksCleared for ``take_events``.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  hash_seed: int | None = None, sliding_window: int | None = None,
-                 sliding_group: tuple[int, int] | None = None) -> None:
+                 sliding_group: tuple[int, int] | None = None, hash_algo: str = "builtin",
+                 enable_kv_cache_events: bool = False) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.hash_algo = check_hash_algo(hash_algo)
         # sliding_window: every attention layer slides with it (one group, Mistral-style).
-        self.groups = [KVCacheGroup(num_blocks, block_size, enable_caching, sliding_window)]
+        self.groups = [KVCacheGroup(num_blocks, block_size, enable_caching, sliding_window,
+                                    enable_kv_cache_events=enable_kv_cache_events)]
         if sliding_group is not None:  # (num_blocks, window) of a hybrid model's sliding layers
             self.groups.append(KVCacheGroup(sliding_group[0], block_size, enable_caching, sliding_group[1]))
         # The first block's parent value: random per process unless configured, so hashes can't be
         # predicted across deployments.
-        self.root_hash = hash(("pagedllm", hash_seed)) if hash_seed is not None else random.getrandbits(63)
+        self.root_hash = root_hash_value(hash_seed, hash_algo)
         # Prefix-cache statistics, counted in tokens.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -70,15 +77,10 @@ class KVCacheManager:
 
     def _update_block_hashes(self, request: Request) -> None:
         """Extend the request's chained block hashes to cover all its full blocks."""
-        bs = self.block_size
-        extra = (request.cache_salt,) if request.cache_salt else ()
-        tokens = request.all_token_ids
-        while (len(request.block_hashes) + 1) * bs <= len(tokens):
-            i = len(request.block_hashes)
-            # Only the first block carries the salt; later blocks inherit it through the chain.
-            request.block_hashes.append(
-                hash_block(self._parent_value(request, i), tuple(tokens[i * bs:(i + 1) * bs]),
-                           extra if i == 0 else ()))
+        # Checked here first: most calls (decode steps) have no newly filled block.
+        if (len(request.block_hashes) + 1) * self.block_size <= request.num_tokens:
+            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, self.root_hash,
+                                self.hash_algo, request.cache_salt)
 
     def get_computed_blocks(self, request: Request) -> tuple[GroupBlocks, int]:
         """Cached full blocks a new request may start from (one list per group), and the tokens they cover.
@@ -147,7 +149,8 @@ class KVCacheManager:
             start = group.num_cached_blocks.get(rid, 0)
             for i in range(start, num_full):
                 if blocks[i] is not null:  # a sliding group's block already out of the window
-                    group.pool.cache_block(blocks[i], request.block_hashes[i], self._parent_value(request, i))
+                    group.pool.cache_block(blocks[i], request.block_hashes[i], self._parent_value(request, i),
+                                           parent_is_root=i == 0)
             group.num_cached_blocks[rid] = max(start, num_full)
 
     def free(self, request: Request) -> None:
@@ -167,6 +170,10 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> int:
         return sum(g.pool.reset_prefix_cache() for g in self.groups)
+
+    def take_events(self) -> list[KVEvent]:
+        """Group 0's KV cache events since the last call, oldest first; [] unless events are enabled."""
+        return self.pool.take_events()
 
     def snapshot(self) -> KVCacheSnapshot:
         """Every block's state and owning request in group 0, for the playground's cache map. O(num_blocks)."""

@@ -33,13 +33,17 @@ MAX_FAILED_STEPS = 3
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 enable_kv_cache_events: bool = False) -> None:
         self.config = scheduler_config
         self.max_model_len = scheduler_config.max_model_len
+        # enable_kv_cache_events: the KV cache manager records events for a publisher (kv.take_events).
         self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
                                  cache_config.enable_prefix_caching, cache_config.prefix_caching_hash_seed,
                                  sliding_window=cache_config.sliding_window,
-                                 sliding_group=cache_config.sliding_group())
+                                 sliding_group=cache_config.sliding_group(),
+                                 hash_algo=cache_config.prefix_caching_hash_algo,
+                                 enable_kv_cache_events=enable_kv_cache_events)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

@@ -1,7 +1,8 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.core.block_pool import BlockPool, hash_block
+from pagedllm.core.block_hash import hash_block
+from pagedllm.core.block_pool import BlockPool
 
 
 def test_allocate_and_free_returns_everything():
