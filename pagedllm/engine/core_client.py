@@ -51,12 +51,11 @@ class EngineCoreClient:
     """``num_engines`` engine-core processes on this host, started from ``config``.
 
     ``threads_per_engine`` sets each engine's torch thread count (None: the engine's own default).
-    ``kv_events`` (optional) is handed to each engine, which calls ``kv_events.start(engine_index)``.
     ``target`` is the engine process's entry point (``run_engine_core``; tests wrap it to inject faults).
     """
 
     def __init__(self, config: EngineConfig, num_engines: int = 1, threads_per_engine: int | None = None,
-                 kv_events: Any = None, on_death: Callable[[int, str], None] | None = None,
+                 on_death: Callable[[int, str], None] | None = None,
                  target: Callable[..., None] = run_engine_core) -> None:
         self.num_engines = num_engines
         self.on_death = on_death
@@ -82,7 +81,7 @@ class EngineCoreClient:
                 child_end, parent_end = mp.Pipe(duplex=False)
                 proc = mp.Process(target=target, name=f"pagedllm-engine-{index}", daemon=True,
                                   args=(config, index, input_address, output_address, child_end,
-                                        threads_per_engine, kv_events))
+                                        threads_per_engine))
                 proc.start()
                 child_end.close()
                 self.processes.append(proc)

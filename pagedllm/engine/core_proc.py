@@ -65,14 +65,13 @@ class EngineCoreProc:
         self.engine_index = engine_index
         self.input = input_socket
         self.output = output_socket
-        self.core = EngineCore(config)
+        self.core = EngineCore(config, engine_index)
         tokenizer = load_tokenizer(config.model)  # the grammar matchers need the vocabulary
         on_gpu = self.core.worker.device.type == "cuda"
         self.core.structured_output = StructuredOutputManager(tokenizer, config.model.vocab_size,
                                                               config.model.eos_token_ids,
                                                               overlap_fill=True if on_gpu else None)
         self.snapshots = SnapshotPublisher()
-        self.kv_events = None  # set by run_engine_core when KV cache events are published
         self._stopping = False
 
     def ready_message(self) -> Ready:
@@ -103,7 +102,6 @@ class EngineCoreProc:
                 # Adds or aborts with no step to follow (e.g. an abort freed blocks): report the new state.
                 self._send_outputs([])
                 self.snapshots.after_step(self, None)
-            self._publish_kv_events()
 
     def _handle_input(self, block: bool) -> bool:
         """Every queued message; waits for one first when ``block``. Returns whether any was handled."""
@@ -169,10 +167,6 @@ class EngineCoreProc:
                                     timestamp=time.time())
         self.output.send_multipart([EngineMessageType.OUTPUTS.value, encode(message)])
 
-    def _publish_kv_events(self) -> None:
-        if self.kv_events is not None:
-            self.kv_events.publish_from(self.core.scheduler.kv, self.engine_index)
-
     # ---- utilities ---------------------------------------------------------------------------------------------
     def reset_prefix_cache(self) -> int:
         return self.core.reset_prefix_cache()
@@ -189,8 +183,7 @@ class EngineCoreProc:
 
 
 def run_engine_core(config: EngineConfig, engine_index: int, input_address: str, output_address: str,
-                    parent_alive: Connection, num_threads: int | None = None,
-                    kv_events: Any = None) -> None:
+                    parent_alive: Connection, num_threads: int | None = None) -> None:
     """Entry point of an engine process (a ``multiprocessing`` spawn target).
 
     Says HELLO as soon as its sockets are connected, builds the engine (model, KV cache), then says READY (or
@@ -217,8 +210,6 @@ def run_engine_core(config: EngineConfig, engine_index: int, input_address: str,
     input_socket.send_multipart([EngineMessageType.HELLO.value, encode(Hello(engine_index, os.getpid()))])
     try:
         proc = EngineCoreProc(config, engine_index, input_socket, output_socket)
-        if kv_events is not None:
-            proc.kv_events = kv_events.start(engine_index)
     except BaseException as e:  # noqa: BLE001 - reported to the API process, which fails its start-up
         logger.exception("engine %d failed to start", engine_index)
         input_socket.send_multipart([EngineMessageType.FAILED.value,
@@ -239,8 +230,7 @@ def run_engine_core(config: EngineConfig, engine_index: int, input_address: str,
         output_socket.send_multipart([EngineMessageType.DEAD.value, encode(Failure(engine_index, _describe(e)))])
         status = 1
     finally:
-        if proc.kv_events is not None:
-            proc.kv_events.close()
+        proc.core.close()
         input_socket.close()
         output_socket.close()
         ctx.term()

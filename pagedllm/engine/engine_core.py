@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.kv_events import KVEventBatch
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutput, ModelRunnerOutput
 from pagedllm.core.scheduler import Scheduler
@@ -30,12 +32,23 @@ def is_fatal_device_error(exc: BaseException) -> bool:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    """``engine_index``: this engine's data-parallel index (0 alone); it names its KV events endpoint and stats."""
+
+    def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
         self.config = config
+        self.engine_index = engine_index
         self.worker = Worker(config)
         config.cache.num_blocks = self.worker.determine_num_blocks()
         self.worker.init_kv_cache(config.cache.num_blocks)
-        self.scheduler = Scheduler(config.scheduler, config.cache)
+        events = config.kv_events
+        publishes = events is not None and events.publishes
+        self.scheduler = Scheduler(config.scheduler, config.cache, enable_kv_cache_events=publishes)
+        self.kv_events = None  # a ZMQ publisher of this engine's KV cache events (--kv-events-config, routing)
+        if publishes:
+            from pagedllm.distributed.kv_events import make_event_publisher
+
+            self.kv_events = make_event_publisher(events, engine_index)
+            logger.info("engine %d publishes KV cache events at %s", engine_index, self.kv_events.endpoint)
         # Step statistics, read by the metrics room.
         self.num_steps = 0
         self.last_step_tokens = 0
@@ -66,6 +79,12 @@ class EngineCore:
     def step(self, overlap: Callable[[], None] | None = None) -> list[EngineCoreOutput]:
         """One scheduled step. ``overlap`` runs exactly once: while the device computes the step when it
         samples (ModelRunner.execute_model), else after the step."""
+        try:
+            return self._step_once(overlap)
+        finally:
+            self._publish_kv_events()
+
+    def _step_once(self, overlap: Callable[[], None] | None) -> list[EngineCoreOutput]:
         if overlap is None:
             return self._step(None)
         done = False
@@ -131,9 +150,23 @@ class EngineCore:
                 out.finish_reason = "stop"
 
     def reset_prefix_cache(self) -> int:
-        return self.scheduler.kv.reset_prefix_cache()
+        dropped = self.scheduler.kv.reset_prefix_cache()
+        self._publish_kv_events()
+        return dropped
 
-    def take_stats(self, engine_index: int = 0) -> SchedulerStats:
+    def _publish_kv_events(self) -> None:
+        if self.kv_events is not None:
+            events = self.scheduler.kv.take_events()
+            if events:
+                self.kv_events.publish(KVEventBatch(time.time(), events, self.engine_index))
+
+    def close(self) -> None:
+        """Release what outlives a step (the KV events socket)."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
+
+    def take_stats(self, engine_index: int | None = None) -> SchedulerStats:
         """The counters the front end reports (``core/scheduler_stats.py``), with the requests first scheduled
         since the last call."""
         newly: dict[str, tuple[float, float]] = {}
@@ -147,4 +180,4 @@ class EngineCore:
                     newly[request_id] = (request.first_scheduled_time,
                                          max(request.first_scheduled_time - request.arrival_time, 0.0))
                     self._unscheduled.discard(request_id)
-        return make_scheduler_stats(self, engine_index, newly)
+        return make_scheduler_stats(self, self.engine_index if engine_index is None else engine_index, newly)

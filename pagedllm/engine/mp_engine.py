@@ -87,9 +87,10 @@ class MultiprocEngine(EngineFrontEnd):
         os.set_blocking(self._wake_w, False)
         self._wakeup: Callable[[], None] | None = None
         self.router = make_router(config, n)
-        self.client = EngineCoreClient(config, n, threads, kv_events=self.router.engine_kv_events(),
-                                       on_death=self._on_death, **({"target": engine_target} if engine_target else {}))
+        self.client = EngineCoreClient(config, n, threads, on_death=self._on_death,
+                                       **({"target": engine_target} if engine_target else {}))
         try:
+            self.router.start()
             self._apply_ready()
             self.structured_output = StructuredOutputManager(self.tokenizer, config.model.vocab_size,
                                                              config.model.eos_token_ids)  # validation only
@@ -97,6 +98,7 @@ class MultiprocEngine(EngineFrontEnd):
                                        self._check_fits)
         except BaseException:
             self.client.shutdown()
+            self.router.close()
             raise
         self.output_processor = OutputProcessor(self.tokenizer)
         self._owner: dict[str, int] = {}  # engine request (child) id -> the engine that runs it
@@ -111,7 +113,6 @@ class MultiprocEngine(EngineFrontEnd):
         self._poller = zmq.Poller()
         self._poller.register(self.client.output, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
-        self.router.register(self._poller)
 
     def _apply_ready(self) -> None:
         """The engines sized their KV caches: what the API side checks a prompt against."""
