@@ -1,4 +1,4 @@
-"""Environment variables pagedllm reads at the top level (documented in docs/serving.md, "Environment").
+"""Environment variables pagedllm reads at the top level, each documented with its feature.
 
 Read here, once, and passed down as configuration; nothing deep in the engine reads the environment itself.
 """

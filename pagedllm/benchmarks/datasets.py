@@ -36,23 +36,27 @@ def allowed_token_ids(tokenizer: Any) -> np.ndarray:
 
 
 def random_requests(tokenizer: Any, num_prompts: int, input_len: int, output_len: int,
-                    prefix_len: int = 0, seed: int = 0) -> list[SampledRequest]:
+                    prefix_len: int = 0, seed: int = 0, num_prefixes: int = 1) -> list[SampledRequest]:
     """``num_prompts`` prompts of exactly ``prefix_len + input_len`` token ids.
 
-    The first ``prefix_len`` ids are one shared prefix (to exercise prefix caching); the rest are drawn
-    uniformly from the non-special vocabulary with ``numpy.random.default_rng(seed)``, so the same
-    arguments give the same prompts in every process and for every backend.
+    The first ``prefix_len`` ids are a shared prefix (to exercise prefix caching): one of ``num_prefixes``
+    different ones (vLLM's prefix-repetition workload: a few system prompts, many users), in shuffled order.
+    The rest are drawn uniformly from the non-special vocabulary with ``numpy.random.default_rng(seed)``, so
+    the same arguments give the same prompts in every process and for every backend.
     """
     for name, value in (("num_prompts", num_prompts), ("input_len", input_len), ("output_len", output_len)):
         if value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value}")
     if prefix_len < 0:
         raise ValueError(f"prefix_len must be >= 0, got {prefix_len}")
+    if num_prefixes < 1:
+        raise ValueError(f"num_prefixes must be a positive integer, got {num_prefixes}")
     rng = np.random.default_rng(seed)
     vocab = allowed_token_ids(tokenizer)
-    prefix = rng.choice(vocab, size=prefix_len).tolist()
+    prefixes = [rng.choice(vocab, size=prefix_len).tolist() for _ in range(num_prefixes)]
     bodies = rng.choice(vocab, size=(num_prompts, input_len))
-    return [SampledRequest(prefix + row.tolist(), output_len) for row in bodies]
+    which = rng.permutation(np.arange(num_prompts) % num_prefixes) if num_prefixes > 1 else np.zeros(num_prompts, int)
+    return [SampledRequest(prefixes[int(k)] + row.tolist(), output_len) for k, row in zip(which, bodies)]
 
 
 def add_dataset_args(parser: argparse.ArgumentParser, num_prompts: int = 200) -> None:
@@ -66,3 +70,6 @@ def add_dataset_args(parser: argparse.ArgumentParser, num_prompts: int = 200) ->
                             "this many (default: 128).")
     group.add_argument("--prefix-len", type=int, default=0,
                        help="Length of a random prefix shared by all prompts (default: 0).")
+    group.add_argument("--num-prefixes", type=int, default=1,
+                       help="Different shared prefixes of --prefix-len tokens; prompt i gets one of them, so the "
+                            "prompts come in --num-prefixes groups (default: 1).")

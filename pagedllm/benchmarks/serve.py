@@ -228,6 +228,25 @@ def calculate_metrics(results: list[RequestResult], duration: float,
     return metrics
 
 
+def prefix_cache_counters(base_url: str, headers: dict[str, str] | None) -> tuple[float, float] | None:
+    """(queries, hits) of the server's prefix cache in tokens, summed over its engines, from ``/metrics`` (vLLM's
+    names); None when the server exposes no such metrics."""
+    import httpx
+
+    try:
+        text = httpx.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=10).text
+    except httpx.HTTPError:
+        return None
+    totals = {"vllm:prefix_cache_queries_total": 0.0, "vllm:prefix_cache_hits_total": 0.0}
+    seen = False
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+            seen = True
+    return (totals["vllm:prefix_cache_queries_total"], totals["vllm:prefix_cache_hits_total"]) if seen else None
+
+
 def print_summary(metrics: dict[str, Any], percentiles: list[float]) -> None:
     width = 50
     print("{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=width, c="="))
@@ -282,7 +301,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"max_concurrency must be >= 1, got {args.max_concurrency}")
     tokenizer = _load_tokenizer(args.tokenizer, args.model)
     requests = random_requests(tokenizer, args.num_prompts, args.input_len, args.output_len,
-                               prefix_len=args.prefix_len, seed=args.seed)
+                               prefix_len=args.prefix_len, seed=args.seed, num_prefixes=args.num_prefixes)
     payloads = [build_payload(args.model, r, args.prompt_format, tokenizer, args.temperature)
                 for r in requests]
     delays = arrival_delays(len(requests), args.request_rate, args.seed)
@@ -290,11 +309,18 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     print(f"Sending {len(requests)} requests to {url} at {args.request_rate:g} req/s "
           f"(max concurrency {args.max_concurrency or 'unlimited'})")
+    cache_before = prefix_cache_counters(args.base_url, headers)
     results, duration = asyncio.run(run_benchmark(url, payloads, [r.prompt_len for r in requests], delays,
                                                   args.max_concurrency, headers,
                                                   use_tqdm=not args.disable_tqdm))
     metrics = calculate_metrics(results, duration, percentiles)
+    cache_after = prefix_cache_counters(args.base_url, headers)
+    if cache_before is not None and cache_after is not None:
+        queries, hits = (after - before for after, before in zip(cache_after, cache_before))
+        metrics["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
     print_summary(metrics, percentiles)
+    if "prefix_cache_hit_rate" in metrics:
+        print(f"{'Prefix cache hit rate (server):':<40}{metrics['prefix_cache_hit_rate'] * 100:.1f}%")
     errors = [r.error for r in results if not r.success]
     if errors:
         print(f"{len(errors)} requests failed; first error: {errors[0]}")
@@ -303,7 +329,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     metrics.update(backend="openai-completions", base_url=args.base_url, endpoint=args.endpoint,
                    model=args.model, num_prompts=args.num_prompts, request_rate=rate,
                    max_concurrency=args.max_concurrency, input_len=args.input_len, output_len=args.output_len,
-                   prefix_len=args.prefix_len, prompt_format=args.prompt_format, seed=args.seed)
+                   prefix_len=args.prefix_len, num_prefixes=args.num_prefixes, prompt_format=args.prompt_format,
+                   seed=args.seed)
     if args.save_detailed:
         metrics.update(input_lens=[r.prompt_len for r in results],
                        output_lens=[r.output_len for r in results], ttfts=[r.ttft for r in results],

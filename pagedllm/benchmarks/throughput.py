@@ -163,7 +163,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         if getattr(args, "dataset", "random") == "grounded":
             return grounded_requests(tokenizer, args.num_prompts, args.input_len, args.output_len, seed=args.seed)
         return random_requests(tokenizer, args.num_prompts, args.input_len, args.output_len,
-                               prefix_len=args.prefix_len, seed=args.seed)
+                               prefix_len=args.prefix_len, seed=args.seed, num_prefixes=args.num_prefixes)
 
     if args.backend == "hf":
         from pagedllm.model_executor.loader import load_tokenizer
