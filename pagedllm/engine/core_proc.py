@@ -73,6 +73,9 @@ class EngineCoreProc:
                                                               overlap_fill=True if on_gpu else None)
         self.snapshots = SnapshotPublisher()
         self._stopping = False
+        # The price of the boundary on this side: time spent encoding and queueing output messages.
+        self.num_output_messages = 0
+        self.output_message_time_s = 0.0
 
     def ready_message(self) -> Ready:
         c = self.config
@@ -160,12 +163,20 @@ class EngineCoreProc:
             self.engine_index, utility_result=result, timestamp=time.time()))])
 
     def _send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        start = time.perf_counter()
         for out in outputs:
             if out.pooling_output is not None and not isinstance(out.pooling_output, bytes):
                 out.pooling_output = out.pooling_output.float().contiguous().numpy().tobytes()
         message = EngineCoreOutputs(self.engine_index, outputs, self.core.take_stats(self.engine_index),
                                     timestamp=time.time())
         self.output.send_multipart([EngineMessageType.OUTPUTS.value, encode(message)])
+        self.num_output_messages += 1
+        self.output_message_time_s += time.perf_counter() - start
+
+    def log_boundary_cost(self) -> None:
+        if self.num_output_messages:
+            logger.info("engine %d: %d output messages, %.1f us each to encode and queue (mean)", self.engine_index,
+                        self.num_output_messages, self.output_message_time_s / self.num_output_messages * 1e6)
 
     # ---- utilities ---------------------------------------------------------------------------------------------
     def reset_prefix_cache(self) -> int:
@@ -230,6 +241,7 @@ def run_engine_core(config: EngineConfig, engine_index: int, input_address: str,
         output_socket.send_multipart([EngineMessageType.DEAD.value, encode(Failure(engine_index, _describe(e)))])
         status = 1
     finally:
+        proc.log_boundary_cost()
         proc.core.close()
         input_socket.close()
         output_socket.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,6 +111,9 @@ class MultiprocEngine(EngineFrontEnd):
         self._undelivered: list[EngineCoreOutput] = []
         self._utilities: dict[int, _PendingUtility] = {}
         self._next_call_id = 0
+        # The price of the boundary on this side: receiving and decoding the engines' messages.
+        self.num_messages = 0
+        self.message_time_s = 0.0
         self._poller = zmq.Poller()
         self._poller.register(self.client.output, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
@@ -165,13 +169,19 @@ class MultiprocEngine(EngineFrontEnd):
         loads = [r + s for r, s in zip(self._reported_load, self._sent_since_report)]
         engine = self.router.choose(parent, first.prompt_token_ids, first.cache_salt, loads)
         for request in requests:
-            self.client.send(engine, RequestType.ADD, EngineCoreRequest(
+            self._send(engine, RequestType.ADD, EngineCoreRequest(
                 request.request_id, request.prompt_token_ids, request.sampling_params, list(request.eos_token_ids),
                 request.max_tokens, request.arrival_time, request.cache_salt, request.pooling_params))
             self._owner[request.request_id] = engine
             self._parent_of[request.request_id] = parent
         self._live_children[parent] = len(requests)
         self._sent_since_report[engine] += len(requests)
+
+    def _send(self, engine: int, kind: RequestType, message: Any) -> None:
+        try:
+            self.client.send(engine, kind, message)
+        except zmq.ZMQError as e:  # the engine's socket is gone: it died, and the watcher will say how
+            raise EngineDeadError(f"engine {engine} is unreachable ({e}); restart the server") from None
 
     def abort_children(self, child_ids: list[str]) -> None:
         self._send_aborts(child_ids, "abort")
@@ -188,7 +198,7 @@ class MultiprocEngine(EngineFrontEnd):
         if self.client.dead is not None:
             return
         for engine, ids in by_engine.items():
-            self.client.send(engine, RequestType.ABORT, AbortRequests(ids, reason))
+            self._send(engine, RequestType.ABORT, AbortRequests(ids, reason))
 
     def _forget(self, child_id: str) -> int | None:
         engine = self._owner.pop(child_id, None)
@@ -210,7 +220,7 @@ class MultiprocEngine(EngineFrontEnd):
         pending = _PendingUtility(method, concurrent.futures.Future())
         self._utilities[call_id] = pending
         for engine in range(self.num_engines):
-            self.client.send(engine, RequestType.UTILITY, UtilityCall(call_id, method, list(args)))
+            self._send(engine, RequestType.UTILITY, UtilityCall(call_id, method, list(args)))
         return pending.future
 
     def kv_cache_snapshots(self) -> concurrent.futures.Future:
@@ -248,7 +258,12 @@ class MultiprocEngine(EngineFrontEnd):
 
     def _receive(self) -> None:
         self.router.poll_events()
-        for kind, message in self.client.recv_outputs():
+        start = time.perf_counter()
+        messages = self.client.recv_outputs()
+        if messages:
+            self.num_messages += len(messages)
+            self.message_time_s += time.perf_counter() - start
+        for kind, message in messages:
             if kind is EngineMessageType.DEAD:
                 self.client.report_dead_message(message.engine_index, message.reason)
                 self._raise_if_dead()
@@ -277,6 +292,10 @@ class MultiprocEngine(EngineFrontEnd):
         return stats
 
     def shutdown(self) -> None:
+        if self.num_messages:
+            logger.info("received %d engine messages, %.1f us each to receive and decode (mean)", self.num_messages,
+                        self.message_time_s / self.num_messages * 1e6)
+            self.num_messages = 0
         self.client.shutdown()
         self.router.close()
         for fd in (self._wake_r, self._wake_w):

@@ -22,7 +22,7 @@ SYSTEMS = [f"System prompt {s}: you are a careful assistant for team {s}. " * 12
 def _engines(server) -> list[psutil.Process]:
     """The server's engine-core processes (multiprocessing spawn children running run_engine_core)."""
     kids = psutil.Process(server.proc.pid).children(recursive=True)
-    return [k for k in kids if "multiprocessing" in " ".join(k.cmdline())]
+    return [k for k in kids if "spawn_main" in " ".join(k.cmdline())]
 
 
 def _samples(server, name: str) -> dict[tuple, float]:
@@ -32,7 +32,7 @@ def _samples(server, name: str) -> dict[tuple, float]:
 
 
 def _greedy(client, prompts: list[str], max_tokens: int = 16) -> list[str]:
-    return [client.completions.create(model="m", prompt=p, max_tokens=max_tokens, temperature=0).choices[0].text
+    return [client.completions.create(model="test-model", prompt=p, max_tokens=max_tokens, temperature=0).choices[0].text
             for p in prompts]
 
 
@@ -44,7 +44,7 @@ def _hit_rate(server, client) -> float:
     q0, h0 = counters()
     # Three waves of 8 requests (2 per system prompt), concurrent within a wave.
     def ask(user: int) -> None:
-        client.completions.create(model="m", prompt=SYSTEMS[user % 4] + f"User {user} asks:", max_tokens=2,
+        client.completions.create(model="test-model", prompt=SYSTEMS[user % 4] + f"User {user} asks:", max_tokens=2,
                                   temperature=0)
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -55,7 +55,7 @@ def _hit_rate(server, client) -> float:
 
 
 def test_killed_engine_fails_streams_and_health(remote_server_cls):
-    server = remote_server_cls(["--served-model-name", "m"])
+    server = remote_server_cls(["--served-model-name", "test-model"])
     try:
         engines = _engines(server)
         assert len(engines) == 1
@@ -64,7 +64,7 @@ def test_killed_engine_fails_streams_and_health(remote_server_cls):
         def stream(prompt: str) -> tuple[str, float]:
             with httpx.Client(timeout=60) as http, http.stream(
                     "POST", f"{server.url}/v1/completions",
-                    json={"model": "m", "prompt": prompt, "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
+                    json={"model": "test-model", "prompt": prompt, "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
                           "stream": True}) as resp:
                 body = "".join(resp.iter_text())
             return body, time.monotonic()
@@ -83,7 +83,7 @@ def test_killed_engine_fails_streams_and_health(remote_server_cls):
             assert time.monotonic() < deadline, "/health still 200 15 s after the engine died"
             time.sleep(0.2)
         assert "engine 0" in server.log() and "killed by signal 9" in server.log()
-        late = httpx.post(f"{server.url}/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})
+        late = httpx.post(f"{server.url}/v1/completions", json={"model": "test-model", "prompt": "hi", "max_tokens": 2})
         assert late.status_code == 503 and late.json()["error"]["message"]
     finally:
         server.stop()
@@ -92,7 +92,7 @@ def test_killed_engine_fails_streams_and_health(remote_server_cls):
 
 
 def test_two_engines_equal_one_and_route_by_prefix(remote_server_cls, server, client):
-    dp = remote_server_cls(["--served-model-name", "m", "--data-parallel-size", "2"])
+    dp = remote_server_cls(["--served-model-name", "test-model", "--data-parallel-size", "2"])
     try:
         pids = [e.pid for e in _engines(dp)]
         assert len(pids) == 2
@@ -116,13 +116,13 @@ def test_two_engines_equal_one_and_route_by_prefix(remote_server_cls, server, cl
 def test_balance_beats_the_cache_past_the_threshold(remote_server_cls):
     """Every prompt shares one prefix (the cache says: one engine), but with more requests in flight than the
     balance threshold the second engine gets work too."""
-    dp = remote_server_cls(["--served-model-name", "m", "--data-parallel-size", "2",
+    dp = remote_server_cls(["--served-model-name", "test-model", "--data-parallel-size", "2",
                             "--routing-balance-abs-threshold", "2", "--routing-balance-rel-threshold", "1.5"])
     try:
         dp_client = dp.client()
         with concurrent.futures.ThreadPoolExecutor(12) as pool:
             list(pool.map(lambda i: dp_client.completions.create(
-                model="m", prompt=SYSTEMS[0] + f"User {i}:", max_tokens=24, temperature=0, extra_body={
+                model="test-model", prompt=SYSTEMS[0] + f"User {i}:", max_tokens=24, temperature=0, extra_body={
                     "ignore_eos": True}), range(12)))
         steps = _samples(dp, "vllm:iteration_tokens_total_count")
         per_engine = {dict(k)["engine"]: v for k, v in steps.items()}
