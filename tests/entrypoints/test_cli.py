@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,17 @@ def test_help_for_every_subcommand(argv: list[str], capsys: pytest.CaptureFixtur
     assert exc.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: pagedllm" + (" " + " ".join(argv) if argv else ""))
+
+
+@pytest.mark.parametrize("argv", SUBCOMMANDS, ids=lambda a: " ".join(a) or "pagedllm")
+def test_help_names_only_files_that_exist(argv: list[str], capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "400")  # one line per option: a path is never wrapped
+    with pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    paths = re.findall(r"[\w.-]+(?:/[\w.-]+)+\.(?:py|sh|md)\b", capsys.readouterr().out)
+    missing = [p for p in paths if not (REPO_ROOT / p).is_file()]
+    assert not missing, f"--help points to files that do not exist: {missing}"
 
 
 def test_parser_wires_every_command() -> None:
