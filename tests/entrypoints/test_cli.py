@@ -64,6 +64,11 @@ def test_parser_wires_every_command() -> None:
     args = parser.parse_args(["chat", "--system", "Be brief."])
     assert args.system == "Be brief."
     assert callable(parser.parse_args(["serve", "--port", "9"]).func)
+    # tool_choice 'auto' needs no flag: the parser follows the chat template unless --tool-call-parser is given;
+    # vLLM's --enable-auto-tool-choice is still accepted.
+    assert parser.parse_args(["serve"]).tool_call_parser is None
+    args = parser.parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "mistral"])
+    assert args.tool_call_parser == "mistral"
 
 
 def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
