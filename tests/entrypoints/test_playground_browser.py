@@ -207,6 +207,8 @@ def test_kv_map_follows_a_request_and_stop_aborts_it(page):
     answer = page.locator("article.message.assistant").last
     # Streamed text appears and keeps growing.
     wait_js(page, f"{LAST_ANSWER}?.querySelector('.content').textContent.length > 0")
+    # The first token cleared the waiting line (it is cleared before the text is drawn).
+    assert answer.locator(".stats").inner_text() == ""
     first_len = len(answer.locator(".content").inner_text())
     wait_js(page, f"{LAST_ANSWER}.querySelector('.content').textContent.length > {first_len + 10}")
     assert page.locator("#stop").is_enabled() and answer.get_attribute("data-state") is None
