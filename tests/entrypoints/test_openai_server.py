@@ -11,6 +11,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+# Starts a server on the default model. Deselected by -m "not slow" (the fast subset).
+pytestmark = pytest.mark.slow
+
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
 

@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+# Starts a server on the default model and a browser. Deselected by -m "not slow" (the fast subset).
+pytestmark = pytest.mark.slow
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 KEY = "browser-test-key"

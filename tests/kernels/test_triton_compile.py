@@ -16,6 +16,10 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
+
+# Compiles every launch for two GPU architectures: minutes. Deselected by -m "not slow" (the fast subset).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
