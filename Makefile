@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve test lint bench-throughput clean chromium
+.PHONY: install serve test test-fast lint bench-throughput clean chromium
 
 # The playground's browser test drives Debian's chromium through Playwright (never `playwright install`,
 # which downloads browsers). Another Chromium binary: PAGEDLLM_CHROMIUM=/path/to/chromium make test.
@@ -34,6 +34,10 @@ serve: install
 
 test: install chromium
 	PAGEDLLM_CHROMIUM=$(CHROMIUM) $(PY) -m pytest $(PYTEST_ARGS)
+
+# The fast subset while developing: no real model, server or browser (tests marked slow are left out).
+test-fast: install
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # Installs chromium when it is missing (as root, or through sudo); fails loudly when it cannot, since the
 # browser test must not be skipped.

@@ -34,7 +34,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="Untimed warm-up iterations (default: 1).")
     group.add_argument("--dataset", choices=["random", "grounded"], default="random",
                        help="random: random token ids; grounded: prompts asking to repeat a passage of about "
-                            "--input-len tokens (where speculative decoding pays; benchmarks/grounded.py).")
+                            "--input-len tokens (where speculative decoding pays; pagedllm/benchmarks/grounded.py).")
     group.add_argument("--temperature", type=float, default=1.0,
                        help="Sampling temperature (default: 1.0, as vLLM's benchmark; 0 = greedy).")
     group.add_argument("--output-json", default=None, help="Write the results to this JSON file.")

@@ -30,7 +30,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "(default: 8,32).")
     parser.add_argument("--dataset", choices=["random", "grounded"], default="random",
                         help="random token ids, or grounded prompts asking to repeat a passage (see "
-                             "benchmarks/grounded.py; where speculative decoding pays).")
+                             "pagedllm/benchmarks/grounded.py; where speculative decoding pays).")
     parser.add_argument("--output-json", default=None, help="Write the results to this JSON file.")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="Skip the short untimed warm-up generation.")

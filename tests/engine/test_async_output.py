@@ -13,6 +13,9 @@ from prompts import PROMPTS
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.output_processor import OutputKind
 
+# Runs the default model (the session's `llm`). Deselected by -m "not slow" (the fast subset).
+pytestmark = pytest.mark.slow
+
 
 @contextmanager
 def async_output(llm: LLM, on: bool = True) -> Iterator[None]:

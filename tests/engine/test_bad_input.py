@@ -3,6 +3,7 @@ import pytest
 from pagedllm import LLM, SamplingParams
 
 
+@pytest.mark.slow  # the default model (the session's `llm`), like each test marked slow below
 def test_empty_prompt(llm: LLM):
     with pytest.raises(ValueError, match="prompt"):
         llm.generate("", SamplingParams(), use_tqdm=False)
@@ -10,6 +11,7 @@ def test_empty_prompt(llm: LLM):
         llm.generate([[]], SamplingParams(), use_tqdm=False)
 
 
+@pytest.mark.slow
 def test_too_long_prompt(llm: LLM):
     with pytest.raises(ValueError, match="1024"):
         llm.generate([list(range(5, 1100))], SamplingParams(), use_tqdm=False)
@@ -18,6 +20,7 @@ def test_too_long_prompt(llm: LLM):
     assert llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
 
 
+@pytest.mark.slow
 def test_out_of_vocab_token_id(llm: LLM):
     with pytest.raises(ValueError, match="token id"):
         llm.generate([[1, 10**7]], SamplingParams(), use_tqdm=False)
@@ -37,6 +40,7 @@ def test_unknown_model_path():
         LLM(model="/nonexistent/model-folder")
 
 
+@pytest.mark.slow
 def test_mismatched_params_list(llm: LLM):
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)

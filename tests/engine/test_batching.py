@@ -5,6 +5,9 @@ from prompts import PROMPTS
 
 from pagedllm import LLM, SamplingParams
 
+# Runs the default model (the session's `llm`, and engines of its own). Deselected by -m "not slow" (the fast subset).
+pytestmark = pytest.mark.slow
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 

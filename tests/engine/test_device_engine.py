@@ -14,6 +14,10 @@ from model_helpers import default_model_path, make_tiny_llama  # noqa: E402
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
 
+# Reads the default model's GGUF for its tokenizer and runs transformers beside the engine: about half a
+# minute on 2 cores. Deselected by -m "not slow"; benchmarks/gpu_check.sh names the file, so it runs there.
+pytestmark = pytest.mark.slow
+
 DEVICE = os.environ.get("PAGEDLLM_TEST_DEVICE", "cpu")
 CARRIED_TOKENIZER = "benchmarks/gpu/.carry/smollm2-config"
 PROMPTS = [[5, 9, 17, 33, 2 + i, 100 - i, 7 * i % 250 + 3] for i in range(8)]

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pagedllm import SamplingParams
+
+# Runs the default model (the session's `llm`). Deselected by -m "not slow" (the fast subset).
+pytestmark = pytest.mark.slow
 
 POISON = 49_000  # a token id the patched model refuses; greedy decoding of these prompts never emits it
 

@@ -5,6 +5,9 @@ from prompts import PROMPTS
 
 from pagedllm import LLM, SamplingParams
 
+# Runs the default model (the session's `llm`). Deselected by -m "not slow" (the fast subset).
+pytestmark = pytest.mark.slow
+
 
 def test_max_tokens_and_length_finish(llm: LLM):
     out = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),

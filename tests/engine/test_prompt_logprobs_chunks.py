@@ -9,6 +9,9 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.worker import model_runner
 
+# Runs the default model (the session's `llm`). Deselected by -m "not slow" (the fast subset).
+pytestmark = pytest.mark.slow
+
 
 def test_sliced_prompt_logprobs_equal_whole(llm: LLM, monkeypatch) -> None:
     prompt = {"prompt_token_ids": [1, 28, 3000, 412, 9, 77, 5120, 28, 640, 11, 902]}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,17 @@ def test_help_for_every_subcommand(argv: list[str], capsys: pytest.CaptureFixtur
     assert out.startswith("usage: pagedllm" + (" " + " ".join(argv) if argv else ""))
 
 
+@pytest.mark.parametrize("argv", SUBCOMMANDS, ids=lambda a: " ".join(a) or "pagedllm")
+def test_help_names_only_files_that_exist(argv: list[str], capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "400")  # one line per option: a path is never wrapped
+    with pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    paths = re.findall(r"[\w.-]+(?:/[\w.-]+)+\.(?:py|sh|md)\b", capsys.readouterr().out)
+    missing = [p for p in paths if not (REPO_ROOT / p).is_file()]
+    assert not missing, f"--help points to files that do not exist: {missing}"
+
+
 def test_parser_wires_every_command() -> None:
     parser = build_parser()
     args = parser.parse_args(["generate", "--prompt", "a", "-p", "b", "--max-tokens", "3", "--top-k", "5",
@@ -52,6 +64,11 @@ def test_parser_wires_every_command() -> None:
     args = parser.parse_args(["chat", "--system", "Be brief."])
     assert args.system == "Be brief."
     assert callable(parser.parse_args(["serve", "--port", "9"]).func)
+    # tool_choice 'auto' needs no flag: the parser follows the chat template unless --tool-call-parser is given;
+    # vLLM's --enable-auto-tool-choice is still accepted.
+    assert parser.parse_args(["serve"]).tool_call_parser is None
+    args = parser.parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "mistral"])
+    assert args.tool_call_parser == "mistral"
 
 
 def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:

@@ -32,8 +32,8 @@ def _samples(server, name: str) -> dict[tuple, float]:
 
 
 def _greedy(client, prompts: list[str], max_tokens: int = 16) -> list[str]:
-    return [client.completions.create(model="test-model", prompt=p, max_tokens=max_tokens, temperature=0).choices[0].text
-            for p in prompts]
+    return [client.completions.create(model="test-model", prompt=p, max_tokens=max_tokens,
+                                      temperature=0).choices[0].text for p in prompts]
 
 
 def _hit_rate(server, client) -> float:
@@ -64,8 +64,8 @@ def test_killed_engine_fails_streams_and_health(remote_server_cls):
         def stream(prompt: str) -> tuple[str, float]:
             with httpx.Client(timeout=60) as http, http.stream(
                     "POST", f"{server.url}/v1/completions",
-                    json={"model": "test-model", "prompt": prompt, "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
-                          "stream": True}) as resp:
+                    json={"model": "test-model", "prompt": prompt, "max_tokens": 1500, "temperature": 0,
+                          "ignore_eos": True, "stream": True}) as resp:
                 body = "".join(resp.iter_text())
             return body, time.monotonic()
 

@@ -1,14 +1,18 @@
 """The server through the real ``openai`` client: completions, chat, streaming, usage, logprobs, n, stop,
-seeds, models, tokenization, concurrency, disconnects and metrics."""
+seeds, models, tokenization, concurrency, disconnects, metrics and tools without tool_choice."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+# Starts a server on the default model. Deselected by -m "not slow" (the fast subset).
+pytestmark = pytest.mark.slow
 
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
@@ -46,7 +50,8 @@ def test_completion_basic_and_usage(client, model_name):
     assert resp.usage.prompt_tokens == len(prompt_ids)
     assert resp.usage.completion_tokens == 6
     assert resp.usage.total_tokens == len(prompt_ids) + 6
-    assert resp.usage.prompt_tokens_details.cached_tokens >= 0
+    # Only full KV blocks (16 tokens) are shared; this prompt is shorter than one, so nothing is ever cached.
+    assert len(prompt_ids) < 16 and resp.usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_streaming_equals_non_streaming(client, model_name):
@@ -214,9 +219,16 @@ def test_metrics_counters_move(server, client, model_name):
                  "vllm:request_prompt_tokens_count", "vllm:request_generation_tokens_count",
                  "vllm:request_queue_time_seconds_count"):
         assert metric(after, hist) - metric(before, hist) == 1, hist
-    assert metric(after, "vllm:inter_token_latency_seconds_count") >= 0
+    # A non-streamed request reaches the stats once, finished, so it has no inter-token gaps to observe;
+    # a streamed one reaches them token by token: 5 tokens, 4 gaps.
+    itl = "vllm:inter_token_latency_seconds_count"
+    assert metric(after, itl) - metric(before, itl) == 0
     steps = "vllm:iteration_tokens_total_count"
     assert metric(after, steps) > metric(before, steps)
+    chunks = list(client.completions.create(model=model_name, prompt=PROMPT, max_tokens=5, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == resp.choices[0].text
+    assert metric(metrics(server), itl) - metric(after, itl) == 4
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:num_preemptions_total",
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
         assert any(n == name for n, _ in after), name
@@ -237,3 +249,37 @@ def test_request_id_header_echo(server, model_name):
     r = httpx.post(f"{server.url}/v1/completions", headers={"X-Request-Id": "abc-123"},
                    json={"model": model_name, "prompt": PROMPT, "max_tokens": 1})
     assert r.status_code == 200 and r.headers["x-request-id"] == "abc-123"
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                          "required": ["city"]}}}
+# The hermes call the built-in tool ChatML template asks for. The tiny model would rarely write it unprompted,
+# so a choice constraint (which tool_choice 'auto' leaves to the request) makes it write exactly this.
+CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_tools_without_tool_choice_are_auto_on_a_default_server(client, model_name):
+    """What the openai client sends in a tool loop: tools, no tool_choice. OpenAI treats it as 'auto'; the
+    default server (no --enable-auto-tool-choice) parses the call with the template's parser (hermes)."""
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    forced = {"structured_outputs": {"choice": [CALL_TEXT]}}
+    resp = client.chat.completions.create(model=model_name, messages=ask, tools=[WEATHER], max_tokens=40,
+                                          temperature=0, extra_body=forced)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    # Streamed: the same call in tool_call deltas, none of the markup as content.
+    chunks = list(client.chat.completions.create(model=model_name, messages=ask, tools=[WEATHER], max_tokens=40,
+                                                 temperature=0, extra_body=forced, stream=True))
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+    assert "".join(d.function.name or "" for d in deltas) == "get_weather"
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == {"city": "Paris"}
+    assert [c for c in chunks if c.choices][-1].choices[0].finish_reason == "tool_calls"
+    # Without a call in the text, tools without tool_choice answer as plain chat.
+    plain = client.chat.completions.create(model=model_name, messages=ask, tools=[WEATHER], max_tokens=4,
+                                           temperature=0, extra_body={"structured_outputs": {"choice": ["Sunny"]}})
+    assert plain.choices[0].message.content == "Sunny" and not plain.choices[0].message.tool_calls

@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+# Starts a server on the default model and a browser. Deselected by -m "not slow" (the fast subset).
+pytestmark = pytest.mark.slow
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 KEY = "browser-test-key"
@@ -207,6 +210,8 @@ def test_kv_map_follows_a_request_and_stop_aborts_it(page):
     answer = page.locator("article.message.assistant").last
     # Streamed text appears and keeps growing.
     wait_js(page, f"{LAST_ANSWER}?.querySelector('.content').textContent.length > 0")
+    # The first token cleared the waiting line (it is cleared before the text is drawn).
+    assert answer.locator(".stats").inner_text() == ""
     first_len = len(answer.locator(".content").inner_text())
     wait_js(page, f"{LAST_ANSWER}.querySelector('.content').textContent.length > {first_len + 10}")
     assert page.locator("#stop").is_enabled() and answer.get_attribute("data-state") is None

@@ -41,6 +41,7 @@ def wait_for(predicate, url: str, timeout: float = 15.0, **headers: str) -> dict
         time.sleep(0.1)
 
 
+@pytest.mark.slow  # a server on the default model, like each test marked slow below
 def test_index_page_and_assets(server):
     r = httpx.get(f"{server.url}/")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
@@ -66,6 +67,7 @@ def test_index_page_and_assets(server):
         assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
 
 
+@pytest.mark.slow
 def test_snapshot_shape_when_idle(server):
     snap = wait_for(lambda s: s["scheduler"]["running"] == 0 and not s["owners"], server.url)
     states, _ = decode(snap)
@@ -81,6 +83,7 @@ def test_snapshot_shape_when_idle(server):
     assert set(snap["step_time_ms"]) == {"last", "mean", "max", "num_steps"}
 
 
+@pytest.mark.slow
 def test_snapshot_follows_a_streaming_request_and_its_abort(server, model_name):
     with httpx.Client(timeout=60) as http, http.stream(
             "POST", f"{server.url}/v1/chat/completions",
@@ -103,7 +106,10 @@ def test_snapshot_follows_a_streaming_request_and_its_abort(server, model_name):
         later = wait_for(lambda s: any(o["id"] == request_id and o["num_tokens"] > info["num_tokens"]
                                        for o in s["owners"]), server.url)
         assert later["seq"] > snap["seq"]
-        assert later["step_time_ms"]["num_steps"] >= 0 and later["scheduler"]["steps"] > snap["scheduler"]["steps"]
+        # While watched, snapshots are published after steps: step_time_ms covers the steps since the
+        # previous snapshot, at least one, and no more than the steps since `snap`.
+        steps = later["scheduler"]["steps"] - snap["scheduler"]["steps"]
+        assert 1 <= later["step_time_ms"]["num_steps"] <= steps and later["step_time_ms"]["mean"] > 0
     # The client left: the server aborts the request and its blocks go back (full ones stay cached).
     done = wait_for(lambda s: not s["owners"] and s["scheduler"]["running"] == 0, server.url)
     states, _ = decode(done)
@@ -111,6 +117,7 @@ def test_snapshot_follows_a_streaming_request_and_its_abort(server, model_name):
     assert done["counts"]["cached"] > 0  # full prompt blocks stay findable by the prefix cache
 
 
+@pytest.mark.slow
 def test_prefix_hit_shows_in_hit_rate(server, model_name):
     client = server.client()
     before = snapshot(server.url)["prefix_cache"]
@@ -140,6 +147,7 @@ def keyed_server(remote_server_cls):
         srv.stop(signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_disable_frontend_and_snapshot_auth(keyed_server):
     url = keyed_server.url
     assert httpx.get(f"{url}/").status_code == 404

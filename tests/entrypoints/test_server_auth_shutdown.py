@@ -9,6 +9,9 @@ import httpx
 import openai
 import pytest
 
+# Starts a server on the default model. Deselected by -m "not slow" (the fast subset).
+pytestmark = pytest.mark.slow
+
 KEY = "s3cret-key"
 
 

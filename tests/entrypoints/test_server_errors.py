@@ -6,6 +6,9 @@ import httpx
 import openai
 import pytest
 
+# Starts a server on the default model. Deselected by -m "not slow" (the fast subset).
+pytestmark = pytest.mark.slow
+
 GOOD = {"model": "test-model", "prompt": "Hello", "max_tokens": 2, "temperature": 0}
 CHAT = {"model": "test-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 

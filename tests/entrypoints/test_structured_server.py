@@ -18,6 +18,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "structured_output"))
 from schemas import SCHEMAS  # noqa: E402
 
+# Starts a server on the default model. Deselected by -m "not slow" (the fast subset).
+pytestmark = pytest.mark.slow
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather for a city",
     "parameters": {"type": "object", "properties": {

@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 from pagedllm.entrypoints.openai.structured import structured_outputs_from_request
-from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser, parser_for_template
 from pagedllm.entrypoints.openai.tools import TOOL_CHATML_TEMPLATE, calls_from_constrained_output, plan_tools
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -45,24 +45,55 @@ def test_llama3_and_mistral_parsers() -> None:
         get_tool_parser("nope")
 
 
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n'}}{% endfor %}")
+
+
+@pytest.mark.parametrize("template,parser", [
+    (None, "hermes"),
+    (CHATML, "hermes"),  # no tools in it: the built-in tool ChatML template (Hermes blocks) renders tool requests
+    (TOOL_CHATML_TEMPLATE, "hermes"),
+    ("{% if tools %}<|im_start|>system <tools>{{ tools }}</tools> answer in <tool_call></tool_call>{% endif %}",
+     "hermes"),
+    ("{% if tools %}[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]", "mistral"),
+    ("<|start_header_id|>system<|end_header_id|>{% if tools %}{{ tools }} Respond with "
+     '{"name": function name, "parameters": ...}{% endif %}', "llama3_json"),
+    ("{% if tools %}{{ tools }}{% endif %}{{ '<|python_tag|>' }}", "llama3_json"),
+    ("{% if tools %}{{ tools }} some format we do not know{% endif %}", "hermes"),
+    ({"default": CHATML, "tool_use": "{% if tools %}{{ tools }}[TOOL_CALLS]{% endif %}"}, "mistral"),  # named
+])
+def test_auto_parser_follows_the_chat_template(template, parser) -> None:
+    from types import SimpleNamespace
+
+    from pagedllm.entrypoints.openai.serving_chat import ServingChat
+
+    assert parser_for_template(template) == parser
+    chat = object.__new__(ServingChat)
+    chat.tokenizer = SimpleNamespace(chat_template=template)
+    chat.configure_tools()  # the server's default: no --tool-call-parser
+    assert chat.tool_parser.name == parser
+    chat.configure_tools("mistral")  # --tool-call-parser chooses another
+    assert chat.tool_parser.name == "mistral"
+
+
 def test_plan_tools_modes_and_errors() -> None:
-    assert plan_tools(None, None, None, False).mode == "none"
-    named = plan_tools([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None, False)
+    assert plan_tools(None, None, None).mode == "none"
+    named = plan_tools([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None)
     assert named.mode == "named" and named.constraint.json == WEATHER["function"]["parameters"]
-    required = plan_tools([WEATHER], "required", False, False)
+    required = plan_tools([WEATHER], "required", False)
     assert required.constraint.json["maxItems"] == 1
     calls = calls_from_constrained_output(required, '[{"name": "get_weather", "parameters": {"city": "Rome"}}]')
     assert calls[0].name == "get_weather"
     jsonschema.validate(json.loads(calls[0].arguments), WEATHER["function"]["parameters"])
-    with pytest.raises(ValueError, match="--enable-auto-tool-choice"):
-        plan_tools([WEATHER], "auto", None, False)
-    assert plan_tools([WEATHER], None, None, True).mode == "auto"
+    # 'auto' needs no server flag, and tools without tool_choice mean 'auto' (as in OpenAI's API).
+    assert plan_tools([WEATHER], "auto", None).mode == "auto"
+    assert plan_tools([WEATHER], None, None).mode == "auto"
     for tools, choice, field in [([WEATHER], {"type": "function", "function": {"name": "x"}}, "tool_choice"),
                                  ([WEATHER, WEATHER], "required", "tools.1.function.name"),
                                  ([{"type": "code"}], "required", "tools.0.type"),
                                  (None, "required", "tool_choice"), ([WEATHER], "always", "tool_choice")]:
         with pytest.raises(ValueError, match=field.replace(".", r"\.")):
-            plan_tools(tools, choice, None, True)
+            plan_tools(tools, choice, None)
 
 
 def test_response_format_mapping() -> None:
@@ -107,7 +138,7 @@ def _feed(plan, pieces: list[str], finish: str = "stop"):
     from pagedllm.entrypoints.openai.serving_chat import ServingChat
 
     chat = object.__new__(ServingChat)  # only the tool-streaming logic is exercised
-    chat.configure_tools(True, "hermes")
+    chat.configure_tools("hermes")
     state = {"text": "", "sent": 0}
     content, deltas, reasons = "", [], []
     for i, piece in enumerate(pieces):
@@ -119,7 +150,7 @@ def _feed(plan, pieces: list[str], finish: str = "stop"):
 
 
 def test_auto_streaming_holds_back_the_call_and_emits_deltas() -> None:
-    plan = plan_tools([WEATHER], "auto", None, True)
+    plan = plan_tools([WEATHER], "auto", None)
     pieces = ["Sure", ", checking. <to", "ol_call>\n{\"name\": \"get_weather\", ",
               "\"arguments\": {\"city\": \"Oslo\"}}", "\n</tool_call>"]
     content, deltas, reason = _feed(plan, pieces)
@@ -135,7 +166,7 @@ def test_auto_streaming_holds_back_the_call_and_emits_deltas() -> None:
 
 def test_named_streaming_cut_short_keeps_the_partial_call() -> None:
     # As OpenAI streams it: the arguments went out as they were generated; the finish reason says "length".
-    plan = plan_tools([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None, False)
+    plan = plan_tools([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None)
     content, deltas, reason = _feed(plan, ['{"city": ', '"Os'], finish="length")
     assert content == "" and reason == "length"
     assert deltas[0]["function"] == {"name": "get_weather", "arguments": ""}

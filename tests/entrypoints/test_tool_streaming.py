@@ -63,7 +63,7 @@ def test_scan_object_finds_keys_in_finished_and_unfinished_text() -> None:
 
 @pytest.mark.parametrize("seed", range(8))
 def test_named_arguments_stream_in_pieces_and_equal_the_final_call(seed: int) -> None:
-    plan = plan_tools([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None, False)
+    plan = plan_tools([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None)
     cuts = [1, 5, 9] if seed == 0 else random_cuts(TRICKY_ARGS, seed)
     calls = stream(scan_named, TRICKY_ARGS, cuts, named="get_weather")
     final = calls_from_constrained_output(plan, TRICKY_ARGS)
@@ -75,7 +75,7 @@ def test_named_arguments_stream_in_pieces_and_equal_the_final_call(seed: int) ->
 
 @pytest.mark.parametrize("seed", range(8))
 def test_required_calls_stream_each_in_order(seed: int) -> None:
-    plan = plan_tools([WEATHER, TIME], "required", None, False)
+    plan = plan_tools([WEATHER, TIME], "required", None)
     text = '[{"name": "get_weather", "parameters": ' + TRICKY_ARGS + '}, {"name": "get_time", "parameters": {}}]'
     calls = stream(scan_required, text, random_cuts(text, seed))
     final = calls_from_constrained_output(plan, text)

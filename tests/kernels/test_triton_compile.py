@@ -1,7 +1,7 @@
 """Every Triton kernel launch the engine makes on CUDA compiles for Hopper (sm_90: H100 / H200) and Ampere (sm_80:
 A100), without a GPU.
 
-``benchmarks/gpu/compile_kernels.py`` records the launches through the engine's own launch functions and compiles
+``tests/kernels/compile_kernels.py`` records the launches through the engine's own launch functions and compiles
 each one with Triton's compiler and bundled ptxas (see its docstring); it runs in a subprocess because triton
 picks the interpreter, which the other Triton tests use, when kernels are defined.
 """
@@ -16,13 +16,17 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
+
+# Compiles every launch for two GPU architectures: minutes. Deselected by -m "not slow" (the fast subset).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("sm90") / "launches.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "compile_kernels.py"), "--output-json",
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("compile_kernels.py")), "--output-json",
                            str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert out.exists(), proc.stderr[-3000:]
     return json.loads(out.read_text())

@@ -61,6 +61,7 @@ def test_chunked_prefill_and_decodes_match_transformers(tiny) -> None:
     torch.testing.assert_close(torch.cat(got_b), _hf_logits(hf, b), atol=ATOL, rtol=0)
 
 
+@pytest.mark.slow  # generate() next to the engine for every architecture: about a minute in all on 2 cores
 def test_engine_greedy_matches_transformers(tiny) -> None:
     """Greedy tokens through the whole engine (scheduler, runner, sampler), three prompts batched."""
     from pagedllm import LLM, SamplingParams

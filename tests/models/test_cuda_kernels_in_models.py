@@ -20,8 +20,10 @@ from pagedllm.model_executor.layers import activation, layernorm, rotary_embeddi
 from pagedllm.model_executor.loader import load_model, resolve_model_config
 
 # CPU tensors reach Triton kernels only through the interpreter (tests/conftest.py turns it on without a GPU).
-pytestmark = pytest.mark.skipif(not triton_ops.triton_available() or not triton_ops.interpreted(),
-                                reason="triton is a test dependency; the interpreter runs these on the CPU")
+# Slow: whole models through the interpreted kernels, about a minute on 2 cores.
+pytestmark = [pytest.mark.skipif(not triton_ops.triton_available() or not triton_ops.interpreted(),
+                                 reason="triton is a test dependency; the interpreter runs these on the CPU"),
+              pytest.mark.slow]
 ARCHS = ["LlamaForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM", "GPT2LMHeadModel"]
 
 

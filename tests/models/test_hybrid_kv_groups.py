@@ -53,6 +53,7 @@ def run(engine: LLMEngine, requests: dict[str, list[int]], max_tokens: int, on_s
     return out
 
 
+@pytest.mark.slow  # long engine runs beside transformers: a minute or more on 2 cores, like the others marked slow here
 def test_long_request_matches_transformers_with_sliding_blocks_bounded(gemma3) -> None:
     path, hf = gemma3
     engine = make_engine(path, max_num_seqs=1)  # a sliding group of 9 blocks: freed blocks are reused at once
@@ -85,6 +86,7 @@ def test_sliding_group_is_sized_for_the_window(gemma3) -> None:
     assert [c.shape[1] for c in runner.kv_caches] == [cache.sliding_group_num_blocks] * 5 + [cache.num_blocks]
 
 
+@pytest.mark.slow
 def test_batched_equals_solo_and_prefix_hits_keep_outputs(gemma3) -> None:
     path, hf = gemma3
     engine = make_engine(path, max_num_seqs=4)  # the sliding group sized for the window: blocks get reused
@@ -101,6 +103,7 @@ def test_batched_equals_solo_and_prefix_hits_keep_outputs(gemma3) -> None:
     assert all_blocks_back(engine.core.scheduler.kv)
 
 
+@pytest.mark.slow
 def test_preemption_and_abort_return_every_block(gemma3) -> None:
     path, hf = gemma3
     # 2 KiB per full block (1 layer), 10 KiB per sliding block (5 layers): the sliding group gets its 21

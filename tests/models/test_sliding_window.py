@@ -32,6 +32,7 @@ def test_window_is_what_makes_outputs_match(mistral) -> None:
     assert (a[WINDOW:] - b[WINDOW:]).abs().max() > 1e-2
 
 
+@pytest.mark.slow  # a long request beside transformers: about 20 s on 2 cores
 def test_long_request_matches_transformers_and_kv_stays_bounded(mistral) -> None:
     path, hf = mistral
     engine = LLMEngine.from_engine_args(EngineArgs(model=path, dtype="float32", kv_cache_memory="4MiB",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pagedllm.benchmarks.embed import make_sentences
 from pagedllm.entrypoints.cli.main import main
 
@@ -14,6 +16,7 @@ def test_make_sentences_is_seeded_and_varied():
     assert all(3 <= len(s.split()) <= 9 for s in a)
 
 
+@pytest.mark.slow  # the real all-MiniLM-L6-v2 and transformers, like each test marked slow below
 def test_bench_embed_dry_run(tmp_path, minilm_path):
     out = tmp_path / "embed.json"
     rc = main(["bench", "embed", "--model", minilm_path, "--num-sentences", "12", "--output-json", str(out),
@@ -29,6 +32,7 @@ def test_bench_embed_dry_run(tmp_path, minilm_path):
     assert result["speedup"] > 0 and result["speedup_same_dtype"] == result["speedup"]
 
 
+@pytest.mark.slow
 def test_bench_embed_bf16_reports_both_baselines(tmp_path, minilm_path):
     """pagedllm in bf16: the float32 baseline (defaults vs defaults) and a bf16 one (same dtype) side by side."""
     out = tmp_path / "embed.json"

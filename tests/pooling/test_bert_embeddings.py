@@ -10,6 +10,9 @@ from sentences import SENTENCES
 from pagedllm import LLM
 from pagedllm.pooling_params import PoolingParams
 
+# Runs the real all-MiniLM-L6-v2 and transformers beside it. Deselected by -m "not slow" (the fast subset).
+pytestmark = pytest.mark.slow
+
 
 def reference_embeddings(path: str, texts: list[str]) -> torch.Tensor:
     from transformers import AutoModel, AutoTokenizer

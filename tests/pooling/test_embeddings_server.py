@@ -12,6 +12,9 @@ import torch.nn.functional as F
 from sentences import SENTENCES
 from test_bert_embeddings import reference_embeddings
 
+# Starts a server on the real all-MiniLM-L6-v2. Deselected by -m "not slow" (the fast subset).
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def reference(minilm_path) -> torch.Tensor:

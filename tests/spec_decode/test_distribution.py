@@ -44,6 +44,7 @@ ENGINE_SMALL = {**ENGINE, "max_model_len": 64, "max_num_seqs": 256, "max_num_bat
     SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True),
     SamplingParams(temperature=0.7, top_k=6, top_p=0.9, repetition_penalty=1.3, max_tokens=4, ignore_eos=True),
 ], ids=["plain", "truncated_penalized"])
+@pytest.mark.slow  # thousands of samples per case: over a minute each on 2 cores
 def test_speculation_keeps_the_sampling_distribution(small_vocab_models, params: SamplingParams) -> None:
     base = LLM(small_vocab_models["target"], **ENGINE_SMALL)
     expected = _histograms(base, params)

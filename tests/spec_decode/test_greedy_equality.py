@@ -32,6 +32,7 @@ def plain_repeat(base_llm: LLM) -> tuple[list[int], str, str | None]:
     return _ids(base_llm, [REPEAT_PROMPT], SamplingParams(temperature=0, max_tokens=32))[0]
 
 
+@pytest.mark.slow  # the default model, like each test marked slow below
 def test_ngram_greedy_equals_plain_solo_and_batched(base_llm: LLM, ngram_llm: LLM, plain_repeat) -> None:
     params = SamplingParams(temperature=0, max_tokens=32)
     expected = _ids(base_llm, PROMPTS, params)
@@ -43,6 +44,7 @@ def test_ngram_greedy_equals_plain_solo_and_batched(base_llm: LLM, ngram_llm: LL
     assert _ids(ngram_llm, PROMPTS, params) == expected
 
 
+@pytest.mark.slow
 def test_ngram_stop_conditions_inside_accepted_runs(base_llm: LLM, ngram_llm: LLM, plain_repeat) -> None:
     tokens, text = plain_repeat[0], plain_repeat[1]
     # A stop string, a stop token and max_tokens that all end in the middle of the repeated passage,
@@ -63,6 +65,7 @@ def test_ngram_stop_conditions_inside_accepted_runs(base_llm: LLM, ngram_llm: LL
     assert _ids(ngram_llm, [REPEAT_PROMPT], cases[0])[0] == expected[0]
 
 
+@pytest.mark.slow
 def test_ngram_eos_inside_an_accepted_run(base_llm: LLM, ngram_llm: LLM) -> None:
     # The chat prompt has "<|im_end|>" right after the sentence, so once the model has repeated the
     # sentence the lookup drafts the end-of-sequence token as well.
@@ -74,6 +77,7 @@ def test_ngram_eos_inside_an_accepted_run(base_llm: LLM, ngram_llm: LLM) -> None
     assert (spec.token_ids, spec.text, spec.finish_reason) == (plain.token_ids, plain.text, plain.finish_reason)
 
 
+@pytest.mark.slow
 def test_ngram_with_penalties_and_logprobs_matches(base_llm: LLM, ngram_llm: LLM) -> None:
     params = SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.2, min_tokens=4, logprobs=2,
                             logit_bias={264: 1.5})

@@ -13,6 +13,9 @@ from schemas import PROMPT, SCHEMAS
 from pagedllm import LLM, SamplingParams
 from pagedllm.structured_output.params import StructuredOutputsParams
 
+# Runs the default model. Deselected by -m "not slow" (the fast subset).
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:

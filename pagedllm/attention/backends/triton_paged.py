@@ -175,7 +175,7 @@ def tile_shape(group: int, max_query_len: int, head_dim: int = 64, fp32: bool = 
     Rows are tokens x heads of one KV group. Decode steps use 16 rows (the smallest ``tl.dot`` tile);
     steps with longer queries use 64 so fewer programs reload the same K/V, or 32 (16) where a bigger float32
     accumulator would spill registers on sm_90 (heads over 128 wide, float32 dots on FMA units; see
-    benchmarks/gpu/compile_kernels.py).
+    tests/kernels/compile_kernels.py).
     """
     if max_query_len * group <= 16 or (fp32 and head_dim > 128):
         rows = 16
@@ -197,7 +197,7 @@ def decode_splits(num_programs: int, max_blocks: int, num_sms: int) -> int:
 
 def keys_per_iteration(head_dim: int, block_m: int, fp32_dots: bool, arch: int = 90) -> int:
     """Keys (across cache blocks) one loop iteration of the attention kernel scores: 64 on tensor cores, fewer
-    where the tile would spill registers (benchmarks/gpu/compile_kernels.py): 32 for heads over 128 wide with
+    where the tile would spill registers (tests/kernels/compile_kernels.py): 32 for heads over 128 wide with
     32+ row tiles, or 128 wide with 64-row tiles before Hopper; 16 for float32 dots (FMA units, registers)."""
     if fp32_dots:
         return 16

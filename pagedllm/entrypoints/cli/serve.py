@@ -56,12 +56,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "/playground/*; / then answers 404. The API, including /v1/kv_cache/snapshot, "
                             "is unchanged.")
     group.add_argument("--enable-auto-tool-choice", action="store_true",
-                       help="Allow tool_choice 'auto' on chat completions: the model's free text is parsed for "
-                            "tool calls with --tool-call-parser. Named and 'required' tool choices always work "
-                            "(a grammar enforces them).")
-    group.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
-                       help="How tool calls look in the model's output for tool_choice 'auto' (default: hermes, "
-                            "<tool_call>{...}</tool_call>, which the built-in tool ChatML template asks for).")
+                       help="Accepted for vLLM compatibility and ignored: tool_choice 'auto' (also what tools "
+                            "without tool_choice mean) is always on, parsed with --tool-call-parser. Named and "
+                            "'required' tool choices always work (a grammar enforces them).")
+    group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help="How tool calls look in the model's output for tool_choice 'auto' (default: the "
+                            "format the model's chat template asks for; hermes, <tool_call>{...}</tool_call>, "
+                            "when the template knows no tools and the built-in tool ChatML template is used).")
     group.add_argument("--max-request-body-bytes", type=int, default=32 * 1024 * 1024,
                        help="Largest accepted request body; bigger ones get 413 (default: 32 MiB).")
     return parser

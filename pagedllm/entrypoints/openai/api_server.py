@@ -60,8 +60,7 @@ class ServerOptions:
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
     enable_frontend: bool = True  # the browser playground at / (--disable-frontend turns it off)
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str = "hermes"
+    tool_call_parser: str | None = None  # None: the parser matching the model's chat template
 
 
 class GuardMiddleware:
@@ -154,7 +153,8 @@ def build_app(engine: AsyncLLM, options: ServerOptions, metrics: PrometheusMetri
                            getattr(core.config.model, "architecture", "") or None)
     completion = ServingCompletion(engine, models, tokenizer)
     chat = ServingChat(engine, models, tokenizer)
-    chat.configure_tools(options.enable_auto_tool_choice, options.tool_call_parser)
+    chat.configure_tools(options.tool_call_parser)
+    logger.info("tool_choice 'auto' parses tool calls with the %s parser", chat.tool_parser.name)
     tokenization = ServingTokenization(chat)
     is_pooling = bool(getattr(core.config.model, "is_pooling", False))
     embedding = ServingEmbedding(engine, models, tokenizer) if is_pooling else None
@@ -322,8 +322,7 @@ def run_server(args: argparse.Namespace) -> None:
             shutdown_timeout=args.shutdown_timeout, allowed_origins=args.allowed_origins,
             allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
             allow_credentials=args.allow_credentials, enable_frontend=not getattr(args, "disable_frontend", False),
-            enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
-            tool_call_parser=getattr(args, "tool_call_parser", "hermes"))
+            tool_call_parser=getattr(args, "tool_call_parser", None))
         app = build_app(engine, options, metrics)
 
         display_host = args.host if args.host not in ("", "0.0.0.0", "::") else "localhost"

@@ -29,7 +29,7 @@ from pagedllm.entrypoints.openai.serving_engine import (
     stream_error,
     until_disconnect,
 )
-from pagedllm.entrypoints.openai.tool_parsers import ParsedCall, ToolParser, get_tool_parser
+from pagedllm.entrypoints.openai.tool_parsers import ParsedCall, ToolParser, get_tool_parser, parser_for_template
 from pagedllm.entrypoints.openai.tools import (
     TOOL_CHATML_TEMPLATE,
     ToolPlan,
@@ -58,11 +58,13 @@ def _flatten_content(content: Any) -> str:
 
 
 class ServingChat(OpenAIServing):
-    enable_auto_tool_choice = False
     tool_parser: ToolParser = get_tool_parser("hermes")
 
-    def configure_tools(self, enable_auto_tool_choice: bool, tool_call_parser: str) -> None:
-        self.enable_auto_tool_choice = enable_auto_tool_choice
+    def configure_tools(self, tool_call_parser: str | None = None) -> None:
+        """``tool_choice: auto`` parses with ``tool_call_parser``, or (None) the parser matching the model's
+        chat template."""
+        if tool_call_parser is None:
+            tool_call_parser = parser_for_template(getattr(self.tokenizer, "chat_template", None))
         self.tool_parser = get_tool_parser(tool_call_parser)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
@@ -95,7 +97,7 @@ class ServingChat(OpenAIServing):
     async def create(self, req: ChatCompletionRequest, raw_request: Request):
         model = self.models.check(req.model)
         try:
-            plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.enable_auto_tool_choice)
+            plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
         except ValueError as e:
             raise OpenAIError(str(e), param=param_of(str(e))) from None
         token_ids = self.render(req.messages, req.add_generation_prompt, req.continue_final_message,

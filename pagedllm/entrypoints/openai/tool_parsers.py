@@ -2,8 +2,9 @@
 
 Each parser turns the whole completion into (content, [(name, arguments JSON text)]), says where a tool
 call may start (a stream holds content back from there), and locates the calls in a growing text
-(``scan``) so a stream sends their arguments as they are generated. ``--tool-call-parser`` picks one by
-name (vLLM's names).
+(``scan``) so a stream sends their arguments as they are generated. By default the server takes the parser
+whose format the model's chat template asks for (``parser_for_template``); ``--tool-call-parser`` picks one
+by name (vLLM's names).
 """
 
 from __future__ import annotations
@@ -181,6 +182,30 @@ class MistralToolParser(ToolParser):
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     cls.name: cls for cls in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)}
+
+
+# What a tool-aware chat template writes (or tells the model to write) -> the parser of its calls; the first
+# match wins. Llama 3.x templates with tools ask for bare JSON calls; they are known by their header tokens,
+# checked last because Hermes-style fine-tunes of Llama keep ChatML with <tool_call> blocks.
+_TEMPLATE_MARKERS = (("[TOOL_CALLS]", "mistral"), ("<tool_call>", "hermes"), ("<|python_tag|>", "llama3_json"),
+                     ("<|start_header_id|>", "llama3_json"))
+DEFAULT_TOOL_PARSER = "hermes"
+
+
+def parser_for_template(chat_template: object) -> str:
+    """The parser for the tool calls a model's chat template produces.
+
+    A template that knows nothing of tools (the default SmolLM2 is plain ChatML) is replaced, for requests
+    with tools, by the built-in tool ChatML template, which asks for Hermes ``<tool_call>`` blocks. A
+    tool-aware template with none of the known markers gets Hermes too, the most common format;
+    ``--tool-call-parser`` overrides the choice."""
+    if isinstance(chat_template, dict):  # named templates (transformers): the tool one renders tool requests
+        chat_template = chat_template.get("tool_use") or chat_template.get("default")
+    if isinstance(chat_template, str) and "tools" in chat_template:
+        for marker, name in _TEMPLATE_MARKERS:
+            if marker in chat_template:
+                return name
+    return DEFAULT_TOOL_PARSER
 
 
 def get_tool_parser(name: str) -> ToolParser:

@@ -2,7 +2,8 @@
 JSON-schema grammar (so arguments always validate), and turn the finished text into ``tool_calls``.
 
 - ``none``: tools are shown to the template, the output is plain text.
-- ``auto`` (needs ``--enable-auto-tool-choice``): free text, parsed by ``--tool-call-parser``.
+- ``auto`` (also what ``tools`` without ``tool_choice`` means, as in OpenAI's API): free text, parsed by the
+  parser matching the model's chat template (``--tool-call-parser`` picks another).
 - ``required``: the output is a JSON array of ``{"name", "parameters"}``, one schema branch per function.
 - named ``{"type": "function", "function": {"name": ...}}``: the output is that function's arguments.
 """
@@ -89,7 +90,7 @@ def validate_tools(tools: Any) -> list[dict[str, Any]]:
     return tools
 
 
-def plan_tools(tools: Any, tool_choice: Any, parallel_tool_calls: bool | None, auto_enabled: bool) -> ToolPlan:
+def plan_tools(tools: Any, tool_choice: Any, parallel_tool_calls: bool | None) -> ToolPlan:
     """Raises ValueError naming the field for anything inconsistent."""
     if tools is None:
         if tool_choice not in (None, "none"):
@@ -100,9 +101,8 @@ def plan_tools(tools: Any, tool_choice: Any, parallel_tool_calls: bool | None, a
     if choice == "none":
         return ToolPlan("none", tools)
     if choice == "auto":
-        if not auto_enabled:
-            raise ValueError("tool_choice: 'auto' requires the server to be started with --enable-auto-tool-choice "
-                             "(use 'required', a named function, or 'none')")
+        # Always on (vLLM needs --enable-auto-tool-choice; OpenAI does not): the openai client's ordinary
+        # tool loop sends tools without tool_choice, which must not be a 400.
         return ToolPlan("auto", tools)
     if choice == "required":
         branches = [{"type": "object",

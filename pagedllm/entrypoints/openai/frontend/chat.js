@@ -212,7 +212,10 @@ export class ChatPane {
         if (!choice) continue;
         const piece = chat ? choice.delta && choice.delta.content : choice.text;
         if (piece) {
-          if (tFirst === null) tFirst = performance.now();
+          if (tFirst === null) {
+            tFirst = performance.now();
+            stats.textContent = ""; // the wait is over; the line under the text gets the summary at the end
+          }
           output += piece;
           chunks += 1;
           if (!pending) {

@@ -12,8 +12,8 @@ bundled ``cuobjdump``.
 Shapes: SmolLM2-135M (the default model: 9 heads over 3 KV heads of 64, hidden 576, MLP 1536), Gemma 3 270M
 (heads of 256, sliding window 512), a Llama-3-8B-sized layer (32 heads over 8 of 128, MLP 14336).
 
-    python benchmarks/gpu/compile_kernels.py --arch 90        # a table (default: --arch 90,80)
-    python benchmarks/gpu/compile_kernels.py --output-json F  # the rows as JSON (read by its test)
+    python tests/kernels/compile_kernels.py --arch 90        # a table (default: --arch 90,80)
+    python tests/kernels/compile_kernels.py --output-json F  # the rows as JSON (read by its test)
 
 Run it without TRITON_INTERPRET (it removes it): triton picks the interpreter when kernels are defined.
 """
