@@ -1,4 +1,5 @@
-// The live KV cache map: polls /v1/kv_cache/snapshot while its tab is shown and draws one cell per block.
+// The live KV cache map: polls /v1/kv_cache/snapshot while its tab is shown and draws one cell per block, one map
+// per engine when the server runs several (--data-parallel-size).
 
 import { apiFetch, AuthError, isLive } from "./api.js";
 
@@ -39,26 +40,34 @@ function pct(x) {
   return `${(100 * x).toFixed(1)}%`;
 }
 
+/** Engine i's copy of engine 0's section: every id gets "-i", and so do the attributes that refer to ids. */
+function cloneSection(template, index) {
+  const root = template.cloneNode(true);
+  for (const el of [root, ...root.querySelectorAll("*")]) {
+    if (el.id) el.id += `-${index}`;
+    for (const attr of ["for", "aria-labelledby", "aria-describedby"]) {
+      const ids = el.getAttribute(attr);
+      if (ids) el.setAttribute(attr, ids.split(/\s+/).map((id) => `${id}-${index}`).join(" "));
+    }
+  }
+  return root;
+}
+
+/** The polling, the pause button and one EngineMap per engine. */
 export class KvMap {
   constructor() {
-    this.canvas = $("kv-canvas");
-    this.ctx = this.canvas.getContext("2d");
-    this.snapshot = null;
-    this.decoded = null;
-    this.prev = null; // the previous snapshot's counters, for rates over the last interval
+    const first = $("kv-engine");
+    // Page-wide parts (legend, error) sit in engine 0's section so one engine looks as it always did; the
+    // clones for other engines leave them out. Taken before any snapshot fills the section in.
+    this.pageWide = [...first.querySelectorAll(".page-wide")];
+    this.template = first.cloneNode(true);
+    for (const el of this.template.querySelectorAll(".page-wide")) el.remove();
+    this.maps = [new EngineMap(first, 0)];
     this.timer = null;
     this.active = false;
     this.paused = false;
-    this.cursor = 0; // the block the keyboard inspector points at
-    this.cell = 8;
-    this.cols = 1;
-    this.canvas.addEventListener("mousemove", (e) => this.inspectAt(e));
-    this.canvas.addEventListener("mouseleave", () => this.hideTip());
-    this.canvas.addEventListener("keydown", (e) => this.onKey(e));
-    this.canvas.addEventListener("focus", () => this.inspect(this.cursor, false));
-    this.canvas.addEventListener("blur", () => this.hideTip());
     $("kv-pause").addEventListener("click", () => this.togglePause());
-    window.addEventListener("resize", () => this.draw());
+    window.addEventListener("resize", () => this.maps.forEach((m) => m.draw()));
     document.addEventListener("visibilitychange", () => this.schedule(0));
   }
 
@@ -93,13 +102,82 @@ export class KvMap {
   }
 
   update(snap) {
-    if (this.snapshot && snap.seq === this.snapshot.seq) return; // nothing new
+    // Several engines: all of them under `engines` (engine 0 is the top level too). One: the top level only.
+    const engines = Array.isArray(snap.engines) && snap.engines.length ? snap.engines : [snap];
+    this.setEngineCount(engines.length);
+    const changed = engines.map((s, i) => this.maps[i].update(s));
+    if (changed.some(Boolean)) {
+      $("kv-updated").textContent = new Date(Math.max(...engines.map((s) => s.time)) * 1000).toLocaleTimeString();
+    }
+  }
+
+  setEngineCount(n) {
+    if (n === this.maps.length) return;
+    const multi = n > 1;
+    while (this.maps.length > n) this.maps.pop().root.remove();
+    while (this.maps.length < n) {
+      const root = cloneSection(this.template, this.maps.length);
+      $("kv-engines").append(root);
+      this.maps.push(new EngineMap(root, this.maps.length));
+    }
+    $("kv-view").classList.toggle("multi", multi);
+    // With several maps the legend and the error line belong to none of them: above all the maps.
+    const anchor = multi ? $("kv-engines") : this.maps[0].el("kv-canvas").parentElement;
+    for (const el of this.pageWide) anchor.before(el);
+    for (const map of this.maps) map.setLabelled(multi);
+  }
+}
+
+/** One engine's map: its counters, canvas, tooltip, keyboard inspector and owners table, inside `root`. */
+class EngineMap {
+  constructor(root, index) {
+    this.root = root;
+    this.index = index;
+    this.suffix = index ? `-${index}` : ""; // see cloneSection
+    this.labelled = false;
+    this.canvas = this.el("kv-canvas");
+    this.ctx = this.canvas.getContext("2d");
+    this.snapshot = null;
+    this.decoded = null;
+    this.prev = null; // the previous snapshot's counters, for rates over the last interval
+    this.cursor = 0; // the block the keyboard inspector points at
+    this.cell = 8;
+    this.cols = 1;
+    this.canvas.addEventListener("mousemove", (e) => this.inspectAt(e));
+    this.canvas.addEventListener("mouseleave", () => this.hideTip());
+    this.canvas.addEventListener("keydown", (e) => this.onKey(e));
+    this.canvas.addEventListener("focus", () => this.inspect(this.cursor, false));
+    this.canvas.addEventListener("blur", () => this.hideTip());
+  }
+
+  /** This engine's element of engine 0's id `id` (found in `root`, so it works before `root` is in the page). */
+  el(id) {
+    return this.root.querySelector(`#${id}${this.suffix}`);
+  }
+
+  /** Several engines: name this one on its section, map, owners table and inspector; one engine: no names. */
+  setLabelled(labelled) {
+    this.labelled = labelled;
+    const label = this.el("kv-engine-label");
+    label.textContent = `engine ${this.index}`;
+    label.hidden = !labelled;
+    if (labelled) this.root.setAttribute("aria-labelledby", label.id);
+    else this.root.removeAttribute("aria-labelledby");
+    this.el("kv-owners-caption").textContent = labelled ? `Requests holding blocks on engine ${this.index}`
+                                                        : "Requests holding blocks";
+    this.draw(); // the map's aria-label names the engine
+  }
+
+  /** A new snapshot of this engine; false if it is the one already shown (each engine counts its own seq). */
+  update(snap) {
+    if (this.snapshot && snap.seq === this.snapshot.seq) return false; // nothing new
     this.prev = this.snapshot;
     this.snapshot = snap;
     this.decoded = decodeRuns(snap.runs, snap.num_blocks);
     this.draw();
     this.renderCounters();
     this.renderOwners();
+    return true;
   }
 
   layout() {
@@ -160,15 +238,16 @@ export class KvMap {
     this.cell = cell;
     this.cols = cols;
     const c = this.snapshot.counts;
+    const of = this.labelled ? `engine ${this.index}, ` : "";
     canvas.setAttribute("aria-label",
-      `KV cache map of ${this.snapshot.num_blocks} blocks: ${c.used} in use, ${c.shared} shared, ` +
+      `KV cache map of ${of}${this.snapshot.num_blocks} blocks: ${c.used} in use, ${c.shared} shared, ` +
       `${c.cached} cached and free, ${c.free} free. Arrow keys inspect blocks.`);
   }
 
   renderCounters() {
     const s = this.snapshot;
     const p = this.prev;
-    const set = (id, text) => ($(id).textContent = text);
+    const set = (id, text) => (this.el(id).textContent = text);
     set("kv-usage", `${pct(s.kv_cache_usage)} (${s.counts.used + s.counts.shared} of ${s.num_blocks - 1} blocks)`);
     set("kv-blocks", `${s.counts.used} used · ${s.counts.shared} shared · ${s.counts.cached} cached · ` +
                      `${s.counts.free} free`);
@@ -190,18 +269,21 @@ export class KvMap {
       steps += ` · ${((s.scheduler.steps - p.scheduler.steps) / (s.time - p.time)).toFixed(1)} steps/s`;
     }
     set("kv-step-time", steps);
-    set("kv-updated", new Date(s.time * 1000).toLocaleTimeString());
-    const root = $("kv-view");
-    root.dataset.seq = String(s.seq);
-    root.dataset.free = String(s.counts.free);
-    root.dataset.cached = String(s.counts.cached);
-    root.dataset.used = String(s.counts.used);
-    root.dataset.shared = String(s.counts.shared);
-    root.dataset.owners = s.owners.map((o) => o.id).join(" ");
+    // For scripts and tests: each section carries its engine's counts, and #kv-view engine 0's (the top level,
+    // as in the endpoint's answer).
+    for (const root of this.index ? [this.root] : [this.root, $("kv-view")]) {
+      root.dataset.engine = String(this.index);
+      root.dataset.seq = String(s.seq);
+      root.dataset.free = String(s.counts.free);
+      root.dataset.cached = String(s.counts.cached);
+      root.dataset.used = String(s.counts.used);
+      root.dataset.shared = String(s.counts.shared);
+      root.dataset.owners = s.owners.map((o) => o.id).join(" ");
+    }
   }
 
   renderOwners() {
-    const body = $("kv-owners");
+    const body = this.el("kv-owners");
     const rows = this.snapshot.owners.map((o) => {
       const tr = document.createElement("tr");
       const swatch = document.createElement("span");
@@ -230,7 +312,7 @@ export class KvMap {
 
   describe(i) {
     const state = this.decoded.states[i];
-    let text = `Block ${i}: ${STATE_NAMES[state] || state}`;
+    let text = `Block ${i}${this.labelled ? ` of engine ${this.index}` : ""}: ${STATE_NAMES[state] || state}`;
     if (state === "u" || state === "s") {
       const owner = this.snapshot.owners[this.decoded.owners[i]];
       if (owner) text += ` by ${owner.id} (${owner.status})`;
@@ -241,14 +323,14 @@ export class KvMap {
   inspect(i, fromMouse, event) {
     if (!this.snapshot || i < 0 || i >= this.snapshot.num_blocks) return this.hideTip();
     this.cursor = i;
-    const tip = $("kv-tip");
+    const tip = this.el("kv-tip");
     tip.textContent = this.describe(i);
     tip.hidden = false;
     const x = (i % this.cols) * this.cell;
     const y = Math.floor(i / this.cols) * this.cell;
     tip.style.left = `${fromMouse && event ? event.offsetX + 12 : x + this.cell + 4}px`;
     tip.style.top = `${fromMouse && event ? event.offsetY + 12 : y + this.cell + 4}px`;
-    if (!fromMouse) $("kv-inspector").textContent = tip.textContent; // announced (aria-live)
+    if (!fromMouse) this.el("kv-inspector").textContent = tip.textContent; // announced (aria-live)
   }
 
   inspectAt(e) {
@@ -260,7 +342,7 @@ export class KvMap {
   }
 
   hideTip() {
-    $("kv-tip").hidden = true;
+    this.el("kv-tip").hidden = true;
   }
 
   onKey(e) {
