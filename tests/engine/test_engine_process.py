@@ -13,6 +13,7 @@ from faulty_engine import run_engine_core_failing_after, run_engine_core_failing
 
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
 from pagedllm.engine.core_client import EngineStartupError
+from pagedllm.engine.core_proc import identity_of
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.mp_engine import MultiprocEngine
 from pagedllm.engine_args import EngineArgs
@@ -55,6 +56,9 @@ def test_process_outputs_equal_in_process_and_leave_no_process() -> None:
     engine = MultiprocEngine(_config())
     pids = engine.pids
     assert len(pids) == 1 and pids[0] != os.getpid()
+    # Frames the engine cannot read (unknown type, garbage payload, wrong shape) are dropped, not fatal.
+    for frames in ([b"?", b"junk"], [b"A", b"\xc1not msgpack"], [b"A"], [b"X", b"\x93\x01\x02\x03"]):
+        engine.client.input.send_multipart([identity_of(0), *frames])
     llm = AsyncLLM(engine)
     try:
         assert _run_all(llm) == expected
