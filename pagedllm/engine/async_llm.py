@@ -97,17 +97,6 @@ class AsyncLLM:
         logger.info("engine core on a thread of the API process (PAGEDLLM_ENABLE_MULTIPROCESSING=0)")
         return cls(LLMEngine(config), stat_logger)
 
-    @property
-    def config(self) -> Any:
-        return self.engine.config
-
-    @property
-    def processor(self) -> Any:
-        return self.engine.processor
-
-    def get_tokenizer(self) -> Any:
-        return self.engine.get_tokenizer()
-
     # ---- state ---------------------------------------------------------------------------------------
     @property
     def is_running(self) -> bool:
