@@ -180,6 +180,9 @@ class EngineCoreClient:
         self._shutting_down = True
         if hasattr(self, "_stop_w"):
             os.write(self._stop_w, b"x")
+            self._watcher.join(2.0)
+            os.close(self._stop_w)
+            os.close(self._stop_r)
         for index, proc in enumerate(self.processes):
             if proc.is_alive():
                 try:

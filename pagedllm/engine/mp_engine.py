@@ -142,6 +142,8 @@ class MultiprocEngine(EngineFrontEnd):
     # ---- threads ---------------------------------------------------------------------------------------------
     def wake(self) -> None:
         """Any thread: make a waiting ``step`` return (a command was queued)."""
+        if self._wake_w < 0:  # shut down: the descriptor number may belong to another file by now
+            return
         try:
             os.write(self._wake_w, b"x")
         except (BlockingIOError, OSError):  # the pipe is full (a wake-up is pending anyway) or closed
@@ -298,11 +300,10 @@ class MultiprocEngine(EngineFrontEnd):
             self.num_messages = 0
         self.client.shutdown()
         self.router.close()
-        for fd in (self._wake_r, self._wake_w):
-            try:
+        fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
+        for fd in fds:
+            if fd >= 0:
                 os.close(fd)
-            except OSError:
-                pass
 
 
 def _combine(method: str, results: list[Any]) -> Any:
