@@ -59,18 +59,13 @@ class EngineCoreProc:
                  output_socket: zmq.Socket) -> None:
         from pagedllm.engine.engine_core import EngineCore
         from pagedllm.model_executor.loader import load_tokenizer
-        from pagedllm.structured_output.manager import StructuredOutputManager
 
         self.config = config
         self.engine_index = engine_index
         self.input = input_socket
         self.output = output_socket
         self.core = EngineCore(config, engine_index)
-        tokenizer = load_tokenizer(config.model)  # the grammar matchers need the vocabulary
-        on_gpu = self.core.worker.device.type == "cuda"
-        self.core.structured_output = StructuredOutputManager(tokenizer, config.model.vocab_size,
-                                                              config.model.eos_token_ids,
-                                                              overlap_fill=True if on_gpu else None)
+        self.core.attach_structured_outputs(load_tokenizer(config.model))  # matchers need the vocabulary
         self.snapshots = SnapshotPublisher()
         self._stopping = False
         # The price of the boundary on this side: time spent encoding and queueing output messages.

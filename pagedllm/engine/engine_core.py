@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -55,6 +56,15 @@ class EngineCore:
         # Set by the engine that owns the tokenizer (LLMEngine); None = structured outputs unavailable.
         self.structured_output: StructuredOutputManager | None = None
         self._unscheduled: set[str] = set()  # added, not yet scheduled once (their queue time is pending)
+
+    def attach_structured_outputs(self, tokenizer: Any) -> StructuredOutputManager:
+        """Give the core its grammar backend (it needs the tokenizer's vocabulary, which the core does not load)."""
+        on_gpu = self.worker.device.type == "cuda"  # the resolved device ("auto" included)
+        # On a GPU the host is idle while the forward runs: fill the grammar bitmask then, whatever the core count.
+        mc = self.config.model
+        self.structured_output = StructuredOutputManager(tokenizer, mc.vocab_size, mc.eos_token_ids,
+                                                         overlap_fill=True if on_gpu else None)
+        return self.structured_output
 
     def add_request(self, request: Request) -> None:
         self._unscheduled.add(request.request_id)

@@ -17,7 +17,6 @@ from pagedllm.engine_args import EngineArgs
 from pagedllm.logger import init_logger
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.structured_output.manager import StructuredOutputManager
 
 logger = init_logger(__name__)
 
@@ -32,11 +31,7 @@ class LLMEngine(EngineFrontEnd):
         self.tokenizer = load_tokenizer(config.model)
         self.core = EngineCore(config)
         on_gpu = self.core.worker.device.type == "cuda"  # the resolved device ("auto" included)
-        # On a GPU the host is idle while the forward runs: fill the grammar bitmask then, whatever the core count.
-        self.structured_output = StructuredOutputManager(self.tokenizer, config.model.vocab_size,
-                                                         config.model.eos_token_ids,
-                                                         overlap_fill=True if on_gpu else None)
-        self.core.structured_output = self.structured_output
+        self.structured_output = self.core.attach_structured_outputs(self.tokenizer)
         self.processor = Processor(config.model, self.tokenizer, config.scheduler.max_model_len,
                                    self.core.scheduler.check_fits)
         self.output_processor = OutputProcessor(self.tokenizer)
