@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 
@@ -34,3 +35,21 @@ def cdiv(a: int, b: int) -> int:
 
 def random_uuid() -> str:
     return uuid.uuid4().hex
+
+
+def parse_json_object(raw: str | dict, field: str, known_keys: set[str] | frozenset[str]) -> dict:
+    """A JSON-object flag (``--speculative-config``, ``--kv-events-config``: a JSON string or a dict) → its dict.
+
+    ValueError naming ``field`` for bad JSON, a non-object, or keys outside ``known_keys``.
+    """
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{field}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{field}: must be a JSON object, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(known_keys))
+    if unknown:
+        raise ValueError(f"{field}: unknown key(s) {unknown}; known: {sorted(known_keys)}")
+    return raw

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from pagedllm.utils import parse_json_object
 
 # Loopback: nothing is reachable from other hosts unless an address is given (vLLM binds tcp://*:5557).
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
@@ -43,16 +44,7 @@ def parse_kv_events_config(raw: str | dict[str, Any] | KVEventsConfig | None) ->
     """
     if raw is None or isinstance(raw, KVEventsConfig):
         return raw
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"kv_events_config: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"kv_events_config: must be a JSON object, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - _KNOWN_KEYS)
-    if unknown:
-        raise ValueError(f"kv_events_config: unknown key(s) {unknown}; known: {sorted(_KNOWN_KEYS)}")
+    raw = parse_json_object(raw, "kv_events_config", _KNOWN_KEYS)
     if raw.get("replay_endpoint") is not None:
         raise ValueError("kv_events_config.replay_endpoint: replaying missed events is not supported; leave it "
                          "out (a subscriber that misses batches sees a gap in their sequence numbers)")

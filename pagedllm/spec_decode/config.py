@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from pagedllm.utils import parse_json_object
 
 METHODS = ("ngram", "draft_model", "layer_skip")
 # vLLM's keys that mean something here; anything else is refused so a typo is not silently ignored.
@@ -61,16 +62,7 @@ def parse_speculative_config(raw: str | dict[str, Any] | SpeculativeConfig | Non
     """
     if raw is None or isinstance(raw, SpeculativeConfig):
         return raw
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"speculative_config: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"speculative_config: must be a JSON object, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - _KNOWN_KEYS)
-    if unknown:
-        raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(_KNOWN_KEYS)}")
+    raw = parse_json_object(raw, "speculative_config", _KNOWN_KEYS)
     method = raw.get("method")
     if method is None:
         if raw.get("model"):
