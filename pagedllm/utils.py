@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import uuid
 
@@ -53,3 +54,13 @@ def parse_json_object(raw: str | dict, field: str, known_keys: set[str] | frozen
     if unknown:
         raise ValueError(f"{field}: unknown key(s) {unknown}; known: {sorted(known_keys)}")
     return raw
+
+
+def physical_cpu_cores() -> int:
+    """Physical cores of this host (logical ones if psutil cannot tell): the CPU engines' thread budget."""
+    try:
+        import psutil
+
+        return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    except ImportError:
+        return os.cpu_count() or 1

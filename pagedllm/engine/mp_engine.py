@@ -41,6 +41,7 @@ from pagedllm.engine.processor import Processor
 from pagedllm.logger import init_logger
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 from pagedllm.structured_output.manager import StructuredOutputManager
+from pagedllm.utils import physical_cpu_cores
 
 logger = init_logger(__name__)
 
@@ -324,13 +325,7 @@ def _threads_per_engine(num_engines: int) -> int | None:
     """The host's cores split between the engines (at least one each); None with one engine (its own default)."""
     if num_engines == 1:
         return None
-    try:
-        import psutil
-
-        cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
-    except ImportError:
-        cores = os.cpu_count() or 1
-    return max(1, cores // num_engines)
+    return max(1, physical_cpu_cores() // num_engines)
 
 
 def _tensor_from_bytes(data: bytes) -> Any:

@@ -11,7 +11,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.logger import init_logger
-from pagedllm.utils import format_bytes
+from pagedllm.utils import format_bytes, physical_cpu_cores
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
@@ -32,12 +32,7 @@ def resolve_device(name: str) -> torch.device:
 def _set_cpu_threads() -> None:
     # One thread per physical core; more only adds contention on small matmuls.
     if "OMP_NUM_THREADS" not in os.environ:
-        try:
-            import psutil
-            cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
-        except ImportError:
-            cores = os.cpu_count() or 1
-        torch.set_num_threads(max(1, cores))
+        torch.set_num_threads(max(1, physical_cpu_cores()))
 
 
 class Worker:
