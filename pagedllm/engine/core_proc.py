@@ -162,7 +162,7 @@ class EngineCoreProc:
         for out in outputs:
             if out.pooling_output is not None and not isinstance(out.pooling_output, bytes):
                 out.pooling_output = out.pooling_output.float().contiguous().numpy().tobytes()
-        message = EngineCoreOutputs(self.engine_index, outputs, self.core.take_stats(self.engine_index),
+        message = EngineCoreOutputs(self.engine_index, outputs, self.core.take_stats(),
                                     timestamp=time.time())
         self.output.send_multipart([EngineMessageType.OUTPUTS.value, encode(message)])
         self.num_output_messages += 1

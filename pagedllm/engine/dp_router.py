@@ -101,7 +101,3 @@ class DataParallelRouter:
             self._subscriber = None
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
-
-
-def make_router(config: EngineConfig, num_engines: int) -> DataParallelRouter:
-    return DataParallelRouter(config, num_engines)

@@ -176,7 +176,7 @@ class EngineCore:
             self.kv_events.close()
             self.kv_events = None
 
-    def take_stats(self, engine_index: int | None = None) -> SchedulerStats:
+    def take_stats(self) -> SchedulerStats:
         """The counters the front end reports (``core/scheduler_stats.py``), with the requests first scheduled
         since the last call."""
         newly: dict[str, tuple[float, float]] = {}
@@ -190,4 +190,4 @@ class EngineCore:
                     newly[request_id] = (request.first_scheduled_time,
                                          max(request.first_scheduled_time - request.arrival_time, 0.0))
                     self._unscheduled.discard(request_id)
-        return make_scheduler_stats(self, self.engine_index if engine_index is None else engine_index, newly)
+        return make_scheduler_stats(self, self.engine_index, newly)

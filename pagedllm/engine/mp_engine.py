@@ -73,7 +73,7 @@ class KVCacheSnapshots:
 class MultiprocEngine(EngineFrontEnd):
     def __init__(self, config: EngineConfig, engine_target: Callable[..., None] | None = None) -> None:
         """``engine_target``: the engine processes' entry point, if not ``run_engine_core`` (fault tests)."""
-        from pagedllm.engine.dp_router import make_router
+        from pagedllm.engine.dp_router import DataParallelRouter
         from pagedllm.model_executor.loader import load_tokenizer
 
         self.config = config
@@ -88,7 +88,7 @@ class MultiprocEngine(EngineFrontEnd):
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._wakeup: Callable[[], None] | None = None
-        self.router = make_router(config, n)
+        self.router = DataParallelRouter(config, n)
         self.client = EngineCoreClient(config, n, threads, on_death=self._on_death,
                                        **({"target": engine_target} if engine_target else {}))
         try:
