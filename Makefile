@@ -32,8 +32,9 @@ $(STAMP): pyproject.toml
 serve: install
 	$(VENV)/bin/pagedllm serve $(ARGS)
 
+# Unbuffered: a run that is stopped from outside still shows how far it got.
 test: install chromium
-	PAGEDLLM_CHROMIUM=$(CHROMIUM) $(PY) -m pytest $(PYTEST_ARGS)
+	PYTHONUNBUFFERED=1 PAGEDLLM_CHROMIUM=$(CHROMIUM) $(PY) -m pytest --durations=15 $(PYTEST_ARGS)
 
 # The fast subset while developing: no real model, server or browser (tests marked slow are left out).
 test-fast: install

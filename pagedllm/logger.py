@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
+
+from pagedllm import envs
 
 _FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
 _configured = False
@@ -19,7 +20,7 @@ def init_logger(name: str) -> logging.Logger:
             handler = logging.StreamHandler(sys.stderr)
             handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%m-%d %H:%M:%S"))
             root.addHandler(handler)
-        root.setLevel(os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").upper())
+        root.setLevel(envs.PAGEDLLM_LOGGING_LEVEL.upper())
         root.propagate = False
         _configured = True
     return logging.getLogger(name)

@@ -6,3 +6,27 @@ import os
 # machine without a GPU every test must find the interpreter on, whichever test module imports triton first.
 if os.environ.get("PAGEDLLM_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_unconfigure(config) -> None:  # noqa: ANN001 - pytest's hook signature
+    """A run must end: if the interpreter is still exiting a minute after the last test (a thread or socket that
+    never closes), print every thread's stack and leave with the run's status instead of hanging CI."""
+    import faulthandler
+    import sys
+    import threading
+    import time
+
+    status = int(getattr(config, "_pagedllm_exitstatus", 0))
+
+    def watchdog() -> None:
+        time.sleep(60)
+        sys.stderr.write("pytest: the interpreter did not exit within 60 s of the last test; stacks:\n")
+        faulthandler.dump_traceback(all_threads=True)
+        sys.stderr.flush()
+        os._exit(status)
+
+    threading.Thread(target=watchdog, name="exit-watchdog", daemon=True).start()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:  # noqa: ANN001 - pytest's hook signature
+    session.config._pagedllm_exitstatus = exitstatus

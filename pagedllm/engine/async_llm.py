@@ -85,7 +85,7 @@ class AsyncLLM:
         from pagedllm import envs
 
         config = args.create_engine_config()
-        if envs.enable_multiprocessing():
+        if envs.PAGEDLLM_ENABLE_MULTIPROCESSING:
             from pagedllm.engine.mp_engine import MultiprocEngine
 
             return cls(MultiprocEngine(config), stat_logger)

@@ -3,7 +3,7 @@ packed weights, quantized (int8 / 4-bit) matmuls, inverse-CDF sampling and the f
 decoder layer.
 
 They are compiled when a CPU engine starts (the worker loads them) with the system C++ compiler through
-``torch.utils.cpp_extension`` (one to two minutes; later processes load the cached build in well under a
+``torch.utils.cpp_extension`` (a few minutes on two cores; later processes load the cached build in well under a
 second). Where no compiler is available the torch ops are used instead, with a warning.
 
 Two environment variables serve container images (see docs/deployment.md), whose runtime stage has no compiler:
@@ -14,15 +14,20 @@ earlier (the file, or a folder holding one ``pagedllm_cpu_kernels_*.so``), impor
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
+import hashlib
 import importlib.util
-import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils import cpp_extension
 
+from pagedllm import envs
 from pagedllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -36,25 +41,50 @@ _SOURCES = ["bindings.cpp", "paged_attention.cpp", "packed_gemm.cpp", "sampling.
 @functools.cache
 def load_cpu_kernels() -> Any | None:
     """The compiled extension module, or None if it cannot be built here (or PAGEDLLM_CPU_KERNELS=0)."""
-    if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
+    if not envs.PAGEDLLM_CPU_KERNELS:
         return None
-    prebuilt = os.environ.get("PAGEDLLM_CPU_KERNELS_PREBUILT")
+    prebuilt = envs.PAGEDLLM_CPU_KERNELS_PREBUILT
     if prebuilt:
         return _load_prebuilt(Path(prebuilt))
     try:
-        from torch.utils.cpp_extension import load
-
-        march = os.environ.get("PAGEDLLM_CPU_MARCH", "native")
+        march = envs.PAGEDLLM_CPU_MARCH
         # -march=native: the cached build is only valid on this CPU kind, so the kind is in its name.
         kind = torch.backends.cpu.get_cpu_capability() if march == "native" else re.sub(r"\W", "_", march)
         name = f"pagedllm_cpu_kernels_{kind.lower()}"
         flags = ["-O3", f"-march={march}", "-fopenmp", "-ffast-math"]
-        logger.info("Loading CPU kernels %s (the first time on a machine compiles them: one to two minutes)", name)
-        return load(name=name, sources=[str(_CSRC / f) for f in _SOURCES], extra_cflags=flags,
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        logger.info("Loading CPU kernels %s (the first time on a machine compiles them: a few minutes)", name)
+        with _exclusive_build_directory(name) as build_directory:
+            return cpp_extension.load(name=name, sources=[str(_CSRC / f) for f in _SOURCES],
+                                      extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                                      build_directory=str(build_directory), verbose=False)
     except Exception as e:  # no compiler, no ninja, no headers: stay correct, just slower
         logger.warning("CPU kernels unavailable (%s); using the slower torch paths", e)
         return None
+
+
+@contextlib.contextmanager
+def _exclusive_build_directory(name: str) -> Iterator[Path]:
+    """The build folder of ``name``, held under an OS file lock for as long as torch builds or loads in it.
+
+    torch's own lock is a file that stays behind when its holder dies (a killed engine process, a server stopped
+    during start-up), and every later load then waits on it forever. ``flock`` is released by the kernel when
+    its holder dies, so whoever holds it knows a torch lock file left in the folder is stale and removes it.
+    The folder's name carries a hash of the source path: two checkouts never rebuild over each other's build.
+    """
+    root = Path(envs.TORCH_EXTENSIONS_DIR or cpp_extension.get_default_build_root())
+    source_tag = hashlib.sha256(str(_CSRC.resolve()).encode()).hexdigest()[:8]
+    build_directory = root / f"{name}-{source_tag}"
+    build_directory.mkdir(parents=True, exist_ok=True)
+    with open(build_directory / "flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            stale = build_directory / "lock"
+            if stale.exists():
+                logger.warning("Removing %s, left by a process that died while building the CPU kernels", stale)
+                stale.unlink()
+            yield build_directory
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
 
 
 def _load_prebuilt(path: Path) -> Any | None:
@@ -95,7 +125,4 @@ ISA_CODES = {"auto": 0, "avx2": 1, "avx512": 2, "generic": 3}
 @functools.cache
 def cpu_isa() -> int:
     """The ``isa`` code passed to the quantized kernels: PAGEDLLM_CPU_ISA (read once), default auto (0)."""
-    name = os.environ.get("PAGEDLLM_CPU_ISA", "auto").lower()
-    if name not in ISA_CODES:
-        raise ValueError(f"PAGEDLLM_CPU_ISA={name!r}: expected one of {', '.join(ISA_CODES)}")
-    return ISA_CODES[name]
+    return ISA_CODES[envs.PAGEDLLM_CPU_ISA]

@@ -9,9 +9,10 @@ spends 4-8 kernel launches on each of these ops; here each is one. Statistics ar
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from pagedllm import envs
 
 try:
     import triton
@@ -28,7 +29,7 @@ def triton_available() -> bool:
 # Under TRITON_INTERPRET=1 (the tests on the CPU) Triton's interpreter multiplies bf16 operands of tl.dot and
 # computes bf16 arithmetic as raw bits (triton 3.9): kernels that dot bf16 operands upcast to fp32 there.
 def interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return envs.TRITON_INTERPRET
 
 
 def target_arch(device: torch.device) -> int:
@@ -36,7 +37,7 @@ def target_arch(device: torch.device) -> int:
     Tensors off a GPU (the interpreter, the ahead-of-time compile check) get ``PAGEDLLM_TRITON_ARCH`` (90)."""
     if device.type == "cuda":
         return _cuda_properties(device.index)[0]
-    return int(os.environ.get("PAGEDLLM_TRITON_ARCH", "90"))
+    return envs.PAGEDLLM_TRITON_ARCH
 
 
 @functools.cache

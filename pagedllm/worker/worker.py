@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.kernels.cpu import load_cpu_kernels
@@ -31,7 +31,7 @@ def resolve_device(name: str) -> torch.device:
 
 def _set_cpu_threads() -> None:
     # One thread per physical core; more only adds contention on small matmuls.
-    if "OMP_NUM_THREADS" not in os.environ:
+    if envs.OMP_NUM_THREADS is None:
         torch.set_num_threads(max(1, physical_cpu_cores()))
 
 

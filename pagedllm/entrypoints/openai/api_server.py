@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
+from pagedllm import envs
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, error_response, param_of
 from pagedllm.entrypoints.openai.playground import add_frontend_routes, add_kv_cache_routes
@@ -299,7 +300,6 @@ def _draining_server(config: Any) -> Any:
 
 def run_server(args: argparse.Namespace) -> None:
     """Build the engine from CLI args, print the banner, serve until SIGINT/SIGTERM, then drain."""
-    import os
 
     import prometheus_client
     import uvicorn
@@ -309,7 +309,7 @@ def run_server(args: argparse.Namespace) -> None:
 
     prometheus_client.disable_created_metrics()  # no *_created series, as vLLM
     engine_args = EngineArgs.from_cli_args(args)
-    api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
+    api_key = args.api_key or envs.PAGEDLLM_API_KEY or None
     engine = AsyncLLM.from_engine_args(engine_args)
     try:
         config = engine.engine.config

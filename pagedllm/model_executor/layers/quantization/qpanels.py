@@ -13,7 +13,6 @@ wherever the group is a multiple of 8, else ``pairs`` (``quant_gemm.cpp``: float
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pagedllm import envs
 from pagedllm.kernels.cpu import cpu_isa, load_cpu_kernels
 from pagedllm.model_executor.layers.quantization.qrows import QRows
 
@@ -79,7 +79,7 @@ class QPanels:
         n, k = q.shape
         group = k // scales.shape[1]
         if layout is None:
-            layout = os.environ.get("PAGEDLLM_Q4_LAYOUT", "dot8") if group % 8 == 0 else "pairs"
+            layout = envs.PAGEDLLM_Q4_LAYOUT if group % 8 == 0 else "pairs"
         if layout == "dot8" and group % 8:
             raise ValueError(f"the dot8 layout needs a group that is a multiple of 8, got {group}")
         p = _panels(q.to(torch.uint8))  # [P, K, 16]
