@@ -13,18 +13,16 @@ from typing import Any
 
 import torch
 
+from pagedllm.platforms import platform_for
+
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """``t`` on ``device``; a CPU tensor goes to CUDA through pinned memory, queued without a sync."""
     device = torch.device(device)
-    if device.type != "cuda" or t.device.type != "cpu":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    return platform_for(device).to_device(t, device)
 
 
 def tensor_on(values: Any, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """``torch.tensor(values, dtype=dtype)`` on ``device``, queued without a sync on CUDA."""
     device = torch.device(device)
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return platform_for(device).tensor_on(values, dtype, device)

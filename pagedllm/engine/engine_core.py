@@ -59,11 +59,12 @@ class EngineCore:
 
     def attach_structured_outputs(self, tokenizer: Any) -> StructuredOutputManager:
         """Give the core its grammar backend (it needs the tokenizer's vocabulary, which the core does not load)."""
-        on_gpu = self.worker.device.type == "cuda"  # the resolved device ("auto" included)
-        # On a GPU the host is idle while the forward runs: fill the grammar bitmask then, whatever the core count.
+        # On an accelerator the host is idle while the forward runs: fill the grammar bitmask then, whatever the
+        # core count.
         mc = self.config.model
+        overlap = True if self.worker.platform.is_accelerator else None
         self.structured_output = StructuredOutputManager(tokenizer, mc.vocab_size, mc.eos_token_ids,
-                                                         overlap_fill=True if on_gpu else None)
+                                                         overlap_fill=overlap)
         return self.structured_output
 
     def add_request(self, request: Request) -> None:

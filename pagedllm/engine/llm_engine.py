@@ -30,15 +30,15 @@ class LLMEngine(EngineFrontEnd):
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
         self.core = EngineCore(config)
-        on_gpu = self.core.worker.device.type == "cuda"  # the resolved device ("auto" included)
         self.structured_output = self.core.attach_structured_outputs(self.tokenizer)
         self.processor = Processor(config.model, self.tokenizer, config.scheduler.max_model_len,
                                    self.core.scheduler.check_fits)
         self.output_processor = OutputProcessor(self.tokenizer)
         # Async output processing (GPU): a step's outputs are detokenized and handed out while the device
         # computes the next step, instead of between the two. Off on CPUs, where the host is the device.
-        self.async_output = on_gpu and not config.device.disable_async_output_proc
-        if on_gpu:
+        on_accelerator = self.core.worker.platform.is_accelerator
+        self.async_output = on_accelerator and not config.device.disable_async_output_proc
+        if on_accelerator:
             logger.info("async output processing: %s", "on (outputs are detokenized while the GPU runs the next "
                         "step)" if self.async_output else "off (--disable-async-output-proc)")
         self._unprocessed: list[EngineCoreOutput] = []  # the last step's outputs, when async_output

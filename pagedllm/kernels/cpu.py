@@ -110,13 +110,6 @@ def _load_prebuilt(path: Path) -> Any | None:
     return module
 
 
-def kernels_for(t: torch.Tensor) -> Any | None:
-    """The CPU kernels when they apply to tensor ``t`` (a float32 CPU tensor), else None."""
-    if t.device.type != "cpu" or t.dtype != torch.float32:
-        return None
-    return load_cpu_kernels()
-
-
 # Instruction set of the quantized matmul kernels (their ``isa`` argument). They pick the best one the CPU
 # has at run time; PAGEDLLM_CPU_ISA=avx2|avx512|generic forces one (tests and benchmarks compare them).
 ISA_CODES = {"auto": 0, "avx2": 1, "avx512": 2, "generic": 3}

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.kernels.cpu import kernels_for
+from pagedllm.platforms import platform_of
 from pagedllm.sample.metadata import SamplingMetadata
 
 
@@ -44,7 +44,7 @@ def draw_random(logits: torch.Tensor, meta: SamplingMetadata, temperature: torch
 
     ``private``: logits is the sampler's own copy and may be changed in place.
     """
-    kernels = kernels_for(logits)
+    kernels = platform_of(logits).cpu_kernels(logits.dtype)
     # The C++ pass only where temperature is the last stage (fused here), as before the stages existed:
     # truncated rows keep the torch draw, so seeded outputs stay what they were.
     if kernels is not None and temperature is not None and logits.stride(1) == 1:
@@ -63,7 +63,7 @@ def masked_draw_kernel(logits: torch.Tensor, copied: bool = False) -> Any | None
     """
     if not copied and logits.stride(1) != 1:
         return None
-    kernels = kernels_for(logits[:0].float() if copied else logits)  # None off CPU / for non-float32
+    kernels = platform_of(logits).cpu_kernels(torch.float32 if copied else logits.dtype)
     # None: no compiler; no sample_masked: a prebuilt library from before it existed.
     return kernels if kernels is not None and hasattr(kernels, "sample_masked") else None
 

@@ -11,11 +11,11 @@ finite one.
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
+from pagedllm.platforms import platform_of
 from pagedllm.sample.metadata import SamplingMetadata
 
 
@@ -158,9 +158,8 @@ class GrammarBitmaskStage:
     def apply(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         assert meta.grammar_bitmask is not None and meta.grammar_rows is not None
         rows, bitmask = meta.grammar_rows, meta.grammar_bitmask
-        apply_cpu = _xgrammar_cpu_apply() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+        apply_cpu = platform_of(logits).grammar_bitmask_apply(logits.dtype)
         if apply_cpu is not None:
-            # xgrammar's C++ loop: ~4x faster than unpacking the bits with torch ops on a CPU.
             full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32)
             full[rows] = bitmask
             apply_cpu(logits, full, vocab_size=logits.shape[1], indices=rows.tolist(), backend="cpu")
@@ -168,16 +167,6 @@ class GrammarBitmaskStage:
         allowed = unpack_bitmask(bitmask, logits.shape[1])
         logits[rows] = logits[rows].masked_fill_(~allowed, float("-inf"))
         return logits
-
-
-@functools.cache
-def _xgrammar_cpu_apply() -> Any | None:
-    """xgrammar's in-place bitmask apply, or None where xgrammar is not installed (torch path then)."""
-    try:
-        from xgrammar import apply_token_bitmask_inplace
-    except ImportError:
-        return None
-    return apply_token_bitmask_inplace
 
 
 class TemperatureStage:

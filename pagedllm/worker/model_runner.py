@@ -20,6 +20,7 @@ from pagedllm.attention.metadata import AttentionMetadata, build_attention_metad
 from pagedllm.attention.spec import common_sliding_window, kv_cache_groups
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.host_to_device import tensor_on, to_device
+from pagedllm.platforms import platform_for
 from pagedllm.sample.metadata import build_sampling_metadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_logprobs_for_targets
 from pagedllm.sampling_params import SamplingParams
@@ -39,9 +40,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
     Zeros (not empty) matter: padded positions are masked, but NaN garbage would still poison SDPA.
     """
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    return zeroed_host_tensor(shape, dtype)
+    return platform_for(device).zeros(shape, dtype, device)
 
 
 def _logprob_dicts(lp: LogprobsTensors, ks: list[int]) -> list[dict[int, tuple[float, int]]]:
@@ -108,6 +107,7 @@ class ModelRunner:
         self.model = model
         self.pooling = pooling  # a PoolingRunner when the engine runs a pooling model (no sampling)
         self.device = device
+        self.platform = platform_for(device)
         self.dtype = dtype
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -186,7 +186,7 @@ class ModelRunner:
         page faults and TLB misses in the LM head (2 cores), a reused one on huge pages does not. Big
         prompt-logprob batches (over LOGITS_BUFFER_ROWS rows) still allocate, so the buffer stays small.
         """
-        if self.device.type != "cpu" or rows > LOGITS_BUFFER_ROWS:
+        if not self.platform.reuses_logits_buffer or rows > LOGITS_BUFFER_ROWS:
             return None
         if self._logits_buffer is None:
             self._logits_buffer = zeroed_host_tensor((LOGITS_BUFFER_ROWS, self.vocab_size), torch.float32,

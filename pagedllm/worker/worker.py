@@ -6,12 +6,11 @@ from collections.abc import Callable
 
 import torch
 
-from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.logger import init_logger
-from pagedllm.utils import format_bytes, physical_cpu_cores
+from pagedllm.platforms import platform_for
+from pagedllm.utils import format_bytes
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
@@ -29,12 +28,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _set_cpu_threads() -> None:
-    # One thread per physical core; more only adds contention on small matmuls.
-    if envs.OMP_NUM_THREADS is None:
-        torch.set_num_threads(max(1, physical_cpu_cores()))
-
-
 class Worker:
     def __init__(self, config: EngineConfig) -> None:
         from pagedllm.model_executor.loader import load_model
@@ -42,12 +35,9 @@ class Worker:
 
         self.config = config
         self.device = resolve_device(config.device.device)
-        config.device.device = self.device.type
-        if self.device.type == "cpu":
-            _set_cpu_threads()
-            # Build/load the C++ kernels now, so a fresh machine compiles them during start-up (logged)
-            # and not inside the first request, after the server already reported healthy.
-            load_cpu_kernels()
+        self.platform = platform_for(self.device)  # every device-specific choice of this engine comes from it
+        config.device.device = self.platform.name
+        self.platform.prepare_worker()
         mc = config.model
         self.dtype = torch_dtype(mc.dtype)
         torch.manual_seed(mc.seed)
@@ -76,7 +66,7 @@ class Worker:
         per_block = self.runner.bytes_per_block()
         if cache.kv_cache_memory is not None:
             budget, flag = cache.kv_cache_memory, "kv_cache_memory"
-        elif self.device.type == "cuda":
+        elif self.platform.is_accelerator:
             budget, flag = self._profile_gpu_kv_budget(), "gpu_memory_utilization"
         else:
             budget, flag = CPU_DEFAULT_KV_CACHE_MEMORY, "kv_cache_memory"
@@ -164,7 +154,7 @@ class Worker:
     def capture_decode_graphs(self) -> None:
         """CUDA only, after the KV cache exists: capture decode steps for a ladder of batch sizes (skipped
         with --enforce-eager, or without triton, whose kernels are what makes a step graph-safe)."""
-        if self.device.type != "cuda" or self.config.device.enforce_eager:
+        if not self.platform.supports_graphs or self.config.device.enforce_eager:
             return
         if self.config.cache.sliding_group() is not None:
             # The captured graphs hold one block table; a hybrid model's two KV cache groups need two.

@@ -16,12 +16,11 @@ import torch
 
 sys.path.insert(0, "tests/models")
 from host_reads import HostReads  # noqa: E402
-from model_helpers import make_kv_caches, tiny_llama_config  # noqa: E402
+from model_helpers import cpu_tensors_get_cuda_elementwise_ops, make_kv_caches, tiny_llama_config  # noqa: E402
 
 from pagedllm.attention.backends.torch_sdpa import TorchPagedAttentionBackend  # noqa: E402
 from pagedllm.attention.layer import attention_layers, bind_kv_caches  # noqa: E402
 from pagedllm.kernels import triton_ops  # noqa: E402
-from pagedllm.model_executor.layers import activation, layernorm, rotary_embedding  # noqa: E402
 from pagedllm.model_executor.models.llama import LlamaForCausalLM, Qwen3ForCausalLM  # noqa: E402
 from pagedllm.worker.cuda_graphs import DecodeGraphRunner  # noqa: E402
 
@@ -40,9 +39,7 @@ LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_positi
     (LlamaForCausalLM, {"rope_parameters": LONGROPE}),  # the long/short table pick reads device tensors only
 ])
 def test_decode_graph_forward_reads_nothing_on_the_host(arch, overrides, monkeypatch) -> None:
-    cuda_ops = lambda t: triton_ops.TRITON_OPS  # noqa: E731  (what a CUDA tensor gets)
-    for module in (activation, layernorm, rotary_embedding):
-        monkeypatch.setattr(module, "elementwise_kernels_for", cuda_ops)
+    cpu_tensors_get_cuda_elementwise_ops(monkeypatch)
     from pagedllm.attention.backends.triton_paged import TritonPagedAttentionBackend
 
     torch.manual_seed(0)

@@ -98,7 +98,10 @@ def test_rotary_and_kv_write_in_one_kernel(dtype, num_heads, num_kv_heads, head_
 
 
 def test_dispatch_by_device() -> None:
-    from pagedllm.kernels.dispatch import elementwise_kernels_for
+    from pagedllm.platforms import platform_of
+
+    def elementwise_kernels_for(t: torch.Tensor):
+        return platform_of(t).elementwise_kernels(t.dtype)
 
     # CUDA tensors get the Triton ops; CPU tensors never do (the interpreter is for tests only).
     got = elementwise_kernels_for(torch.zeros(1, device=DEVICE))

@@ -88,3 +88,15 @@ def prefill_logits(model: Any, token_ids: list[int], block_size: int = 16) -> to
     num_blocks = -(len(token_ids) // -block_size)
     bind_kv_caches(model, make_model_kv_caches(model, num_blocks + 1, block_size))
     return paged_step(model, [token_ids], [len(token_ids)], [list(range(1, num_blocks + 1))], block_size)
+
+
+def cpu_tensors_get_cuda_elementwise_ops(monkeypatch) -> None:  # noqa: ANN001 - pytest's MonkeyPatch
+    """Make the CPU platform hand out the Triton element-wise ops (run by Triton's interpreter), as the CUDA
+    platform does for CUDA tensors: CUDA's kernel choices, exercised without a GPU."""
+    from pagedllm.kernels import triton_ops
+    from pagedllm.platforms import platform_for
+
+    cpu = platform_for("cpu")
+    monkeypatch.setattr(cpu, "elementwise_kernels", lambda dtype: triton_ops.TRITON_OPS)
+    monkeypatch.setattr(cpu, "rotary_kernels", lambda dtype, table_dtype: (
+        triton_ops.TRITON_OPS if table_dtype == torch.float32 else None))

@@ -10,13 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 from arch_configs import hf_greedy, save_tiny
-from model_helpers import make_model_kv_caches, paged_step
+from model_helpers import cpu_tensors_get_cuda_elementwise_ops, make_model_kv_caches, paged_step
 
 from pagedllm.attention.backends import selector
 from pagedllm.attention.layer import bind_kv_caches
 from pagedllm.config import ModelConfig
 from pagedllm.kernels import triton_ops
-from pagedllm.model_executor.layers import activation, layernorm, rotary_embedding
 from pagedllm.model_executor.loader import load_model, resolve_model_config
 
 # CPU tensors reach Triton kernels only through the interpreter (tests/conftest.py turns it on without a GPU).
@@ -38,8 +37,7 @@ def cuda_kernels_on_cpu(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
         return fused(*args, **kwargs)
 
     monkeypatch.setattr(triton_ops, "rotary_and_write_kv_", counted)
-    for module in (activation, layernorm, rotary_embedding):
-        monkeypatch.setattr(module, "elementwise_kernels_for", lambda t: triton_ops.TRITON_OPS)
+    cpu_tensors_get_cuda_elementwise_ops(monkeypatch)
     device_backend = selector.DeviceAttentionBackend
     monkeypatch.setattr(device_backend, "takes_kv_from_rotary",
                         lambda self, qkv: self.cuda_backend().takes_kv_from_rotary(qkv))

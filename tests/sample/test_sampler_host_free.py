@@ -12,7 +12,7 @@ import torch
 sys.path.insert(0, "tests/models")
 from host_reads import HostReads  # noqa: E402
 
-from pagedllm.sample import draw, stages  # noqa: E402
+from pagedllm.platforms import platform_for  # noqa: E402
 from pagedllm.sample.metadata import build_sampling_metadata  # noqa: E402
 from pagedllm.sample.sampler import Sampler  # noqa: E402
 from pagedllm.sampling_params import SamplingParams  # noqa: E402
@@ -32,8 +32,9 @@ CASES = {
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_sampler_reads_nothing_on_the_host(name: str, monkeypatch) -> None:
-    monkeypatch.setattr(draw, "kernels_for", lambda t: None)  # what a CUDA tensor gets
-    monkeypatch.setattr(stages, "_xgrammar_cpu_apply", lambda: None)
+    cpu = platform_for("cpu")  # what a CUDA tensor gets: no C++ draw, no xgrammar CPU loop
+    monkeypatch.setattr(cpu, "cpu_kernels", lambda dtype, dtypes=(torch.float32,): None)
+    monkeypatch.setattr(cpu, "grammar_bitmask_apply", lambda dtype: None)
     params = CASES[name]
     rows = len(params)
     generators = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]

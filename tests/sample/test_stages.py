@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import pagedllm.sample.draw as draw_module
 import pagedllm.sample.sampler as sampler_module
+from pagedllm.platforms import platform_for
 from pagedllm.sample.metadata import build_sampling_metadata
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sample.stages import GrammarBitmaskStage, TemperatureStage, default_stages, unpack_bitmask
@@ -45,7 +45,7 @@ def use_draw(mode: str, monkeypatch) -> None:
     if mode != "fused_cpp":
         monkeypatch.setattr(sampler_module, "masked_draw_kernel", lambda *a, **k: None)
     if mode == "torch_draw":
-        monkeypatch.setattr(draw_module, "kernels_for", lambda t: None)
+        monkeypatch.setattr(platform_for("cpu"), "cpu_kernels", lambda dtype, dtypes=(torch.float32,): None)
 
 
 def adversarial(rows: int, allowed: torch.Tensor) -> torch.Tensor:
@@ -167,14 +167,13 @@ def test_cpp_kernel_masked_low_temperature_and_all_masked(monkeypatch) -> None:
 
 
 def test_xgrammar_and_torch_bitmask_apply_agree(monkeypatch) -> None:
-    import pagedllm.sample.stages as stages
 
     allowed = torch.rand(3, VOCAB) < 0.1
     logits = torch.randn(5, VOCAB)
     meta = make_meta([SamplingParams(temperature=0)] * 5, [0, 2, 4], allowed)
-    assert stages._xgrammar_cpu_apply() is not None
+    assert platform_for("cpu").grammar_bitmask_apply(torch.float32) is not None
     with_xgrammar = Sampler().process_logits(logits, meta)
-    monkeypatch.setattr(stages, "_xgrammar_cpu_apply", lambda: None)
+    monkeypatch.setattr(platform_for("cpu"), "grammar_bitmask_apply", lambda dtype: None)
     with_torch = Sampler().process_logits(logits, meta)
     assert torch.equal(with_xgrammar, with_torch)
     assert torch.equal(with_torch[[0, 2, 4]].isfinite(), allowed)

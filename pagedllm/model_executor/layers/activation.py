@@ -7,12 +7,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pagedllm.kernels.dispatch import elementwise_kernels_for
+from pagedllm.platforms import platform_of
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [T, 2I] laid out [gate | up] -> silu(gate) * up, [T, I] (one fused pass on CPU and CUDA)."""
-    kernels = elementwise_kernels_for(gate_up)
+    kernels = platform_of(gate_up).elementwise_kernels(gate_up.dtype)
     if kernels is not None and gate_up.dim() == 2:
         return kernels.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)

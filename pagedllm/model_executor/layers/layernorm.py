@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.kernels.dispatch import elementwise_kernels_for
 from pagedllm.model_executor.layers.direct_call import DirectCall
+from pagedllm.platforms import platform_of
 
 
 class RMSNorm(DirectCall, nn.Module):
@@ -30,10 +30,11 @@ class RMSNorm(DirectCall, nn.Module):
         On CPU in float32 (and on CUDA) one fused pass computes it, writing the results into ``x`` and ``residual``
         (callers hand over both); without a residual ``x`` is left as it is.
         """
-        kernels = elementwise_kernels_for(x)
-        # Gemma's (1 + w) is taken in float32 by the reference; the fused GPU op would round it to bf16 first.
+        platform = platform_of(x)
+        kernels = platform.elementwise_kernels(x.dtype)
+        # Gemma's (1 + w) is taken in float32 by the reference; a fused op may round it to x's dtype first.
         if (kernels is not None and x.dim() == 2 and self.weight.dtype == x.dtype
-                and not (x.is_cuda and self.weight_offset)):
+                and (platform.fused_norm_keeps_offset_exact or not self.weight_offset)):
             if residual is None:
                 out = x.clone()
                 kernels.rms_norm_(out, None, self._scale(), self.eps)

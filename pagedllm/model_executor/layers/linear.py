@@ -65,7 +65,7 @@ class Linear(DirectCall, nn.Module):
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] -> [..., N]. ``out``: optional [M, N] float32 destination (M = rows of x), returned."""
         if x.dim() == 2:  # the model runner's flat [T, K] batches: no reshape round trip
-            if self._cpu_matmul is not None and x.dtype == torch.float32 and not x.is_cuda:
+            if self._cpu_matmul is not None and x.dtype == torch.float32:  # set only for weights on the CPU
                 return self._cpu_matmul(x, self.bias, out)
             return self.quant_method.apply(self, x, self.bias, out)
         lead = x.shape[:-1]

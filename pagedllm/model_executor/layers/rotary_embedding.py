@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.kernels.dispatch import elementwise_kernels_for
 from pagedllm.model_executor.layers.direct_call import DirectCall
+from pagedllm.platforms import platform_of
 
 
 def rope_settings(hf_config: Any) -> tuple[float, dict[str, Any]]:
@@ -197,8 +197,8 @@ class RopeStep:
         d = self.emb.head_dim
         q_size, kv_size = num_heads * d, num_kv_heads * d
         q, k = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size]
-        kernels = elementwise_kernels_for(qkv)  # CPU float32 (table in float32 too) or CUDA (any dtype)
-        if kernels is not None and qkv.dim() == 2 and (qkv.is_cuda or self.emb.cos_sin_cache.dtype == torch.float32):
+        kernels = platform_of(qkv).rotary_kernels(qkv.dtype, self.emb.cos_sin_cache.dtype)
+        if kernels is not None and qkv.dim() == 2:
             kernels.rotary_(qkv, self.positions, self.emb.table_on(qkv.device), num_heads + num_kv_heads, d)
             return q, k
         if self._cos_sin is None:

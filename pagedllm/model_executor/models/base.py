@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.kernels.cpu import kernels_for
 from pagedllm.model_executor.layers.direct_call import DirectCall
 from pagedllm.model_executor.layers.linear import Linear
 from pagedllm.model_executor.layers.quantization.base import to_empty_keeping_loaders
 from pagedllm.model_executor.models.blocks import make_linear
 from pagedllm.model_executor.models.weight_loading import WeightMapping, load_weights
+from pagedllm.platforms import platform_of
 
 
 class CausalLM(DirectCall, nn.Module):
@@ -74,7 +74,7 @@ class CausalLM(DirectCall, nn.Module):
         if not self.tie_word_embeddings or self._tied_head is not None:
             return
         embedding = self.embedding().weight
-        if self.quant_config is None and kernels_for(embedding) is None:
+        if self.quant_config is None and platform_of(embedding).cpu_kernels(embedding.dtype) is None:
             return  # plain F.linear on the embedding rows: no second copy
         with torch.device("meta"):  # no random init of a vocab-sized matrix that is overwritten next
             head = make_linear(self.config.hidden_size, self.config.vocab_size, bias=False, dtype=embedding.dtype,

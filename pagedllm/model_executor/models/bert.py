@@ -22,9 +22,9 @@ from torch import nn
 
 from pagedllm.attention.layer import Attention
 from pagedllm.attention.spec import AttentionSpec
-from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.model_executor.layers.direct_call import DirectCall
 from pagedllm.model_executor.layers.linear import Linear
+from pagedllm.platforms import platform_of
 
 _QKV_RE = re.compile(r"\.attention\.self\.(query|key|value)\.")
 _QKV_SHARD = {"query": 0, "key": 1, "value": 2}
@@ -64,9 +64,7 @@ def _activation(name: str) -> Any:
 
 def _cpu_kernels(x: torch.Tensor) -> Any | None:
     """The C++ kernels for a float32 / bfloat16 CPU tensor (encoder_ops.cpp), else None."""
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    return load_cpu_kernels()
+    return platform_of(x).cpu_kernels(x.dtype, (torch.float32, torch.bfloat16))
 
 
 class BertEmbeddings(DirectCall, nn.Module):

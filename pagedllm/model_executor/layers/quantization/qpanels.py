@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm import envs
-from pagedllm.kernels.cpu import cpu_isa, load_cpu_kernels
+from pagedllm.kernels.cpu import cpu_isa
 from pagedllm.model_executor.layers.quantization.qrows import QRows
+from pagedllm.platforms import platform_of
 
 PANEL = 16
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
@@ -60,7 +61,7 @@ class QPanels:
     def pack_q8(cls, q: torch.Tensor, scales: torch.Tensor) -> QPanels | QRows:
         """q int8 [N, K], scales float [N, K / group]. (Every ``pack_*``: tensors on a CUDA device are packed
         by rows for the Triton kernel instead, ``qrows.py``.)"""
-        if q.is_cuda:
+        if platform_of(q).packs_quantized_by_rows:
             return QRows.pack_q8(q, scales)
         n, k = q.shape
         group = k // scales.shape[1]
@@ -74,7 +75,7 @@ class QPanels:
         ``layout``: "dot8" or "pairs" (module docstring); default dot8 where the group is a multiple of 8
         (``PAGEDLLM_Q4_LAYOUT=pairs`` picks the old layout, for comparisons).
         """
-        if q.is_cuda:
+        if platform_of(q).packs_quantized_by_rows:
             return QRows.pack_q4(q, scales, mins)
         n, k = q.shape
         group = k // scales.shape[1]
@@ -100,7 +101,7 @@ class QPanels:
     @classmethod
     def pack_f8(cls, q: torch.Tensor, scales: torch.Tensor) -> QPanels | QRows:
         """q float8_e4m3fn (or its uint8 bytes) [N, K], scales float [N, K / group]: w = scale * q."""
-        if q.is_cuda:
+        if platform_of(q).packs_quantized_by_rows:
             return QRows.pack_f8(q, scales)
         n, k = q.shape
         group = k // scales.shape[1]
@@ -161,8 +162,8 @@ class QPanels:
         """``matmul`` for float32 CPU inputs with the kernel and ISA chosen now: ``(x, bias, out) -> y``; None
         without the C++ kernels or off the CPU. A decode step makes ~120 matmuls: the dispatch above costs
         a few microseconds each."""
-        kernels = load_cpu_kernels()
-        if kernels is None or self.qweight.device.type != "cpu":
+        kernels = platform_of(self.qweight).cpu_kernels(torch.float32)
+        if kernels is None:
             return None
         isa = cpu_isa()
         qw, s, mins, g, n = self.qweight, self.scales, self.mins, self.group, self.out_features
@@ -184,9 +185,7 @@ class QPanels:
 
 
 def _kernels_for(x: torch.Tensor) -> Any | None:
-    if x.device.type != "cpu" or x.dtype != torch.float32:
-        return None
-    return load_cpu_kernels()
+    return platform_of(x).cpu_kernels(x.dtype)
 
 
 def quantize_q8(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

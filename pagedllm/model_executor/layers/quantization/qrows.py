@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels import triton_quant_matmul as tqm
+from pagedllm.platforms import platform_of
 
 
 def _check_group(k: int, scales: torch.Tensor) -> None:
@@ -89,7 +90,7 @@ class QRows:
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
                isa: int | None = None) -> torch.Tensor:
         """x [M, K] -> [M, N] (+ bias) in x's dtype; ``isa`` is the CPU kernels' argument, unused here."""
-        if tqm.triton_available() and (x.is_cuda or tqm.interpreted()):
+        if platform_of(x).runs_triton():
             return tqm.weight_only_matmul(x, self.qweight, self.scales, self.mins, self.group, self.out_features,
                                           self.kind, bias, out)
         y = F.linear(x, self.dequantize().to(x.dtype), None if bias is None else bias.to(x.dtype))

@@ -17,13 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.kernels.cpu import kernels_for
 from pagedllm.model_executor.layers.quantization.base import (
     CpuMatmul,
     LinearMethod,
     load_rows,
     set_weight_loader,
 )
+from pagedllm.platforms import platform_of
 
 PANEL = 16  # output columns per panel; must match NR in packed_gemm.cpp / quant_gemm.cpp
 
@@ -72,7 +72,7 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
         weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=dtype), requires_grad=False)
-        if weight.device.type != "meta":  # a layer built outside load_model (tests) starts like nn.Linear
+        if not weight.is_meta:  # a layer built outside load_model (tests) starts like nn.Linear
             nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
         layer.weight = set_weight_loader(weight, lambda p, w, shard_id=None: load_rows(layer, p, w, shard_id))
         layer.packed_weight = None
@@ -83,11 +83,12 @@ class UnquantizedLinearMethod(LinearMethod):
         if layer.packed_weight is not None or layer.onednn_weight is not None:
             return
         w = layer.weight
-        if w.dtype == torch.bfloat16 and w.device.type == "cpu" and onednn_bf16_available():
+        platform = platform_of(w)
+        if w.dtype == torch.bfloat16 and platform.onednn_bf16():
             layer.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
             layer.weight = None  # the packed copy replaces it
             return
-        kernels = kernels_for(layer.weight)
+        kernels = platform.cpu_kernels(w.dtype)
         if kernels is None:
             return
         layer.packed_weight = pack_weight(layer.weight)

@@ -1,0 +1,69 @@
+"""What a platform decides: the kernels that serve a tensor, how memory is made and copied, what the engine
+can overlap. The base class is the portable answer (plain torch everywhere); ``CpuPlatform`` and
+``CudaPlatform`` override what their kernels do better."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class Platform:
+    """Plain torch on any device: no C++ or Triton kernels, no overlap, nothing captured."""
+
+    name = "portable"
+    #: Host and device are separate processors: the host prepares step N + 1 (outputs, grammar bitmasks) while
+    #: the device computes step N, and the KV cache budget is measured from the device's free memory.
+    is_accelerator = False
+    #: Decode steps can be captured once and replayed as graphs.
+    supports_graphs = False
+    #: Quantized weights are packed by rows for the Triton kernels (``QRows``), not in the CPU kernels' panels.
+    packs_quantized_by_rows = False
+    #: The fused RMSNorm computes Gemma's ``1 + w`` in float32, as the reference does.
+    fused_norm_keeps_offset_exact = True
+    #: The runner keeps one logits buffer across steps (a fresh vocab-sized tensor per step costs page faults).
+    reuses_logits_buffer = False
+
+    def prepare_worker(self) -> None:
+        """Once, when a worker starts on this platform (thread pools, kernels compiled before the first request)."""
+
+    def cpu_kernels(self, dtype: torch.dtype, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> Any | None:
+        """The C++ kernels module for tensors of ``dtype`` (one of ``dtypes``, the ones the caller's kernels
+        take) on this platform, or None."""
+        return None
+
+    def elementwise_kernels(self, dtype: torch.dtype) -> Any | None:
+        """A module with ``rms_norm_``, ``silu_and_mul`` and ``rotary_`` for tensors of ``dtype``, or None."""
+        return None
+
+    def rotary_kernels(self, dtype: torch.dtype, table_dtype: torch.dtype) -> Any | None:
+        """The in-place ``rotary_`` for activations of ``dtype`` and a cos/sin table of ``table_dtype``, or None."""
+        return None
+
+    def runs_triton(self) -> bool:
+        """Whether the Triton kernels run for tensors here (on a GPU, or in Triton's interpreter)."""
+        from pagedllm.kernels import triton_ops
+
+        return triton_ops.triton_available() and triton_ops.interpreted()
+
+    def onednn_bf16(self) -> bool:
+        """Whether bfloat16 weights are prepacked for oneDNN's fused matmul here."""
+        return False
+
+    def grammar_bitmask_apply(self, dtype: torch.dtype) -> Callable[..., None] | None:
+        """xgrammar's in-place bitmask apply for logits of ``dtype`` here, or None (torch ops then)."""
+        return None
+
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zeroed tensor for the KV cache."""
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    def to_device(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``t`` on ``device`` (of this platform)."""
+        return t.to(device)
+
+    def tensor_on(self, values: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``torch.tensor(values, dtype=dtype)`` on ``device`` (of this platform)."""
+        return torch.tensor(values, dtype=dtype, device=device)
