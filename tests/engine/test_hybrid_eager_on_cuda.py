@@ -9,12 +9,14 @@ from types import SimpleNamespace
 import torch
 
 from pagedllm.config import CacheConfig, DeviceConfig
+from pagedllm.platforms import platform_for
 from pagedllm.worker.worker import Worker
 
 
 def test_hybrid_model_skips_cuda_graphs(caplog) -> None:
     cache = CacheConfig(num_blocks=64, sliding_group_window=512, sliding_group_num_blocks=32)
-    stub = SimpleNamespace(device=torch.device("cuda"), config=SimpleNamespace(cache=cache, device=DeviceConfig()),
+    stub = SimpleNamespace(device=torch.device("cuda"), platform=platform_for("cuda"),
+                           config=SimpleNamespace(cache=cache, device=DeviceConfig()),
                            runner=SimpleNamespace(decode_graphs=None))
     with caplog.at_level(logging.INFO, logger="pagedllm"):
         Worker.capture_decode_graphs(stub)
@@ -23,7 +25,7 @@ def test_hybrid_model_skips_cuda_graphs(caplog) -> None:
 
 
 def test_pooling_model_captures_no_decode_graphs() -> None:
-    stub = SimpleNamespace(device=torch.device("cuda"),
+    stub = SimpleNamespace(device=torch.device("cuda"), platform=platform_for("cuda"),
                            config=SimpleNamespace(cache=CacheConfig(num_blocks=64), device=DeviceConfig()),
                            runner=SimpleNamespace(decode_graphs=None, pooling=object()))
     Worker.capture_decode_graphs(stub)  # would import triton and capture on a GPU otherwise
