@@ -21,12 +21,7 @@ from pagedllm.model_executor.layers.quantization.base import (
     load_rows,
     set_weight_loader,
 )
-from pagedllm.model_executor.layers.quantization.unquantized import (  # noqa: F401  (re-exported)
-    PANEL,
-    UnquantizedLinearMethod,
-    pack_weight,
-    packed_linear,
-)
+from pagedllm.model_executor.layers.quantization.unquantized import UnquantizedLinearMethod
 
 
 class Linear(DirectCall, nn.Module):

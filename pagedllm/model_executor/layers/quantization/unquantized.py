@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,17 +33,6 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     padded_n = -(-n // PANEL) * PANEL
     w = F.pad(weight.detach(), (0, 0, 0, padded_n - n))
     return w.view(padded_n // PANEL, PANEL, k).transpose(1, 2).contiguous()
-
-
-def packed_linear(kernels: Any, x: torch.Tensor, packed: torch.Tensor, out_features: int,
-                  bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ W^T (+ bias) with W given packed -> [..., out_features].
-
-    ``out``: optional [M, out_features] float32 destination (M = rows of x), returned when given.
-    """
-    lead = x.shape[:-1]
-    y = kernels.packed_gemm(x.reshape(-1, x.shape[-1]), packed, out_features, bias, out)
-    return y if out is not None else y.view(*lead, out_features)
 
 
 @functools.cache
