@@ -102,9 +102,15 @@ class SchedulerConfig:
     num_lookahead_tokens: int = 0
 
 
+# ``--attention-backend``: ``auto`` is the platform's best (the C++ kernels on a CPU, Triton on CUDA, else
+# torch); the others force one, and an engine whose platform cannot run it fails to start, naming the flag.
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
+
+
 @dataclass
 class DeviceConfig:
     device: str = "auto"  # auto | cpu | cuda; resolved to cpu/cuda
+    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS; the engine's platform makes it
     enforce_eager: bool = False  # GPU: no CUDA graphs
     # GPU: the previous step's outputs are detokenized while the device runs the next step (llm_engine.py)
     disable_async_output_proc: bool = False

@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, fields
 
 from pagedllm.config import (
+    ATTENTION_BACKENDS,
     DEFAULT_MODEL,
     DEFAULT_POOLING_MODEL,
     ROUTING_POLICIES,
@@ -37,6 +38,7 @@ class EngineArgs:
     kv_cache_memory: str | int | None = None  # None: 2 GiB on CPUs, --gpu-memory-utilization on GPUs
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    attention_backend: str = "auto"
     disable_async_output_proc: bool = False
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -121,6 +123,10 @@ class EngineArgs:
         group.add_argument("--seed", type=int, default=d.seed, help="Global random seed.")
         group.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"],
                            help="Where to run the model.")
+        group.add_argument("--attention-backend", default=d.attention_backend, choices=list(ATTENTION_BACKENDS),
+                           help="How attention is computed: auto (the device's best: the C++ kernels on a CPU, "
+                                "Triton on CUDA), cpu (the C++ paged kernels), torch (portable SDPA, the "
+                                "reference), triton (CUDA).")
         group.add_argument("--served-model-name", default=None,
                            help="Name clients use for the model (default: the --model value).")
         group.add_argument("--chat-template", default=None,
@@ -184,6 +190,9 @@ class EngineArgs:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}, got "
+                             f"{self.attention_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len}")
         check_hash_algo(self.prefix_caching_hash_algo)
@@ -221,7 +230,8 @@ class EngineArgs:
                                   routing_balance_abs_threshold=int(self.routing_balance_abs_threshold),
                                   routing_balance_rel_threshold=float(self.routing_balance_rel_threshold))
         return EngineConfig(model=model, cache=cache, scheduler=scheduler, parallel=parallel,
-                            device=DeviceConfig(self.device, enforce_eager=self.enforce_eager,
+                            device=DeviceConfig(self.device, attention_backend=self.attention_backend,
+                                                enforce_eager=self.enforce_eager,
                                                 disable_async_output_proc=self.disable_async_output_proc),
                             log_stats=not self.disable_log_stats, speculative=speculative, kv_events=kv_events)
 

@@ -18,6 +18,14 @@ class CpuPlatform(Platform):
     name = "cpu"
     reuses_logits_buffer = True
 
+    def _make_attention_backend(self, name: str) -> Any:
+        from pagedllm.attention.backends.cpu_paged import CpuPagedAttentionBackend
+        from pagedllm.kernels.cpu import load_cpu_kernels
+
+        if name == "cpu" or (name == "auto" and load_cpu_kernels() is not None):
+            return CpuPagedAttentionBackend()
+        return super()._make_attention_backend(name)
+
     def prepare_worker(self) -> None:
         from pagedllm.kernels.cpu import load_cpu_kernels
 

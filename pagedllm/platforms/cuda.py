@@ -18,6 +18,17 @@ class CudaPlatform(Platform):
     # The fused Triton RMSNorm takes the scale in the activation dtype: Gemma's 1 + w would round to bf16 first.
     fused_norm_keeps_offset_exact = False
 
+    def _make_attention_backend(self, name: str) -> Any:
+        from pagedllm.kernels import triton_ops
+
+        if name == "triton" or (name == "auto" and triton_ops.triton_available()):
+            from pagedllm.attention.backends.triton_paged import TritonPagedAttentionBackend
+
+            if not triton_ops.triton_available():
+                raise ValueError("attention_backend: 'triton' needs triton, which is not installed")
+            return TritonPagedAttentionBackend(super()._make_attention_backend("torch"))
+        return super()._make_attention_backend(name)
+
     def elementwise_kernels(self, dtype: torch.dtype) -> Any | None:
         from pagedllm.kernels import triton_ops
 

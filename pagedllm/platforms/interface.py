@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from pagedllm.config import ATTENTION_BACKENDS
+
 
 class Platform:
     """Plain torch on any device: no C++ or Triton kernels, no overlap, nothing captured."""
@@ -25,6 +27,25 @@ class Platform:
     fused_norm_keeps_offset_exact = True
     #: The runner keeps one logits buffer across steps (a fresh vocab-sized tensor per step costs page faults).
     reuses_logits_buffer = False
+
+    def __init__(self) -> None:
+        self._attention_backends: dict[str, Any] = {}
+
+    def attention_backend(self, name: str = "auto") -> Any:
+        """The attention backend ``name`` (one of ``ATTENTION_BACKENDS``) on this platform, made once."""
+        if name not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
+        backend = self._attention_backends.get(name)
+        if backend is None:
+            backend = self._attention_backends[name] = self._make_attention_backend(name)
+        return backend
+
+    def _make_attention_backend(self, name: str) -> Any:
+        from pagedllm.attention.backends.torch_sdpa import TorchPagedAttentionBackend
+
+        if name in ("auto", "torch"):
+            return TorchPagedAttentionBackend()
+        raise ValueError(f"attention_backend: {name!r} does not run on the {self.name} platform; use torch")
 
     def prepare_worker(self) -> None:
         """Once, when a worker starts on this platform (thread pools, kernels compiled before the first request)."""

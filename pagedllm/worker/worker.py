@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from pagedllm.attention.layer import attention_layers
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.logger import init_logger
@@ -42,6 +43,10 @@ class Worker:
         self.dtype = torch_dtype(mc.dtype)
         torch.manual_seed(mc.seed)
         model = load_model(mc, self.device)
+        self.attention_backend = self.platform.attention_backend(config.device.attention_backend)
+        for layer in attention_layers(model):
+            layer.backend = self.attention_backend
+        logger.info("attention backend: %s", self.attention_backend.name)
         pooling = None
         if mc.is_pooling:
             from pagedllm.model_executor.layers.pooler import Pooler
@@ -168,6 +173,10 @@ class Worker:
 
         if not triton_available():
             logger.warning("triton is not installed: decode steps run eagerly (no CUDA graphs)")
+            return
+        if not getattr(self.attention_backend, "graph_safe", False):
+            logger.info("attention backend %r reads tensors on the host: decode steps run eagerly (no CUDA graphs)",
+                        self.attention_backend.name)
             return
         sched, bs = self.config.scheduler, self.config.cache.block_size
         graphs = DecodeGraphRunner(self.runner.model, self.device, graph_batch_sizes(sched.max_num_seqs),

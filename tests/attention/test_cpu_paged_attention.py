@@ -114,8 +114,7 @@ def test_backend_routes_fresh_prompts_by_length(monkeypatch) -> None:
 
     rows, sdpa_fresh = meta.plan().kernel_split(40)
     assert rows.tolist() == [0, 1, 2, 3, 4, 5] and sdpa_fresh == {41: [6], 70: [7]}
-    got = backend.paged_attention(query, key, value, cache.clone(), meta, head_dim ** -0.5)
-    monkeypatch.setattr(backend, "load_cpu_kernels", lambda: None)
+    got = backend.paged_attention(query, key, value, cache.clone(), meta, head_dim ** -0.5, load_cpu_kernels())
     expected = backend.paged_attention(query, key, value, cache.clone(),
                                        AttentionMetadata.build(query_lens, seq_lens, tables, block_size),
                                        head_dim ** -0.5)

@@ -100,3 +100,14 @@ def cpu_tensors_get_cuda_elementwise_ops(monkeypatch) -> None:  # noqa: ANN001 -
     monkeypatch.setattr(cpu, "elementwise_kernels", lambda dtype: triton_ops.TRITON_OPS)
     monkeypatch.setattr(cpu, "rotary_kernels", lambda dtype, table_dtype: (
         triton_ops.TRITON_OPS if table_dtype == torch.float32 else None))
+
+
+def cpu_tensors_get_triton_attention(monkeypatch) -> None:  # noqa: ANN001 - pytest's MonkeyPatch
+    """Make layers without an engine-bound backend attend through the Triton backend (interpreted) on CPU
+    tensors, as CUDA tensors do."""
+    from pagedllm.attention.backends.torch_sdpa import TorchPagedAttentionBackend
+    from pagedllm.attention.backends.triton_paged import TritonPagedAttentionBackend
+    from pagedllm.platforms import platform_for
+
+    triton = TritonPagedAttentionBackend(TorchPagedAttentionBackend())
+    monkeypatch.setattr(platform_for("cpu"), "attention_backend", lambda name="auto": triton)

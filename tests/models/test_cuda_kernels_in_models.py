@@ -10,9 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 from arch_configs import hf_greedy, save_tiny
-from model_helpers import cpu_tensors_get_cuda_elementwise_ops, make_model_kv_caches, paged_step
+from model_helpers import (
+    cpu_tensors_get_cuda_elementwise_ops,
+    cpu_tensors_get_triton_attention,
+    make_model_kv_caches,
+    paged_step,
+)
 
-from pagedllm.attention.backends import selector
 from pagedllm.attention.layer import bind_kv_caches
 from pagedllm.config import ModelConfig
 from pagedllm.kernels import triton_ops
@@ -38,10 +42,7 @@ def cuda_kernels_on_cpu(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
     monkeypatch.setattr(triton_ops, "rotary_and_write_kv_", counted)
     cpu_tensors_get_cuda_elementwise_ops(monkeypatch)
-    device_backend = selector.DeviceAttentionBackend
-    monkeypatch.setattr(device_backend, "takes_kv_from_rotary",
-                        lambda self, qkv: self.cuda_backend().takes_kv_from_rotary(qkv))
-    monkeypatch.setattr(device_backend, "forward", lambda self, *args: self.cuda_backend().forward(*args))
+    cpu_tensors_get_triton_attention(monkeypatch)
     return calls
 
 

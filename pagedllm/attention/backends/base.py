@@ -17,6 +17,8 @@ from pagedllm.attention.spec import AttentionSpec
 
 class AttentionBackend(ABC):
     name: str = "abstract"
+    #: Reads no tensor values on the host, so a step through it can be captured as a CUDA graph.
+    graph_safe: bool = False
 
     @abstractmethod
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor | None,

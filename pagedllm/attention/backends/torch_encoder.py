@@ -13,14 +13,14 @@ shared by all layers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.kernels.cpu import load_cpu_kernels
 
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+ENCODER_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 BUCKET_STEP = 16  # sequences up to MIN_POW2_BUCKET tokens are bucketed by multiples of this
 MIN_POW2_BUCKET = 128  # longer ones by powers of two (few buckets even with long-tail lengths)
 
@@ -110,14 +110,13 @@ def bucketed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 
 def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata,
-                      scale: float) -> torch.Tensor:
+                      scale: float, kernels: Any | None = None) -> torch.Tensor:
     """The backends' encoder path. query: [T, H, D]; key/value: [T, Hkv, D] -> [T, H, D].
 
-    On a CPU with the C++ kernels (float32 or bfloat16) each (sequence, head) is attended in place, with no
-    gather, padding or mask (``kernels/csrc/encoder_attention.cpp``); elsewhere the length buckets above.
+    With the C++ CPU kernels (``kernels``; float32 or bfloat16) each (sequence, head) is attended in place, with
+    no gather, padding or mask (``kernels/csrc/encoder_attention.cpp``); otherwise the length buckets above.
     """
-    kernels = load_cpu_kernels() if query.device.type == "cpu" and query.dtype in _KERNEL_DTYPES else None
-    if kernels is not None:
+    if kernels is not None and query.dtype in ENCODER_KERNEL_DTYPES:
         return kernels.encoder_attention(query, key, value, _query_start_cpu(meta), scale)
     return bucketed_attention(query, key, value, encoder_plan(meta), scale).view(query.shape)
 

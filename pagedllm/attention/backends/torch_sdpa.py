@@ -7,6 +7,8 @@ by the layer's spec.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -15,7 +17,6 @@ from pagedllm.attention.backends.torch_encoder import encoder_attention
 from pagedllm.attention.backends.torch_windowed import sliding_window_attention
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.spec import AttentionSpec
-from pagedllm.kernels.cpu import load_cpu_kernels
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -45,13 +46,14 @@ FRESH_PROMPT_KERNEL_MAX_LEN = 256
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    kernels: Any | None = None) -> torch.Tensor:
     """query: [T, H, D]; key/value: [T, Hkv, D] (this step's new tokens) -> output [T, H, D].
 
     K/V of this step are written to the cache first; requests with earlier context read it from there
-    (on CPU through the C++ kernel when it is available), fresh prompts attend to their own new K/V.
+    (through the C++ CPU kernels when ``kernels`` is given, else the portable path), fresh prompts attend to
+    their own new K/V.
     """
-    kernels = load_cpu_kernels() if query.device.type == "cpu" else None
     if kernels is not None:
         kernels.write_kv(key, value, kv_cache[0], kv_cache[1], meta.slot_mapping)
     else:
@@ -139,23 +141,28 @@ def _attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
 
 
 class TorchPagedAttentionBackend(AttentionBackend):
-    """Portable torch attention, with the C++ paged kernel for causal layers on CPU.
+    """Portable torch attention (SDPA), the reference every other backend is tested against; it runs on any
+    device. ``CpuPagedAttentionBackend`` is this with the C++ kernels where they apply.
 
     Sliding-window layers whose step holds no request longer than the window behave exactly like causal
-    ones and take the causal (kernel) path; otherwise they read only the window (``torch_windowed``).
+    ones and take the causal path; otherwise they read only the window (``torch_windowed``).
     """
 
     name = "torch"
 
+    def _kernels(self, query: torch.Tensor) -> Any | None:
+        """The C++ kernels for this step's tensors (the CPU backend's), or None: the portable path."""
+        return None
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor | None,
                 meta: AttentionMetadata, spec: AttentionSpec, scale: float) -> torch.Tensor:
         if spec.kind == "encoder":
-            return encoder_attention(query, key, value, meta, scale)
+            return encoder_attention(query, key, value, meta, scale, self._kernels(query))
         if kv_cache is None:
             raise RuntimeError("a causal or sliding-window attention layer has no KV cache bound")
         window = spec.window_for(meta.max_seq_len)
         if window is None:
-            return paged_attention(query, key, value, kv_cache, meta, scale)
+            return paged_attention(query, key, value, kv_cache, meta, scale, self._kernels(query))
         write_kv(kv_cache, key, value, meta.slot_mapping)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         sliding_window_attention(query, kv_cache, meta, window, scale, out)

@@ -273,6 +273,7 @@ class TritonPagedAttentionBackend(AttentionBackend):
     the portable torch path. Graph-safe: it reads no tensor values on the host."""
 
     name = "triton"
+    graph_safe = True
 
     def __init__(self, fallback: AttentionBackend) -> None:
         self.fallback = fallback

@@ -1,0 +1,28 @@
+"""The CPU backend: ``TorchPagedAttentionBackend`` with the C++ kernels where they apply. The paged kernel
+serves every request with earlier context (decodes, later prefill chunks, prefix hits) and fresh prompts of up
+to ``FRESH_PROMPT_KERNEL_MAX_LEN`` tokens, reading K/V through the block tables in place; the encoder kernel
+attends each (sequence, head) of an encoder layer in place. What they do not take (long fresh prompts, the
+sliding window's long steps) goes through the portable torch path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pagedllm.attention.backends.torch_sdpa import TorchPagedAttentionBackend
+from pagedllm.kernels.cpu import load_cpu_kernels
+
+
+class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
+    name = "cpu"
+
+    def __init__(self) -> None:
+        kernels = load_cpu_kernels()
+        if kernels is None:
+            raise ValueError("attention_backend: 'cpu' needs the C++ CPU kernels, which could not be built or "
+                             "loaded here (see the warning above); use 'torch'")
+        self.kernels = kernels
+
+    def _kernels(self, query: torch.Tensor) -> Any | None:
+        return self.kernels
