@@ -8,6 +8,7 @@ addresses, so every input lives in a persistent buffer sized for the largest cap
 rows act as harmless dummy requests (one token at position 0, writing and reading only the null block 0).
 
 Only steps where every request decodes one token go through graphs; steps with prefill chunks run eagerly.
+A hybrid model (several KV cache groups, Gemma 3) gets a block table and slot mapping buffer per group.
 The same class runs without capturing (``capture=False``): that is how the CPU tests check the padding
 and buffer logic that graphs rely on.
 """
@@ -58,7 +59,7 @@ class DecodeGraphRunner:
 
     def __init__(self, model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device,
                  sizes: list[int], max_blocks_per_seq: int, block_size: int, hidden_size: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, num_kv_groups: int = 1) -> None:
         self.model = model
         self.device = device
         self.sizes = sorted(sizes)
@@ -70,43 +71,61 @@ class DecodeGraphRunner:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        # Group 0's buffers are the two above; the groups share every other input.
+        self.group_slot_mappings = [self.slot_mapping] + [torch.zeros_like(self.slot_mapping)
+                                                          for _ in range(num_kv_groups - 1)]
+        self.group_block_tables = [self.block_tables] + [torch.zeros_like(self.block_tables)
+                                                         for _ in range(num_kv_groups - 1)]
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None
 
+    @property
+    def num_kv_groups(self) -> int:
+        return len(self.group_block_tables)
+
     def can_run(self, meta: AttentionMetadata) -> bool:
-        """True for a decode-only step that fits the largest captured size and the block-table width."""
+        """True for a decode-only step that fits the largest captured size and the block-table width, with
+        one metadata per KV cache group of the captured model."""
+        groups = _groups(meta)
         return (meta.num_decodes == meta.num_reqs and meta.num_reqs > 0
-                and meta.num_reqs <= self.sizes[-1]
-                and meta.block_tables.shape[1] <= self.block_tables.shape[1])
+                and meta.num_reqs <= self.sizes[-1] and len(groups) == self.num_kv_groups
+                and all(g.block_tables.shape[1] <= self.block_tables.shape[1] for g in groups))
 
     def _metadata(self, size: int) -> AttentionMetadata:
         """Metadata over the first ``size`` rows of the buffers (what the graph of that size reads)."""
-        return AttentionMetadata(
-            num_actual_tokens=size, slot_mapping=self.slot_mapping[:size],
+        metas = [AttentionMetadata(
+            num_actual_tokens=size, slot_mapping=slots[:size],
             query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
-            block_tables=self.block_tables[:size], num_decodes=size,
+            block_tables=tables[:size], num_decodes=size,
             query_start_loc_cpu=list(range(size + 1)), seq_lens_cpu=[1] * size,
             # The host copies above describe the shapes, not the lengths: graph-safe backends read the
             # device tensors only. max_decode_seq_len bounds a gather nobody does under a graph.
-            max_decode_seq_len=self.block_tables.shape[1] * self.block_size, block_size=self.block_size)
+            max_decode_seq_len=tables.shape[1] * self.block_size, block_size=self.block_size)
+            for slots, tables in zip(self.group_slot_mappings, self.group_block_tables, strict=True)]
+        if len(metas) > 1:
+            metas[0].group_metadata = metas
+        return metas[0]
 
     def _load(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, size: int) -> None:
         """Copy a step's inputs into the buffers; rows n..size-1 become dummy one-token requests."""
         n = meta.num_reqs
-        width = meta.block_tables.shape[1]
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
         self.seq_lens[:n].copy_(meta.seq_lens)
-        self.block_tables[:n, :width].copy_(meta.block_tables)
-        self.block_tables[:n, width:].zero_()
-        if size > n:  # dummy rows: token 0 at position 0 in slot 0 of the null block
+        for group, slots, tables in zip(_groups(meta), self.group_slot_mappings, self.group_block_tables,
+                                        strict=True):
+            width = group.block_tables.shape[1]
+            slots[:n].copy_(group.slot_mapping)
+            tables[:n, :width].copy_(group.block_tables)
+            tables[:n, width:].zero_()
+            if size > n:
+                slots[n:size].zero_()
+                tables[n:size].zero_()
+        if size > n:  # dummy rows: token 0 at position 0 in slot 0 of the null block (in every group)
             self.input_ids[n:size].zero_()
             self.positions[n:size].zero_()
-            self.slot_mapping[n:size].zero_()
             self.seq_lens[n:size].fill_(1)
-            self.block_tables[n:size].zero_()
 
     def _forward(self, size: int) -> torch.Tensor:
         with forward_context(self._metadata(size)):
@@ -144,3 +163,8 @@ class DecodeGraphRunner:
         else:
             self.hidden[:size] = self._forward(size)
         return self.hidden[:meta.num_reqs]
+
+
+def _groups(meta: AttentionMetadata) -> list[AttentionMetadata]:
+    """A step's metadata per KV cache group (one group: the step's own)."""
+    return meta.group_metadata if meta.group_metadata is not None else [meta]

@@ -161,11 +161,6 @@ class Worker:
         with --enforce-eager, or without triton, whose kernels are what makes a step graph-safe)."""
         if not self.platform.supports_graphs or self.config.device.enforce_eager:
             return
-        if self.config.cache.sliding_group() is not None:
-            # The captured graphs hold one block table; a hybrid model's two KV cache groups need two.
-            logger.info("hybrid model (sliding-window and full-attention KV cache groups): decode steps run "
-                        "eagerly (no CUDA graphs)")
-            return
         if self.runner.pooling is not None:
             return  # a pooling model's steps run through the pooling runner, never a decode graph
         from pagedllm.attention.backends.triton_paged import triton_available
@@ -181,7 +176,8 @@ class Worker:
         sched, bs = self.config.scheduler, self.config.cache.block_size
         graphs = DecodeGraphRunner(self.runner.model, self.device, graph_batch_sizes(sched.max_num_seqs),
                                    max_blocks_per_seq=-(-sched.max_model_len // bs), block_size=bs,
-                                   hidden_size=self.config.model.hf_config.hidden_size, dtype=self.dtype)
+                                   hidden_size=self.config.model.hf_config.hidden_size, dtype=self.dtype,
+                                   num_kv_groups=1 if self.config.cache.sliding_group() is None else 2)
         graphs.capture()
         self.runner.decode_graphs = graphs
 
