@@ -12,39 +12,6 @@ from pagedllm.host_to_device import tensor_on, to_device
 
 
 @dataclass
-class AttentionPlan:
-    """How a backend splits the batch, worked out once per step and shared by all layers.
-
-    ``fresh_groups``: query length -> requests with no earlier context (a whole prompt in one step);
-    ``with_context``: every other request (decodes, later prefill chunks, prefix-cache hits).
-    """
-
-    fresh_groups: dict[int, list[int]]
-    with_context: list[int]
-    with_context_tensor: torch.Tensor  # [n] int32
-    _kernel_splits: dict[int, tuple[torch.Tensor | None, dict[int, list[int]]]] = field(default_factory=dict)
-
-    def kernel_split(self, max_fresh_len: int) -> tuple[torch.Tensor | None, dict[int, list[int]]]:
-        """For a backend whose kernel also takes fresh prompts of up to ``max_fresh_len`` tokens:
-        (the kernel's requests as an int32 tensor, or None if none; the fresh groups left for SDPA).
-        Memoized, since every layer asks the same."""
-        if max_fresh_len not in self._kernel_splits:
-            rows = list(self.with_context)
-            rest: dict[int, list[int]] = {}
-            for q_len, group in self.fresh_groups.items():
-                if q_len <= max_fresh_len:
-                    rows.extend(group)
-                else:
-                    rest[q_len] = group
-            if len(rows) == len(self.with_context):
-                tensor = self.with_context_tensor if rows else None
-            else:
-                tensor = torch.tensor(sorted(rows), dtype=torch.int32, device=self.with_context_tensor.device)
-            self._kernel_splits[max_fresh_len] = (tensor, rest)
-        return self._kernel_splits[max_fresh_len]
-
-
-@dataclass
 class AttentionMetadata:
     """Describes one forward step to the attention backend.
 
@@ -72,28 +39,13 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_decode_seq_len: int
     block_size: int
-    _plan: AttentionPlan | None = field(default=None, repr=False)
     # A model with several KV cache groups: every group's metadata, this one (group 0) first; the groups
     # differ only in block_tables and slot_mapping. None: one group, or all groups share this table.
     group_metadata: list[AttentionMetadata] | None = field(default=None, repr=False)
-    _encoder_plan: Any = field(default=None, init=False, repr=False)  # torch_encoder's plan, for encoder layers
-    _encoder_query_start: Any = field(default=None, init=False, repr=False)  # its int32 offsets, C++ kernel path
+    # What a backend derives from this step once and every layer reuses (its plan of the batch), under the
+    # backend's own key: the metadata describes the step, each backend keeps its own state here.
+    backend_state: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
     _max_query_len: int | None = field(default=None, init=False, repr=False)
-
-    def plan(self) -> AttentionPlan:
-        if self._plan is None:
-            qsl, seq_lens = self.query_start_loc_cpu, self.seq_lens_cpu
-            fresh: dict[int, list[int]] = {}
-            other: list[int] = []
-            for i in range(self.num_reqs):
-                q_len = qsl[i + 1] - qsl[i]
-                if q_len > 1 and seq_lens[i] == q_len:
-                    fresh.setdefault(q_len, []).append(i)
-                else:
-                    other.append(i)
-            self._plan = AttentionPlan(fresh, other, torch.tensor(other, dtype=torch.int32,
-                                                                  device=self.seq_lens.device))
-        return self._plan
 
     @property
     def num_reqs(self) -> int:

@@ -112,7 +112,7 @@ def test_backend_routes_fresh_prompts_by_length(monkeypatch) -> None:
     key, value = torch.randn(tokens, num_kv_heads, head_dim), torch.randn(tokens, num_kv_heads, head_dim)
     cache = torch.randn(2, 200, block_size, num_kv_heads, head_dim)  # earlier context of the first four
 
-    rows, sdpa_fresh = meta.plan().kernel_split(40)
+    rows, sdpa_fresh = backend.step_plan(meta).kernel_split(40)
     assert rows.tolist() == [0, 1, 2, 3, 4, 5] and sdpa_fresh == {41: [6], 70: [7]}
     got = backend.paged_attention(query, key, value, cache.clone(), meta, head_dim ** -0.5, load_cpu_kernels())
     expected = backend.paged_attention(query, key, value, cache.clone(),

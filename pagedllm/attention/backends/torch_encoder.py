@@ -81,11 +81,11 @@ def _check_whole_sequences(meta: AttentionMetadata) -> None:
 
 def encoder_plan(meta: AttentionMetadata) -> EncoderAttentionPlan:
     """The step's plan, built by the first encoder layer that asks and reused by the others."""
-    plan = getattr(meta, "_encoder_plan", None)
+    plan = meta.backend_state.get("encoder_plan")
     if plan is None:
         _check_whole_sequences(meta)
         plan = plan_encoder_attention(meta.query_start_loc_cpu, meta.query_start_loc.device)
-        meta._encoder_plan = plan
+        meta.backend_state["encoder_plan"] = plan
     return plan
 
 
@@ -123,9 +123,9 @@ def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 def _query_start_cpu(meta: AttentionMetadata) -> torch.Tensor:
     """The step's sequence offsets as an int32 host tensor (memoized: every layer asks)."""
-    qs = getattr(meta, "_encoder_query_start", None)
+    qs = meta.backend_state.get("encoder_query_start")
     if qs is None:
         _check_whole_sequences(meta)
         qs = torch.tensor(meta.query_start_loc_cpu, dtype=torch.int32)
-        meta._encoder_query_start = qs
+        meta.backend_state["encoder_query_start"] = qs
     return qs

@@ -7,6 +7,7 @@ by the layer's spec.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,6 +18,57 @@ from pagedllm.attention.backends.torch_encoder import encoder_attention
 from pagedllm.attention.backends.torch_windowed import sliding_window_attention
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.spec import AttentionSpec
+
+
+@dataclass
+class AttentionPlan:
+    """How the torch and CPU backends split the batch, worked out once per step and shared by all layers.
+
+    ``fresh_groups``: query length -> requests with no earlier context (a whole prompt in one step);
+    ``with_context``: every other request (decodes, later prefill chunks, prefix-cache hits).
+    """
+
+    fresh_groups: dict[int, list[int]]
+    with_context: list[int]
+    with_context_tensor: torch.Tensor  # [n] int32
+    _kernel_splits: dict[int, tuple[torch.Tensor | None, dict[int, list[int]]]] = field(default_factory=dict)
+
+    def kernel_split(self, max_fresh_len: int) -> tuple[torch.Tensor | None, dict[int, list[int]]]:
+        """For a backend whose kernel also takes fresh prompts of up to ``max_fresh_len`` tokens:
+        (the kernel's requests as an int32 tensor, or None if none; the fresh groups left for SDPA).
+        Memoized, since every layer asks the same."""
+        if max_fresh_len not in self._kernel_splits:
+            rows = list(self.with_context)
+            rest: dict[int, list[int]] = {}
+            for q_len, group in self.fresh_groups.items():
+                if q_len <= max_fresh_len:
+                    rows.extend(group)
+                else:
+                    rest[q_len] = group
+            if len(rows) == len(self.with_context):
+                tensor = self.with_context_tensor if rows else None
+            else:
+                tensor = torch.tensor(sorted(rows), dtype=torch.int32, device=self.with_context_tensor.device)
+            self._kernel_splits[max_fresh_len] = (tensor, rest)
+        return self._kernel_splits[max_fresh_len]
+
+
+def step_plan(meta: AttentionMetadata) -> AttentionPlan:
+    """The step's plan (memoized in ``meta.backend_state``: every layer asks the same)."""
+    plan = meta.backend_state.get("paged_plan")
+    if plan is None:
+        qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        fresh: dict[int, list[int]] = {}
+        other: list[int] = []
+        for i in range(meta.num_reqs):
+            q_len = qsl[i + 1] - qsl[i]
+            if q_len > 1 and seq_lens[i] == q_len:
+                fresh.setdefault(q_len, []).append(i)
+            else:
+                other.append(i)
+        plan = AttentionPlan(fresh, other, torch.tensor(other, dtype=torch.int32, device=meta.seq_lens.device))
+        meta.backend_state["paged_plan"] = plan
+    return plan
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -59,7 +111,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     else:
         write_kv(kv_cache, key, value, meta.slot_mapping)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # query may be a strided view
-    plan = meta.plan()
+    plan = step_plan(meta)
     if kernels is not None:
         # The kernel also takes fresh prompts of up to FRESH_PROMPT_KERNEL_MAX_LEN tokens (reading their
         # K/V back from the cache while it is hot); longer ones go to SDPA's blocked matmuls.
