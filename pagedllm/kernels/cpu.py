@@ -76,12 +76,17 @@ def _exclusive_build_directory(name: str) -> Iterator[Path]:
     build_directory = root / f"{name}-{source_tag}"
     build_directory.mkdir(parents=True, exist_ok=True)
     with open(build_directory / "flock", "w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX)
+        except OSError as e:  # a file system without locks: torch's own lock file is all there is
+            logger.debug("no flock on %s (%s)", build_directory, e)
+            yield build_directory
+            return
         try:
             stale = build_directory / "lock"
             if stale.exists():
                 logger.warning("Removing %s, left by a process that died while building the CPU kernels", stale)
-                stale.unlink()
+                stale.unlink(missing_ok=True)
             yield build_directory
         finally:
             fcntl.flock(held, fcntl.LOCK_UN)
