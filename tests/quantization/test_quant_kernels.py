@@ -236,8 +236,7 @@ def test_w8a8_matches_int8_activations_times_int8_weights(kernels) -> None:
 def test_w8a8_panels_use_the_exact_path_for_few_rows(kernels) -> None:
     torch.manual_seed(12)
     q, s = quantize_q8(torch.randn(20, 64), 64)
-    panels = QPanels.pack_q8(q, s)
-    panels.dynamic_int8_activations = True
+    panels = QPanels.pack_w8a8(q, s)
     x = torch.randn(15, 64)
     torch.testing.assert_close(panels.matmul(x), F.linear(x, panels.dequantize()), atol=1e-4, rtol=1e-4)
     x = torch.randn(16, 64)

@@ -78,7 +78,7 @@ def test_out_buffer_is_written() -> None:
 
 @pytest.mark.parametrize("config", [Int8Config(), Int4Config(32)])
 def test_a_quantized_linear_runs_on_the_row_layout(config) -> None:
-    """The quantization methods' ``apply`` serves either layout (on CUDA ``QPanels.pack_*`` returns QRows)."""
+    """The quantization methods' ``apply`` serves either layout (on CUDA the methods pack ``QRows``)."""
     torch.manual_seed(2)
     layer = Linear(64, 48, bias=True, dtype=torch.float32, quant_config=config)
     layer.weight.weight_loader(layer.weight, torch.randn(48, 64))

@@ -48,11 +48,7 @@ class Linear(DirectCall, nn.Module):
         self.quant_method.create_weights(self, dtype)
         self._cpu_matmul: CpuMatmul | None = None  # set after loading (quant_method.cpu_matmul)
         if bias:
-            # Quantized kernels add a float32 bias; a layer a quantized checkpoint keeps in float (its head, an
-            # ignored layer) goes through F.linear, which needs the bias in the activations' dtype (bf16 on CUDA).
-            quantized = not isinstance(self.quant_method, UnquantizedLinearMethod)
-            b = nn.Parameter(torch.zeros(output_size, dtype=torch.float32 if quantized else dtype),
-                             requires_grad=False)
+            b = nn.Parameter(torch.zeros(output_size, dtype=self.quant_method.bias_dtype(dtype)), requires_grad=False)
             self.bias = set_weight_loader(b, lambda p, w, shard_id=None: load_rows(self, p, w, shard_id))
         else:
             self.register_parameter("bias", None)
@@ -78,16 +74,9 @@ class Linear(DirectCall, nn.Module):
         self._cpu_matmul = self.quant_method.cpu_matmul(self)
 
     def weight_nbytes(self) -> int:
-        """Bytes of this layer's weights as stored now (parameters, buffers, packed panels)."""
-        total = sum(t.numel() * t.element_size() for t in [*self.parameters(), *self.buffers()])
-        for name in ("packed_weight", "onednn_weight"):
-            packed = getattr(self, name, None)
-            if packed is not None:
-                total += packed.numel() * packed.element_size()
-        qpanels = getattr(self, "qpanels", None)
-        if qpanels is not None:
-            total += qpanels.nbytes()
-        return total
+        """Bytes of this layer's weights as stored now (parameters, buffers, the method's packed copies)."""
+        stored = sum(t.numel() * t.element_size() for t in [*self.parameters(), *self.buffers()])
+        return stored + self.quant_method.packed_nbytes(self)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -6,13 +6,18 @@ from __future__ import annotations
 from typing import Any
 
 from pagedllm.model_executor.layers.quantization.base import LinearMethod, QuantizationConfig
+from pagedllm.model_executor.layers.quantization.registry import quantization_configs, register_quantization_config
 
-# --quantization choices (vLLM's flag). int4 groups: int4 = 32 inputs per scale, int4-g64, int4-g128.
-# "none": float weights as stored; for a GGUF file, dequantized to float (GGUF files default to "gguf").
+# --quantization choices (vLLM's flag), in the order the help and errors list them; a test holds them equal to
+# the registry's names (listed here so that the command line does not import the schemes' kernels). int4
+# groups: int4 = 32 inputs per scale, int4-g64, int4-g128. "none": float weights as stored; for a GGUF file,
+# dequantized to float (GGUF files default to "gguf").
 QUANTIZATION_METHODS = ("none", "int8", "w8a8", "int4", "int4-g64", "int4-g128", "fp8", "gguf", "gptq", "awq")
+# The registered schemes a checkpoint's config.json can name (``reads_checkpoints``), likewise.
+CHECKPOINT_FORMATS = ("gptq", "awq", "fp8")
 
-__all__ = ["QUANTIZATION_METHODS", "LinearMethod", "QuantizationConfig", "default_gguf_quantization",
-           "get_quantization_config"]
+__all__ = ["CHECKPOINT_FORMATS", "QUANTIZATION_METHODS", "LinearMethod", "QuantizationConfig",
+           "default_gguf_quantization", "get_quantization_config", "register_quantization_config"]
 
 
 def default_gguf_quantization(dtype: str, cuda_available: bool, has_quantized: bool = True) -> tuple[str, str]:
@@ -31,11 +36,13 @@ def default_gguf_quantization(dtype: str, cuda_available: bool, has_quantized: b
 
 def get_quantization_config(method: str | None, hf_config: Any = None,
                             gguf_file: str | None = None) -> QuantizationConfig | None:
-    """The config for ``method`` (None: the checkpoint's own ``quantization_config``, if any, else none).
+    """The config for ``method`` (None: the checkpoint's own ``quantization_config``, if any, else none),
+    looked up in the registry (``registry.py``).
 
     Raises ValueError naming the supported schemes for an unknown method, a checkpoint format pagedllm cannot
     load, or ``gguf`` without a GGUF file.
     """
+    configs = quantization_configs()
     hf_quant = getattr(hf_config, "quantization_config", None) if hf_config is not None else None
     if hf_quant is not None:
         cfg = hf_quant if isinstance(hf_quant, dict) else hf_quant.to_dict()
@@ -43,46 +50,16 @@ def get_quantization_config(method: str | None, hf_config: Any = None,
         if method not in (None, "", "none", fmt):
             raise ValueError(f"quantization {method!r}: the checkpoint is already quantized with {fmt!r} "
                              "(config.json quantization_config); drop --quantization or pass the same method")
-        if fmt == "gptq":
-            from pagedllm.model_executor.layers.quantization.gptq_awq import GPTQConfig
-
-            return GPTQConfig.from_hf(cfg)
-        if fmt == "awq":
-            from pagedllm.model_executor.layers.quantization.gptq_awq import AWQConfig
-
-            return AWQConfig.from_hf(cfg)
-        if fmt == "fp8":
-            from pagedllm.model_executor.layers.quantization.fp8 import Fp8Config
-
-            return Fp8Config.from_hf(cfg)
-        raise ValueError(f"quantization: the checkpoint is quantized with {fmt!r} (config.json "
-                         "quantization_config), which pagedllm cannot load; supported checkpoint formats: gptq, awq, "
-                         f"fp8; or use a float checkpoint with --quantization {{{', '.join(QUANTIZATION_METHODS)}}}")
+        config_cls = configs.get(fmt)
+        if config_cls is None or not config_cls.reads_checkpoints:
+            raise ValueError(f"quantization: the checkpoint is quantized with {fmt!r} (config.json "
+                             "quantization_config), which pagedllm cannot load; supported checkpoint formats: "
+                             f"{', '.join(CHECKPOINT_FORMATS)}; or use a float checkpoint with --quantization "
+                             f"{{{', '.join(QUANTIZATION_METHODS)}}}")
+        return config_cls.from_hf(cfg)
     if method is None or method in ("", "none"):
         return None
-    if method == "int8":
-        from pagedllm.model_executor.layers.quantization.weight_only import Int8Config
-
-        return Int8Config()
-    if method == "w8a8":
-        from pagedllm.model_executor.layers.quantization.weight_only import W8A8Config
-
-        return W8A8Config()
-    if method.startswith("int4") and method in QUANTIZATION_METHODS:
-        from pagedllm.model_executor.layers.quantization.weight_only import Int4Config
-
-        return Int4Config(int(method.removeprefix("int4-g") or 32) if "-g" in method else 32)
-    if method == "fp8":
-        from pagedllm.model_executor.layers.quantization.fp8 import Fp8Config
-
-        return Fp8Config()
-    if method in ("gptq", "awq"):
-        raise ValueError(f"quantization {method!r} reads checkpoints whose config.json has a "
-                         "quantization_config of that method; this model has none")
-    if method == "gguf":
-        if not gguf_file:
-            raise ValueError("quantization 'gguf' needs a .gguf model file")
-        from pagedllm.model_executor.layers.quantization.gguf import GGUFConfig
-
-        return GGUFConfig()
-    raise ValueError(f"quantization {method!r} is not supported; choose one of {', '.join(QUANTIZATION_METHODS)}")
+    config_cls = configs.get(method)
+    if config_cls is None:
+        raise ValueError(f"quantization {method!r} is not supported; choose one of {', '.join(QUANTIZATION_METHODS)}")
+    return config_cls.from_flag(method, gguf_file)

@@ -10,10 +10,12 @@ fused layer (q, k, v = 0, 1, 2; gate, up = 0, 1), None for an unfused one. ``loa
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
+
+from pagedllm.platforms import platform_for
 
 
 class LinearMethod:
@@ -46,16 +48,51 @@ class LinearMethod:
 
     def cpu_matmul(self, layer: nn.Module) -> CpuMatmul | None:
         """``apply`` with its choices made once, for float32 CPU inputs: ``(x [M, K], bias, out) -> [M, N]``,
-        or None where no C++ kernel serves the layer. Called after ``process_weights_after_loading``; the
-        default serves any method that leaves its weights in ``layer.qpanels``."""
-        qpanels = getattr(layer, "qpanels", None)
-        return qpanels.cpu_matmul() if qpanels is not None else None
+        or None where no C++ kernel serves the layer. Called after ``process_weights_after_loading``."""
+        return None
+
+    def packed_nbytes(self, layer: nn.Module) -> int:
+        """Bytes of the layer's weights the method keeps outside its parameters and buffers (packed copies)."""
+        return 0
+
+    def bias_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the layer's bias for activations of ``dtype``: the quantized kernels add a float32 one."""
+        return torch.float32
+
+
+class PackedLinearMethod(LinearMethod):
+    """A quantized method whose loaded weight ends as one ``PackedWeight`` in ``layer.qpanels`` (panels for
+    the CPU kernels, rows for Triton; ``packed_weight.py``), which multiplies by itself."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+              out: torch.Tensor | None) -> torch.Tensor:
+        return layer.qpanels.matmul(x, bias, out)
+
+    def cpu_matmul(self, layer: nn.Module) -> CpuMatmul | None:
+        return layer.qpanels.cpu_matmul() if layer.qpanels is not None else None
+
+    def packed_nbytes(self, layer: nn.Module) -> int:
+        return layer.qpanels.nbytes() if layer.qpanels is not None else 0
 
 
 class QuantizationConfig:
-    """A quantization scheme chosen for a whole model (``--quantization`` or a checkpoint's config)."""
+    """A quantization scheme chosen for a whole model (``--quantization`` or a checkpoint's config). Each
+    scheme registers the names it serves with ``registry.register_quantization_config``."""
 
     name = "none"
+    #: A checkpoint's config.json can name it (``quantization_config.quant_method``): read by ``from_hf``.
+    reads_checkpoints: ClassVar[bool] = False
+
+    @classmethod
+    def from_flag(cls, method: str, gguf_file: str | None = None) -> QuantizationConfig:
+        """The config for ``--quantization method`` (a name the class registered) on a float checkpoint or a
+        GGUF file (``gguf_file``)."""
+        return cls()
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> QuantizationConfig:
+        """The config for a checkpoint's ``quantization_config`` (only where ``reads_checkpoints``)."""
+        raise NotImplementedError
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod:
         """The method for the layer whose parameters are named ``prefix`` (e.g. ``model.layers.0.mlp.down_proj``)."""
@@ -64,7 +101,7 @@ class QuantizationConfig:
     def check_dtype(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         """Raise ValueError if the scheme cannot run with activations of ``dtype`` on ``device``: the CPU
         kernels take float32; on CUDA the Triton kernel takes float32, bfloat16 and float16."""
-        if torch.device(device).type == "cuda":
+        if platform_for(device).packs_quantized_by_rows:  # the Triton kernel's row layouts (CUDA)
             from pagedllm.kernels.triton_ops import triton_available
 
             if not triton_available():

@@ -9,7 +9,8 @@ fp8 on hardware without fp8 matmuls).
   (transformers' fine-grained fp8); w = scale * fp8. ``input_scale`` (static activation scales) is read and
   ignored: activations are not quantized. Layers in ``ignored_layers`` / ``modules_to_not_convert`` and the
   LM head load as float.
-The bytes go unchanged into ``f8`` panels (``qpanels.py``); the scales become per-(row, group) floats.
+The bytes go unchanged into fp8 panels (``qpanels.py``; rows for Triton, ``qrows.py``); the scales become
+per-(row, group) floats.
 """
 
 from __future__ import annotations
@@ -22,19 +23,22 @@ from torch import nn
 from pagedllm.logger import init_logger
 from pagedllm.model_executor.layers.quantization.base import (
     LinearMethod,
+    PackedLinearMethod,
     QuantizationConfig,
     check_shape,
     set_weight_loader,
     shard_range,
 )
-from pagedllm.model_executor.layers.quantization.qpanels import QPanels, quantize_f8
+from pagedllm.model_executor.layers.quantization.layouts import layout_for
+from pagedllm.model_executor.layers.quantization.qpanels import quantize_f8
+from pagedllm.model_executor.layers.quantization.registry import register_quantization_config
 from pagedllm.model_executor.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagedllm.model_executor.layers.quantization.weight_only import WeightOnlyLinearMethod
 
 logger = init_logger(__name__)
 
 
-class Fp8LinearMethod(LinearMethod):
+class Fp8LinearMethod(PackedLinearMethod):
     """``weight`` holds the fp8 bytes [N, K] until packing, ``f8_scales`` [N, K / group] float32.
 
     ``checkpoint_scales``: the checkpoint brings fp8 weights and their scales (``weight_scale``, or
@@ -108,7 +112,7 @@ class Fp8LinearMethod(LinearMethod):
         for shard in sorted(layer.f8_raw_shards):
             start, rows = shard_range(layer, shard)
             layer.f8_scales[start:start + rows] = self._shard_scales(layer, shard, rows)
-        layer.qpanels = QPanels.pack_f8(layer.weight.data, layer.f8_scales)
+        layer.qpanels = layout_for(layer.weight).pack_f8(layer.weight.data, layer.f8_scales)
         layer.weight = None  # the panels replace the rows
         layer.f8_scales = None
         layer.f8_ckpt_scales = {}
@@ -116,15 +120,13 @@ class Fp8LinearMethod(LinearMethod):
             if hasattr(layer, name):
                 setattr(layer, name, None)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
-              out: torch.Tensor | None) -> torch.Tensor:
-        return layer.qpanels.matmul(x, bias, out)
 
-
+@register_quantization_config("fp8")
 class Fp8Config(QuantizationConfig):
     """``--quantization fp8`` (no arguments) or an fp8 checkpoint's ``quantization_config`` (``from_hf``)."""
 
     name = "fp8"
+    reads_checkpoints = True
 
     def __init__(self, checkpoint: bool = False, block: tuple[int, int] | None = None,
                  static_input_scale: bool = False, ignored: tuple[str, ...] = ()) -> None:

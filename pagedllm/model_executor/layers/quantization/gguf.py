@@ -1,6 +1,6 @@
 """``--quantization gguf``: a GGUF file's quantized matrices stay quantized.
 
-Block types map exactly onto the kernel's panels (``qpanels.py``):
+Block types map exactly onto the kernels' layouts (``qpanels.py``; rows for Triton, ``qrows.py``):
 - Q4_0 / Q4_1 (32 weights: f16 scale, f16 minimum for Q4_1, 16 bytes of nibbles) and Q4_K (256-weight
   super-blocks of eight 32-weight sub-blocks with 6-bit scales and minimums) -> ``q4`` panels, groups of 32
   (Q4_0: min = -8 * scale; Q4_K: scale = d * sc, min = -dmin * m).
@@ -22,12 +22,15 @@ from pagedllm.logger import init_logger
 from pagedllm.model_executor.layers.quantization.base import (
     CpuMatmul,
     LinearMethod,
+    PackedLinearMethod,
     QuantizationConfig,
     check_shape,
     set_weight_loader,
     shard_range,
 )
-from pagedllm.model_executor.layers.quantization.qpanels import QPanels, quantize_q8
+from pagedllm.model_executor.layers.quantization.layouts import layout_for
+from pagedllm.model_executor.layers.quantization.qpanels import quantize_q8
+from pagedllm.model_executor.layers.quantization.registry import register_quantization_config
 from pagedllm.model_executor.layers.quantization.unquantized import UnquantizedLinearMethod
 
 logger = init_logger(__name__)
@@ -153,7 +156,7 @@ def decode_q8(t: GGUFQuantTensor, group: int = BLOCK) -> tuple[torch.Tensor, tor
     return torch.from_numpy(np.ascontiguousarray(q).reshape(rows, k)), torch.from_numpy(scales)
 
 
-class GGUFLinearMethod(LinearMethod):
+class GGUFLinearMethod(PackedLinearMethod):
     """Collects a layer's shards as loaded (raw blocks or floats); packs them after loading."""
 
     name = "gguf"
@@ -167,6 +170,7 @@ class GGUFLinearMethod(LinearMethod):
         layer.weight = set_weight_loader(weight, lambda p, w, shard_id=None: self._load(layer, w, shard_id))
         layer.gguf_shards = {}
         layer.qpanels = None
+        layer.gguf_float = None  # the unquantized method, for a float matrix kept float
         layer.gguf_scheme = "gguf"
         layer.gguf_dtype = dtype  # float matrices stay float in this dtype (float32 on the CPU, bf16/fp16 on CUDA)
 
@@ -177,13 +181,14 @@ class GGUFLinearMethod(LinearMethod):
         layer.gguf_shards[shard_id or 0] = loaded
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if layer.qpanels is not None or getattr(layer, "gguf_float", None) is not None:
+        if layer.qpanels is not None or layer.gguf_float is not None:
             return
         n_shards = len(layer.shard_sizes)
         shards = [layer.gguf_shards.get(i) for i in range(n_shards)]
         if any(s is None for s in shards):
             raise ValueError(f"{layer.prefix or 'linear'}: not every shard was loaded")
         device = layer.weight.device  # blocks are decoded on the CPU; the packed weight lives with the layer
+        layout = layout_for(layer.weight)
         types = {s.ggml_type if isinstance(s, GGUFQuantTensor) else None for s in shards}
         if types == {None} and layer.prefix != "lm_head":
             # F32 / F16 / BF16 matrices stay float (fp32 panels): kept quantized means as stored, never coarser.
@@ -200,17 +205,17 @@ class GGUFLinearMethod(LinearMethod):
             return
         if types <= Q4_TYPES and self._k_quant_fits(layer, types):
             parts = [decode_q4(s) for s in shards]
-            layer.qpanels = QPanels.pack_q4(*(torch.cat([p[i] for p in parts]).to(device) for i in range(3)))
+            layer.qpanels = layout.pack_q4(*(torch.cat([p[i] for p in parts]).to(device) for i in range(3)))
             layer.gguf_scheme = "gguf " + "+".join(sorted(_TYPE_NAMES[t] for t in types))
         elif types <= Q8_TYPES and self._k_quant_fits(layer, types):
             group = 16 if Q6_K in types else BLOCK
             parts = [decode_q8(s, group) for s in shards]
-            layer.qpanels = QPanels.pack_q8(torch.cat([p[0] for p in parts]).to(device),
-                                            torch.cat([p[1] for p in parts]).to(device))
+            layer.qpanels = layout.pack_q8(torch.cat([p[0] for p in parts]).to(device),
+                                           torch.cat([p[1] for p in parts]).to(device))
             layer.gguf_scheme = "gguf " + "+".join(sorted(_TYPE_NAMES[t] for t in types))
         else:
             w = torch.cat([s.dequantize() if isinstance(s, GGUFQuantTensor) else s.float() for s in shards])
-            layer.qpanels = QPanels.pack_q8(*(t.to(device) for t in quantize_q8(w, BLOCK)))
+            layer.qpanels = layout.pack_q8(*(t.to(device) for t in quantize_q8(w, BLOCK)))
             names = sorted({s.type_name if isinstance(s, GGUFQuantTensor) else "float" for s in shards})
             layer.gguf_scheme = f"gguf {'+'.join(names)} -> int8 g32"
         layer.gguf_shards = {}
@@ -220,25 +225,38 @@ class GGUFLinearMethod(LinearMethod):
     def _k_quant_fits(layer: nn.Module, types: set[int | None]) -> bool:
         return not types & {Q4_K, Q6_K} or layer.in_features % SUPER_BLOCK == 0
 
+    # A float matrix kept float (``layer.gguf_float``) is the unquantized method's to multiply and count.
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
               out: torch.Tensor | None) -> torch.Tensor:
-        if layer.qpanels is None and getattr(layer, "gguf_float", None) is not None:
+        if layer.gguf_float is not None:
             return layer.gguf_float.apply(layer, x, bias, out)
-        return layer.qpanels.matmul(x, bias, out)
+        return super().apply(layer, x, bias, out)
 
     def cpu_matmul(self, layer: nn.Module) -> CpuMatmul | None:
-        if layer.qpanels is None and getattr(layer, "gguf_float", None) is not None:
+        if layer.gguf_float is not None:
             return layer.gguf_float.cpu_matmul(layer)
         return super().cpu_matmul(layer)
+
+    def packed_nbytes(self, layer: nn.Module) -> int:
+        if layer.gguf_float is not None:
+            return layer.gguf_float.packed_nbytes(layer)
+        return super().packed_nbytes(layer)
 
     def scheme(self, layer: nn.Module) -> str:
         return layer.gguf_scheme
 
 
+@register_quantization_config("gguf")
 class GGUFConfig(QuantizationConfig):
     """Keep a GGUF file's Q4_0 / Q4_1 / Q4_K / Q8_0 / Q6_K matrices quantized (others: int8 in groups of 32)."""
 
     name = "gguf"
+
+    @classmethod
+    def from_flag(cls, method: str, gguf_file: str | None = None) -> GGUFConfig:
+        if not gguf_file:
+            raise ValueError("quantization 'gguf' needs a .gguf model file")
+        return cls()
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod:
         return GGUFLinearMethod()

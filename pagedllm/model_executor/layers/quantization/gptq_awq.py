@@ -1,4 +1,4 @@
-"""GPTQ and AWQ checkpoints (``quantization_config`` in config.json), read into the kernel's 4-bit panels.
+"""GPTQ and AWQ checkpoints (``quantization_config`` in config.json), read into the kernels' 4-bit layouts.
 
 Formats, as published by AutoGPTQ and AutoAWQ (the "GEMM" layout), with q, z unsigned ``bits``-bit ints,
 ``pf = 32 // bits`` values per int32, G = K / group_size groups:
@@ -21,8 +21,15 @@ import torch
 from torch import nn
 
 from pagedllm.logger import init_logger
-from pagedllm.model_executor.layers.quantization.base import LinearMethod, QuantizationConfig, set_weight_loader
-from pagedllm.model_executor.layers.quantization.qpanels import QPanels, quantize_q8
+from pagedllm.model_executor.layers.quantization.base import (
+    LinearMethod,
+    PackedLinearMethod,
+    QuantizationConfig,
+    set_weight_loader,
+)
+from pagedllm.model_executor.layers.quantization.layouts import layout_for
+from pagedllm.model_executor.layers.quantization.qpanels import quantize_q8
+from pagedllm.model_executor.layers.quantization.registry import register_quantization_config
 from pagedllm.model_executor.layers.quantization.unquantized import UnquantizedLinearMethod
 
 logger = init_logger(__name__)
@@ -48,7 +55,7 @@ def unpack_along_cols(packed: torch.Tensor, bits: int, order: tuple[int, ...] | 
     return vals.reshape(packed.shape[0], packed.shape[1] * pf)
 
 
-class _PackedCheckpointMethod(LinearMethod):
+class _PackedCheckpointMethod(PackedLinearMethod):
     """Collects a layer's packed tensors per shard as loaded; subclasses turn one shard into (q, z, s)."""
 
     tensor_names: tuple[str, ...] = ()
@@ -93,27 +100,24 @@ class _PackedCheckpointMethod(LinearMethod):
         q, z, s = torch.cat(qs), torch.cat(zs), torch.cat(ss)
         # The checkpoint's tensors arrive on the CPU; the packed weight lives with the layer (a CUDA layer packs
         # rows for the Triton kernel, qrows.py), as its placeholder parameters do.
-        device = getattr(layer, self.tensor_names[0]).device
+        placeholder = getattr(layer, self.tensor_names[0])
+        layout = layout_for(placeholder)
 
         def on_device(*tensors: torch.Tensor) -> list[torch.Tensor]:
-            return [t.to(device) for t in tensors]
+            return [t.to(placeholder.device) for t in tensors]
 
         if trivial_groups and self.bits == 4:
-            layer.qpanels = QPanels.pack_q4(*on_device(q.to(torch.uint8), s, -s * z.float()))
+            layer.qpanels = layout.pack_q4(*on_device(q.to(torch.uint8), s, -s * z.float()))
         elif trivial_groups and self.bits == 8 and bool((z == 128).all()):
-            layer.qpanels = QPanels.pack_q8(*on_device((q - 128).to(torch.int8), s))
+            layer.qpanels = layout.pack_q8(*on_device((q - 128).to(torch.int8), s))
         else:
             group = layer.in_features // s.shape[1]
             w = (q.float() - z.float().repeat_interleave(group, 1)) * s.repeat_interleave(group, 1)
-            layer.qpanels = QPanels.pack_q8(*on_device(*quantize_q8(w, layer.in_features)))
+            layer.qpanels = layout.pack_q8(*on_device(*quantize_q8(w, layer.in_features)))
             layer.ckpt_scheme = f"{self.name} -> int8 per-channel"
         layer.ckpt_parts = {}
         for tname in self.tensor_names:
             setattr(layer, tname, None)
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
-              out: torch.Tensor | None) -> torch.Tensor:
-        return layer.qpanels.matmul(x, bias, out)
 
     def scheme(self, layer: nn.Module) -> str:
         return layer.ckpt_scheme
@@ -168,7 +172,19 @@ def _check(layer: nn.Module, name: str, got: tuple[int, ...], expected: tuple[in
         raise ValueError(f"{layer.prefix or 'linear'}.{name}: unpacked shape {got}, expected {expected}")
 
 
-class GPTQConfig(QuantizationConfig):
+class _CheckpointConfig(QuantizationConfig):
+    """A scheme only a checkpoint's config.json names: ``--quantization`` with its name cannot quantize."""
+
+    reads_checkpoints = True
+
+    @classmethod
+    def from_flag(cls, method: str, gguf_file: str | None = None) -> QuantizationConfig:
+        raise ValueError(f"quantization {method!r} reads checkpoints whose config.json has a "
+                         "quantization_config of that method; this model has none")
+
+
+@register_quantization_config("gptq")
+class GPTQConfig(_CheckpointConfig):
     """config.json ``quantization_config`` with ``quant_method: gptq`` (bits 4 or 8)."""
 
     name = "gptq"
@@ -189,7 +205,8 @@ class GPTQConfig(QuantizationConfig):
         return GPTQLinearMethod(self.bits, self.group_size)
 
 
-class AWQConfig(QuantizationConfig):
+@register_quantization_config("awq")
+class AWQConfig(_CheckpointConfig):
     """config.json ``quantization_config`` with ``quant_method: awq`` (4-bit, GEMM layout)."""
 
     name = "awq"

@@ -105,6 +105,14 @@ class UnquantizedLinearMethod(LinearMethod):
         gemm, packed, n = layer._kernels.packed_gemm, layer.packed_weight, layer.out_features
         return lambda x, bias, out: gemm(x, packed, n, bias, out)
 
+    def packed_nbytes(self, layer: nn.Module) -> int:
+        return sum(t.numel() * t.element_size() for t in (layer.packed_weight, layer.onednn_weight) if t is not None)
+
+    def bias_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        # The model dtype, as nn.Linear: F.linear takes the bias in the activations' dtype (also for a layer a
+        # quantized checkpoint keeps in float, its head or an ignored layer, in bf16 on CUDA).
+        return dtype
+
     def scheme(self, layer: nn.Module) -> str:
         if layer.onednn_weight is not None:
             return f"{self.name} bfloat16 (oneDNN packed)"

@@ -2,7 +2,8 @@
 float checkpoints at load time; activations stay float32.
 
 Each shard is quantized as it is loaded (a row's scale only depends on that row), so a float copy of the
-whole model never exists; after loading the rows are packed into the kernel's panels (``qpanels.py``).
+whole model never exists; after loading the rows are packed into the kernel's layout (``qpanels.py`` on the
+CPU, ``qrows.py`` for Triton).
 """
 
 from __future__ import annotations
@@ -12,15 +13,18 @@ from torch import nn
 
 from pagedllm.model_executor.layers.quantization.base import (
     LinearMethod,
+    PackedLinearMethod,
     QuantizationConfig,
     check_shape,
     set_weight_loader,
     shard_range,
 )
-from pagedllm.model_executor.layers.quantization.qpanels import QPanels, quantize_q4, quantize_q8
+from pagedllm.model_executor.layers.quantization.layouts import layout_for
+from pagedllm.model_executor.layers.quantization.qpanels import quantize_q4, quantize_q8
+from pagedllm.model_executor.layers.quantization.registry import register_quantization_config
 
 
-class WeightOnlyLinearMethod(LinearMethod):
+class WeightOnlyLinearMethod(PackedLinearMethod):
     """``weight`` holds the quantized rows [N, K] until packing; ``weight_scale``/``weight_min`` [N, K/group]."""
 
     def __init__(self, bits: int, group: int | None, dynamic_int8_activations: bool = False) -> None:
@@ -60,20 +64,19 @@ class WeightOnlyLinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if layer.qpanels is not None:
             return
-        if self.bits == 8:
-            layer.qpanels = QPanels.pack_q8(layer.weight.data, layer.weight_scale)
-            layer.qpanels.dynamic_int8_activations = self.dynamic_int8_activations
+        layout = layout_for(layer.weight)
+        if self.bits == 4:
+            layer.qpanels = layout.pack_q4(layer.weight.data, layer.weight_scale, layer.weight_min)
+        elif self.dynamic_int8_activations:
+            layer.qpanels = layout.pack_w8a8(layer.weight.data, layer.weight_scale)
         else:
-            layer.qpanels = QPanels.pack_q4(layer.weight.data, layer.weight_scale, layer.weight_min)
+            layer.qpanels = layout.pack_q8(layer.weight.data, layer.weight_scale)
         layer.weight = None  # the panels replace the rows
         layer.weight_scale = None
         layer.weight_min = None
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
-              out: torch.Tensor | None) -> torch.Tensor:
-        return layer.qpanels.matmul(x, bias, out)
 
-
+@register_quantization_config("int8")
 class Int8Config(QuantizationConfig):
     """``--quantization int8``: symmetric int8 weights with one float scale per output channel."""
 
@@ -83,6 +86,7 @@ class Int8Config(QuantizationConfig):
         return WeightOnlyLinearMethod(8, None)
 
 
+@register_quantization_config("w8a8")
 class W8A8Config(QuantizationConfig):
     """``--quantization w8a8``: int8 per-channel weights, and for 16+ rows (prefill, large batches) the
     activations too, quantized per row at run time, multiplied in int32 by AVX-512 VNNI. Without VNNI (or
@@ -99,6 +103,7 @@ class W8A8Config(QuantizationConfig):
         return WeightOnlyLinearMethod(8, None, dynamic_int8_activations=prefix.endswith(self.NORMED_INPUTS))
 
 
+@register_quantization_config("int4", "int4-g64", "int4-g128")
 class Int4Config(QuantizationConfig):
     """``--quantization int4`` (group 32), ``int4-g64``, ``int4-g128``: asymmetric 4-bit weights with a scale
     and a minimum per group of inputs. The LM head stays int8 (4-bit logits cost the most quality)."""
@@ -108,6 +113,10 @@ class Int4Config(QuantizationConfig):
             raise ValueError(f"quantization int4: group size must be 32, 64 or 128, got {group}")
         self.group = group
         self.name = "int4" if group == 32 else f"int4-g{group}"
+
+    @classmethod
+    def from_flag(cls, method: str, gguf_file: str | None = None) -> Int4Config:
+        return cls(int(method.removeprefix("int4-g")) if "-g" in method else 32)
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod:
         if prefix.endswith("lm_head"):
