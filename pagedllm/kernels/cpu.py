@@ -48,18 +48,30 @@ def load_cpu_kernels() -> Any | None:
         return _load_prebuilt(Path(prebuilt))
     try:
         march = envs.PAGEDLLM_CPU_MARCH
-        # -march=native: the cached build is only valid on this CPU kind, so the kind is in its name.
-        kind = torch.backends.cpu.get_cpu_capability() if march == "native" else re.sub(r"\W", "_", march)
-        name = f"pagedllm_cpu_kernels_{kind.lower()}"
+        name = kernels_name()
         flags = ["-O3", f"-march={march}", "-fopenmp", "-ffast-math"]
         logger.info("Loading CPU kernels %s (the first time on a machine compiles them: a few minutes)", name)
-        with _exclusive_build_directory(name) as build_directory:
+        with _exclusive_build_directory(name) as folder:
             return cpp_extension.load(name=name, sources=[str(_CSRC / f) for f in _SOURCES],
                                       extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                                      build_directory=str(build_directory), verbose=False)
+                                      build_directory=str(folder), verbose=False)
     except Exception as e:  # no compiler, no ninja, no headers: stay correct, just slower
         logger.warning("CPU kernels unavailable (%s); using the slower torch paths", e)
         return None
+
+
+def kernels_name() -> str:
+    """The extension's name: ``-march=native`` builds are only valid on this CPU kind, so the kind is in it."""
+    march = envs.PAGEDLLM_CPU_MARCH
+    kind = torch.backends.cpu.get_cpu_capability() if march == "native" else re.sub(r"\W", "_", march)
+    return f"pagedllm_cpu_kernels_{kind.lower()}"
+
+
+def build_directory(name: str) -> Path:
+    """Where ``name`` is built and cached. The folder's name carries a hash of the source path: two checkouts
+    never rebuild over each other's build."""
+    root = Path(envs.TORCH_EXTENSIONS_DIR or cpp_extension.get_default_build_root())
+    return root / f"{name}-{hashlib.sha256(str(_CSRC.resolve()).encode()).hexdigest()[:8]}"
 
 
 @contextlib.contextmanager
@@ -69,25 +81,22 @@ def _exclusive_build_directory(name: str) -> Iterator[Path]:
     torch's own lock is a file that stays behind when its holder dies (a killed engine process, a server stopped
     during start-up), and every later load then waits on it forever. ``flock`` is released by the kernel when
     its holder dies, so whoever holds it knows a torch lock file left in the folder is stale and removes it.
-    The folder's name carries a hash of the source path: two checkouts never rebuild over each other's build.
     """
-    root = Path(envs.TORCH_EXTENSIONS_DIR or cpp_extension.get_default_build_root())
-    source_tag = hashlib.sha256(str(_CSRC.resolve()).encode()).hexdigest()[:8]
-    build_directory = root / f"{name}-{source_tag}"
-    build_directory.mkdir(parents=True, exist_ok=True)
-    with open(build_directory / "flock", "w") as held:
+    folder = build_directory(name)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "flock", "w") as held:
         try:
             fcntl.flock(held, fcntl.LOCK_EX)
         except OSError as e:  # a file system without locks: torch's own lock file is all there is
-            logger.debug("no flock on %s (%s)", build_directory, e)
-            yield build_directory
+            logger.debug("no flock on %s (%s)", folder, e)
+            yield folder
             return
         try:
-            stale = build_directory / "lock"
+            stale = folder / "lock"
             if stale.exists():
                 logger.warning("Removing %s, left by a process that died while building the CPU kernels", stale)
                 stale.unlink(missing_ok=True)
-            yield build_directory
+            yield folder
         finally:
             fcntl.flock(held, fcntl.LOCK_UN)
 
