@@ -26,3 +26,12 @@ def tensor_on(values: Any, dtype: torch.dtype, device: torch.device | str) -> to
     """``torch.tensor(values, dtype=dtype)`` on ``device``, queued without a sync on CUDA."""
     device = torch.device(device)
     return platform_for(device).tensor_on(values, dtype, device)
+
+
+def index_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t[rows] ([len(rows), ...]): a view when ``rows`` are the leading rows in order (a decode-only step),
+    else a gather whose index reaches a GPU without a stream sync (indexing with a list would copy it to the
+    device blocking)."""
+    if rows == list(range(len(rows))):
+        return t[:len(rows)]
+    return t.index_select(0, tensor_on(rows, torch.long, t.device))

@@ -3,12 +3,14 @@
 Random rows use one uniform per row (inverse CDF) instead of V noise values (an exponential race): on CPUs
 drawing N x V noise cost more than the rest of the sampler. On CPUs the C++ kernel
 (``kernels/csrc/sampling.cpp``) does softmax + inverse CDF in one pass that writes no [N, V] temporaries;
-elsewhere torch does softmax, cumsum and searchsorted. Seeded rows draw from their own generator, so their
-tokens do not depend on what else is in the batch. Nothing reads a value back to the host.
+elsewhere torch does softmax, cumsum and searchsorted (``inverse_cdf``, the one torch draw: the sampler,
+the rejection sampler and the model drafters all draw with it). Seeded rows draw from their own generator,
+so their tokens do not depend on what else is in the batch. Nothing reads a value back to the host.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -17,13 +19,36 @@ from pagedllm.platforms import platform_of
 from pagedllm.sample.metadata import SamplingMetadata
 
 
+def row_uniforms(num_rows: int, generators: Mapping[int, torch.Generator], device: torch.device,
+                 per_row: int = 1, dtype: torch.dtype = torch.float32, unseeded: bool = True) -> torch.Tensor:
+    """[num_rows, per_row] uniforms in [0, 1) of ``dtype``: row r holds the next ``per_row`` values of
+    ``generators[r]`` when it has one, else values from torch's default generator (one call for all rows;
+    ``unseeded`` False: every row that matters has a generator, so the default one is not touched)."""
+    u = torch.rand(num_rows, per_row, device=device, dtype=dtype) if unseeded \
+        else torch.empty(num_rows, per_row, device=device, dtype=dtype)
+    for row, generator in generators.items():
+        u[row] = torch.rand(per_row, generator=generator, device=device, dtype=dtype)
+    return u
+
+
 def draw_uniforms(meta: SamplingMetadata, num_rows: int, device: torch.device) -> torch.Tensor:
     """One uniform in [0, 1) per row, [N, 1] float32; seeded rows draw from their own generator."""
-    u = torch.rand(num_rows, 1, device=device) if meta.has_unseeded_random \
-        else torch.empty(num_rows, 1, device=device)
-    for row, generator in meta.generators.items():
-        u[row] = torch.rand(1, generator=generator, device=device)
-    return u
+    return row_uniforms(num_rows, meta.generators, device, unseeded=meta.has_unseeded_random)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    """The one inverse-CDF draw: probs [N, V] (unnormalized, >= 0; NaN counts as 0) and u [N] or [N, 1]
+    uniforms in [0, 1) -> [N] int64, per row the first token whose cumulative probability reaches
+    (1 - u) x the row's total.
+
+    The CDF accumulates in u's dtype: float32 for the sampler, float64 where speculation draws (its
+    rejection rule compares probabilities of V-token rows). ``in_place``: probs may be overwritten (no
+    copy when it already has u's dtype). A row whose probabilities are all NaN or 0 yields token 0.
+    """
+    cdf = probs.to(u.dtype, copy=not in_place).nan_to_num_(0.0).cumsum_(dim=1)
+    # 1 - U lies in (0, 1]: a zero-probability token (flat step of the CDF) can never be the first >= u.
+    target = (1.0 - u.reshape(-1, 1)) * cdf[:, -1:]
+    return torch.searchsorted(cdf, target).clamp_(max=probs.shape[1] - 1).squeeze(1)
 
 
 def inverse_cdf_sample(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -31,11 +56,8 @@ def inverse_cdf_sample(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Ten
 
     A row whose probabilities are all NaN (every logit was -inf) yields token 0, like argmax.
     """
-    cdf = probs.nan_to_num_(0.0).cumsum_(dim=1)
     u = draw_uniforms(meta, probs.shape[0], probs.device).to(probs.dtype)
-    # 1 - U lies in (0, 1]: a zero-probability token (flat step of the CDF) can never be the first >= u.
-    target = (1.0 - u) * cdf[:, -1:]
-    return torch.searchsorted(cdf, target).clamp_(max=probs.shape[1] - 1).squeeze(1)
+    return inverse_cdf(probs, u, in_place=True)
 
 
 def draw_random(logits: torch.Tensor, meta: SamplingMetadata, temperature: torch.Tensor | None,

@@ -78,6 +78,22 @@ def compute_logprobs_for_targets(logits: torch.Tensor, target_ids: torch.Tensor,
     return _gather_logprobs(logprobs, target_ids, num_logprobs)
 
 
+def logprob_dicts(lp: LogprobsTensors, ks: list[int]) -> list[dict[int, tuple[float, int]]]:
+    """The one way logprob tensors reach the host: one {token_id: (logprob, rank)} per row, the chosen token
+    first (its true rank), then the row's top ks[row] (rank = column) unless already there.
+
+    lp: LogprobsTensors of len(ks) rows with at least max(ks) + 1 columns. Three transfers for all rows.
+    """
+    ids, vals, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
+    out = []
+    for row, k in enumerate(ks):
+        entry = {ids[row][0]: (vals[row][0], ranks[row])}
+        for j in range(1, k + 1):
+            entry.setdefault(ids[row][j], (vals[row][j], j))
+        out.append(entry)
+    return out
+
+
 class Sampler(nn.Module):
     """Turns a step's logits into token ids: the ordered logits stages, then the draw.
 

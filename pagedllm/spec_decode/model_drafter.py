@@ -7,141 +7,145 @@ tracks the target's; for layer-skip only the newly sampled token, since the targ
 layers' K/V), then ``k - 1`` one-token steps on its own proposals. The proposals' K/V lands in the
 lookahead slots the scheduler reserved; the verification pass overwrites it with the same values where
 drafts are accepted and with the real tokens' values where they are not.
+
+Proposals stay on the device from one step to the next (each one-token pass reads the previous pass's
+tokens); the host reads all drafts once, after the last pass.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from pagedllm.attention.forward_context import forward_context
-from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.metadata import build_attention_metadata
+from pagedllm.host_to_device import index_rows, tensor_on
+from pagedllm.sample.draw import inverse_cdf, row_uniforms
 from pagedllm.sampling_params import SAMPLING_EPS
-
-
-@dataclass
-class DraftJob:
-    """Run positions [start, end) of ``token_ids`` through the drafter; then propose ``num_drafts``
-    tokens after position end - 1 (0: catch-up only)."""
-
-    req_id: str
-    token_ids: list[int]
-    block_ids: list[int]
-    start: int
-    end: int
-    num_drafts: int
-    temperature: float
-    generator: torch.Generator | None
+from pagedllm.spec_decode.proposer import DraftJob, Proposals, Proposer
 
 
 def layer_skip_forward(model: nn.Module, num_layers: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The target's embedding, first ``num_layers`` decoder layers and final norm, as a draft model.
+    """The target's own decoder stack run over its first ``num_layers`` layers (then its final norm), as a
+    draft model: ``model.model.forward(input_ids, positions, num_layers=...)``.
 
-    Uses the Llama-family module layout (``model.model.{embed_tokens, layers, norm, rotary_emb}``).
+    Only decoder stacks whose layers all index one KV cache group take ``num_layers`` (the Llama family):
+    the drafter passes one block table.
     """
-    from pagedllm.model_executor.layers.rotary_embedding import RopeStep
-
     inner = getattr(model, "model", None)
-    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+    forward = getattr(inner, "forward", None)
+    if forward is None or "num_layers" not in inspect.signature(forward).parameters:
         raise ValueError(f"speculative_config.method: layer_skip needs a Llama-style model; "
                          f"{type(model).__name__} does not expose its layers")
-    layers = inner.layers[:num_layers]
 
-    def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = inner.embed_tokens(input_ids)
-        rope = RopeStep(inner.rotary_emb, positions)
-        residual = None
-        for layer in layers:
-            x, residual = layer(x, residual, rope)
-        x, _ = inner.norm(x, residual)
-        return x
+    def run(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return inner(input_ids, positions, num_layers=num_layers)
 
-    return forward
+    return run
 
 
-class ModelDrafter:
+class ModelDrafter(Proposer):
     """Proposes drafts with ``forward`` (input_ids [T], positions [T] -> hidden [T, H]) and
     ``compute_logits`` (hidden [N, H] -> logits [N, V] float32).
 
     Random requests draw drafts from softmax(logits / temperature) and keep that distribution
-    (``draft_probs``) for the verifier; greedy requests take the argmax.
+    (``Proposals.probs``) for the verifier; greedy requests take the argmax.
     """
+
+    writes_kv = True
 
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  compute_logits: Callable[[torch.Tensor], torch.Tensor], block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, catches_up_all: bool = False) -> None:
         self.forward = forward
         self.compute_logits = compute_logits
         self.block_size = block_size
         self.device = device
+        self.catches_up_all = catches_up_all
 
-    def _run(self, parts: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
-        """parts: (token ids, first position, block ids) per request, decodes first -> hidden [T, H]."""
-        query_lens = [len(ids) for ids, _, _ in parts]
-        seq_lens = [start + len(ids) for ids, start, _ in parts]
-        meta = AttentionMetadata.build(query_lens, seq_lens, [blocks for _, _, blocks in parts], self.block_size,
-                                       self.device)
-        input_ids = torch.tensor([t for ids, _, _ in parts for t in ids], dtype=torch.long, device=self.device)
-        positions = torch.tensor([p for ids, start, _ in parts for p in range(start, start + len(ids))],
-                                 dtype=torch.long, device=self.device)
+    def _run(self, input_ids: torch.Tensor, parts: list[tuple[int, int, list[int]]]) -> torch.Tensor:
+        """input_ids [T] (requests' tokens back to back, decodes first); parts: (first position, number of
+        tokens, block ids) per request -> hidden [T, H]."""
+        query_lens = [n for _, n, _ in parts]
+        seq_lens = [start + n for start, n, _ in parts]
+        meta = build_attention_metadata(query_lens, seq_lens, [blocks for _, _, blocks in parts], self.block_size,
+                                        self.device)
+        positions = tensor_on([p for start, n, _ in parts for p in range(start, start + n)], torch.long,
+                              self.device)
         with forward_context(meta):
             return self.forward(input_ids, positions)
 
-    def _sample(self, logits: torch.Tensor, jobs: list[DraftJob]) -> tuple[list[int], list[torch.Tensor | None]]:
-        greedy = logits.argmax(dim=1).tolist()
-        tokens: list[int] = []
-        probs: list[torch.Tensor | None] = []
-        for row, job in enumerate(jobs):
-            if job.temperature < SAMPLING_EPS:
-                tokens.append(greedy[row])
-                probs.append(None)
-                continue
-            p = (logits[row].float() / job.temperature).softmax(dim=0)
-            cdf = p.double().cumsum(0)
-            u = torch.rand(1, generator=job.generator, device=self.device, dtype=torch.float64)
-            token = int(torch.searchsorted(cdf, (1.0 - u) * cdf[-1]).clamp_(max=p.shape[0] - 1))
-            tokens.append(token)
-            probs.append(p)
+    def _draw(self, logits: torch.Tensor, jobs: list[DraftJob]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits [M, V] -> (tokens [M] int64, probs [M, V] float32 of the random rows or None).
+
+        Row i of probs is softmax(logits_i / temperature_i) for random rows (the distribution its draft is
+        drawn from, kept for the verifier), anything for greedy rows. Seeded rows draw their float64
+        uniform from their own generator.
+        """
+        greedy_rows = [i for i, j in enumerate(jobs) if j.temperature < SAMPLING_EPS]
+        if len(greedy_rows) == len(jobs):
+            return logits.argmax(dim=1), None
+        temperature = tensor_on([max(j.temperature, SAMPLING_EPS) for j in jobs], torch.float32, self.device)
+        probs = (logits.float() / temperature.unsqueeze(1)).softmax(dim=1)
+        random_rows = [i for i, j in enumerate(jobs) if j.temperature >= SAMPLING_EPS]
+        seeded = {i: jobs[i].generator for i in random_rows if jobs[i].generator is not None}
+        u = row_uniforms(len(jobs), seeded, self.device, dtype=torch.float64, unseeded=len(seeded) < len(random_rows))
+        tokens = inverse_cdf(probs, u)
+        if greedy_rows:
+            greedy = tensor_on([j.temperature < SAMPLING_EPS for j in jobs], torch.bool, self.device)
+            tokens = torch.where(greedy, logits.argmax(dim=1), tokens)
         return tokens, probs
 
     @torch.inference_mode()
-    def propose(self, jobs: list[DraftJob]) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
-        """Returns drafts per proposing request and, for random ones, their distributions [k, V]."""
+    def propose_batch(self, jobs: list[DraftJob]) -> Proposals:
+        """Drafts per proposing request and, for random ones, their distributions [k, V]."""
         jobs = sorted((j for j in jobs if j.end > j.start), key=lambda j: j.end - j.start != 1)
         if not jobs:
-            return {}, {}
-        hidden = self._run([(j.token_ids[j.start:j.end], j.start, j.block_ids) for j in jobs])
+            return Proposals()
+        ids = tensor_on([t for j in jobs for t in j.token_ids[j.start:j.end]], torch.long, self.device)
+        hidden = self._run(ids, [(j.start, j.end - j.start, j.block_ids) for j in jobs])
         last_rows, row = [], -1
         for j in jobs:
             row += j.end - j.start
             last_rows.append(row)
         active = [(j, r) for j, r in zip(jobs, last_rows) if j.num_drafts > 0]
-        drafts: dict[str, list[int]] = {j.req_id: [] for j, _ in active}
+        # Per request its draft tokens as (pass, row in that pass); per pass its tokens [M] on the device.
+        taken: dict[str, list[tuple[int, int]]] = {j.req_id: [] for j, _ in active}
+        passes: list[torch.Tensor] = []
         probs: dict[str, list[torch.Tensor]] = {}
-        step = 0
         while active:
-            logits = self.compute_logits(hidden[[r for _, r in active]])
-            tokens, step_probs = self._sample(logits, [j for j, _ in active])
-            for (job, _), token, p in zip(active, tokens, step_probs):
-                drafts[job.req_id].append(token)
-                if p is not None:
-                    probs.setdefault(job.req_id, []).append(p)
-            step += 1
-            still = [j for j, _ in active if len(drafts[j.req_id]) < j.num_drafts]
-            active = [(j, row) for row, j in enumerate(still)]  # rows of the next one-token pass
-            if not active:
+            logits = self.compute_logits(index_rows(hidden, [r for _, r in active]))
+            tokens, step_probs = self._draw(logits, [j for j, _ in active])
+            for row, (job, _) in enumerate(active):
+                taken[job.req_id].append((len(passes), row))
+                if step_probs is not None and job.temperature >= SAMPLING_EPS:
+                    probs.setdefault(job.req_id, []).append(step_probs[row])
+            passes.append(tokens)
+            still = [(row, j) for row, (j, _) in enumerate(active) if len(taken[j.req_id]) < j.num_drafts]
+            if not still:
                 break
-            hidden = self._run([([drafts[j.req_id][-1]], j.end + step - 1, j.block_ids) for j, _ in active])
-        return drafts, {rid: torch.stack(rows) for rid, rows in probs.items()}
+            # The next one-token pass reads this pass's tokens where they are: no trip through the host.
+            step = len(passes)
+            ids = index_rows(tokens.unsqueeze(1), [row for row, _ in still]).squeeze(1)
+            hidden = self._run(ids, [(j.end + step - 1, 1, j.block_ids) for _, j in still])
+            active = [(j, row) for row, (_, j) in enumerate(still)]
+        flat = torch.cat(passes).tolist() if passes else []  # the one sync: every draft of the step
+        offsets = [0]
+        for tokens in passes:
+            offsets.append(offsets[-1] + tokens.shape[0])
+        drafts = {rid: [flat[offsets[p] + r] for p, r in cells] for rid, cells in taken.items()}
+        return Proposals(drafts, {rid: torch.stack(rows) for rid, rows in probs.items()})
 
 
 def make_draft_model_drafter(draft_model: Any, block_size: int, device: torch.device) -> ModelDrafter:
-    return ModelDrafter(draft_model, draft_model.compute_logits, block_size, device)
+    """A separate draft model: it catches up on every token the target computed (its own KV cache)."""
+    return ModelDrafter(draft_model, draft_model.compute_logits, block_size, device, catches_up_all=True)
 
 
 def make_layer_skip_drafter(target: Any, num_layers: int, block_size: int, device: torch.device) -> ModelDrafter:
+    """The target's first ``num_layers`` layers and its head (those layers' K/V is the target's own)."""
     return ModelDrafter(layer_skip_forward(target, num_layers), target.compute_logits, block_size, device)

@@ -5,12 +5,15 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from pagedllm.spec_decode.proposer import DraftJob, Proposals, Proposer
 
-class NgramProposer:
+
+class NgramProposer(Proposer):
     """Match the last n tokens (n from ``max_n`` down to ``min_n``) against everything before them
     (prompt + output so far); propose up to ``k`` tokens that followed the most recent match.
 
-    Deterministic, so the verifier treats its drafts as one-hot distributions.
+    Deterministic, so the verifier treats its drafts as one-hot distributions. Runs no model: writes no
+    K/V and needs no catch-up.
     """
 
     def __init__(self, k: int, min_n: int, max_n: int) -> None:
@@ -32,3 +35,7 @@ class NgramProposer:
                 start = int(hits[-1]) + n  # the most recent match: recent text predicts best
                 return tokens[start:start + k].tolist()
         return []
+
+    def propose_batch(self, jobs: list[DraftJob]) -> Proposals:
+        """Each job's lookup over its whole sequence, up to its ``num_drafts`` tokens (no distributions)."""
+        return Proposals({job.req_id: self.propose(job.token_ids, job.num_drafts) for job in jobs})

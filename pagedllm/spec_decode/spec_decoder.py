@@ -10,19 +10,16 @@ from typing import Any
 
 import torch
 
+from pagedllm.host_to_device import index_rows, tensor_on
 from pagedllm.logger import init_logger
 from pagedllm.sample.metadata import build_sampling_metadata
 from pagedllm.sample.rejection_sampler import DraftRun, process_target_logits, rejection_sample
-from pagedllm.sample.sampler import _gather_logprobs
+from pagedllm.sample.sampler import compute_logprobs_for_targets, logprob_dicts
 from pagedllm.sampling_params import SAMPLING_EPS, SamplingParams
 from pagedllm.spec_decode.config import SpeculativeConfig
-from pagedllm.spec_decode.model_drafter import (
-    DraftJob,
-    ModelDrafter,
-    make_draft_model_drafter,
-    make_layer_skip_drafter,
-)
+from pagedllm.spec_decode.model_drafter import make_draft_model_drafter, make_layer_skip_drafter
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
+from pagedllm.spec_decode.proposer import DraftJob, Proposer
 
 logger = init_logger(__name__)
 
@@ -30,8 +27,7 @@ logger = init_logger(__name__)
 def can_speculate(params: SamplingParams) -> bool:
     """Requests with structured outputs are not speculated (yet): their grammar would have to advance
     over the drafts and roll back on rejection."""
-    return not any(getattr(params, name, None) is not None
-                   for name in ("structured_outputs", "guided_decoding", "response_format"))
+    return params.structured_outputs is None
 
 
 class SpecDecoder:
@@ -43,16 +39,13 @@ class SpecDecoder:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.device = device
-        self.ngram: NgramProposer | None = None
-        self.drafter: ModelDrafter | None = None
+        self.proposer: Proposer
         if config.method == "ngram":
-            self.ngram = NgramProposer(self.k, config.prompt_lookup_min, config.prompt_lookup_max)
+            self.proposer = NgramProposer(self.k, config.prompt_lookup_min, config.prompt_lookup_max)
         elif config.method == "layer_skip":
-            self.drafter = make_layer_skip_drafter(target, config.num_draft_layers, block_size, device)
+            self.proposer = make_layer_skip_drafter(target, config.num_draft_layers, block_size, device)
         else:
-            self.drafter = make_draft_model_drafter(draft_model, block_size, device)
-        # Catch-up passes keep a separate draft model's KV cache in step with the target's.
-        self.catch_up_all = config.method == "draft_model"
+            self.proposer = make_draft_model_drafter(draft_model, block_size, device)
         # req_id -> [k, V] distributions its pending (random) drafts were drawn from.
         self.draft_probs: dict[str, torch.Tensor] = {}
 
@@ -73,7 +66,7 @@ class SpecDecoder:
                 outputs.append(state.output_token_ids + drafts[:i])
                 prompts.append(state.prompt_token_ids)
                 row_ids.append(first_row + i)
-        rows = logits[row_ids]
+        rows = index_rows(logits, row_ids)  # the identity in the runner: a view
         meta = build_sampling_metadata(params, outputs, prompts, [None] * len(params), self.eos_token_ids,
                                        self.vocab_size, self.device)
         processed = process_target_logits(rows, meta)
@@ -84,31 +77,58 @@ class SpecDecoder:
                                  probs[:len(drafts)] if probs is not None else None, state.generator))
             first += len(drafts) + 1
         tokens = rejection_sample(processed, runs)
+        return tokens, self._logprobs(rows, jobs, runs, tokens)
+
+    def _logprobs(self, rows: torch.Tensor, jobs: list[tuple[Any, list[int], int]], runs: list[DraftRun],
+                  tokens: list[list[int]]) -> list[list[dict[int, tuple[float, int]]] | None]:
+        """Per job, if it asked for logprobs, one {token: (logprob, rank)} per new token: the raw logprobs of
+        rows [N, V] (the Sampler's path), one gather per distinct number of top logprobs."""
         entries: list[list[dict[int, tuple[float, int]]] | None] = [None] * len(jobs)
-        if meta.max_num_logprobs is not None:
-            raw = torch.log_softmax(rows.float(), dim=-1)
-            for j, ((state, _, _), run, new) in enumerate(zip(jobs, runs, tokens)):
-                k = state.params.logprobs
-                if k is None:
-                    continue
-                lp = _gather_logprobs(raw[run.first_row:run.first_row + len(new)],
-                                      torch.tensor(new, device=self.device), k)
-                ids, vals, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
-                entries[j] = [{ids[r][0]: (vals[r][0], ranks[r]),
-                               **{ids[r][c]: (vals[r][c], c) for c in range(1, k + 1) if ids[r][c] != ids[r][0]}}
-                              for r in range(len(new))]
-        return tokens, entries
+        by_k: dict[int, list[int]] = {}
+        for j, (state, _, _) in enumerate(jobs):
+            if state.params.logprobs is not None:
+                by_k.setdefault(state.params.logprobs, []).append(j)
+        for k, members in by_k.items():
+            picked = [runs[j].first_row + i for j in members for i in range(len(tokens[j]))]
+            targets = tensor_on([t for j in members for t in tokens[j]], torch.long, self.device)
+            dicts = logprob_dicts(compute_logprobs_for_targets(index_rows(rows, picked), targets, k),
+                                  [k] * len(picked))
+            at = 0
+            for j in members:
+                entries[j] = dicts[at:at + len(tokens[j])]
+                at += len(tokens[j])
+        return entries
 
     # ---- proposing ---------------------------------------------------------------------------------
     def _room(self, state: Any) -> int:
-        """Drafts worth making for a request: none past max_tokens, and for a model drafter none whose
-        K/V would fall outside the request's blocks (its lookahead slots)."""
+        """Drafts worth making for a request: none past max_tokens, and for a proposer that writes K/V none
+        whose K/V would fall outside the request's blocks (its lookahead slots)."""
         room = self.k
         if state.params.max_tokens is not None:
             room = min(room, state.params.max_tokens - len(state.output_token_ids) - 1)
-        if self.drafter is not None:
+        if self.proposer.writes_kv:
             room = min(room, len(state.block_ids[0]) * self.block_size - len(state.token_ids) + 1)
         return max(room, 0)
+
+    def _job(self, state: Any, start: int, query_len: int, sampled: bool, num: int) -> DraftJob | None:
+        """The request's DraftJob this step (None: nothing to run or propose). ``start``/``query_len``: where
+        its computed tokens began this step and how many were scheduled; ``num``: drafts it may get."""
+        length = len(state.token_ids)
+        if not self.proposer.writes_kv:
+            if num == 0:
+                return None
+            begin = end = length  # a lookup runs no model
+        elif self.proposer.catches_up_all:
+            capacity = len(state.block_ids[0]) * self.block_size
+            begin, end = start, min(length if sampled else start + query_len, capacity)
+        else:
+            begin, end = length - 1, length
+        if end < length:
+            num = 0  # its newest token has no slot yet: catch up now, propose next step
+        if num == 0 and not self.proposer.catches_up_all:
+            return None
+        return DraftJob(state.req_id, state.token_ids, state.block_ids[0], begin, end, num,
+                        state.params.temperature, state.generator)
 
     def propose(self, states: list[Any], starts: list[int], query_lens: list[int], sampled: set[str]
                 ) -> dict[str, list[int]]:
@@ -117,33 +137,14 @@ class SpecDecoder:
         ``starts[i]``/``query_lens[i]``: where request i's computed tokens began this step and how many
         were scheduled (states already hold the accepted tokens)."""
         enabled = self.config.disable_by_batch_size is None or len(states) <= self.config.disable_by_batch_size
-        if self.ngram is not None:
-            if not enabled:
-                return {}
-            out = {}
-            for state in states:
-                if state.req_id in sampled and can_speculate(state.params):
-                    drafts = self.ngram.propose(state.token_ids, self._room(state))
-                    if drafts:
-                        out[state.req_id] = drafts
-            return out
         jobs = []
         for state, start, q in zip(states, starts, query_lens):
             proposing = enabled and state.req_id in sampled and can_speculate(state.params)
-            num = self._room(state) if proposing else 0
-            capacity = len(state.block_ids[0]) * self.block_size
-            if self.catch_up_all:
-                end = min(len(state.token_ids) if state.req_id in sampled else start + q, capacity)
-                begin = start
-            else:
-                end = len(state.token_ids)
-                begin = end - 1
-            if end < len(state.token_ids):
-                num = 0  # its newest token has no slot yet: catch up now, propose next step
-            if num == 0 and not self.catch_up_all:
-                continue
-            jobs.append(DraftJob(state.req_id, state.token_ids, state.block_ids[0], begin, end, num,
-                                 state.params.temperature, state.generator))
-        drafts, probs = self.drafter.propose(jobs)
-        self.draft_probs.update(probs)
-        return {rid: d for rid, d in drafts.items() if d}
+            job = self._job(state, start, q, state.req_id in sampled, self._room(state) if proposing else 0)
+            if job is not None:
+                jobs.append(job)
+        if not jobs:
+            return {}
+        proposals = self.proposer.propose_batch(jobs)
+        self.draft_probs.update(proposals.probs)
+        return {rid: d for rid, d in proposals.drafts.items() if d}

@@ -19,10 +19,11 @@ from pagedllm.attention.layer import attention_layers, bind_kv_caches
 from pagedllm.attention.metadata import AttentionMetadata, build_attention_metadata, token_positions
 from pagedllm.attention.spec import common_sliding_window, kv_cache_groups
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.host_to_device import index_rows as _rows_of  # the row pick the drafter shares
 from pagedllm.host_to_device import tensor_on, to_device
 from pagedllm.platforms import platform_for
 from pagedllm.sample.metadata import build_sampling_metadata
-from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_logprobs_for_targets
+from pagedllm.sample.sampler import Sampler, compute_logprobs_for_targets, logprob_dicts
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.manager import resolve_bitmask
 from pagedllm.worker.cpu_memory import zeroed_host_tensor
@@ -41,26 +42,6 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     Zeros (not empty) matter: padded positions are masked, but NaN garbage would still poison SDPA.
     """
     return platform_for(device).zeros(shape, dtype, device)
-
-
-def _logprob_dicts(lp: LogprobsTensors, ks: list[int]) -> list[dict[int, tuple[float, int]]]:
-    """One {token_id: (logprob, rank)} per row: the chosen token first, then the row's top ks[row]."""
-    ids, vals, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
-    out = []
-    for row, k in enumerate(ks):
-        entry = {ids[row][0]: (vals[row][0], ranks[row])}
-        for j in range(1, k + 1):
-            entry.setdefault(ids[row][j], (vals[row][j], j))
-        out.append(entry)
-    return out
-
-
-def _rows_of(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """hidden[rows] ([len(rows), H]): a view for the leading rows (a decode-only step), else a gather whose index
-    reaches a GPU without a stream sync (indexing with a list would copy it to the device blocking)."""
-    if rows == list(range(len(rows))):
-        return hidden[:len(rows)]
-    return hidden.index_select(0, tensor_on(rows, torch.long, hidden.device))
 
 
 def _grammar_rows(sched: SchedulerOutput, sample_states: list[CachedRequestState]
@@ -304,7 +285,7 @@ class ModelRunner:
         sampled = out.sampled_token_ids.tolist()  # the host waits for the device here
         entries = None
         if out.logprobs is not None:
-            entries = _logprob_dicts(out.logprobs, [s.params.logprobs or 0 for s in sample_states])
+            entries = logprob_dicts(out.logprobs, [s.params.logprobs or 0 for s in sample_states])
         for row, state in enumerate(sample_states):
             token = sampled[row]
             state.token_ids.append(token)
@@ -352,5 +333,5 @@ class ModelRunner:
                 rows = hidden[qsl[i] + lo - start:qsl[i] + hi - start]
                 targets = torch.tensor(state.prompt_token_ids[lo + 1:hi + 1], device=self.device)
                 lp = compute_logprobs_for_targets(self.model.compute_logits(rows), targets, k)
-                entries.extend(_logprob_dicts(lp, [k] * (hi - lo)))
+                entries.extend(logprob_dicts(lp, [k] * (hi - lo)))
             result.prompt_logprobs[state.req_id] = entries

@@ -9,6 +9,7 @@ padding. Attention reads its per-step metadata from the forward context and its 
 
 from __future__ import annotations
 
+from itertools import islice
 from typing import Any
 
 import torch
@@ -69,11 +70,13 @@ class LlamaModel(DirectCall, nn.Module):
         theta, scaling = rope_settings(cfg)
         self.rotary_emb = RotaryEmbedding(head_dim_of(cfg), cfg.max_position_embeddings, theta, scaling, dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden [T, hidden] after the final norm. ``num_layers``: run only the
+        first that many decoder layers (layer-skip drafting, ``spec_decode/model_drafter.py``); None: all."""
         x = self.embed_tokens(input_ids)
         rope = RopeStep(self.rotary_emb, positions)  # once per step, shared by all layers
         residual = None
-        for layer in self.layers:
+        for layer in self.layers if num_layers is None else islice(self.layers, num_layers):
             x, residual = layer(x, residual, rope)
         x, _ = self.norm(x, residual)
         return x
