@@ -64,12 +64,6 @@ class AttentionMetadata:
             self._max_query_len = max((qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)), default=0)
         return self._max_query_len
 
-    @classmethod
-    def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]] | np.ndarray,
-              block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
-        """Same as ``build_attention_metadata`` (kept as the class's constructor for callers and tests)."""
-        return build_attention_metadata(query_lens, seq_lens, block_tables, block_size, device)
-
 
 def token_positions(query_lens: list[int], seq_lens: list[int]) -> np.ndarray:
     """[T] int64 position of every new token: request i's ``query_lens[i]`` tokens end at ``seq_lens[i] - 1``."""

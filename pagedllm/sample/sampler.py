@@ -14,21 +14,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagedllm.sample.draw import (  # noqa: F401  (re-exported)
+from pagedllm.sample.draw import (
     draw,
     draw_masked,
-    draw_uniforms,
-    inverse_cdf_sample,
     masked_draw_kernel,
 )
 from pagedllm.sample.metadata import SamplingMetadata
-from pagedllm.sample.stages import (  # noqa: F401  (re-exported for callers of the old module)
+from pagedllm.sample.stages import (
     GrammarBitmaskStage,
     LogitsStage,
     TemperatureStage,
-    apply_min_p,
-    apply_penalties,
-    apply_top_k_top_p,
     default_stages,
 )
 

@@ -163,7 +163,7 @@ class Worker:
             return
         if self.runner.pooling is not None:
             return  # a pooling model's steps run through the pooling runner, never a decode graph
-        from pagedllm.attention.backends.triton_paged import triton_available
+        from pagedllm.kernels.triton_ops import triton_available
         from pagedllm.worker.cuda_graphs import DecodeGraphRunner, graph_batch_sizes
 
         if not triton_available():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedllm.attention.backends.torch_sdpa import _attend_with_context
-from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.metadata import build_attention_metadata
 from pagedllm.kernels.cpu import load_cpu_kernels
 
 
@@ -27,7 +27,7 @@ def _case(num_reqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block
         n = -(-s // block_size)
         tables.append(ids[:n])
         ids = ids[n:]
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size)
+    meta = build_attention_metadata(query_lens, seq_lens, tables, block_size)
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(cache_dtype)
     query = torch.randn(sum(query_lens), num_heads, head_dim)
     return meta, cache, query
@@ -106,7 +106,7 @@ def test_backend_routes_fresh_prompts_by_length(monkeypatch) -> None:
         n = -(-s // block_size)
         tables.append(ids[:n])
         ids = ids[n:]
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size)
+    meta = build_attention_metadata(query_lens, seq_lens, tables, block_size)
     tokens = sum(query_lens)
     query = torch.randn(tokens, num_heads, head_dim)
     key, value = torch.randn(tokens, num_kv_heads, head_dim), torch.randn(tokens, num_kv_heads, head_dim)
@@ -116,6 +116,6 @@ def test_backend_routes_fresh_prompts_by_length(monkeypatch) -> None:
     assert rows.tolist() == [0, 1, 2, 3, 4, 5] and sdpa_fresh == {41: [6], 70: [7]}
     got = backend.paged_attention(query, key, value, cache.clone(), meta, head_dim ** -0.5, load_cpu_kernels())
     expected = backend.paged_attention(query, key, value, cache.clone(),
-                                       AttentionMetadata.build(query_lens, seq_lens, tables, block_size),
+                                       build_attention_metadata(query_lens, seq_lens, tables, block_size),
                                        head_dim ** -0.5)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)

@@ -14,7 +14,7 @@ from model_helpers import make_kv_caches, make_tiny_llama, paged_step  # noqa: E
 
 from pagedllm.attention.forward_context import forward_context  # noqa: E402
 from pagedllm.attention.layer import bind_kv_caches  # noqa: E402
-from pagedllm.attention.metadata import AttentionMetadata  # noqa: E402
+from pagedllm.attention.metadata import build_attention_metadata  # noqa: E402
 from pagedllm.config import ModelConfig  # noqa: E402
 from pagedllm.model_executor.loader import load_model  # noqa: E402
 from pagedllm.worker.cuda_graphs import DecodeGraphRunner, graph_batch_sizes, padded_batch_size  # noqa: E402
@@ -55,7 +55,7 @@ def test_padded_decode_equals_plain_step(model) -> None:
 
     runner = DecodeGraphRunner(model, torch.device("cpu"), graph_batch_sizes(8), max_blocks_per_seq=5,
                                block_size=block_size, hidden_size=model.config.hidden_size, dtype=torch.float32)
-    meta = AttentionMetadata.build([1, 1, 1], seq_lens, tables, block_size)
+    meta = build_attention_metadata([1, 1, 1], seq_lens, tables, block_size)
     assert runner.can_run(meta)
     # Dirty the buffers first, so stale rows from a bigger earlier step would show.
     runner.input_ids.fill_(7)
@@ -72,9 +72,9 @@ def test_padded_decode_equals_plain_step(model) -> None:
 def test_rejects_steps_it_cannot_run(model) -> None:
     runner = DecodeGraphRunner(model, torch.device("cpu"), [1, 2], max_blocks_per_seq=2, block_size=4,
                                hidden_size=model.config.hidden_size, dtype=torch.float32)
-    assert not runner.can_run(AttentionMetadata.build([1, 3], [5, 3], [[1, 2], [3]], 4))  # a prefill chunk
-    assert not runner.can_run(AttentionMetadata.build([1, 1, 1], [2, 2, 2], [[1], [2], [3]], 4))  # too many
-    assert not runner.can_run(AttentionMetadata.build([1], [12], [[1, 2, 3]], 4))  # table too wide
+    assert not runner.can_run(build_attention_metadata([1, 3], [5, 3], [[1, 2], [3]], 4))  # a prefill chunk
+    assert not runner.can_run(build_attention_metadata([1, 1, 1], [2, 2, 2], [[1], [2], [3]], 4))  # too many
+    assert not runner.can_run(build_attention_metadata([1], [12], [[1, 2, 3]], 4))  # table too wide
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="captures CUDA graphs (benchmarks/gpu_check.sh runs it on a GPU)")
@@ -89,7 +89,7 @@ def test_captured_graphs_replay_like_the_eager_step(tmp_path) -> None:
     tables = [[1, 2], [3], [4, 5, 6]]
     lens = [len(p) for p in prompts]
     positions = [p for n in lens for p in range(n)]
-    with forward_context(AttentionMetadata.build(lens, lens, tables, block_size, dev)):
+    with forward_context(build_attention_metadata(lens, lens, tables, block_size, dev)):
         model(torch.tensor([t for p in prompts for t in p], device=dev), torch.tensor(positions, device=dev))
 
     runner = DecodeGraphRunner(model, dev, [1, 2, 4, 8], max_blocks_per_seq=5, block_size=block_size,
@@ -101,7 +101,7 @@ def test_captured_graphs_replay_like_the_eager_step(tmp_path) -> None:
     for tokens, step_lens, step_tables in steps:
         ids = torch.tensor(tokens, device=dev)
         pos = torch.tensor([s - 1 for s in step_lens], device=dev)
-        meta = AttentionMetadata.build([1] * len(tokens), step_lens, step_tables, block_size, dev)
+        meta = build_attention_metadata([1] * len(tokens), step_lens, step_tables, block_size, dev)
         with forward_context(meta):
             expected = model(ids, pos).clone()  # writes the same K/V the replay writes again
         got = runner.run(ids, pos, meta)

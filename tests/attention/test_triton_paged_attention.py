@@ -16,8 +16,9 @@ DEVICE = os.environ.get("PAGEDLLM_TEST_DEVICE", "cpu")
 if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run kernels on the CPU
 
-from pagedllm.attention.backends.triton_paged import tile_shape, triton_available, triton_paged_attention  # noqa: E402
-from pagedllm.attention.metadata import AttentionMetadata  # noqa: E402
+from pagedllm.attention.backends.triton_paged import tile_shape, triton_paged_attention  # noqa: E402
+from pagedllm.attention.metadata import build_attention_metadata  # noqa: E402
+from pagedllm.kernels.triton_ops import triton_available  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is a test dependency; install .[test]")
 
@@ -59,7 +60,7 @@ def _run(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size
         n = -(-s // block_size)
         tables.append(ids[:n])
         ids = ids[n:]
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, DEVICE)
+    meta = build_attention_metadata(query_lens, seq_lens, tables, block_size, DEVICE)
     cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
     contexts = []
     for c, table in zip(context_lens, tables):
@@ -132,7 +133,7 @@ def test_backend_routes_encoder_layers_to_the_fallback() -> None:
 
     backend = TritonPagedAttentionBackend(Recorder())
     q = torch.randn(3, 2, 16)
-    meta = AttentionMetadata.build([3], [3], [[1]], 16)
+    meta = build_attention_metadata([3], [3], [[1]], 16)
     assert backend.forward(q, q, q, None, meta, AttentionSpec.encoder(), 0.25) is q and Recorder.calls == 1
     cache = torch.zeros(2, 2, 16, 2, 16)
     out = backend.forward(q, q.clone(), q.clone(), cache, meta, AttentionSpec.sliding(2), 0.25)
@@ -182,7 +183,7 @@ def test_layer_with_rotary_writing_kv_equals_the_torch_backend(monkeypatch: pyte
     emb = RotaryEmbedding(16, 64, 10000.0, {}, torch.float32)
     tables = [[3, 5], [1, 6, 2]]
     for query_lens, seq_lens in (([5, 7], [5, 7]), ([1, 4], [6, 11])):  # prefill, then a decode + a chunk
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, 4, DEVICE)
+        meta = build_attention_metadata(query_lens, seq_lens, tables, 4, DEVICE)
         positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)]).to(DEVICE)
         x = torch.randn(sum(query_lens), 48).to(DEVICE)
         outs = []
@@ -223,7 +224,7 @@ def test_stale_non_finite_cache_slots_are_never_read(window: int) -> None:
     query_lens, context_lens, heads, kv_heads, dim, bs = [1, 1, 9], [10, 29, 5], 4, 2, 16, 8
     seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
     tables = [[1, 2], [3, 4, 5, 6], [7, 8]]
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, bs, DEVICE)
+    meta = build_attention_metadata(query_lens, seq_lens, tables, bs, DEVICE)
     cache = torch.full((2, 9, bs, kv_heads, dim), float("nan"))
     for table, context_len in zip(tables, context_lens):
         first_needed = max(0, context_len - window + 1) if window else 0  # the request's first query sees it

@@ -11,7 +11,7 @@ import torch
 
 from pagedllm.attention.forward_context import forward_context
 from pagedllm.attention.layer import bind_kv_caches
-from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.metadata import build_attention_metadata
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -74,7 +74,7 @@ def paged_step(model: Any, token_ids: list[list[int]], seq_lens: list[int], bloc
     """One step over several requests (decodes first). ``token_ids[i]`` are request i's new tokens, which
     end at position ``seq_lens[i] - 1``. Returns float32 logits for every new token, [T, vocab]."""
     query_lens = [len(t) for t in token_ids]
-    meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, block_size)
+    meta = build_attention_metadata(query_lens, seq_lens, block_tables, block_size)
     input_ids = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long)
     positions = torch.tensor([p for q, s in zip(query_lens, seq_lens, strict=True) for p in range(s - q, s)],
                              dtype=torch.long)

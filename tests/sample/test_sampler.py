@@ -6,11 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedllm.sample.metadata import build_sampling_metadata
-from pagedllm.sample.sampler import (
-    Sampler,
-    apply_penalties,
-    compute_logprobs_for_targets,
-)
+from pagedllm.sample.sampler import Sampler, compute_logprobs_for_targets
+from pagedllm.sample.stages import apply_penalties
 from pagedllm.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")

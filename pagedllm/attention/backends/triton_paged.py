@@ -25,7 +25,7 @@ from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.attention.backends.torch_sdpa import write_kv
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.spec import AttentionSpec
-from pagedllm.kernels.triton_ops import (  # noqa: F401
+from pagedllm.kernels.triton_ops import (
     interpreted,
     multiprocessors,
     next_pow2,
@@ -33,7 +33,6 @@ from pagedllm.kernels.triton_ops import (  # noqa: F401
     target_arch,
     tl,
     triton,
-    triton_available,
 )
 
 # DOT_FP32: both dots take float32 operands at full precision ("ieee", not tf32): for a float32 cache, whose
