@@ -28,8 +28,9 @@ def platform_for(device: torch.device | str) -> Platform:
 
 
 def platform_of(t: torch.Tensor) -> Platform:
-    """The platform tensor ``t`` lives on."""
-    return platform_for(t.device)
+    """The platform tensor ``t`` lives on (asked per layer and step: one dict lookup on the known devices)."""
+    device = t.device
+    return _PLATFORMS.get(device.type) or platform_for(device)
 
 
 __all__ = ["CpuPlatform", "CudaPlatform", "Platform", "platform_for", "platform_of"]

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from pagedllm import envs
+from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.platforms.interface import Platform
 from pagedllm.utils import physical_cpu_cores
 
@@ -20,15 +21,12 @@ class CpuPlatform(Platform):
 
     def _make_attention_backend(self, name: str) -> Any:
         from pagedllm.attention.backends.cpu_paged import CpuPagedAttentionBackend
-        from pagedllm.kernels.cpu import load_cpu_kernels
 
         if name == "cpu" or (name == "auto" and load_cpu_kernels() is not None):
             return CpuPagedAttentionBackend()
         return super()._make_attention_backend(name)
 
     def prepare_worker(self) -> None:
-        from pagedllm.kernels.cpu import load_cpu_kernels
-
         # One thread per physical core; more only adds contention on small matmuls.
         if envs.OMP_NUM_THREADS is None:
             torch.set_num_threads(max(1, physical_cpu_cores()))
@@ -37,11 +35,8 @@ class CpuPlatform(Platform):
         load_cpu_kernels()
 
     def cpu_kernels(self, dtype: torch.dtype, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> Any | None:
-        if dtype not in dtypes:
-            return None
-        from pagedllm.kernels.cpu import load_cpu_kernels
-
-        return load_cpu_kernels()
+        # Asked by every layer on every step: no import or lookup beyond the cached loader here.
+        return load_cpu_kernels() if dtype in dtypes else None
 
     def elementwise_kernels(self, dtype: torch.dtype) -> Any | None:
         return self.cpu_kernels(dtype)
