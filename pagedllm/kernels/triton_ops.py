@@ -29,6 +29,8 @@ def triton_available() -> bool:
 
 # Under TRITON_INTERPRET=1 (the tests on the CPU) Triton's interpreter multiplies bf16 operands of tl.dot and
 # computes bf16 arithmetic as raw bits (triton 3.9): kernels that dot bf16 operands upcast to fp32 there.
+# Read once: Triton fixes the mode when its kernels are defined, and launches ask on every call.
+@functools.cache
 def interpreted() -> bool:
     return envs.TRITON_INTERPRET
 

@@ -19,8 +19,7 @@ from pagedllm.attention.layer import attention_layers, bind_kv_caches
 from pagedllm.attention.metadata import AttentionMetadata, build_attention_metadata, token_positions
 from pagedllm.attention.spec import common_sliding_window, kv_cache_groups
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagedllm.host_to_device import index_rows as _rows_of  # the row pick the drafter shares
-from pagedllm.host_to_device import tensor_on, to_device
+from pagedllm.host_to_device import index_rows, tensor_on, to_device
 from pagedllm.platforms import platform_for
 from pagedllm.sample.metadata import build_sampling_metadata
 from pagedllm.sample.sampler import Sampler, compute_logprobs_for_targets, logprob_dicts
@@ -273,7 +272,7 @@ class ModelRunner:
     def _sample(self, hidden: torch.Tensor, sample_rows: list[int], sample_states: list[CachedRequestState],
                 result: ModelRunnerOutput, sched: SchedulerOutput, overlap: Callable[[], None] | None = None) -> None:
         # Valid until the next compute_logits call: the sampler reads it and keeps nothing of it.
-        logits = self.model.compute_logits(_rows_of(hidden, sample_rows), out=self._logits_out(len(sample_rows)))
+        logits = self.model.compute_logits(index_rows(hidden, sample_rows), out=self._logits_out(len(sample_rows)))
         grammar_rows, grammar_bitmask = _grammar_rows(sched, sample_states)
         sampling_meta = build_sampling_metadata(
             [s.params for s in sample_states], [s.output_token_ids for s in sample_states],

@@ -44,8 +44,7 @@ class Worker:
         torch.manual_seed(mc.seed)
         model = load_model(mc, self.device)
         self.attention_backend = self.platform.attention_backend(config.device.attention_backend)
-        for layer in attention_layers(model):
-            layer.backend = self.attention_backend
+        self._bind_attention_backend(model)
         logger.info("attention backend: %s", self.attention_backend.name)
         pooling = None
         if mc.is_pooling:
@@ -63,6 +62,13 @@ class Worker:
             from pagedllm.spec_decode.setup import attach_spec_decoder
 
             attach_spec_decoder(self.runner, config.speculative, self.device)
+            if getattr(self.runner, "draft_model", None) is not None:
+                self._bind_attention_backend(self.runner.draft_model)  # the draft attends as the target does
+
+    def _bind_attention_backend(self, model: torch.nn.Module) -> None:
+        """The engine's one attention backend on every attention layer of ``model`` (chosen once, not per call)."""
+        for layer in attention_layers(model):
+            layer.backend = self.attention_backend
 
     def determine_num_blocks(self) -> int:
         if self.config.model.is_encoder_only:

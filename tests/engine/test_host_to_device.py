@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagedllm.host_to_device import index_rows as _rows_of
 from pagedllm.host_to_device import tensor_on, to_device
-from pagedllm.worker.model_runner import _rows_of
 
 
 def test_helpers_match_blocking_copies_on_the_cpu() -> None:

@@ -70,3 +70,14 @@ def test_the_platform_makes_each_backend_once() -> None:
     assert type(cpu.attention_backend()) is CpuPagedAttentionBackend
     with pytest.raises(ValueError, match="'cpu' does not run on the cuda platform"):
         platform_for("cuda").attention_backend("cpu")
+
+
+def test_a_draft_model_attends_through_the_engines_backend(llama) -> None:
+    path, _ = llama
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=path, dtype="float32", kv_cache_memory="4MiB", block_size=8, attention_backend="torch",
+        speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 2}))
+    runner = engine.core.worker.runner
+    layers = attention_layers(runner.model) + attention_layers(runner.draft_model)
+    assert len(layers) == 2 * len(attention_layers(runner.model))
+    assert all(type(layer.backend) is TorchPagedAttentionBackend for layer in layers)
