@@ -62,6 +62,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = field(default=None)
     # Constrain the output to a JSON schema / regex / choice / grammar (a dict is converted).
     structured_outputs: StructuredOutputsParams | None = None
+    # Not sampling: data for other parts of the engine (vLLM's name); "kv_transfer_params" for a KV connector
+    # (distributed/kv_transfer/).
+    extra_args: dict | None = None
 
     def __post_init__(self) -> None:
         # Normalize containers first so validation sees one shape.

@@ -109,12 +109,13 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: GroupBlocks | None = None,
                        num_new_computed_tokens: int = 0,
-                       num_lookahead_tokens: int = 0) -> GroupBlocks | None:
+                       num_lookahead_tokens: int = 0, cache: bool = True) -> GroupBlocks | None:
         """Make room for ``num_new_tokens`` more tokens (after any prefix hits) in every group: the new
         blocks per group, or None (and nothing taken) if one group can't.
 
         ``num_lookahead_tokens`` more slots are reserved past them (a draft model writes its proposals'
-        K/V there); they are never hashed for the prefix cache.
+        K/V there); they are never hashed for the prefix cache. ``cache=False``: the new blocks are not entered in
+        the prefix cache now (a connector fills them later; the next allocation enters them).
         """
         rid = request.request_id
         total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
@@ -134,7 +135,7 @@ class KVCacheManager:
         if not all(g.can_allocate(n, h) for g, n, h in zip(self.groups, needed, hits)):
             return None
         new_blocks = tuple(g.allocate(rid, n, h) for g, n, h in zip(self.groups, needed, hits))
-        if self.enable_caching:
+        if self.enable_caching and cache:
             self._cache_full_blocks(request, total_tokens)
         return new_blocks
 

@@ -16,6 +16,9 @@ class RequestStatus(enum.IntEnum):
     # Queued, but its structured-output grammar is still compiling: the scheduler skips it until the engine
     # sets it back to WAITING.
     WAITING_FOR_GRAMMAR = enum.auto()
+    # Queued with its blocks allocated while a KV connector receives its prompt's KV from another instance
+    # (core/remote_kv.py): the scheduler skips it until the transfer ends.
+    WAITING_FOR_REMOTE_KVS = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after this point is finished.
@@ -68,6 +71,11 @@ class Request:
         self.block_hashes: list[Any] = []  # chained hashes of its full blocks, filled by the KV manager
         self.first_scheduled_time: float | None = None
         self.spec_token_ids: list[int] = []  # drafts to verify in its next step (speculative decoding)
+        # KV connector (core/remote_kv.py): prompt tokens whose KV came from a connector / the local prefix cache
+        # at admission, and whether a transfer failed (the prompt is then recomputed, never asked for again).
+        self.num_external_computed_tokens = 0
+        self.num_local_hit_tokens = 0
+        self.kv_transfer_failed = False
 
     @property
     def num_tokens(self) -> int:

@@ -47,6 +47,8 @@ class SchedulerOutput:
     grammar_bitmask: Any = None
     # req_id -> draft tokens to verify this step; they are the last len(...) of its scheduled tokens.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # The KV connector's instructions for its worker half this step (distributed/kv_transfer/), or None.
+    kv_connector_metadata: Any = None
 
     @property
     def is_empty(self) -> bool:
@@ -69,6 +71,8 @@ class ModelRunnerOutput:
     # req_id -> pooled vector (a float32 CPU tensor) for pooling requests whose prompt is now complete.
     pooler_output: dict[str, Any] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # The KV connector worker half's report (distributed/kv_transfer/base.KVConnectorOutput), or None.
+    kv_connector_output: Any = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -86,6 +90,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     # The pooled vector of a finished pooling request: a float32 tensor in the engine, its raw bytes on the wire.
     pooling_output: Any = None
+    # A finished request's kv_transfer_params from the KV connector (a producer: where its blocks can be read).
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:

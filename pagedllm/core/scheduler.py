@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.remote_kv import RemoteKVState
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import (
     CachedRequestData,
@@ -53,6 +54,12 @@ class Scheduler:
         self._isolate: set[str] = set()  # requests from a failed step, to be run one per step
         self.num_preemptions = 0
         self.spec_stats = SpecDecodingStats()
+        # A KV connector's scheduler half (attach_kv_connector; disaggregated prefill / decode), else None.
+        self.remote_kv: RemoteKVState | None = None
+
+    def attach_kv_connector(self, connector) -> None:
+        """Ask ``connector`` (a ``KVConnectorBase_V1``, scheduler role) for prompt KV and about finished requests."""
+        self.remote_kv = RemoteKVState(connector, self.kv)
 
     # ---- admission ---------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -80,12 +87,20 @@ class Scheduler:
             done.append(request)
         return done
 
-    def _free(self, request: Request) -> None:
+    def _free(self, request: Request) -> dict | None:
+        """Release a finished request (its blocks, unless a KV connector holds them for a transfer); returns the
+        connector's ``kv_transfer_params`` for the client, if any."""
         self._isolate.discard(request.request_id)
-        self.kv.free(request)
+        params = None
+        hold = False
+        if self.remote_kv is not None:
+            hold, params = self.remote_kv.on_finished(request)
+        if not hold:
+            self.kv.free(request)
         self._finished_since_last_step.add(request.request_id)
         self._known_to_runner.discard(request.request_id)
         del self.requests[request.request_id]
+        return params
 
     # ---- one step ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -148,26 +163,50 @@ class Scheduler:
         grammar_pending: list[Request] = []  # still compiling their grammar: they keep their place
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+            if request.status == RequestStatus.WAITING_FOR_GRAMMAR or (
+                    request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not self.remote_kv.ready(request)):
                 grammar_pending.append(self.waiting.popleft())
                 continue
             hits, num_hit_tokens = ([], 0)
+            num_external, load_async = 0, False
+            # 0 unless its KV arrived from a connector (then it holds blocks for its whole prompt).
+            start = request.num_computed_tokens
             # Pooling requests skip prefix hits: mean/CLS pooling needs every prompt position's state.
-            if request.num_computed_tokens == 0 and request.pooling_params is None:
+            if start == 0 and request.pooling_params is None:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(request)
-            num_new = request.num_tokens - num_hit_tokens
+                if self.remote_kv is not None:
+                    num_external, load_async = self.remote_kv.matched_tokens(request, num_hit_tokens)
+            if load_async:
+                # Blocks for the whole prompt now; the request waits for its KV, others keep the step.
+                blocks = self.kv.allocate_slots(request, num_external, hits, num_hit_tokens, cache=False)
+                if blocks is None:
+                    break
+                request.num_computed_tokens = request.num_local_hit_tokens = num_hit_tokens
+                self.remote_kv.connector.update_state_after_alloc(
+                    request, self.kv.get_block_ids(request.request_id)[0], num_external)
+                self.remote_kv.start_receiving(request, num_external)
+                grammar_pending.append(self.waiting.popleft())
+                continue
+            num_new = request.num_tokens - start - num_hit_tokens - num_external
             no_chunking = not self.config.enable_chunked_prefill or self.config.is_encoder_only
             if no_chunking and num_new > budget:
                 break
             num_new = min(num_new, budget)
             if not self.config.is_encoder_only:  # an encoder keeps no KV cache
-                new_blocks = self._allocate(request, num_new, hits, num_hit_tokens)
+                new_blocks = self._allocate(request, num_new, hits, num_hit_tokens + num_external)
                 if new_blocks is None:
                     break  # head of the queue waits for memory; later requests must not jump ahead of it
             self.waiting.popleft()
-            request.num_computed_tokens = num_hit_tokens
+            if num_external:  # loaded by the connector at the start of this step
+                request.num_local_hit_tokens = num_hit_tokens
+                request.num_external_computed_tokens = num_external
+                self.remote_kv.connector.update_state_after_alloc(
+                    request, self.kv.get_block_ids(request.request_id)[0], num_external)
+            request.num_computed_tokens = start + num_hit_tokens + num_external
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
+                request.num_cached_tokens = request.num_computed_tokens
+                if self.remote_kv is not None:
+                    self.remote_kv.count_admission(request)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
             request.status = RequestStatus.RUNNING
@@ -197,6 +236,8 @@ class Scheduler:
             preempted_req_ids=preempted,
             scheduled_spec_decode_tokens=spec_tokens,
         )
+        if self.remote_kv is not None:
+            out.kv_connector_metadata = self.remote_kv.connector.build_connector_meta(out)
         self._finished_since_last_step = set()
         return out
 
@@ -256,6 +297,8 @@ class Scheduler:
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop rules, free finished requests."""
         outputs, self._pending_outputs = self._pending_outputs, []
+        if self.remote_kv is not None:
+            self.remote_kv.update(result.kv_connector_output)
         for req_id in sched.num_scheduled_tokens:
             self._isolate.discard(req_id)  # it ran without failing
             request = self.requests.get(req_id)
@@ -289,7 +332,7 @@ class Scheduler:
                 num_cached_tokens=max(request.num_cached_tokens, 0)))
             if finished:
                 self.running.remove(request)
-                self._free(request)
+                outputs[-1].kv_transfer_params = self._free(request)
         return outputs
 
     def _finish_pooled(self, request: Request, result: ModelRunnerOutput, outputs: list[EngineCoreOutput]) -> None:
@@ -347,6 +390,11 @@ class Scheduler:
     # ---- introspection -----------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def has_pending_kv_transfers(self) -> bool:
+        """Finished requests whose blocks a connector holds, or requests waiting for their KV: the engine must
+        keep stepping (the worker half reports transfers only when asked)."""
+        return self.remote_kv is not None and self.remote_kv.has_pending
 
     @property
     def num_running(self) -> int:
