@@ -143,3 +143,4 @@ class EngineConfig:
     speculative: Any = None  # spec_decode.config.SpeculativeConfig, or None (no speculative decoding)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_events: Any = None  # distributed.kv_events_config.KVEventsConfig, or None (no KV cache events)
+    kv_transfer: Any = None  # distributed.kv_transfer.config.KVTransferConfig, or None (no KV connector)

@@ -24,6 +24,7 @@ from pagedllm.core.block_hash import HASH_ALGOS, check_hash_algo
 from pagedllm.distributed.kv_events_config import DEFAULT_ENDPOINT as DEFAULT_KV_EVENTS_ENDPOINT
 from pagedllm.distributed.kv_events_config import DEFAULT_TOPIC as DEFAULT_KV_EVENTS_TOPIC
 from pagedllm.distributed.kv_events_config import parse_kv_events_config
+from pagedllm.distributed.kv_transfer.config import parse_kv_transfer_config
 from pagedllm.model_executor.layers.quantization import QUANTIZATION_METHODS
 from pagedllm.utils import parse_size
 
@@ -55,6 +56,7 @@ class EngineArgs:
     pooler_config: PoolerConfig | dict | None = None
     speculative_config: str | dict | None = None  # JSON or dict with vLLM's keys (spec_decode/config.py)
     kv_events_config: str | dict | None = None  # JSON or dict with vLLM's keys (distributed/kv_events_config.py)
+    kv_transfer_config: str | dict | None = None  # JSON or dict with vLLM's keys (distributed/kv_transfer/config.py)
     quantization: str | None = None
     data_parallel_size: int = 1
     data_parallel_routing: str = "prefix-aware"
@@ -155,6 +157,14 @@ class EngineArgs:
                                 f"{DEFAULT_KV_EVENTS_TOPIC!r}), hwm. Use with --prefix-caching-hash-algo sha256 "
                                 "and a --prefix-caching-hash-seed so consumers can compute the hashes "
                                 "(see docs/data_parallel.md).")
+        group.add_argument("--kv-transfer-config", default=None,
+                           help="Disaggregated prefill / decode: a KV connector as JSON with vLLM's keys, e.g. "
+                                '\'{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}\' (connectors: '
+                                "NixlConnector, SharedStorageConnector, MultiConnector; kv_role kv_producer = "
+                                "prefill, kv_consumer = decode, kv_both; kv_ip / kv_port: the side channel's "
+                                "address, loopback and a free port by default; engine_id; "
+                                "kv_connector_extra_config). Put `pagedllm proxy` in front of the instances; "
+                                "see docs/disaggregation.md.")
         dp = parser.add_argument_group("data parallelism (pagedllm serve)")
         dp.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size,
                         help="Engine-core processes behind one server, each with its own model copy and KV cache; "
@@ -197,6 +207,10 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len}")
         check_hash_algo(self.prefix_caching_hash_algo)
         kv_events = parse_kv_events_config(self.kv_events_config)
+        kv_transfer = parse_kv_transfer_config(self.kv_transfer_config)
+        hash_algo = self.prefix_caching_hash_algo
+        if kv_transfer is not None and hash_algo == "builtin":
+            hash_algo = "sha256"  # block hashes that mean the same in every process
         model = resolve_model_config(ModelConfig(
             model=self.model or DEFAULT_MODEL, tokenizer=self.tokenizer, dtype=self.dtype,
             max_model_len=self.max_model_len, seed=self.seed, served_model_name=self.served_model_name,
@@ -207,7 +221,7 @@ class EngineArgs:
                             gpu_memory_utilization=float(self.gpu_memory_utilization),
                             enable_prefix_caching=self.enable_prefix_caching,
                             prefix_caching_hash_seed=self.prefix_caching_hash_seed,
-                            prefix_caching_hash_algo=self.prefix_caching_hash_algo)
+                            prefix_caching_hash_algo=hash_algo)
         max_len = int(model.max_model_len)
         budget = self.max_num_batched_tokens
         if not self.enable_chunked_prefill or model.is_encoder_only:
@@ -233,7 +247,8 @@ class EngineArgs:
                             device=DeviceConfig(self.device, attention_backend=self.attention_backend,
                                                 enforce_eager=self.enforce_eager,
                                                 disable_async_output_proc=self.disable_async_output_proc),
-                            log_stats=not self.disable_log_stats, speculative=speculative, kv_events=kv_events)
+                            log_stats=not self.disable_log_stats, speculative=speculative, kv_events=kv_events,
+                            kv_transfer=kv_transfer)
 
     def _pooler_config(self) -> PoolerConfig | None:
         if self.pooler_config is None or isinstance(self.pooler_config, PoolerConfig):

@@ -85,6 +85,9 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in [
     EnvVar("PAGEDLLM_TRITON_ARCH", 90, _integer,
            "The GPU architecture (major * 10 + minor) Triton launches tune for when no GPU is present (the "
            "interpreter, the ahead-of-time compile check)."),
+    EnvVar("VLLM_NIXL_SIDE_CHANNEL_PORT", None, _integer,
+           "The port of the NixlConnector's handshake side channel (vLLM's variable) when `kv_port` is not in "
+           "`--kv-transfer-config`; unset: a free port is picked per instance."),
     EnvVar("TRITON_INTERPRET", False, _flag,
            "Triton's own switch: `1` runs the Triton kernels in its interpreter on the CPU (the tests do)."),
     EnvVar("TORCH_EXTENSIONS_DIR", None, _text,

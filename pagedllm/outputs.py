@@ -58,6 +58,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     extra: dict = field(default_factory=dict)
+    # Where a KV connector left this request's KV (a prefill instance's answer for the decode instance).
+    kv_transfer_params: dict | None = None
 
 
 @dataclass

@@ -44,6 +44,9 @@ class EngineCore:
         events = config.kv_events
         publishes = events is not None and events.publishes
         self.scheduler = Scheduler(config.scheduler, config.cache, enable_kv_cache_events=publishes)
+        self.kv_connector = None  # the KV connector's scheduler half (--kv-transfer-config), else None
+        if config.kv_transfer is not None:
+            self._attach_kv_connector(config)
         self.kv_events = None  # a ZMQ publisher of this engine's KV cache events (--kv-events-config, routing)
         if publishes:
             from pagedllm.distributed.kv_events import make_event_publisher
@@ -56,6 +59,18 @@ class EngineCore:
         # Set by the engine that owns the tokenizer (LLMEngine); None = structured outputs unavailable.
         self.structured_output: StructuredOutputManager | None = None
         self._unscheduled: set[str] = set()  # added, not yet scheduled once (their queue time is pending)
+
+    def _attach_kv_connector(self, config: EngineConfig) -> None:
+        from pagedllm.distributed.kv_transfer.factory import create_connector_pair
+
+        kvt = config.kv_transfer
+        scheduler_half, worker_half = create_connector_pair(kvt, config.cache.block_size)
+        self.worker.attach_kv_connector(worker_half)
+        scheduler_half.bind_worker(worker_half)
+        self.scheduler.attach_kv_connector(scheduler_half)
+        self.kv_connector = scheduler_half
+        logger.info("engine %d: KV connector %s as %s (engine id %s)", self.engine_index, kvt.kv_connector,
+                    kvt.kv_role, kvt.engine_id)
 
     def attach_structured_outputs(self, tokenizer: Any) -> StructuredOutputManager:
         """Give the core its grammar backend (it needs the tokenizer's vocabulary, which the core does not load)."""
@@ -85,7 +100,8 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        # Held or arriving KV blocks need steps too: the connector reports transfers only when stepped.
+        return self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_kv_transfers()
 
     def step(self, overlap: Callable[[], None] | None = None) -> list[EngineCoreOutput]:
         """One scheduled step. ``overlap`` runs exactly once: while the device computes the step when it
@@ -116,11 +132,16 @@ class EngineCore:
         grammar_errors = self._poll_grammars() if so is not None and so.has_waiting() else []
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            # Still tell the runner about finished requests so it drops their state.
-            self.worker.execute_model(sched)
+            # Still tell the runner about finished requests so it drops their state (and a KV connector
+            # reports its transfers).
+            idle = self.worker.execute_model(sched)
             if so is not None and so.has_waiting() and not self.scheduler.running:
                 so.poll(timeout=0.005)  # only grammars compiling: wait a moment instead of spinning
-            return grammar_errors + self.scheduler.update_from_output(sched, ModelRunnerOutput(sampled_token_ids={}))
+            elif self.scheduler.has_pending_kv_transfers() and not self.scheduler.running:
+                time.sleep(0.002)  # only transfers in flight: poll them without spinning a core
+            if not isinstance(idle, ModelRunnerOutput):  # a test's stand-in worker
+                idle = ModelRunnerOutput(sampled_token_ids={})
+            return grammar_errors + self.scheduler.update_from_output(sched, idle)
         if so is not None:
             so.fill_bitmask(sched, self.scheduler.requests)
         try:
@@ -176,6 +197,9 @@ class EngineCore:
         if self.kv_events is not None:
             self.kv_events.close()
             self.kv_events = None
+        if self.worker.kv_connector is not None:
+            self.worker.kv_connector.shutdown()
+            self.worker.kv_connector = None
 
     def take_stats(self) -> SchedulerStats:
         """The counters the front end reports (``core/scheduler_stats.py``), with the requests first scheduled

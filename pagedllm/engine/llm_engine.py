@@ -87,7 +87,8 @@ class LLMEngine(EngineFrontEnd):
         return results
 
     def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests() or bool(self._unprocessed)
+        # Requests only: blocks a KV connector holds for a reader are polled by the next steps, not waited for.
+        return self.core.scheduler.has_unfinished_requests() or bool(self._unprocessed)
 
     def reset_prefix_cache(self) -> int:
         return self.core.reset_prefix_cache()

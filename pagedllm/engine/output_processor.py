@@ -55,6 +55,7 @@ class _ParentState:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
     num_finished: int = 0
+    kv_transfer_params: dict | None = None  # from the KV connector when the request finished
 
 
 class OutputProcessor:
@@ -125,6 +126,8 @@ class OutputProcessor:
             parent = self.parents[parent_id]
             child = parent.children[out.req_id]
             touched[parent_id] = parent
+            if out.kv_transfer_params is not None:
+                parent.kv_transfer_params = out.kv_transfer_params
             if out.prompt_logprobs and parent.prompt_logprobs is not None and child.index == 0:
                 parent.prompt_logprobs.extend(self._to_logprobs(out.prompt_logprobs))
             if not out.new_token_ids:
@@ -205,4 +208,5 @@ class OutputProcessor:
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
             outputs=completions, finished=finished, prompt_logprobs=parent.prompt_logprobs,
-            num_cached_tokens=parent.num_cached_tokens, metrics=parent.metrics)
+            num_cached_tokens=parent.num_cached_tokens, metrics=parent.metrics,
+            kv_transfer_params=parent.kv_transfer_params)

@@ -35,6 +35,7 @@ class Worker:
         from pagedllm.model_executor.loader.dtype import torch_dtype
 
         self.config = config
+        self.kv_connector = None  # a KV connector's worker half (attach_kv_connector), else None
         self.device = resolve_device(config.device.device)
         self.platform = platform_for(self.device)  # every device-specific choice of this engine comes from it
         config.device.device = self.platform.name
@@ -189,4 +190,21 @@ class Worker:
 
     def execute_model(self, sched: SchedulerOutput, overlap: Callable[[], None] | None = None) -> ModelRunnerOutput:
         """One step; ``overlap`` (if any) runs while the device computes it (see ModelRunner.execute_model)."""
+        if self.kv_connector is not None:
+            from pagedllm.worker.kv_connector_step import run_step_with_connector
+
+            return run_step_with_connector(self.kv_connector, sched, lambda: self.runner.execute_model(sched, overlap))
         return self.runner.execute_model(sched, overlap)
+
+    def attach_kv_connector(self, connector) -> None:
+        """A KV connector's worker half (distributed/kv_transfer/): it gets the KV cache and brackets every step."""
+        runner = self.runner
+        groups, window = runner.kv_cache_groups()
+        if len(set(groups)) > 1 or window is not None or runner.kv_sliding_window() is not None:
+            raise ValueError("kv_transfer_config: KV transfer supports models with one full-attention KV cache "
+                             "group (no sliding window)")
+        if getattr(runner, "draft_model", None) is not None:
+            raise ValueError("kv_transfer_config: a draft model's KV cache is not transferred; use the ngram "
+                             "method or no speculation")
+        connector.register_kv_caches(runner.kv_caches)
+        self.kv_connector = connector

@@ -107,6 +107,9 @@ class KVConnectorBase_V1:  # noqa: N801 (vLLM's name)
         """Release sockets, threads and registrations."""
 
     # ---- scheduler half ------------------------------------------------------------------------------
+    def bind_worker(self, worker: KVConnectorBase_V1) -> None:
+        """The same engine's worker half (set once at start-up, after its KV caches were registered)."""
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         return 0, False
 

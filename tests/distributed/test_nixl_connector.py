@@ -1,0 +1,128 @@
+"""NixlConnector's worker halves over real NIXL (UCX, DRAM) with small caches, no model: a READ moves whole
+blocks into the right slots and releases the producer's hold; a refused peer, a dead producer and an unknown
+side channel fail the receive (the scheduler then recomputes); an abort before the READ releases at once; a
+producer frees unread blocks after its timeout."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from pagedllm.distributed.kv_transfer.base import KVConnectorOutput, KVConnectorRole
+from pagedllm.distributed.kv_transfer.config import parse_kv_transfer_config
+from pagedllm.distributed.kv_transfer.nixl import NixlConnector, NixlMetadata, RecvSpec
+
+pytest.importorskip("nixl_cu12")
+
+LAYERS, BLOCKS, BS, HEADS, DIM = 3, 12, 4, 2, 8
+
+
+def _worker(role: str, **extra) -> NixlConnector:
+    config = parse_kv_transfer_config({"kv_connector": "NixlConnector", "kv_role": role,
+                                       "kv_connector_extra_config": extra})
+    conn = NixlConnector(config, KVConnectorRole.WORKER, BS)
+    caches = [torch.zeros(2, BLOCKS, BS, HEADS, DIM) for _ in range(LAYERS)]
+    if role == "kv_producer":
+        for i, c in enumerate(caches):
+            c.copy_(torch.randn_like(c) + i)
+    conn.register_kv_caches(caches)
+    return conn
+
+
+def _step(conn: NixlConnector, meta: NixlMetadata | None = None, finished: set[str] | None = None
+          ) -> KVConnectorOutput:
+    conn.bind_connector_metadata(meta)
+    conn.start_load_kv()
+    out = conn.get_finished(finished or set())
+    conn.clear_connector_metadata()
+    return out
+
+
+def _until(conn: NixlConnector, pred, timeout: float = 10.0, finished: set[str] | None = None) -> KVConnectorOutput:
+    total = KVConnectorOutput()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        total.merge(_step(conn, finished=finished))
+        if pred(total):
+            return total
+        time.sleep(0.005)
+    raise AssertionError(f"timed out; got {total}")
+
+
+def _spec(prod: NixlConnector, local: list[int], remote: list[int], rid: str = "p-1", **kw) -> RecvSpec:
+    return RecvSpec(local_block_ids=local, remote_block_ids=remote, remote_engine_id=prod.config.engine_id,
+                    remote_host="127.0.0.1", remote_port=prod.side_channel_port, remote_request_id=rid, **kw)
+
+
+@pytest.fixture
+def pair():
+    prod, cons = _worker("kv_producer"), _worker("kv_consumer")
+    yield prod, cons
+    prod.shutdown()
+    cons.shutdown()
+
+
+def test_read_moves_whole_blocks_and_releases_the_producer(pair) -> None:
+    prod, cons = pair
+    _step(prod, NixlMetadata(send={"p-1": [3, 5, 7]}))
+    out = _step(cons, NixlMetadata(recv={"d-1": _spec(prod, [1, 2, 9], [3, 5, 7])}))
+    out.merge(_until(cons, lambda o: "d-1" in o.finished_recving))
+    assert not out.failed_recving
+    for src, dst in zip(prod.kv_caches, cons.kv_caches):
+        assert torch.equal(dst[:, [1, 2, 9]], src[:, [3, 5, 7]])
+        assert not dst[:, [0, 3, 4]].any()  # nothing else was written
+    _until(prod, lambda o: "p-1" in o.finished_sending)
+    assert cons.num_blocks_received == 3
+
+
+def test_abort_before_the_read_releases_the_producer_at_once(pair) -> None:
+    prod, cons = pair
+    _step(prod, NixlMetadata(send={"p-1": [3]}))
+    out = _step(cons, NixlMetadata(recv={"d-1": _spec(prod, [1], [3], cancelled=True)}))
+    out.merge(_until(cons, lambda o: "d-1" in o.finished_recving))
+    assert not cons.kv_caches[0].any() and not out.failed_recving
+    _until(prod, lambda o: "p-1" in o.finished_sending)
+
+
+def test_unconfigured_or_dead_peers_fail_the_receive(pair) -> None:
+    prod, cons = pair
+    bad_host = _spec(prod, [1], [3], rid="a")
+    bad_host.remote_host = "10.1.2.3"  # not loopback and not in peers
+    out = _step(cons, NixlMetadata(recv={"d-a": bad_host}))
+    assert "d-a" in out.failed_recving
+    dead = _spec(prod, [1], [3], rid="b")
+    dead.remote_port = 1  # nobody listens there
+    cons.handshake_timeout_s = 0.3
+    started = time.monotonic()
+    _step(cons, NixlMetadata(recv={"d-b": dead}))
+    _until(cons, lambda o: "d-b" in o.failed_recving)
+    assert time.monotonic() - started < 5
+    wrong_engine = _spec(prod, [1], [3], rid="c")
+    wrong_engine.remote_engine_id = "someone-else"
+    _step(cons, NixlMetadata(recv={"d-c": wrong_engine}))
+    _until(cons, lambda o: "d-c" in o.failed_recving)
+    assert not cons.kv_caches[0].any()
+
+
+def test_producer_refuses_engines_outside_peer_engine_ids() -> None:
+    prod = _worker("kv_producer", peer_engine_ids=["decode-0"])
+    cons = _worker("kv_consumer")
+    try:
+        _step(cons, NixlMetadata(recv={"d-1": _spec(prod, [1], [3])}))
+        _until(cons, lambda o: "d-1" in o.failed_recving)
+    finally:
+        prod.shutdown()
+        cons.shutdown()
+
+
+def test_producer_frees_unread_blocks_after_the_timeout() -> None:
+    prod = _worker("kv_producer", abort_request_timeout=0.3)
+    try:
+        _step(prod, NixlMetadata(send={"p-1": [3]}))
+        started = time.monotonic()
+        _until(prod, lambda o: "p-1" in o.finished_sending)
+        assert 0.25 < time.monotonic() - started < 3
+    finally:
+        prod.shutdown()
