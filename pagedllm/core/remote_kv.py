@@ -28,6 +28,15 @@ logger = init_logger(__name__)
 PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
+def count_prompt_sources(counts: dict[str, int], request: Request) -> None:
+    """At a request's first admission: add its prompt tokens by source to ``counts``."""
+    external = request.num_external_computed_tokens
+    hit = request.num_computed_tokens - external
+    counts["local_cache_hit"] += hit
+    counts["external_kv_transfer"] += external
+    counts["local_compute"] += request.num_prompt_tokens - hit - external
+
+
 class RemoteKVState:
     def __init__(self, connector: KVConnectorBase_V1, kv: KVCacheManager) -> None:
         self.connector = connector
@@ -37,7 +46,6 @@ class RemoteKVState:
         self._arrived: set[str] = set()
         self._failed: set[str] = set()
         self.num_failed_transfers = 0  # receives that failed; their prompts were recomputed locally
-        self.prompt_tokens_by_source = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)
 
     @property
     def has_pending(self) -> bool:
@@ -83,14 +91,6 @@ class RemoteKVState:
         request.num_external_computed_tokens = request.num_computed_tokens - request.num_local_hit_tokens
         request.status = RequestStatus.WAITING
         return True
-
-    def count_admission(self, request: Request) -> None:
-        """At a request's first admission: its prompt tokens by source."""
-        external = request.num_external_computed_tokens
-        hit = request.num_computed_tokens - external
-        self.prompt_tokens_by_source["local_cache_hit"] += hit
-        self.prompt_tokens_by_source["external_kv_transfer"] += external
-        self.prompt_tokens_by_source["local_compute"] += request.num_prompt_tokens - hit - external
 
     def on_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """The connector's say on a finished request: hold its blocks? (then kept in ``held``), and the

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.remote_kv import RemoteKVState
+from pagedllm.core.remote_kv import PROMPT_TOKEN_SOURCES, RemoteKVState, count_prompt_sources
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import (
     CachedRequestData,
@@ -56,6 +56,8 @@ class Scheduler:
         self.spec_stats = SpecDecodingStats()
         # A KV connector's scheduler half (attach_kv_connector; disaggregated prefill / decode), else None.
         self.remote_kv: RemoteKVState | None = None
+        # Prompt tokens at first admission by where their KV came from (vllm:prompt_tokens_by_source).
+        self.prompt_tokens_by_source = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)
 
     def attach_kv_connector(self, connector) -> None:
         """Ask ``connector`` (a ``KVConnectorBase_V1``, scheduler role) for prompt KV and about finished requests."""
@@ -205,8 +207,7 @@ class Scheduler:
             request.num_computed_tokens = start + num_hit_tokens + num_external
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = request.num_computed_tokens
-                if self.remote_kv is not None:
-                    self.remote_kv.count_admission(request)
+                count_prompt_sources(self.prompt_tokens_by_source, request)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
             request.status = RequestStatus.RUNNING

@@ -133,6 +133,13 @@ class _EngineFamilies:
         self.spec_decode_accepted_per_pos = Counter(
             "vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft.",
             [*labels, "position"], registry=r)
+        # Disaggregated prefill / decode: where prompt tokens' KV came from (vLLM's), failed transfers (ours).
+        self.prompt_tokens_by_source = Counter(
+            "vllm:prompt_tokens_by_source", "Prompt tokens by where their KV came from: local_compute, "
+            "local_cache_hit, external_kv_transfer (a KV connector).", [*labels, "source"], registry=r)
+        self.kv_transfer_failures = Counter(
+            "pagedllm:kv_transfer_failures", "KV transfers that failed; their prompts were recomputed locally.",
+            labels, registry=r)
 
 
 class EngineSeries:
@@ -152,6 +159,12 @@ class EngineSeries:
         self.spec_decode_num_drafts = families.spec_decode_num_drafts.labels(model_name, engine)
         self.spec_decode_num_draft_tokens = families.spec_decode_num_draft_tokens.labels(model_name, engine)
         self.spec_decode_num_accepted_tokens = families.spec_decode_num_accepted_tokens.labels(model_name, engine)
+        self.kv_transfer_failures = families.kv_transfer_failures.labels(model_name, engine)
+        for source in ("local_compute", "local_cache_hit", "external_kv_transfer"):
+            families.prompt_tokens_by_source.labels(model_name, engine, source)  # shown from the start
+
+    def prompt_tokens_from(self, source: str, count: int) -> None:
+        self._families.prompt_tokens_by_source.labels(*self._labels, source).inc(count)
 
     def spec_decode_accepted_at(self, position: int, count: int) -> None:
         self._families.spec_decode_accepted_per_pos.labels(*self._labels, str(position)).inc(count)

@@ -95,6 +95,11 @@ class StatsRecorder:
             _inc(m.num_preemptions, stats.num_preemptions - prev.num_preemptions)
             _inc(m.prefix_cache_queries, d_q)
             _inc(m.prefix_cache_hits, d_h)
+            for source, count in stats.prompt_tokens_by_source.items():
+                seen = prev.prompt_tokens_by_source.get(source, 0)
+                if count > seen:
+                    m.prompt_tokens_from(source, count - seen)
+            _inc(m.kv_transfer_failures, stats.num_kv_transfer_failures - prev.num_kv_transfer_failures)
             if d_drafts > 0:
                 m.spec_decode_num_drafts.inc(d_drafts)
                 _inc(m.spec_decode_num_draft_tokens, stats.spec_num_draft_tokens - prev.spec_num_draft_tokens)

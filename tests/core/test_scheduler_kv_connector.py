@@ -57,7 +57,7 @@ def test_remote_prompt_waits_while_others_run_then_decodes_correctly() -> None:
     assert [t for o in first for t in o.new_token_ids] + outputs["local"] == reference_output(list(range(7)), 4)
     # The decode side computed only the last prompt token, and reports the rest as cached / transferred.
     assert remote.num_cached_tokens == len(prompt) - 1
-    src = sched.remote_kv.prompt_tokens_by_source
+    src = sched.prompt_tokens_by_source
     assert src["external_kv_transfer"] == len(prompt) - 1
     assert src["local_compute"] == 1 + 7
     assert sched.kv.usage == 0.0
@@ -73,7 +73,7 @@ def test_received_blocks_enter_the_prefix_cache() -> None:
     outputs = _run(sched, runner, connector)
     assert outputs["again"] == reference_output(prompt, 3)
     assert again.num_cached_tokens == 12  # three full received blocks hit locally
-    assert sched.remote_kv.prompt_tokens_by_source["local_cache_hit"] == 12
+    assert sched.prompt_tokens_by_source["local_cache_hit"] == 12
 
 
 def test_local_prefix_hit_is_not_transferred_again() -> None:
@@ -113,7 +113,7 @@ def test_failed_transfer_falls_back_to_recompute() -> None:
     outputs = _run(sched, runner, connector)
     assert outputs["remote"] == reference_output(prompt, 3)
     assert sched.remote_kv.num_failed_transfers == 1
-    assert sched.remote_kv.prompt_tokens_by_source["local_compute"] == len(prompt)
+    assert sched.prompt_tokens_by_source["local_compute"] == len(prompt)
     assert sched.kv.usage == 0.0
 
 

@@ -1,4 +1,4 @@
-"""The ``pagedllm`` command: ``serve``, ``generate``, ``chat`` and ``bench {throughput,latency,serve}``.
+"""The ``pagedllm`` command: ``serve``, ``proxy``, ``generate``, ``chat`` and ``bench {throughput,latency,serve}``.
 
 Subcommand modules are imported only when their parser is built or run, so ``pagedllm --help`` stays quick
 and a missing optional piece (the HTTP server) breaks only its own subcommand.
@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "Generate text for prompts given on the command line or stdin.")
     _add_module_command(subparsers, "chat", "pagedllm.entrypoints.cli.chat",
                         "Chat with a model in the terminal (streams replies; works with piped stdin).")
+    _add_module_command(subparsers, "proxy", "pagedllm.entrypoints.cli.proxy",
+                        "Disaggregated prefill / decode: one OpenAI-compatible front over prefill and decode "
+                        "instances.")
     _add_module_command(subparsers, "models", "pagedllm.entrypoints.cli.models",
                         "List the supported model architectures and the formats each loads from.")
 

@@ -74,6 +74,9 @@ class _SamplingFields(OpenAIModel):
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs (see structured.py)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    # Disaggregated prefill / decode (vLLM's): do_remote_decode to a prefill instance, the prefill instance's
+    # answer (do_remote_prefill, remote_block_ids, remote_engine_id, remote_host, remote_port) to a decode one.
+    kv_transfer_params: dict[str, Any] | None = None
 
     # Fields that change what the output must be are never silently dropped (extra="ignore" above).
     _check_unsupported = model_validator(mode="before")(reject_unsupported_fields)
@@ -95,7 +98,15 @@ class _SamplingFields(OpenAIModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
-            logit_bias=dict(self.logit_bias) if self.logit_bias else None)
+            logit_bias=dict(self.logit_bias) if self.logit_bias else None,
+            extra_args=self._kv_transfer_extra_args())
+
+    def _kv_transfer_extra_args(self) -> dict[str, Any] | None:
+        if self.kv_transfer_params is None:
+            return None
+        if self.n != 1:
+            raise ValueError("kv_transfer_params: only requests with n = 1 can move their KV cache")
+        return {"kv_transfer_params": dict(self.kv_transfer_params)}
 
 
 # ---- completions ------------------------------------------------------------------------------------
@@ -138,6 +149,7 @@ class CompletionResponse(OpenAIModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's answer (where its KV blocks are)
 
 
 # ---- chat ---------------------------------------------------------------------------------------------
@@ -213,6 +225,7 @@ class ChatCompletionResponse(OpenAIModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's answer (where its KV blocks are)
 
 
 class DeltaMessage(OpenAIModel):

@@ -182,7 +182,8 @@ class ServingChat(OpenAIServing):
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
                                       usage=self.usage(num_prompt_tokens, completion_tokens,
-                                                       final.num_cached_tokens))
+                                                       final.num_cached_tokens),
+                                      kv_transfer_params=final.kv_transfer_params)
 
     def _tool_deltas(self, plan: ToolPlan, state: dict[str, Any], text: str, finish_reason: str | None
                      ) -> tuple[str, list[dict[str, Any]], str | None]:

@@ -151,7 +151,8 @@ class ServingCompletion(OpenAIServing):
                     index=i * req.n + comp.index, text=text, logprobs=logprobs,
                     finish_reason=comp.finish_reason, stop_reason=comp.stop_reason))
         return CompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                  usage=self.usage(prompt_tokens, completion_tokens, cached))
+                                  usage=self.usage(prompt_tokens, completion_tokens, cached),
+                                  kv_transfer_params=finals[0].kv_transfer_params if len(prompts) == 1 else None)
 
     # ---- streaming ----------------------------------------------------------------------------------------
     async def _stream(self, req: CompletionRequest, prompts: list[_Prompt],
