@@ -68,6 +68,7 @@ class EngineCoreProc:
         self.core.attach_structured_outputs(load_tokenizer(config.model))  # matchers need the vocabulary
         self.snapshots = SnapshotPublisher()
         self._stopping = False
+        self._idle_kv_usage: float | None = None  # KV usage last reported while only transfers were pending
         # The price of the boundary on this side: time spent encoding and queueing output messages.
         self.num_output_messages = 0
         self.output_message_time_s = 0.0
@@ -94,12 +95,24 @@ class EngineCoreProc:
                 start = time.perf_counter()
                 outputs = core.step()
                 step_time = time.perf_counter() - start
+                if not outputs and self._only_transfers_changed_nothing():
+                    continue  # idle steps that only poll KV transfers: no message unless the cache changed
                 self._send_outputs(outputs)
                 self.snapshots.after_step(self, step_time)
             elif handled:
                 # Adds or aborts with no step to follow (e.g. an abort freed blocks): report the new state.
                 self._send_outputs([])
                 self.snapshots.after_step(self, None)
+
+    def _only_transfers_changed_nothing(self) -> bool:
+        """True when the engine stepped only to poll a KV connector's transfers and its KV usage is the same as
+        after the previous such step (the front end has heard it already)."""
+        sched = self.core.scheduler
+        if sched.has_unfinished_requests():
+            self._idle_kv_usage = None
+            return False
+        previous, self._idle_kv_usage = self._idle_kv_usage, sched.kv.usage
+        return previous == self._idle_kv_usage
 
     def _handle_input(self, block: bool) -> bool:
         """Every queued message; waits for one first when ``block``. Returns whether any was handled."""

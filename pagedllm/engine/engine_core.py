@@ -138,7 +138,7 @@ class EngineCore:
             if so is not None and so.has_waiting() and not self.scheduler.running:
                 so.poll(timeout=0.005)  # only grammars compiling: wait a moment instead of spinning
             elif self.scheduler.has_pending_kv_transfers() and not self.scheduler.running:
-                time.sleep(0.002)  # only transfers in flight: poll them without spinning a core
+                time.sleep(0.005)  # only transfers in flight: poll them without spinning a core
             if not isinstance(idle, ModelRunnerOutput):  # a test's stand-in worker
                 idle = ModelRunnerOutput(sampled_token_ids={})
             return grammar_errors + self.scheduler.update_from_output(sched, idle)
