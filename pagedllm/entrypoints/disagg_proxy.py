@@ -16,6 +16,7 @@ when the client goes away (the proxy closes its upstream stream).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import itertools
 import json
@@ -88,18 +89,20 @@ def build_app(config: ProxyConfig) -> FastAPI:
     decode = InstancePool("decode", config.decode, config.policy)
     timeout = httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s)
     state: dict[str, httpx.AsyncClient] = {}
-    app = FastAPI(title="pagedllm disaggregation proxy")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        if "client" in state:
+            await state["client"].aclose()
+
+    app = FastAPI(title="pagedllm disaggregation proxy", lifespan=lifespan)
 
     def client() -> httpx.AsyncClient:
         if "client" not in state:
             limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
             state["client"] = httpx.AsyncClient(timeout=timeout, limits=limits)
         return state["client"]
-
-    @app.on_event("shutdown")
-    async def _close() -> None:
-        if "client" in state:
-            await state["client"].aclose()
 
     def headers(request_id: str) -> dict[str, str]:
         out = {"X-Request-Id": request_id, "Content-Type": "application/json"}

@@ -83,7 +83,8 @@ def parse_kv_transfer_config(raw: str | dict[str, Any] | KVTransferConfig | None
     engine_id = raw.get("engine_id") or uuid.uuid4().hex
     if not isinstance(engine_id, str):
         raise ValueError(f"kv_transfer_config.engine_id: must be a string, got {engine_id!r}")
-    extra = raw.get("kv_connector_extra_config", {}) or {}
+    extra = raw.get("kv_connector_extra_config")
+    extra = {} if extra is None else extra
     if not isinstance(extra, dict):
         raise ValueError(f"kv_transfer_config.kv_connector_extra_config: must be a JSON object, got {extra!r}")
     timeout = extra.get("abort_request_timeout", DEFAULT_SEND_TIMEOUT_S)
