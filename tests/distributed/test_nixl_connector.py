@@ -75,6 +75,11 @@ def test_read_moves_whole_blocks_and_releases_the_producer(pair) -> None:
         assert not dst[:, [0, 3, 4]].any()  # nothing else was written
     _until(prod, lambda o: "p-1" in o.finished_sending)
     assert cons.num_blocks_received == 3
+    # Consecutive ids on both sides move as one region per layer and half.
+    _step(cons, NixlMetadata(recv={"d-2": _spec(prod, [4, 5, 6], [8, 9, 10], rid="p-2")}))
+    _until(cons, lambda o: "d-2" in o.finished_recving)
+    for src, dst in zip(prod.kv_caches, cons.kv_caches):
+        assert torch.equal(dst[:, 4:7], src[:, 8:11]) and not dst[:, 7].any()
 
 
 def test_abort_before_the_read_releases_the_producer_at_once(pair) -> None:
@@ -126,3 +131,11 @@ def test_producer_frees_unread_blocks_after_the_timeout() -> None:
         assert 0.25 < time.monotonic() - started < 3
     finally:
         prod.shutdown()
+
+
+def test_consecutive_blocks_merge_into_one_region() -> None:
+    from pagedllm.distributed.kv_transfer.nixl import block_runs
+
+    assert block_runs([4, 5, 6, 9, 10], [1, 2, 3, 4, 5]) == [(4, 1, 3), (9, 4, 2)]
+    assert block_runs([1, 2], [7, 3]) == [(1, 7, 1), (2, 3, 1)]
+    assert block_runs([], []) == []

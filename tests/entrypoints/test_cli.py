@@ -17,7 +17,7 @@ from pagedllm.entrypoints.cli.main import build_parser, main
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SMALL_ENGINE = ["--kv-cache-memory", "32MiB", "--max-model-len", "512", "--disable-log-stats"]
 SUBCOMMANDS = [[], ["serve"], ["generate"], ["chat"], ["bench"], ["bench", "throughput"],
-               ["bench", "latency"], ["bench", "serve"], ["bench", "prefix-caching"]]
+               ["bench", "latency"], ["bench", "serve"], ["bench", "prefix-caching"], ["proxy"]]
 
 
 def _have_default_model() -> bool:

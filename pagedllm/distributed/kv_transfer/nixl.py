@@ -377,8 +377,10 @@ class NixlConnector(KVConnectorBase_V1):
                            "cache's layout", rid, key[0], key[1], reply.engine_id)
             out.failed_recving.add(rid)
             return
-        local = _block_descs(self.base_addrs, self.num_blocks, self.block_bytes, spec.local_block_ids, self.device_id)
-        remote = _block_descs(reply.base_addrs, reply.num_blocks, self.block_bytes, spec.remote_block_ids,
+        runs = block_runs(spec.local_block_ids, spec.remote_block_ids)
+        local = _block_descs(self.base_addrs, self.num_blocks, self.block_bytes, [(a, n) for a, _, n in runs],
+                             self.device_id)
+        remote = _block_descs(reply.base_addrs, reply.num_blocks, self.block_bytes, [(b, n) for _, b, n in runs],
                               reply.device_id)
         handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, self.mem_type),
                                             self.agent.get_xfer_descs(remote, reply.mem_type), name,
@@ -419,12 +421,30 @@ class NixlConnector(KVConnectorBase_V1):
         self._ctx.term()
 
 
-def _block_descs(base_addrs: list[int], num_blocks: int, block_bytes: int, block_ids: list[int], device_id: int):
-    """[layers * 2 * len(block_ids), 3] (address, bytes, device) of the K and V of ``block_ids`` in every layer."""
+def block_runs(local: list[int], remote: list[int]) -> list[tuple[int, int, int]]:
+    """(local start, remote start, length) of the stretches where both block id lists count up by one: each is one
+    contiguous region per layer and K/V half on both sides, so one descriptor instead of one per block."""
+    runs: list[tuple[int, int, int]] = []
+    for a, b in zip(local, remote):
+        if runs:
+            la, lb, n = runs[-1]
+            if a == la + n and b == lb + n:
+                runs[-1] = (la, lb, n + 1)
+                continue
+        runs.append((a, b, 1))
+    return runs
+
+
+def _block_descs(base_addrs: list[int], num_blocks: int, block_bytes: int, runs: list[tuple[int, int]],
+                 device_id: int):
+    """[layers * 2 * len(runs), 3] (address, bytes, device) of the K and V of each run of blocks (first block id,
+    count) in every layer."""
     import numpy as np
 
-    ids = np.asarray(block_ids, dtype=np.int64)
+    starts = np.asarray([r[0] for r in runs], dtype=np.int64)
+    sizes = np.asarray([r[1] for r in runs], dtype=np.int64) * block_bytes
     bases = np.asarray(base_addrs, dtype=np.int64)[:, None, None]
     halves = (np.arange(2, dtype=np.int64) * num_blocks)[None, :, None]
-    addrs = (bases + (halves + ids[None, None, :]) * block_bytes).ravel()
-    return np.stack([addrs, np.full_like(addrs, block_bytes), np.full_like(addrs, device_id)], axis=1)
+    addrs = (bases + (halves + starts[None, None, :]) * block_bytes).ravel()
+    lengths = np.broadcast_to(sizes[None, None, :], (len(base_addrs), 2, len(runs))).ravel()
+    return np.stack([addrs, lengths, np.full_like(addrs, device_id)], axis=1)

@@ -119,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "Embedding throughput of a pooling model vs plain transformers, side by side.")
     _add_module_command(bench_sub, "structured-output", "pagedllm.benchmarks.structured_output",
                         "Chat requests under a JSON schema vs free, side by side; TTFT of new vs cached schemas.")
+    _add_module_command(bench_sub, "kv-transfer", "pagedllm.benchmarks.kv_transfer",
+                        "Time to move one prompt's KV blocks between two processes with the NixlConnector.")
     bench.set_defaults(func=lambda args: _print_help(bench))
     return parser
 
