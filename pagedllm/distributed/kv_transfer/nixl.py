@@ -193,12 +193,15 @@ class NixlConnector(KVConnectorBase_V1):
         import zmq
         from nixl_cu12._api import nixl_agent, nixl_agent_config
 
+        from pagedllm.platforms import platform_of
+
         self.kv_caches = list(kv_caches)
         first = self.kv_caches[0]
         self.num_blocks = first.shape[1]
         self.block_bytes = first[0, 0].numel() * first.element_size()
-        self.mem_type = "VRAM" if first.is_cuda else "DRAM"
-        self.device_id = (first.device.index or 0) if first.is_cuda else 0
+        # NIXL's memory kinds: host memory, or an accelerator's (the platform tells which the cache is on).
+        self.mem_type = "VRAM" if platform_of(first).is_accelerator else "DRAM"
+        self.device_id = max(first.get_device(), 0)
         for cache in self.kv_caches:
             if not cache.is_contiguous() or cache.shape != first.shape:
                 raise ValueError("kv_transfer_config: NixlConnector needs one contiguous cache tensor per layer")
