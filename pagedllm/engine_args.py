@@ -236,6 +236,9 @@ class EngineArgs:
             scheduler.num_lookahead_tokens = speculative.num_lookahead_tokens
         if int(self.data_parallel_size) < 1:
             raise ValueError(f"data_parallel_size must be a positive integer, got {self.data_parallel_size}")
+        if kv_transfer is not None and int(self.data_parallel_size) > 1:
+            raise ValueError("kv_transfer_config: one engine per instance; start one instance per engine instead of "
+                             "--data-parallel-size > 1 (put `pagedllm proxy` in front)")
         if self.data_parallel_routing not in ROUTING_POLICIES:
             raise ValueError(f"data_parallel_routing: must be one of {list(ROUTING_POLICIES)}, got "
                              f"{self.data_parallel_routing!r}")

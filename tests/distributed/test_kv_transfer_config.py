@@ -45,3 +45,5 @@ def test_a_connector_makes_sha256_the_default_hash(tmp_path) -> None:
     assert config.cache.prefix_caching_hash_algo == "sha256"
     assert config.kv_transfer.kv_connector == "SharedStorageConnector"
     assert EngineArgs().create_engine_config().cache.prefix_caching_hash_algo == "builtin"
+    with pytest.raises(ValueError, match="kv_transfer_config"):
+        EngineArgs(kv_transfer_config={"kv_connector": "NixlConnector"}, data_parallel_size=2).create_engine_config()
