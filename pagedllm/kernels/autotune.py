@@ -177,14 +177,16 @@ def measuring_lock(table: AutotuneTable) -> Iterator[None]:
 
 
 def choose(candidates: dict[str, Kernel], in_features: int, timer: Callable[[Kernel, torch.Tensor], float]
-           = time_once, min_rounds: int = 5, max_rounds: int = 50, min_seconds: float = 0.01
-           ) -> tuple[list[str], dict[str, list[float]]]:
+           = time_once, min_rounds: int = 5, max_rounds: int = 50, min_seconds: float = 0.01,
+           max_seconds: float = 0.5, margin: float = 0.05) -> tuple[list[str], dict[str, list[float]]]:
     """Times every candidate at every bucket's rows; the fastest name per bucket, and the timings (seconds).
 
-    Per bucket, after one warm-up call each, the candidates run in turns (A, B, A, B, ...) for at least
-    ``min_rounds`` rounds and until a candidate has run ``min_seconds`` in all (at most ``max_rounds``), and
-    each keeps its fastest call: on a shared machine a burst of other work then slows both sides of a
-    comparison, and the minimum is the run nothing interrupted."""
+    Per bucket, after one warm-up call each, the candidates run in turns (A, B, A, B, ...): at least 2 rounds,
+    ``min_rounds`` unless a candidate has spent ``max_seconds`` (a large head at 256 rows), more until one has
+    spent ``min_seconds`` (at most ``max_rounds``). Each keeps its fastest call: on a shared machine a burst of
+    other work slows both sides of a comparison, and the minimum is the run nothing interrupted. The first
+    candidate (the packing's own kernel) stays unless another is faster by more than ``margin``: a second
+    kernel can cost a second copy of the weight, so noise must not buy one."""
     timings: dict[str, list[float]] = {name: [] for name in candidates}
     for rows in BUCKET_ROWS:
         x = torch.randn(rows, in_features)
@@ -197,10 +199,15 @@ def choose(candidates: dict[str, Kernel], in_features: int, timer: Callable[[Ker
                 took = timer(kernel, x)
                 best[name] = min(best[name], took)
                 spent += took
-            if done >= min_rounds and spent >= min_seconds * len(candidates):
+            per_candidate = spent / len(candidates)
+            if done >= 2 and ((done >= min_rounds and per_candidate >= min_seconds) or per_candidate >= max_seconds):
                 break
         for name in candidates:
             timings[name].append(best[name])
     names = list(candidates)
-    choices = [min(names, key=lambda n, b=b: timings[n][b]) for b in range(len(BUCKET_ROWS))]
+    choices = []
+    for b in range(len(BUCKET_ROWS)):
+        fastest = min(names, key=lambda n: timings[n][b])
+        keep = timings[names[0]][b] <= timings[fastest][b] * (1.0 + margin)
+        choices.append(names[0] if keep else fastest)
     return choices, timings

@@ -15,6 +15,7 @@ per machine fingerprint, so later starts only read it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -93,66 +94,140 @@ def shape_key(weight: PackedWeight) -> str:
     return f"{type(weight).__name__}:{weight.out_features}x{weight.in_features}:g{weight.group}"
 
 
+@dataclass
+class LayerTuning:
+    """What the autotuner can do with one layer: its shape class, its candidates (name -> a maker of the
+    candidate's kernel, made only when timed or chosen) and how to bind a choice per bucket."""
+
+    key: str
+    in_features: int
+    kernels: dict[str, Callable[[], autotune.Kernel | None]]
+    apply: Callable[[list[str]], int]  # binds one choice per bucket; returns the bytes a second copy costs
+
+
+def _quantized_tuning(layer: nn.Module) -> LayerTuning | None:
+    weight = layer.qpanels
+    makers = candidates(weight)
+    if len(makers) < 2:
+        return None
+
+    def kernel(name: str) -> autotune.Kernel | None:
+        packed, isa = makers[name]()
+        return packed.bind(isa) if packed is not None else None
+
+    def apply(choices: list[str]) -> int:
+        made = {name: makers[name]() for name in dict.fromkeys(choices)}
+        bound = {name: w.bind(isa) for name, (w, isa) in made.items()}
+        primary = made[choices[0]][0]  # the layout few-row steps run stays the layer's weight
+        object.__setattr__(primary, "_kernel", autotune.by_rows([bound[name] for name in choices]))
+        layer.qpanels = primary
+        layer._cpu_matmul = primary.cpu_matmul()
+        copies = {id(w): w for w, _ in made.values()}
+        return sum(w.nbytes() for w in copies.values() if w is not primary)
+
+    return LayerTuning(shape_key(weight), weight.in_features, {name: lambda n=name: kernel(n) for name in makers},
+                       apply)
+
+
+def _float_tuning(layer: nn.Module) -> LayerTuning | None:
+    """A float32 layer in the C++ kernel's panels: those (``panels``) against BLAS on the plain weight (``blas``,
+    MKL or oneDNN through ``F.linear``; Intel's libraries may win where the panels were not tuned)."""
+    packed = getattr(layer, "packed_weight", None)
+    if packed is None or packed.dtype != torch.float32:
+        return None
+    n, k = layer.out_features, layer.in_features
+    plain: list[torch.Tensor] = []
+
+    def weight() -> torch.Tensor:
+        if not plain:
+            plain.append(_rows(packed, n).contiguous())
+        return plain[0]
+
+    gemm = layer._kernels.packed_gemm
+
+    def panels(x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+        return gemm(x, packed, n, bias, out)
+
+    def blas_kernel() -> autotune.Kernel:
+        w = weight()
+
+        def blas(x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+            return torch.addmm(bias, x, w.T, out=out) if bias is not None else torch.mm(x, w.T, out=out)
+
+        return blas
+
+    def apply(choices: list[str]) -> int:
+        if set(choices) == {"panels"}:
+            return 0
+        kinds = {"panels": panels, "blas": blas_kernel()}
+        layer._cpu_matmul = autotune.by_rows([kinds[name] for name in choices])
+        if "panels" in choices:
+            return weight().numel() * 4  # both copies are kept
+        layer.packed_weight = None  # BLAS everywhere: the plain weight replaces the panels
+        layer.weight = nn.Parameter(weight(), requires_grad=False)
+        return 0
+
+    return LayerTuning(f"Float32Panels:{n}x{k}", k, {"panels": lambda: panels, "blas": blas_kernel}, apply)
+
+
+def tuning_for(layer: nn.Module) -> LayerTuning | None:
+    """The autotuner's plan for a linear layer on the CPU, or None where it has one kernel only."""
+    if getattr(layer, "_cpu_matmul", None) is None:
+        return None
+    if isinstance(getattr(layer, "qpanels", None), QPanels):
+        return _quantized_tuning(layer)
+    return _float_tuning(layer)
+
+
 def autotune_model(model: nn.Module, mode: str, timer: Callable[..., float] = autotune.time_once) -> None:
-    """Chooses, per shape class and bucket of rows, the kernel of every quantized CPU linear layer of ``model``
-    (``mode``: off | on (use the saved table, measure what it lacks) | force (measure everything again))."""
+    """Chooses, per shape class and bucket of rows, the kernel of every CPU linear layer of ``model`` that has
+    more than one (``mode``: off | on (use the saved table, measure what it lacks) | force (measure again))."""
     from pagedllm.model_executor.layers.linear import Linear
 
     if mode not in autotune.MODES:
         raise ValueError(f"cpu_kernel_autotune: must be one of {list(autotune.MODES)}, got {mode!r}")
     if mode == "off":
         return
-    groups: dict[str, list[Linear]] = {}
+    groups: dict[str, list[LayerTuning]] = {}
     for module in model.modules():
-        weight = getattr(module, "qpanels", None)
-        if isinstance(module, Linear) and isinstance(weight, QPanels) and len(candidates(weight)) > 1:
-            groups.setdefault(shape_key(weight), []).append(module)
+        plan = tuning_for(module) if isinstance(module, Linear) else None
+        if plan is not None:
+            groups.setdefault(plan.key, []).append(plan)
     if not groups:
         return
     table = autotune.AutotuneTable.open(autotune.fingerprint(f"{kernels_name()}-{sources_digest()}"))
     if table.stale:
         logger.info("cpu kernel autotune: the saved table was measured on another machine or build; measuring")
-    todo = [key for key in groups if mode == "force" or not _valid(table.choices(key), groups[key][0])]
-    if todo:
+
+    def missing() -> list[str]:
+        return [key for key, plans in groups.items() if mode == "force" or not _valid(table.choices(key), plans[0])]
+
+    if missing():
         with autotune.measuring_lock(table):
-            todo = [key for key in todo if mode == "force" or not _valid(table.choices(key), groups[key][0])]
+            todo = missing()  # another process may have measured meanwhile
             for key in todo:
-                weight = groups[key][0].qpanels
-                made = {name: make() for name, make in candidates(weight).items()}
-                timed = {name: w.bind(isa) for name, (w, isa) in made.items() if w is not None}
-                choices, timings = autotune.choose(timed, weight.in_features, timer)
+                plan = groups[key][0]
+                made = {name: make() for name, make in plan.kernels.items()}
+                timed = {name: kernel for name, kernel in made.items() if kernel is not None}
+                choices, timings = autotune.choose(timed, plan.in_features, timer)
                 table.record(key, choices, timings)
             if todo:
                 table.save()
     extra = 0
-    for key, layers in groups.items():
+    for key, plans in groups.items():
         choices = table.choices(key)
-        if not _valid(choices, layers[0]):
+        if not _valid(choices, plans[0]):
             continue  # a forced table without this shape: the default kernel stays
-        for layer in layers:
-            extra += _apply(layer, choices)
-        _log(key, choices, table.entries[key].get("ms", {}), len(layers))
+        for plan in plans:
+            extra += plan.apply(choices)
+        _log(key, choices, table.entries[key].get("ms", {}), len(plans))
     if extra:
-        logger.info("cpu kernel autotune: layers keeping both 4-bit layouts add %s", format_bytes(extra))
+        logger.info("cpu kernel autotune: layers keeping two copies of their weight (one per kernel) add %s",
+                    format_bytes(extra))
 
 
-def _valid(choices: list[str] | None, layer: nn.Module) -> bool:
-    return choices is not None and len(choices) == len(autotune.BUCKET_ROWS) and set(choices) <= set(
-        candidates(layer.qpanels))
-
-
-def _apply(layer: nn.Module, choices: list[str]) -> int:
-    """Binds the layer's kernel per bucket; returns the bytes an extra layout copy costs."""
-    makers = candidates(layer.qpanels)
-    made = {name: makers[name]() for name in dict.fromkeys(choices)}
-    weights = {id(w): w for w, _ in made.values()}
-    bound = {name: w.bind(isa) for name, (w, isa) in made.items()}
-    kernel = autotune.by_rows([bound[name] for name in choices])
-    primary = made[choices[0]][0]  # the layout few-row steps run, kept as the layer's weight
-    object.__setattr__(primary, "_kernel", kernel)
-    layer.qpanels = primary
-    layer._cpu_matmul = primary.cpu_matmul()
-    return sum(w.nbytes() for w in weights.values() if w is not primary)
+def _valid(choices: list[str] | None, plan: LayerTuning) -> bool:
+    return choices is not None and len(choices) == len(autotune.BUCKET_ROWS) and set(choices) <= set(plan.kernels)
 
 
 def _log(key: str, choices: list[str], ms: dict[str, list[float]], num_layers: int) -> None:
