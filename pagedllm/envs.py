@@ -87,7 +87,8 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in [
            "A kernel-choice table (JSON, as saved in the cache folder) to use instead of measuring: forces "
            "its choices (tests, comparisons); never written."),
     EnvVar("PAGEDLLM_CACHE_DIR", None, _text,
-           "Where pagedllm keeps what it measured on this machine (the autotune table); default "
+           "Where pagedllm keeps what it made or measured on this machine: models shipped in parts, joined on "
+           "first use (Whisper base's CTranslate2 `model.bin`), and the kernel autotune table; default "
            "`$XDG_CACHE_HOME/pagedllm` or `~/.cache/pagedllm`."),
     EnvVar("XDG_CACHE_HOME", None, _text, "The user's cache folder (read for pagedllm's default cache folder)."),
     EnvVar("PAGEDLLM_Q4_LAYOUT", "dot8", _choice("dot8", "pairs"),

@@ -29,6 +29,7 @@ import torch
 from pagedllm import envs
 from pagedllm.config import AUTOTUNE_MODES
 from pagedllm.logger import init_logger
+from pagedllm.utils import cache_dir
 
 logger = init_logger(__name__)
 
@@ -149,14 +150,6 @@ class AutotuneTable:
 def default_path() -> Path:
     return cache_dir() / "cpu_kernel_autotune.json"
 
-
-def cache_dir() -> Path:
-    """Where pagedllm keeps what it measured on this machine (``PAGEDLLM_CACHE_DIR``, default
-    ``$XDG_CACHE_HOME/pagedllm`` or ``~/.cache/pagedllm``)."""
-    if envs.PAGEDLLM_CACHE_DIR:
-        return Path(envs.PAGEDLLM_CACHE_DIR)
-    base = envs.XDG_CACHE_HOME
-    return (Path(base) if base else Path.home() / ".cache") / "pagedllm"
 
 
 @contextlib.contextmanager
