@@ -154,6 +154,10 @@ def row_parallel_linear(part: Slice, output_size: int, *, bias: bool, dtype: tor
                 else:  # zeros: the all-reduce adds rank 0's bias once
                     p.data.zero_()
                 return
+            whole_rows = getattr(layer.quant_method, "load_input_slice", None)
+            if name == "weight" and whole_rows is not None and isinstance(w, torch.Tensor) and \
+                    whole_rows(layer, w, part, shard_id):
+                return  # quantized with the whole row's scale, then cut: the same codes as on one rank
             inner(p, narrow_loaded(layer, name, w, "in", part), shard_id)
 
         set_weight_loader(param, load)
