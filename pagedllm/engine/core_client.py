@@ -79,7 +79,10 @@ class EngineCoreClient:
         try:
             for index in range(num_engines):
                 child_end, parent_end = mp.Pipe(duplex=False)
-                proc = mp.Process(target=target, name=f"pagedllm-engine-{index}", daemon=True,
+                # A daemonic process may not start children: an engine with tensor-parallel ranks is not one (it still
+                # exits with this process, through its pipe end below).
+                proc = mp.Process(target=target, name=f"pagedllm-engine-{index}",
+                                  daemon=config.parallel.tensor_parallel_size == 1,
                                   args=(config, index, input_address, output_address, child_end,
                                         threads_per_engine))
                 proc.start()
