@@ -73,34 +73,50 @@ class MultiprocExecutor:
         self._closing = False
         self._ipc_dir = tempfile.mkdtemp(prefix="pagedllm-tp-")
         self.ctx = zmq.Context()
-        step_address, answer_address = f"ipc://{self._ipc_dir}/steps", f"ipc://{self._ipc_dir}/answers"
+        step_address, answer_address, init_method = self._addresses()
         self.publisher = StepPublisher(self.ctx, step_address, answer_address)
-        init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
+        step_address, answer_address = self._connect_addresses(step_address, answer_address)
         threads = threads_per_rank(world)
-        mp = multiprocessing.get_context("spawn")
         self.processes: list[Any] = []
         self._parent_ends: list[Any] = []
         start = time.perf_counter()
         try:
             for rank in range(1, world):
-                child_end, parent_end = mp.Pipe(duplex=False)
-                proc = mp.Process(target=rank_target or run_tp_worker, name=f"pagedllm-tp-rank-{rank}", daemon=True,
-                                  args=(config, rank, init_method, step_address, answer_address, child_end, threads))
-                proc.start()
-                child_end.close()
-                self.processes.append(proc)
-                self._parent_ends.append(parent_end)  # kept open: its closing tells the rank we are gone
+                self.processes.append(self._start_rank(rank_target or run_tp_worker, config, rank, init_method,
+                                                       step_address, answer_address, threads))
             torch.set_num_threads(threads)
             self.worker = Worker(config, tp_rank=0, tp_init_method=init_method)
             torch.set_num_threads(threads)  # prepare_worker set the whole host's count
-            logger.info("tensor parallel: %d ranks (%s backend, mp executor), %d CPU threads each; ranks ready in "
-                        "%.1f s", world, self.worker.tp.backend, threads, time.perf_counter() - start)
+            self.startup_s = time.perf_counter() - start
+            logger.info("tensor parallel: %d ranks (%s backend, %s executor), %d CPU threads each; ranks ready in "
+                        "%.1f s", world, self.worker.tp.backend, self.backend_name, threads, self.startup_s)
         except BaseException:
             self.close()
             raise
         self._stop_r, self._stop_w = os.pipe()
         self._watcher = threading.Thread(target=self._watch, name="pagedllm-tp-watch", daemon=True)
         self._watcher.start()
+
+    backend_name = "mp"
+
+    def _addresses(self) -> tuple[str, str, str]:
+        """(step PUB, answers PULL, torch.distributed rendezvous): this host only."""
+        return (f"ipc://{self._ipc_dir}/steps", f"ipc://{self._ipc_dir}/answers",
+                f"tcp://127.0.0.1:{free_tcp_port()}")
+
+    def _connect_addresses(self, step_address: str, answer_address: str) -> tuple[str, str]:
+        return step_address, answer_address
+
+    def _start_rank(self, target: Callable[..., None], config: EngineConfig, rank: int, init_method: str,
+                    step_address: str, answer_address: str, threads: int) -> Any:
+        mp = multiprocessing.get_context("spawn")
+        child_end, parent_end = mp.Pipe(duplex=False)
+        proc = mp.Process(target=target, name=f"pagedllm-tp-rank-{rank}", daemon=True,
+                          args=(config, rank, init_method, step_address, answer_address, child_end, threads))
+        proc.start()
+        child_end.close()
+        self._parent_ends.append(parent_end)  # kept open: its closing tells the rank we are gone
+        return proc
 
     def __getattr__(self, name: str) -> Any:  # platform, runner, device, dtype ...: rank 0's
         if name == "worker":
@@ -163,6 +179,9 @@ class MultiprocExecutor:
             logger.error("%s: the engine stops", self.dead)
             return
 
+    def _release(self) -> None:
+        """What the backend holds beyond the processes (a Ray placement group)."""
+
     def close(self) -> None:
         """Stop the ranks (a STOP message, then SIGTERM for those that do not leave) and release the sockets."""
         self._closing = True
@@ -179,6 +198,7 @@ class MultiprocExecutor:
                 proc.join(2.0)
         self.publisher.close()
         self.ctx.term()
+        self._release()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
         worker = self.__dict__.get("worker")
         if worker is not None:

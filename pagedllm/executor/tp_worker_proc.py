@@ -22,7 +22,8 @@ def run_tp_worker(config: EngineConfig, rank: int, init_method: str, step_addres
                   parent_alive: Connection | None, num_threads: int) -> None:
     """Entry point of rank ``rank`` (a ``multiprocessing`` spawn target): join the group, load this rank's
     weights, size the KV cache, then run every broadcast step until STOP or the engine process going away."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the engine decides when ranks stop
+    if threading.current_thread() is threading.main_thread():  # (a Ray actor may run calls elsewhere)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the engine decides when ranks stop
     if parent_alive is not None:
         _exit_with_parent(parent_alive, rank)
     os.environ["OMP_NUM_THREADS"] = str(num_threads)  # before torch starts its pool

@@ -23,8 +23,10 @@ class CudaPlatform(Platform):
         return torch.cuda.device_count()
 
     def rank_device(self, device: torch.device, rank: int) -> torch.device:
-        torch.cuda.set_device(rank)  # one GPU per rank: NCCL and the caching allocator use the current one
-        return torch.device("cuda", rank)
+        # One GPU per rank: NCCL and the caching allocator use the current one. A Ray actor sees only its own GPU.
+        index = rank if torch.cuda.device_count() > rank else 0
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
 
     def _make_attention_backend(self, name: str) -> Any:
         from pagedllm.kernels import triton_ops
