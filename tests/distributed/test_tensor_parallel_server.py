@@ -8,7 +8,6 @@ import pytest
 from tp_helpers import PROMPTS, tiny
 
 
-
 def _remote_server_cls():
     """``tests/entrypoints/conftest.py``'s RemoteServer (a module named conftest is already imported)."""
     import importlib.util
