@@ -9,6 +9,7 @@ the acknowledgement of the subscription probe (PUB drops messages sent before a 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -16,7 +17,7 @@ import msgspec
 import numpy as np
 import zmq
 
-from pagedllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -24,33 +25,40 @@ PROBE, INIT, STEP, STOP = b"P", b"I", b"S", b"X"
 READY, ACK = b"R", b"A"
 
 
-class WireNewRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+class WireNewRequest(msgspec.Struct):
+    """``NewRequestData`` as received: the same attribute names, so the runner reads it as it is."""
+
     req_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[list[int]]
+    block_ids: tuple[list[int], ...]
     num_computed_tokens: int
     pooling_params: PoolingParams | None = None
 
 
-class WireCachedRequest(msgspec.Struct, array_like=True):
+class WireCachedRequest(msgspec.Struct):
     req_id: str
-    new_block_ids: list[list[int]]
+    new_block_ids: tuple[list[int], ...]
     num_computed_tokens: int
 
 
-class WireStep(msgspec.Struct, array_like=True, omit_defaults=True):
-    new_reqs: list[WireNewRequest]
-    cached_reqs: list[WireCachedRequest]
+class WireStep(msgspec.Struct):
+    """``SchedulerOutput`` as received (same names; ``grammar_bitmask`` a tensor once decoded)."""
+
+    scheduled_new_reqs: list[WireNewRequest]
+    scheduled_cached_reqs: list[WireCachedRequest]
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
-    finished_req_ids: list[str] = []
-    preempted_req_ids: list[str] = []
+    finished_req_ids: set[str] = set()
+    preempted_req_ids: set[str] = set()
     structured_output_request_ids: list[str] = []
-    bitmask: bytes = b""
-    bitmask_shape: list[int] = []
-    spec_decode_tokens: dict[str, list[int]] = {}
+    grammar_bitmask: Any = None  # on the wire: [shape, int32 bytes]
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
 
 
 class WireInit(msgspec.Struct, array_like=True):
@@ -70,37 +78,28 @@ _ready_decoder = msgspec.msgpack.Decoder(WireReady)
 
 
 def encode_step(sched: SchedulerOutput) -> bytes:
-    """``sched`` as one msgpack payload (the grammar bitmask waited for, when it is still being filled)."""
-    bitmask, shape = b"", []
-    if sched.structured_output_request_ids and sched.grammar_bitmask is not None:
-        from pagedllm.structured_output.manager import resolve_bitmask
+    """``sched`` as one msgpack payload, encoded by msgspec from the dataclasses themselves (one C call); the
+    grammar bitmask (waited for, when it is still being filled) as its shape and raw int32 bytes."""
+    if sched.grammar_bitmask is not None:
+        if sched.structured_output_request_ids:
+            from pagedllm.structured_output.manager import resolve_bitmask
 
-        arr = np.ascontiguousarray(np.asarray(resolve_bitmask(sched.grammar_bitmask)), dtype=np.int32)
-        bitmask, shape = arr.tobytes(), list(arr.shape)
-    return _encoder.encode(WireStep(
-        [WireNewRequest(r.req_id, r.prompt_token_ids, r.output_token_ids, r.sampling_params,
-                        [list(b) for b in r.block_ids], r.num_computed_tokens, r.pooling_params)
-         for r in sched.scheduled_new_reqs],
-        [WireCachedRequest(r.req_id, [list(b) for b in r.new_block_ids], r.num_computed_tokens)
-         for r in sched.scheduled_cached_reqs],
-        sched.num_scheduled_tokens, sched.total_num_scheduled_tokens, sorted(sched.finished_req_ids),
-        sorted(sched.preempted_req_ids), list(sched.structured_output_request_ids), bitmask, shape,
-        sched.scheduled_spec_decode_tokens))
+            arr = np.ascontiguousarray(np.asarray(resolve_bitmask(sched.grammar_bitmask)), dtype=np.int32)
+            sched = dataclasses.replace(sched, grammar_bitmask=[list(arr.shape), arr.tobytes()])
+        else:
+            sched = dataclasses.replace(sched, grammar_bitmask=None)
+    return _encoder.encode(sched)
 
 
-def decode_step(payload: bytes) -> SchedulerOutput:
-    w = _step_decoder.decode(payload)
-    bitmask: Any = None
-    if w.bitmask_shape:
+def decode_step(payload: bytes) -> WireStep:
+    """A payload of ``encode_step`` -> a ``WireStep`` that reads as the ``SchedulerOutput`` it was made from."""
+    step = _step_decoder.decode(payload)
+    if step.grammar_bitmask is not None:
         import torch
 
-        bitmask = torch.from_numpy(np.frombuffer(w.bitmask, dtype=np.int32).reshape(w.bitmask_shape).copy())
-    return SchedulerOutput(
-        [NewRequestData(r.req_id, r.prompt_token_ids, r.output_token_ids, r.sampling_params, tuple(r.block_ids),
-                        r.num_computed_tokens, r.pooling_params) for r in w.new_reqs],
-        [CachedRequestData(r.req_id, tuple(r.new_block_ids), r.num_computed_tokens) for r in w.cached_reqs],
-        w.num_scheduled_tokens, w.total_num_scheduled_tokens, set(w.finished_req_ids), set(w.preempted_req_ids),
-        w.structured_output_request_ids, bitmask, w.spec_decode_tokens)
+        shape, raw = step.grammar_bitmask
+        step.grammar_bitmask = torch.from_numpy(np.frombuffer(raw, dtype=np.int32).reshape(shape).copy())
+    return step
 
 
 class StepPublisher:
@@ -185,7 +184,7 @@ class StepSubscriber:
             if kind == INIT:
                 return kind, _init_decoder.decode(payload)
             if kind == STEP:
-                return kind, decode_step(payload)
+                return kind, decode_step(payload)  # a WireStep: read by the runner as a SchedulerOutput
             return STOP, None
 
     def close(self) -> None:
