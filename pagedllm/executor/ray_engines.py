@@ -11,7 +11,15 @@ from typing import Any
 import zmq
 
 from pagedllm.config import EngineConfig
-from pagedllm.executor.ray_utils import ActorCall, bundles_for, ensure_ray, node_ip, placement_group, strategy
+from pagedllm.executor.ray_utils import (
+    ActorCall,
+    PlacementGroupRelease,
+    bundles_for,
+    ensure_ray,
+    node_ip,
+    placement_group,
+    strategy,
+)
 from pagedllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -49,6 +57,7 @@ def start_ray_engines(config: EngineConfig, num_engines: int, target: Callable[.
     pg = placement_group([dict(bundle) for _ in range(num_engines)])
     logger.info("ray: %d engine-core actors, one bundle each (%s, PACK)", num_engines, bundle)
     handles = []
+    release = PlacementGroupRelease(pg, num_engines)
     for index in range(num_engines):
         options: dict[str, Any] = {"num_cpus": bundle.get("CPU", 1), "scheduling_strategy": strategy(pg, index)}
         if use_gpus:
@@ -56,5 +65,5 @@ def start_ray_engines(config: EngineConfig, num_engines: int, target: Callable[.
         actor = ray.remote(EngineCoreActor).options(**options).remote()
         pid = ray.get(actor.pid.remote())
         ref = actor.run.remote(target, config, index, input_address, output_address, None, threads_per_engine)
-        handles.append(ActorCall(actor, ref, pid, f"engine {index}"))
+        handles.append(ActorCall(actor, ref, pid, f"engine {index}", on_end=release))
     return handles

@@ -73,6 +73,26 @@ def strategy(pg: Any, bundle_index: int) -> Any:
     return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle_index)
 
 
+class PlacementGroupRelease:
+    """Removes a placement group once ``users`` calls placed in it have ended."""
+
+    def __init__(self, pg: Any, users: int) -> None:
+        self.pg, self.left = pg, users
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            self.left -= 1
+            if self.left:
+                return
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            remove_placement_group(self.pg)
+        except Exception as e:  # noqa: BLE001 - Ray already shut down: nothing left to release
+            logger.debug("ray: placement group not removed (%s)", e)
+
+
 def node_ip() -> str:
     """This node's address as the cluster sees it (what actors on other nodes connect to)."""
     return ray_module().util.get_node_ip_address()
@@ -83,8 +103,9 @@ class ActorCall:
     and ranks: ``sentinel`` becomes readable when the call ends, ``exitcode`` is then 0 (returned) or 1
     (raised, or the actor died)."""
 
-    def __init__(self, actor: Any, ref: Any, pid: int, name: str) -> None:
+    def __init__(self, actor: Any, ref: Any, pid: int, name: str, on_end: Any = None) -> None:
         self.actor, self.ref, self.pid, self.name = actor, ref, pid, name
+        self.on_end = on_end  # called once the call ended (the last engine's releases the placement group)
         self.exitcode: int | None = None
         self._r, self._w = os.pipe()
         self.sentinel = self._r
@@ -99,6 +120,8 @@ class ActorCall:
             logger.warning("ray: %s ended: %s", self.name, str(e).splitlines()[0] if str(e) else type(e).__name__)
             self.exitcode = 1
         os.write(self._w, b"x")
+        if self.on_end is not None:
+            self.on_end()
 
     def is_alive(self) -> bool:
         return self.exitcode is None
