@@ -129,6 +129,12 @@ class ParallelConfig:
 
     data_parallel_size: int = 1
     routing: str = "prefix-aware"
+    # Ranks each engine's model is split over (docs/distributed.md) and how they run: uni | mp | ray.
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"
+    # Where the data-parallel engine cores run: mp (processes on this host) | ray (actors across a cluster).
+    data_parallel_backend: str = "mp"
+    ray_address: str | None = None  # a Ray cluster to join (None: RAY_ADDRESS, else a local one)
     # SGLang's cache-aware rule and its defaults: route by cached prefix unless the loads are out of balance.
     routing_cache_threshold: float = 0.3
     routing_balance_abs_threshold: int = 64

@@ -61,6 +61,10 @@ class EngineArgs:
     quantization: str | None = None
     data_parallel_size: int = 1
     data_parallel_routing: str = "prefix-aware"
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None: uni for one rank, mp for several
+    data_parallel_backend: str = "mp"
+    ray_address: str | None = None
     routing_cache_threshold: float = 0.3
     routing_balance_abs_threshold: int = 64
     routing_balance_rel_threshold: float = 1.5
@@ -163,6 +167,15 @@ class EngineArgs:
                                 f"{DEFAULT_KV_EVENTS_TOPIC!r}), hwm. Use with --prefix-caching-hash-algo sha256 "
                                 "and a --prefix-caching-hash-seed so consumers can compute the hashes "
                                 "(see docs/data_parallel.md).")
+        tp = parser.add_argument_group("tensor parallelism (docs/distributed.md)")
+        tp.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                        help="Ranks each engine's model is split over: every weight matrix and the KV heads are "
+                             "divided between them, joined by two all-reduces per layer (gloo on a CPU, NCCL on "
+                             "CUDA). The heads must divide evenly (default: 1).")
+        tp.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
+                        help="How the ranks run: uni (one rank, in the engine process), mp (one process per rank "
+                             "on this host; the default for more than one), ray (Ray actors in a placement group, "
+                             "one bundle per rank).")
         dp = parser.add_argument_group("data parallelism (pagedllm serve)")
         dp.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size,
                         help="Engine-core processes behind one server, each with its own model copy and KV cache; "
@@ -170,6 +183,12 @@ class EngineArgs:
         dp.add_argument("--data-parallel-routing", default=d.data_parallel_routing, choices=list(ROUTING_POLICIES),
                         help="Which engine gets a request: prefix-aware (the engine that caches the longest part of "
                              "its prompt, unless the loads are out of balance; default), least-loaded, round-robin.")
+        dp.add_argument("--data-parallel-backend", "-dpb", default=d.data_parallel_backend, choices=["mp", "ray"],
+                        help="Where the engine cores run: mp (processes on this host; default) or ray (Ray actors "
+                             "placed across the cluster; --data-parallel-size then counts engines on all nodes).")
+        dp.add_argument("--ray-address", default=d.ray_address,
+                        help="The Ray cluster to join for the ray backends (e.g. 10.0.0.1:6379); default: "
+                             "RAY_ADDRESS, else a local Ray instance started for this server.")
         dp.add_argument("--routing-cache-threshold", type=float, default=d.routing_cache_threshold,
                         help="prefix-aware: route by cache only when the best engine holds more than this share of "
                              "the prompt's blocks; else to the least loaded (default: 0.3, SGLang's).")
@@ -236,7 +255,17 @@ class EngineArgs:
         if self.data_parallel_routing not in ROUTING_POLICIES:
             raise ValueError(f"data_parallel_routing: must be one of {list(ROUTING_POLICIES)}, got "
                              f"{self.data_parallel_routing!r}")
+        from pagedllm.executor import resolve_executor_backend
+
+        if int(self.tensor_parallel_size) < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size}")
+        if self.data_parallel_backend not in ("mp", "ray"):
+            raise ValueError(f"data_parallel_backend: must be mp or ray, got {self.data_parallel_backend!r}")
+        executor = resolve_executor_backend(int(self.tensor_parallel_size), self.distributed_executor_backend)
         parallel = ParallelConfig(data_parallel_size=int(self.data_parallel_size), routing=self.data_parallel_routing,
+                                  tensor_parallel_size=int(self.tensor_parallel_size),
+                                  distributed_executor_backend=executor,
+                                  data_parallel_backend=self.data_parallel_backend, ray_address=self.ray_address,
                                   routing_cache_threshold=float(self.routing_cache_threshold),
                                   routing_balance_abs_threshold=int(self.routing_balance_abs_threshold),
                                   routing_balance_rel_threshold=float(self.routing_balance_rel_threshold))

@@ -102,6 +102,9 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in [
     EnvVar("TORCH_EXTENSIONS_DIR", None, _text,
            "torch's own folder for built extensions: where the C++ CPU kernels are compiled and cached "
            "(default `~/.cache/torch_extensions`)."),
+    EnvVar("RAY_ADDRESS", None, _text,
+           "Ray's own variable: the cluster the `ray` executor and `--data-parallel-backend ray` join when "
+           "`--ray-address` is not given (default: a local Ray instance started by the server)."),
     EnvVar("OMP_NUM_THREADS", None, _text,
            "OpenMP's own thread count; when set, the CPU worker leaves torch's thread count to it (default: "
            "one thread per physical core)."),

@@ -30,7 +30,12 @@ def resolve_device(name: str) -> torch.device:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
+    """``tp_rank`` / ``tp_init_method``: this worker's rank in a tensor-parallel group of
+    ``config.parallel.tensor_parallel_size`` (joined before the model is built, so its layers are this rank's
+    slices; ``executor/``)."""
+
+    def __init__(self, config: EngineConfig, tp_rank: int = 0, tp_init_method: str | None = None) -> None:
+        from pagedllm.distributed.parallel_state import get_tp, init_tensor_parallel
         from pagedllm.model_executor.loader import load_model
         from pagedllm.model_executor.loader.dtype import torch_dtype
 
@@ -39,6 +44,12 @@ class Worker:
         self.platform = platform_for(self.device)  # every device-specific choice of this engine comes from it
         config.device.device = self.platform.name
         self.platform.prepare_worker()
+        world = config.parallel.tensor_parallel_size
+        if world > 1:
+            self.device = self.platform.rank_device(self.device, tp_rank)
+            self.tp = init_tensor_parallel(tp_rank, world, tp_init_method, self.platform.distributed_backend)
+        else:
+            self.tp = get_tp()
         mc = config.model
         self.dtype = torch_dtype(mc.dtype)
         torch.manual_seed(mc.seed)
@@ -64,6 +75,13 @@ class Worker:
             attach_spec_decoder(self.runner, config.speculative, self.device)
             if getattr(self.runner, "draft_model", None) is not None:
                 self._bind_attention_backend(self.runner.draft_model)  # the draft attends as the target does
+
+    def close_parallel(self) -> None:
+        """Leave the tensor-parallel group (nothing for a single rank)."""
+        from pagedllm.distributed.parallel_state import destroy_tensor_parallel
+
+        if self.tp.is_parallel:
+            destroy_tensor_parallel()
 
     def _bind_attention_backend(self, model: torch.nn.Module) -> None:
         """The engine's one attention backend on every attention layer of ``model`` (chosen once, not per call)."""
