@@ -37,6 +37,17 @@ def _gguf_tokenizer(path: str) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
 
 
+def _ct2_whisper_tokenizer(folder: str) -> Any:
+    """A CTranslate2 Whisper folder's ``tokenizer.json`` as a ``WhisperTokenizerFast`` that treats every added
+    token (languages, tasks, timestamps) as special; without the list, transformers decodes timestamps wrong."""
+    from transformers import WhisperTokenizerFast
+
+    from pagedllm.model_executor.loader.ct2_whisper import whisper_special_tokens
+
+    return WhisperTokenizerFast(tokenizer_file=os.path.join(folder, "tokenizer.json"),
+                                additional_special_tokens=whisper_special_tokens(folder))
+
+
 def load_tokenizer(mc: ModelConfig) -> Any:
     """A ``transformers`` fast tokenizer for ``mc`` (resolved, or resolved here).
 
@@ -55,6 +66,8 @@ def load_tokenizer(mc: ModelConfig) -> Any:
         tok = AutoTokenizer.from_pretrained(mc.tokenizer, local_files_only=True)
     elif mc.gguf_file:
         tok = _gguf_tokenizer(mc.gguf_file)
+    elif mc.ct2_file:
+        tok = _ct2_whisper_tokenizer(mc.model_path)
     else:
         tok = AutoTokenizer.from_pretrained(mc.model_path, local_files_only=True)
     if not tok.is_fast:
