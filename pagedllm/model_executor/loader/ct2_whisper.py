@@ -83,7 +83,10 @@ def ct2_whisper_config(folder: str, ct2: CT2File | None = None) -> Any:
     special = _special_ids(folder)
     vocab, d_model = ct2.get("decoder/embeddings/weight").shape
     eos = special["<|endoftext|>"]
-    languages = {t: i for t, i in special.items() if i in set(ct2_config.get("lang_ids", []))}
+    multilingual = int(vocab) >= 51865  # English-only models (.en) have one token less and no language tokens used
+    languages = {t: i for t, i in special.items() if i in set(ct2_config.get("lang_ids", []))} if multilingual else {}
+    tasks = {t: special[f"<|{t}|>"] for t in ("transcribe", "translate") if f"<|{t}|>" in special} if multilingual \
+        else {}
     return WhisperConfig(
         architectures=["WhisperForConditionalGeneration"],
         vocab_size=int(vocab), d_model=int(d_model), num_mel_bins=int(ct2.get("encoder/conv1/weight").shape[1]),
@@ -101,9 +104,7 @@ def ct2_whisper_config(folder: str, ct2: CT2File | None = None) -> Any:
         begin_suppress_tokens=list(ct2_config.get("suppress_ids_begin", [])),
         no_timestamps_token_id=special.get("<|notimestamps|>"),
         max_initial_timestamp_index=MAX_INITIAL_TIMESTAMP_INDEX,
-        lang_to_id=languages,
-        task_to_id={t: special[f"<|{t}|>"] for t in ("transcribe", "translate") if f"<|{t}|>" in special},
-        is_multilingual=int(vocab) >= 51865,
+        lang_to_id=languages, task_to_id=tasks, is_multilingual=multilingual,
     )
 
 
