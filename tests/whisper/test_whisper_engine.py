@@ -114,3 +114,33 @@ def test_audio_features_cross_the_process_boundary_as_bytes() -> None:
     restored = unpack_encoder_input(back.encoder_input, back.encoder_input_shape)
     assert restored.dtype == np.float32 and np.array_equal(restored, features)
     assert per_round_trip < 0.05  # 960 kB: a memcpy or two (well under a millisecond alone on these cores)
+
+
+@pytest.mark.slow
+def test_multiprocess_engine_transcribes_like_the_in_process_one(llm: LLM, tiny_whisper_dir: str) -> None:
+    """AsyncLLM over MultiprocEngine: the audio crosses ZMQ to the engine process; same greedy tokens."""
+    import asyncio
+
+    from pagedllm.engine.async_llm import AsyncLLM
+    from pagedllm.engine.mp_engine import MultiprocEngine
+    from pagedllm.engine_args import EngineArgs
+
+    params = SamplingParams(temperature=0, max_tokens=8)
+    prompts = [{"prompt_token_ids": PROMPT, "audio_features": _features(10 + i)} for i in range(3)]
+    expected = _run(llm, prompts, params)
+    config = EngineArgs(model=tiny_whisper_dir, dtype="float32", kv_cache_memory="64MiB").create_engine_config()
+    async_llm = AsyncLLM(MultiprocEngine(config))
+
+    async def one(i: int) -> list[int]:
+        ids: list[int] = []
+        async for out in async_llm.generate(prompts[i], params, f"r{i}"):
+            ids += out.outputs[0].token_ids
+        return ids
+
+    async def main() -> list[list[int]]:
+        return await asyncio.gather(*[one(i) for i in range(3)])
+
+    try:
+        assert asyncio.run(main()) == expected
+    finally:
+        async_llm.shutdown(2.0)
