@@ -11,7 +11,7 @@ class ArchitectureInfo:
     module: str  # under pagedllm.model_executor.models
     class_name: str
     family: str
-    formats: tuple[str, ...]  # "hf" (safetensors folder) and/or "gguf"
+    formats: tuple[str, ...]  # "hf" (safetensors folder), "gguf", "ct2" (a CTranslate2 folder)
     notes: str = ""
     gguf_arch: str = ""  # the GGUF file's general.architecture, where "gguf" is a format
 
