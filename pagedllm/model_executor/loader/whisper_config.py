@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
 
 from pagedllm.config import ModelConfig
 
@@ -28,7 +27,3 @@ def finish_whisper_config(mc: ModelConfig, folder: str) -> int:
                 setattr(hf_config, key, generation[key])
     return int(hf_config.max_target_positions)
 
-
-def whisper_attr(hf_config: Any, name: str, default: Any = None) -> Any:
-    value = getattr(hf_config, name, None)
-    return default if value is None else value
