@@ -47,20 +47,29 @@ def is_ct2_folder(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, "model.bin")) and os.path.isfile(os.path.join(folder, "config.json"))
 
 
-def _special_ids(folder: str) -> dict[str, int]:
-    """Added (special) token -> id, from the folder's ``tokenizer.json``."""
+def _added_tokens(folder: str) -> list[dict]:
     path = os.path.join(folder, "tokenizer.json")
     if not os.path.isfile(path):
         raise ValueError(f"model: {folder} has no tokenizer.json (a Whisper CTranslate2 folder ships one)")
     with open(path) as f:
-        added = json.load(f).get("added_tokens", [])
-    return {t["content"]: int(t["id"]) for t in added}
+        return json.load(f).get("added_tokens", [])
+
+
+def _special_ids(folder: str) -> dict[str, int]:
+    """Added token -> id, from the folder's ``tokenizer.json`` (special ones, and timestamps where present)."""
+    return {t["content"]: int(t["id"]) for t in _added_tokens(folder)}
 
 
 def whisper_special_tokens(folder: str) -> list[str]:
-    """Every added token of the folder's tokenizer, in id order (the tokenizer must treat them all as special)."""
-    ids = _special_ids(folder)
-    return sorted(ids, key=ids.__getitem__)
+    """The special added tokens (``<|endoftext|>`` ... ``<|notimestamps|>``), in id order: the tokenizer must be
+    told them all, or transformers puts ``<|0.00|>`` after the wrong id when it decodes timestamps."""
+    special = sorted((t for t in _added_tokens(folder) if t.get("special")), key=lambda t: int(t["id"]))
+    return [t["content"] for t in special]
+
+
+def timestamp_tokens() -> list[str]:
+    """``<|0.00|>`` ... ``<|30.00|>``: 1501 tokens, 0.02 s apart, right after ``<|notimestamps|>``."""
+    return [f"<|{i * 0.02:.2f}|>" for i in range(1501)]
 
 
 def _count_layers(ct2: CT2File, side: str) -> int:

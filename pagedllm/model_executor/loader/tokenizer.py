@@ -38,14 +38,24 @@ def _gguf_tokenizer(path: str) -> Any:
 
 
 def _ct2_whisper_tokenizer(folder: str) -> Any:
-    """A CTranslate2 Whisper folder's ``tokenizer.json`` as a ``WhisperTokenizerFast`` that treats every added
-    token (languages, tasks, timestamps) as special; without the list, transformers decodes timestamps wrong."""
+    """A CTranslate2 Whisper folder's ``tokenizer.json`` as a ``WhisperTokenizerFast`` told every special token
+    (without the list, transformers decodes timestamps at the wrong offset), with the timestamp tokens
+    ``<|0.00|>`` ... ``<|30.00|>`` after ``<|notimestamps|>`` added where the file lacks them (tiny.en's)."""
+    from tokenizers import AddedToken
     from transformers import WhisperTokenizerFast
 
-    from pagedllm.model_executor.loader.ct2_whisper import whisper_special_tokens
+    from pagedllm.model_executor.loader.ct2_whisper import timestamp_tokens, whisper_special_tokens
 
-    return WhisperTokenizerFast(tokenizer_file=os.path.join(folder, "tokenizer.json"),
-                                additional_special_tokens=whisper_special_tokens(folder))
+    tok = WhisperTokenizerFast(tokenizer_file=os.path.join(folder, "tokenizer.json"),
+                               additional_special_tokens=whisper_special_tokens(folder))
+    stamps = timestamp_tokens()
+    if tok.convert_tokens_to_ids(stamps[0]) == tok.unk_token_id:
+        no_timestamps = tok.convert_tokens_to_ids("<|notimestamps|>")
+        if len(tok) != no_timestamps + 1:
+            raise ValueError(f"tokenizer: {folder}/tokenizer.json has no timestamp tokens and cannot take them after "
+                             f"<|notimestamps|> ({no_timestamps}): it holds {len(tok)} tokens")
+        tok.add_tokens([AddedToken(s, lstrip=False, rstrip=False, normalized=True, special=False) for s in stamps])
+    return tok
 
 
 def load_tokenizer(mc: ModelConfig) -> Any:
