@@ -102,9 +102,6 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in [
     EnvVar("TORCH_EXTENSIONS_DIR", None, _text,
            "torch's own folder for built extensions: where the C++ CPU kernels are compiled and cached "
            "(default `~/.cache/torch_extensions`)."),
-    EnvVar("PAGEDLLM_CACHE_DIR", None, _text,
-           "Where models shipped in parts are joined on first use (Whisper base's CTranslate2 `model.bin`); "
-           "default `~/.cache/pagedllm`."),
     EnvVar("OMP_NUM_THREADS", None, _text,
            "OpenMP's own thread count; when set, the CPU worker leaves torch's thread count to it (default: "
            "one thread per physical core)."),

