@@ -66,12 +66,9 @@ def test_greedy_with_timestamps_matches_transformers(tiny_llm: LLM) -> None:
     ref = reference_model(mc)
     prompt = decoder_prompt(tiny_llm.get_tokenizer(), mc, timestamps=True)
     ts_begin = mc.hf_config.no_timestamps_token_id + 1
-    seen_timestamps = 0
-    for seed in (3, 4):
-        features = _features(seed)
-        out = tiny_llm.generate({"prompt_token_ids": prompt, "audio_features": features},
-                                SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0]
-        expected = reference_generate(ref, mc, features, timestamps=True, max_new_tokens=24)
-        assert out.token_ids == expected
-        seen_timestamps += sum(t >= ts_begin for t in out.token_ids)
-    assert seen_timestamps > 0  # the rules were exercised, not bypassed
+    features = _features(3)
+    out = tiny_llm.generate({"prompt_token_ids": prompt, "audio_features": features},
+                            SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == reference_generate(ref, mc, features, timestamps=True, max_new_tokens=20)
+    stamps = [t for t in out.token_ids if t >= ts_begin]
+    assert len(stamps) >= 4 and stamps == sorted(stamps)  # pairs, non-decreasing: the rules were exercised
