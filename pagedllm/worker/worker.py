@@ -202,7 +202,7 @@ class Worker:
             return
         if self.runner.pooling is not None:
             return  # a pooling model's steps run through the pooling runner, never a decode graph
-        if self.runner.encoder_decoder is not None:
+        if getattr(self.runner, "encoder_decoder", None) is not None:
             return  # the cross-attention group's metadata is built per step, outside the captured graphs
         from pagedllm.kernels.triton_ops import triton_available
         from pagedllm.worker.cuda_graphs import DecodeGraphRunner, graph_batch_sizes
