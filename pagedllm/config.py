@@ -50,11 +50,15 @@ class ModelConfig:
     # Filled by resolution:
     model_path: str = ""  # folder (HF) or file (GGUF)
     gguf_file: str | None = None
+    ct2_file: str | None = None  # a CTranslate2 model.bin (Whisper)
     hf_config: Any = None  # transformers.PretrainedConfig
     architecture: str = ""
     vocab_size: int = 0
     eos_token_ids: list[int] = field(default_factory=list)
     is_encoder_only: bool = False  # bidirectional encoder (BERT): no KV cache, a prompt runs in one step
+    # Encoder-decoder (Whisper): prompts carry encoder inputs (audio_features); the encoder runs once per request
+    # and its output fills a cross-attention KV cache group (docs/architecture.md).
+    is_encoder_decoder: bool = False
 
     @property
     def is_pooling(self) -> bool:
@@ -84,12 +88,23 @@ class CacheConfig:
     # own KV cache group, its window and blocks (docs/architecture.md); 0 blocks: one group.
     sliding_group_window: int | None = None
     sliding_group_num_blocks: int = 0
+    # An encoder-decoder model (Whisper): the cross-attention layers' own KV cache group, holding each request's
+    # encoder output (``cross_group_tokens`` positions, 1500) from admission to its end; never prefix-cached.
+    # Tokens set by the config (core/encoder_decoder.py), blocks by the worker; 0: no such group.
+    cross_group_tokens: int = 0
+    cross_group_num_blocks: int = 0
 
     def sliding_group(self) -> tuple[int, int] | None:
         """(num_blocks, window) of the sliding layers' KV cache group, or None when there is one group."""
         if self.sliding_group_window is None or self.sliding_group_num_blocks <= 0:
             return None
         return self.sliding_group_num_blocks, self.sliding_group_window
+
+    def cross_group(self) -> tuple[int, int] | None:
+        """(num_blocks, encoder positions per request) of the cross-attention KV cache group, or None."""
+        if self.cross_group_tokens <= 0 or self.cross_group_num_blocks <= 0:
+            return None
+        return self.cross_group_num_blocks, self.cross_group_tokens
 
 
 @dataclass
@@ -102,6 +117,9 @@ class SchedulerConfig:
     is_encoder_only: bool = False
     # KV slots reserved past each request's scheduled tokens for a model drafter's own proposals.
     num_lookahead_tokens: int = 0
+    # Encoder-decoder models: encoder positions a request's encoder run costs, counted against the step's token
+    # budget in the step that admits it (0: no encoder).
+    encoder_tokens_per_request: int = 0
 
 
 # ``--attention-backend``: ``auto`` is the platform's best (the C++ kernels on a CPU, Triton on CUDA, else

@@ -250,6 +250,9 @@ class EngineArgs:
         speculative = resolve_speculative_config(self.speculative_config, model)
         if speculative is not None:
             scheduler.num_lookahead_tokens = speculative.num_lookahead_tokens
+        from pagedllm.core.encoder_decoder import configure_encoder_decoder
+
+        configure_encoder_decoder(model, cache, scheduler, speculative)
         if int(self.data_parallel_size) < 1:
             raise ValueError(f"data_parallel_size must be a positive integer, got {self.data_parallel_size}")
         if self.data_parallel_routing not in ROUTING_POLICIES:

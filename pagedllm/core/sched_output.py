@@ -22,6 +22,8 @@ class NewRequestData:
     block_ids: tuple[list[int], ...]  # the block table in each KV cache group
     num_computed_tokens: int
     pooling_params: Any = None  # PoolingParams for a pooling request
+    # An encoder-decoder request's encoder input (audio_features): the runner runs its encoder this step.
+    encoder_input: Any = None
 
 
 @dataclass

@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.encoder_decoder import encoder_cost
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import (
@@ -43,7 +44,8 @@ class Scheduler:
                                  sliding_window=cache_config.sliding_window,
                                  sliding_group=cache_config.sliding_group(),
                                  hash_algo=cache_config.prefix_caching_hash_algo,
-                                 enable_kv_cache_events=enable_kv_cache_events)
+                                 enable_kv_cache_events=enable_kv_cache_events,
+                                 cross_group=cache_config.cross_group())
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -156,10 +158,16 @@ class Scheduler:
             if request.num_computed_tokens == 0 and request.pooling_params is None:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
-            no_chunking = not self.config.enable_chunked_prefill or self.config.is_encoder_only
-            if no_chunking and num_new > budget:
+            # An encoder-decoder request's encoder runs in the step that admits it, and costs budget like tokens
+            # (core/encoder_decoder.py); alone in a step it is admitted whatever the budget.
+            encoder = encoder_cost(request, self.config)
+            if encoder and encoder + 1 > budget and num_scheduled:
                 break
-            num_new = min(num_new, budget)
+            step_budget = max(budget - encoder, 1)
+            no_chunking = not self.config.enable_chunked_prefill or self.config.is_encoder_only
+            if no_chunking and num_new > step_budget:
+                break
+            num_new = min(num_new, step_budget)
             if not self.config.is_encoder_only:  # an encoder keeps no KV cache
                 new_blocks = self._allocate(request, num_new, hits, num_hit_tokens)
                 if new_blocks is None:
@@ -173,7 +181,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             num_scheduled[request.request_id] = num_new
-            budget -= num_new
+            budget -= num_new + encoder
             new_reqs.append(self._new_request_data(request))
             if isolated is not None:
                 break
@@ -231,6 +239,7 @@ class Scheduler:
             block_ids=self.kv.get_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
             pooling_params=request.pooling_params,
+            encoder_input=request.encoder_input,
         )
 
     def _cap_length(self, request: Request) -> None:
