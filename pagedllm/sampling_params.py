@@ -62,6 +62,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = field(default=None)
     # Constrain the output to a JSON schema / regex / choice / grammar (a dict is converted).
     structured_outputs: StructuredOutputsParams | None = None
+    # Only these token ids can be sampled (vLLM's name; Whisper's language detection uses it).
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         # Normalize containers first so validation sees one shape.
