@@ -43,6 +43,14 @@ def whisper_tokenizer():
     return WhisperTokenizerFast(tokenizer_file=str(path), additional_special_tokens=added)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _tool(name: str) -> str:
     found = shutil.which(name)
     if found is None:

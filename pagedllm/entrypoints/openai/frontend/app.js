@@ -1,6 +1,7 @@
-// Start-up: API key, model list, tabs (Chat / KV cache, also reachable as #chat and #kv).
+// Start-up: API key, model list, tabs (Chat / Audio / KV cache, also reachable as #chat, #audio and #kv).
 
 import { apiFetch, AuthError, getApiKey, onAuthRequired, setApiKey } from "./api.js";
+import { AudioPane } from "./audio.js";
 import { ChatPane } from "./chat.js";
 import { KvMap } from "./kvmap.js";
 
@@ -40,7 +41,7 @@ async function loadModels() {
   }
 }
 
-const TABS = ["chat", "kv"];
+const TABS = ["chat", "audio", "kv"];
 
 function selectTab(name, { focus = false } = {}) {
   if (!TABS.includes(name)) name = "chat";
@@ -58,6 +59,7 @@ function selectTab(name, { focus = false } = {}) {
 
 const chat = new ChatPane({ getModel: () => $("model").value, announce });
 const kv = new KvMap();
+const audio = new AudioPane({ getModel: () => $("model").value, announce });
 
 for (const tab of TABS) {
   $(`tab-${tab}`).addEventListener("click", () => selectTab(tab));
@@ -92,3 +94,4 @@ $("key-forget").addEventListener("click", () => {
 selectTab(location.hash.slice(1) || "chat");
 loadModels();
 void chat;
+void audio;
