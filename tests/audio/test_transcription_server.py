@@ -232,3 +232,48 @@ def test_text_model_refuses_audio(clip):
     status, err = run(main())
     assert status == 400 and err["param"] == "model"
     assert "`whisper-base` is not a speech-to-text model" in err["message"]
+
+
+def test_stream_of_long_audio_keeps_window_order():
+    # Window 0 says more than window 1, so window 1 finishes first: its text must wait for window 0's.
+    tok = whisper_tokenizer()
+    texts = {0: " The first window says a good many words before it ends.", 1: " Second."}
+
+    def script(prompt, features, params):
+        v = engine.vocab
+        window = 0 if features.mean() > marker else 1
+        return [*tok.encode(texts[window], add_special_tokens=False), v.eot]
+
+    rng = np.random.default_rng(2)
+    loud = (rng.standard_normal(int(29.5 * SAMPLE_RATE)) * 0.5).astype(np.float32)
+    audio = np.concatenate([loud, np.zeros(int(5.5 * SAMPLE_RATE), np.float32)])  # cut at 29.5 s: all silence after
+    marker = -1.0  # the log-mel of loud noise is far above that of silence (all at the -1.5 floor)
+    engine = FakeWhisperEngine(tok, script=script, step_s=0.005)
+
+    async def main():
+        async with served(engine) as (client, _):
+            stream = await client.audio.transcriptions.create(model="whisper-base", file=("a.wav", wav_bytes(audio)),
+                                                              language="en", stream=True)
+            return [e async for e in stream]
+    events = run(main())
+    deltas = [e.delta for e in events if e.type == "transcript.text.delta"]
+    expected = (texts[0] + texts[1]).strip()
+    assert "".join(deltas) == expected and events[-1].text == expected
+    assert deltas[-1].strip() == "Second." and len(deltas) > 5  # window 1 came in one piece, after window 0
+
+
+def test_chunked_upload_over_the_audio_limit_is_413():
+    engine = FakeWhisperEngine(whisper_tokenizer())
+
+    async def body():
+        yield b"--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\n"
+        for _ in range(40):
+            yield b"\0" * 50_000
+        yield b"\r\n--b--\r\n"
+
+    async def main():
+        async with served(engine, max_audio_file_bytes=1_000_000) as (_, http):
+            return await http.post("/v1/audio/transcriptions", content=body(),
+                                   headers={"content-type": "multipart/form-data; boundary=b"})
+    r = run(main())
+    assert r.status_code == 413 and "--max-audio-file-size-mb" in r.json()["error"]["message"]
