@@ -72,6 +72,12 @@ class ServingTranscription:
     async def _read_form(self, raw: Request) -> tuple[TranscriptionRequest, bytes]:
         form = await raw.form(max_files=1, max_fields=64)
         try:
+            return await self._parse_form(form)
+        finally:
+            await form.close()  # the upload's spooled temporary file
+
+    async def _parse_form(self, form: Any) -> tuple[TranscriptionRequest, bytes]:
+        try:
             fields: dict[str, Any] = {k: v for k, v in form.items() if not isinstance(v, UploadFile)}
             granularities = form.getlist("timestamp_granularities[]") + form.getlist("timestamp_granularities")
             fields["timestamp_granularities"] = [g for g in granularities if isinstance(g, str)]
