@@ -142,6 +142,7 @@ def test_windows_are_in_flight_together():
     assert peak == 3
 
 
+@pytest.mark.filterwarnings("ignore:deprecated:DeprecationWarning")  # the SDK marks translations so
 def test_translation_and_stream(clip):
     engine = FakeWhisperEngine(whisper_tokenizer(), text=" Good morning, everyone.")
 
