@@ -6,6 +6,7 @@ Never skipped: without chromium or playwright it fails and says how to install t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -30,8 +31,9 @@ def engine():
     return FakeWhisperEngine(whisper_tokenizer(), text=" Hello from the playground.", end_s=2.4)
 
 
-@pytest.fixture(scope="module")
-def app_url(engine):
+@contextlib.contextmanager
+def serve_app(engine):
+    """The real app around ``engine`` on uvicorn, on a free loopback port, in a thread."""
     import uvicorn
     from whisper_fakes import _free_port
 
@@ -57,7 +59,13 @@ def app_url(engine):
 
 
 @pytest.fixture(scope="module")
-def page(app_url):
+def app_url(engine):
+    with serve_app(engine) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def browser():
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
@@ -67,20 +75,30 @@ def page(app_url):
                     "or point PAGEDLLM_CHROMIUM at a Chromium binary")
     ARTEFACTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        context = browser.new_context(viewport={"width": 1280, "height": 860})
-        pg = context.new_page()
-        errors: list[str] = []
-        pg.on("pageerror", lambda e: errors.append(str(e)))
-        # The 400 the bad-file test asks for is logged by the browser as a failed resource; nothing else may be.
-        pg.on("console", lambda m: errors.append(m.text) if m.type == "error" and "400" not in m.text else None)
-        pg.set_default_timeout(20_000)
-        pg.goto(app_url + "/#audio")
-        pg.wait_for_function("() => document.querySelector('#model').value === 'whisper-base'")
-        yield pg
-        context.close()
-        browser.close()
-        assert not errors, f"JavaScript errors on the page: {errors}"
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+@pytest.fixture(scope="module")
+def page(browser, app_url):
+    context = browser.new_context(viewport={"width": 1280, "height": 860})
+    pg = context.new_page()
+    errors: list[str] = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    # The browser logs the 400 the bad-file test asks for, and the KV tab's 503 (the fake engine has no KV cache
+    # to map), as failed resources; nothing else may be.
+    expected = ("status of 400", "status of 503")
+    pg.on("console", lambda m: errors.append(m.text)
+          if m.type == "error" and not any(e in m.text for e in expected) else None)
+    pg.set_default_timeout(20_000)
+    pg.goto(app_url + "/#audio")
+    pg.wait_for_function("() => document.querySelector('#model').value === 'whisper-base'")
+    yield pg
+    context.close()
+    assert not errors, f"JavaScript errors on the page: {errors}"
 
 
 def test_upload_shows_timed_segments(page, engine, speech_wav, tmp_path):
@@ -125,3 +143,26 @@ def test_bad_file_shows_the_servers_error(page, tmp_path):
     page.set_input_files("#audio-file", str(bad))
     page.locator("#audio-submit").click()
     page.wait_for_function("() => document.querySelector('#audio-error').textContent.includes('decode')")
+
+
+def test_tabs_follow_the_model(page, browser):
+    # A speech model: the audio tab is there and the arrow keys reach it.
+    page.get_by_role("tab", name="Audio").focus()
+    page.keyboard.press("ArrowRight")
+    assert page.evaluate("document.activeElement.id") == "tab-kv"
+    page.keyboard.press("ArrowLeft")
+    page.keyboard.press("ArrowLeft")
+    assert page.evaluate("document.activeElement.id") == "tab-chat"
+    # A text model: no audio tab, #audio falls back to the chat, and the arrow keys skip the hidden tab.
+    text_engine = FakeWhisperEngine(whisper_tokenizer())
+    text_engine.config.model.architecture = "LlamaForCausalLM"
+    with serve_app(text_engine) as url:
+        context = browser.new_context()
+        other = context.new_page()
+        other.goto(url + "/#audio")
+        other.wait_for_function("() => document.querySelector('#conn-status').textContent.startsWith('Connected')")
+        assert other.locator("#tab-audio").is_hidden() and other.locator("#panel-chat").is_visible()
+        other.get_by_role("tab", name="KV cache").focus()
+        other.keyboard.press("ArrowLeft")
+        assert other.evaluate("document.activeElement.id") == "tab-chat"
+        context.close()
