@@ -120,6 +120,8 @@ def test_long_audio_windows_run_together_and_keep_true_offsets():
     assert [s.seek for s in verbose.segments][:2] == [0, 2950]
     assert 'pagedllm:audio_seconds_processed_total{model_name="whisper-base",task="transcribe"} 65.0' in metrics
     assert 'pagedllm:audio_windows_total{model_name="whisper-base",task="transcribe"} 3.0' in metrics
+    assert 'pagedllm:audio_request_latency_seconds_count{model_name="whisper-base",task="transcribe"} 1.0' in metrics
+    assert 'pagedllm:audio_requests_total{model_name="whisper-base",task="translate"} 0.0' in metrics
 
 
 def test_windows_are_in_flight_together():

@@ -172,10 +172,11 @@ class ServingTranscription:
         return self.transcriber.detected_language(final)
 
     def _record(self, options: TranscriptionOptions, duration: float, windows: int, start: float) -> None:
+        latency = time.perf_counter() - start
         if self.metrics is not None:
-            self.metrics.record(options.task, duration, windows)
+            self.metrics.record(options.task, duration, windows, latency)
         logger.info("%s of %.1f s of audio (%d window%s, language %s) in %.2f s", options.task, duration, windows,
-                    "" if windows == 1 else "s", options.language, time.perf_counter() - start)
+                    "" if windows == 1 else "s", options.language, latency)
 
     # ---- whole responses -----------------------------------------------------------------------------------
     async def _collect(self, options: TranscriptionOptions, chunks: list[AudioChunk], duration: float,
