@@ -45,6 +45,8 @@ class ModelConfig:
     quantization: str | None = None  # --quantization: none | int8 | int4[-g64|-g128] | fp8 | gguf | ... (None:
     # as stored; a GGUF file then resolves to gguf, kept quantized, on the CPU)
     device: str = "auto"  # auto | cpu | cuda: where the model will run (the dtype and GGUF defaults depend on it)
+    # off | on | force: quantized CPU matmuls' kernels chosen by measurement (kernels/autotune.py)
+    cpu_kernel_autotune: str = "on"
     # Filled by resolution:
     model_path: str = ""  # folder (HF) or file (GGUF)
     gguf_file: str | None = None
@@ -105,6 +107,7 @@ class SchedulerConfig:
 # ``--attention-backend``: ``auto`` is the platform's best (the C++ kernels on a CPU, Triton on CUDA, else
 # torch); the others force one, and an engine whose platform cannot run it fails to start, naming the flag.
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
+AUTOTUNE_MODES = ("off", "on", "force")  # --cpu-kernel-autotune (kernels/autotune.py)
 
 
 @dataclass

@@ -6,8 +6,10 @@ import argparse
 import json
 from dataclasses import dataclass, fields
 
+from pagedllm import envs
 from pagedllm.config import (
     ATTENTION_BACKENDS,
+    AUTOTUNE_MODES,
     DEFAULT_MODEL,
     DEFAULT_POOLING_MODEL,
     ROUTING_POLICIES,
@@ -39,6 +41,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     attention_backend: str = "auto"
+    cpu_kernel_autotune: str | None = None  # None: PAGEDLLM_CPU_KERNEL_AUTOTUNE (default on)
     disable_async_output_proc: bool = False
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -127,6 +130,11 @@ class EngineArgs:
                            help="How attention is computed: auto (the device's best: the C++ kernels on a CPU, "
                                 "Triton on CUDA), cpu (the C++ paged kernels), torch (portable SDPA, the "
                                 "reference), triton (CUDA).")
+        group.add_argument("--cpu-kernel-autotune", default=d.cpu_kernel_autotune, choices=list(AUTOTUNE_MODES),
+                           help="How quantized CPU matmuls pick their kernel: on (time the candidates for each "
+                                "weight shape and row count once on this machine, save the table, reuse it), "
+                                "force (measure again), off (the default kernel). Default: "
+                                "PAGEDLLM_CPU_KERNEL_AUTOTUNE, else on. See docs/performance.md.")
         group.add_argument("--served-model-name", default=None,
                            help="Name clients use for the model (default: the --model value).")
         group.add_argument("--chat-template", default=None,
@@ -193,6 +201,9 @@ class EngineArgs:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}, got "
                              f"{self.attention_backend!r}")
+        autotune = self.cpu_kernel_autotune or envs.PAGEDLLM_CPU_KERNEL_AUTOTUNE
+        if autotune not in AUTOTUNE_MODES:
+            raise ValueError(f"cpu_kernel_autotune: must be one of {', '.join(AUTOTUNE_MODES)}, got {autotune!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len}")
         check_hash_algo(self.prefix_caching_hash_algo)
@@ -201,7 +212,7 @@ class EngineArgs:
             model=self.model or DEFAULT_MODEL, tokenizer=self.tokenizer, dtype=self.dtype,
             max_model_len=self.max_model_len, seed=self.seed, served_model_name=self.served_model_name,
             chat_template=self.chat_template, runner=self.runner, pooler_config=self._pooler_config(),
-            quantization=self.quantization, device=self.device))
+            quantization=self.quantization, device=self.device, cpu_kernel_autotune=autotune))
         kv_memory = None if self.kv_cache_memory in (None, "", "auto") else parse_size(self.kv_cache_memory)
         cache = CacheConfig(block_size=self.block_size, kv_cache_memory=kv_memory,
                             gpu_memory_utilization=float(self.gpu_memory_utilization),

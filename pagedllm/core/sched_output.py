@@ -69,6 +69,8 @@ class ModelRunnerOutput:
     # req_id -> pooled vector (a float32 CPU tensor) for pooling requests whose prompt is now complete.
     pooler_output: dict[str, Any] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Times the draft governor turned drafting off since start-up (spec_decode/governor.py).
+    spec_num_auto_disabled: int = 0
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

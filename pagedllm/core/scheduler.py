@@ -256,6 +256,7 @@ class Scheduler:
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop rules, free finished requests."""
         outputs, self._pending_outputs = self._pending_outputs, []
+        self.spec_stats.num_auto_disabled = max(self.spec_stats.num_auto_disabled, result.spec_num_auto_disabled)
         for req_id in sched.num_scheduled_tokens:
             self._isolate.discard(req_id)  # it ran without failing
             request = self.requests.get(req_id)

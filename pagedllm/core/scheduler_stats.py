@@ -27,6 +27,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    spec_num_auto_disabled: int = 0
     # request id -> (time.time() it was first scheduled, seconds it had queued), for the requests first scheduled
     # since the last report.
     first_scheduled: dict[str, tuple[float, float]] = {}
@@ -52,4 +53,5 @@ def make_scheduler_stats(core: Any, engine_index: int = 0,
         spec_num_draft_tokens=spec.num_draft_tokens if spec is not None else 0,
         spec_num_accepted_tokens=spec.num_accepted_tokens if spec is not None else 0,
         spec_accepted_per_pos=list(spec.accepted_per_pos) if spec is not None else [],
+        spec_num_auto_disabled=spec.num_auto_disabled if spec is not None else 0,
         first_scheduled=newly_scheduled or {})

@@ -133,6 +133,10 @@ class _EngineFamilies:
         self.spec_decode_accepted_per_pos = Counter(
             "vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft.",
             [*labels, "position"], registry=r)
+        self.spec_decode_auto_disabled = Counter(
+            "pagedllm:spec_decode_auto_disabled",
+            "Times drafting was turned off at a batch size where it measured slower than not drafting.",
+            labels, registry=r)
 
 
 class EngineSeries:
@@ -152,6 +156,7 @@ class EngineSeries:
         self.spec_decode_num_drafts = families.spec_decode_num_drafts.labels(model_name, engine)
         self.spec_decode_num_draft_tokens = families.spec_decode_num_draft_tokens.labels(model_name, engine)
         self.spec_decode_num_accepted_tokens = families.spec_decode_num_accepted_tokens.labels(model_name, engine)
+        self.spec_decode_auto_disabled = families.spec_decode_auto_disabled.labels(model_name, engine)
 
     def spec_decode_accepted_at(self, position: int, count: int) -> None:
         self._families.spec_decode_accepted_per_pos.labels(*self._labels, str(position)).inc(count)

@@ -6,6 +6,7 @@ scheduler's diffs to it, so per step only new tokens and new block ids travel.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -208,6 +209,7 @@ class ModelRunner:
         self._update_states(sched)
         if sched.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
+        began = time.perf_counter()
         if self.pooling is not None:
             return self.pooling.execute(self, sched)
         # Decodes (one token) first: the attention backend batches them in one call.
@@ -255,6 +257,12 @@ class ModelRunner:
         if self.spec_decoder is not None:
             result.spec_token_ids = self.spec_decoder.propose(states, starts, query_lens,
                                                               set(result.sampled_token_ids))
+            decoding = len(result.sampled_token_ids) == len(states) and all(
+                q == 1 + len(spec.get(state.req_id, ())) for q, state in zip(query_lens, states))
+            if decoding:  # what the draft governor compares: tokens per second with and without drafts
+                self.spec_decoder.observe_step(len(states), sum(map(len, result.sampled_token_ids.values())),
+                                               time.perf_counter() - began, bool(verify_jobs))
+            result.spec_num_auto_disabled = self.spec_decoder.governor.num_turned_off
         return result
 
     def _verify(self, hidden: torch.Tensor, rows: list[int], jobs: list, result: ModelRunnerOutput) -> None:
