@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve test test-fast lint bench-throughput clean chromium espeak
+.PHONY: install serve test test-fast lint bench-throughput clean chromium speech-tools
 
 # The playground's browser test drives Debian's chromium through Playwright (never `playwright install`,
 # which downloads browsers). Another Chromium binary: PAGEDLLM_CHROMIUM=/path/to/chromium make test.
@@ -36,11 +36,11 @@ serve: install
 	$(VENV)/bin/pagedllm serve $(ARGS)
 
 # Unbuffered: a run that is stopped from outside still shows how far it got.
-test: install chromium espeak
+test: install chromium speech-tools
 	PYTHONUNBUFFERED=1 PAGEDLLM_CHROMIUM=$(CHROMIUM) $(PY) -m pytest --durations=15 $(PYTEST_ARGS)
 
 # The fast subset while developing: no real model, server or browser (tests marked slow are left out).
-test-fast: install
+test-fast: install speech-tools
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # Installs chromium when it is missing (as root, or through sudo); fails loudly when it cannot, since the
@@ -54,12 +54,14 @@ chromium:
 	      exit 1; }; \
 	fi
 
-# Debian's espeak-ng speaks the Whisper tests' sentences (tests/whisper); installed like chromium.
-espeak:
-	@if ! command -v espeak-ng >/dev/null; then \
+# The audio tests speak their own clips with Debian's espeak-ng and convert them with sox; installed like
+# chromium when missing, and a loud failure when they cannot be.
+speech-tools:
+	@if ! command -v espeak-ng >/dev/null || ! command -v sox >/dev/null; then \
+	  echo "Installing Debian's espeak-ng and sox for the audio tests"; \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
-	  { $$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y espeak-ng; } || \
-	    { echo "ERROR: could not install espeak-ng; the Whisper transcript tests need it"; exit 1; }; \
+	  { $$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y espeak-ng sox; } || \
+	    { echo "ERROR: could not install espeak-ng and sox; the audio tests need them"; exit 1; }; \
 	fi
 
 lint: install

@@ -1,4 +1,4 @@
-"""The ``pagedllm`` command: ``serve``, ``generate``, ``chat`` and ``bench {throughput,latency,serve}``.
+"""The ``pagedllm`` command: ``serve``, ``generate``, ``chat``, ``transcribe`` and ``bench {throughput,latency,serve}``.
 
 Subcommand modules are imported only when their parser is built or run, so ``pagedllm --help`` stays quick
 and a missing optional piece (the HTTP server) breaks only its own subcommand.
@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "Generate text for prompts given on the command line or stdin.")
     _add_module_command(subparsers, "chat", "pagedllm.entrypoints.cli.chat",
                         "Chat with a model in the terminal (streams replies; works with piped stdin).")
+    _add_module_command(subparsers, "transcribe", "pagedllm.entrypoints.cli.transcribe",
+                        "Speech to text for audio files with a Whisper model (default whisper-base).")
     _add_module_command(subparsers, "models", "pagedllm.entrypoints.cli.models",
                         "List the supported model architectures and the formats each loads from.")
 
