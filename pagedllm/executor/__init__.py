@@ -42,6 +42,8 @@ def check_tensor_parallel(config: EngineConfig) -> None:
         raise ValueError(f"tensor_parallel_size {world} is more than this host's {limit} {unit}")
     if config.model.is_pooling:
         raise ValueError("tensor_parallel_size > 1: pooling (embedding) models run on one rank")
+    if config.model.is_encoder_decoder:
+        raise ValueError(f"tensor_parallel_size > 1: {config.model.architecture} (encoder-decoder) runs on one rank")
     if config.speculative is not None and config.speculative.method == "draft_model":
         raise ValueError("tensor_parallel_size > 1: speculative method 'draft_model' is not split across ranks; "
                          "use ngram or layer_skip")

@@ -75,6 +75,18 @@ def test_more_ranks_than_cores_fails_at_start_up() -> None:
         EngineArgs(tensor_parallel_size=2, distributed_executor_backend="uni").create_engine_config()
 
 
+@pytest.mark.parametrize(("model", "runner", "says"), [
+    ("all-minilm-l6-v2", "pooling", "pooling .embedding. models run on one rank"),
+    ("whisper-tiny.en", "auto", "WhisperForConditionalGeneration .encoder-decoder. runs on one rank")])
+def test_models_that_do_not_split_say_so(model: str, runner: str, says: str) -> None:
+    from pagedllm.engine_args import EngineArgs
+    from pagedllm.executor import check_tensor_parallel
+
+    config = EngineArgs(model=model, runner=runner, tensor_parallel_size=2, device="cpu").create_engine_config()
+    with pytest.raises(ValueError, match=says):
+        check_tensor_parallel(config)
+
+
 @pytest.mark.slow
 def test_rank_killed_mid_step_ends_the_engine(tmp_path, monkeypatch) -> None:
     from faulty_rank import run_dying_rank
