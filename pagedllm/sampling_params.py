@@ -65,6 +65,9 @@ class SamplingParams:
     # Not sampling: data for other parts of the engine (vLLM's name); "kv_transfer_params" for a KV connector
     # (distributed/kv_transfer/).
     extra_args: dict | None = None
+    # Only these tokens can be sampled (vLLM's name). On a Whisper model such a row also skips Whisper's own
+    # decoding rules: the caller said exactly what may come next (language detection, sample/whisper_rules.py).
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         # Normalize containers first so validation sees one shape.
@@ -75,6 +78,8 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.logit_bias is not None:
             self.logit_bias = self._normalize_logit_bias(self.logit_bias)
         if self.structured_outputs is not None:
@@ -151,6 +156,12 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids must contain non-negative integers, got {t!r}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+            for t in self.allowed_token_ids:
+                if not _is_int(t) or t < 0:
+                    raise ValueError(f"allowed_token_ids must contain non-negative integers, got {t!r}")
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -168,6 +179,9 @@ class SamplingParams:
         for t in self.logit_bias or {}:
             if t >= vocab_size:
                 raise ValueError(f"logit_bias: token id {t} is out of range for vocab size {vocab_size}")
+        for t in self.allowed_token_ids or ():
+            if t >= vocab_size:
+                raise ValueError(f"allowed_token_ids: token id {t} is out of range for vocab size {vocab_size}")
 
     def clone(self) -> SamplingParams:
         """Deep copy (the lists and dict are per-request and may be mutated downstream)."""

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import uuid
+from pathlib import Path
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "t": 1000**4, "tb": 1000**4}
@@ -64,3 +65,14 @@ def physical_cpu_cores() -> int:
         return psutil.cpu_count(logical=False) or os.cpu_count() or 1
     except ImportError:
         return os.cpu_count() or 1
+
+
+def cache_dir() -> Path:
+    """Where pagedllm keeps what it made or measured on this machine (joined model parts, the kernel autotune
+    table): ``PAGEDLLM_CACHE_DIR``, default ``$XDG_CACHE_HOME/pagedllm`` or ``~/.cache/pagedllm``."""
+    from pagedllm import envs
+
+    if envs.PAGEDLLM_CACHE_DIR:
+        return Path(envs.PAGEDLLM_CACHE_DIR).expanduser()
+    base = envs.XDG_CACHE_HOME
+    return (Path(base) if base else Path.home() / ".cache") / "pagedllm"

@@ -7,6 +7,11 @@ import os
 if os.environ.get("PAGEDLLM_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Kernel choices timed on a shared CI machine would differ from run to run, and with them the last bits of
+# quantized outputs: tests run the packing's own kernel unless they test the autotuner, which they do with
+# fake timers or a forced table (tests/quantization/test_kernel_autotune.py, test_kernel_autotune_engine.py).
+os.environ.setdefault("PAGEDLLM_CPU_KERNEL_AUTOTUNE", "off")
+
 
 def pytest_unconfigure(config) -> None:  # noqa: ANN001 - pytest's hook signature
     """A run must end: if the interpreter is still exiting a minute after the last test (a thread or socket that

@@ -5,14 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-AttentionKind = Literal["causal", "sliding", "encoder"]
+AttentionKind = Literal["causal", "sliding", "encoder", "cross"]
 
 
 @dataclass(frozen=True)
 class AttentionSpec:
     """``causal``: every earlier token; ``sliding``: the last ``window`` tokens including itself (the
     transformers convention: key j is seen by query i when ``i - window < j <= i``); ``encoder``: every
-    token of the same sequence, no mask and no KV cache."""
+    token of the same sequence, no mask and no KV cache; ``cross``: a decoder's cross-attention to its request's
+    encoder output, whose K/V sit in a KV cache group of their own (written once per request, never masked)."""
 
     kind: AttentionKind = "causal"
     window: int | None = None
@@ -34,6 +35,10 @@ class AttentionSpec:
     @classmethod
     def encoder(cls) -> AttentionSpec:
         return cls("encoder")
+
+    @classmethod
+    def cross(cls) -> AttentionSpec:
+        return cls("cross")
 
     @property
     def uses_kv_cache(self) -> bool:
@@ -88,8 +93,11 @@ def kv_cache_groups(specs: list[AttentionSpec]) -> tuple[list[int], int | None]:
     """Split a hybrid model's cached layers into KV cache groups: (the group of each cached layer, the
     sliding group's window). Group 0 holds the full (causal) layers, group 1 the sliding layers of one
     window, whose blocks out of the window can be freed while group 0 keeps the whole context. Any other
-    model (one kind of layer, or sliding layers of several windows) keeps one group: ([0, ...], None)."""
+    model (one kind of layer, or sliding layers of several windows) keeps one group: ([0, ...], None).
+    An encoder-decoder model's cross-attention layers are group 1 (window None): the encoder output's K/V."""
     cached = [s for s in specs if s.uses_kv_cache]
+    if any(s.kind == "cross" for s in cached):
+        return [1 if s.kind == "cross" else 0 for s in cached], None
     windows = {s.window for s in cached if s.kind == "sliding"}
     if len(windows) == 1 and any(s.kind == "causal" for s in cached):
         return [1 if s.kind == "sliding" else 0 for s in cached], windows.pop()

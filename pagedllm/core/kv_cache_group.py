@@ -3,7 +3,9 @@
 A model whose cached layers all attend alike has one group. A hybrid model (Gemma 3: sliding-window layers
 and full-attention layers) has two: the full layers need every block of a request, the sliding layers only
 the blocks of the window, so each kind gets its own pool and block table per request and the sliding
-group frees what fell out of the window. ``KVCacheManager`` runs every operation over all groups.
+group frees what fell out of the window. An encoder-decoder model's cross-attention layers get a group whose
+tables hold each request's encoder positions (``encoder_tokens``), whatever its decoder length: all of them at
+admission, none after, never prefix-cached. ``KVCacheManager`` runs every operation over all groups.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ class KVCacheGroup:
     window are swapped for the null block and freed."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
-                 sliding_window: int | None = None, enable_kv_cache_events: bool = False) -> None:
+                 sliding_window: int | None = None, enable_kv_cache_events: bool = False,
+                 encoder_tokens: int = 0) -> None:
         self.block_size = block_size
         self.sliding_window = sliding_window
+        self.encoder_tokens = encoder_tokens  # > 0: the cross-attention group (a fixed size per request)
         self.pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
@@ -90,6 +94,8 @@ class KVCacheGroup:
     def num_new_blocks(self, request_id: str, num_tokens: int, hits: list[KVCacheBlock]) -> int:
         """Blocks to take from the pool so the request's table covers ``num_tokens`` tokens (hits included)."""
         held = len(self.req_to_blocks.get(request_id, ()))
+        if self.encoder_tokens:
+            num_tokens = self.encoder_tokens
         return max(0, -(-num_tokens // self.block_size) - held - len(hits))
 
     def can_allocate(self, num_new: int, hits: list[KVCacheBlock]) -> bool:

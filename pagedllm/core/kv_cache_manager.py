@@ -19,8 +19,9 @@ class KVCacheManager:
 
     Every operation runs over the KV cache groups (``core/kv_cache_group.py``): one for most models; a
     hybrid model's sliding-window layers get a second one (``sliding_group``: its blocks and window), whose
-    blocks out of the window are freed while the full group keeps the whole context. Group 0 is the one
-    usage, admission, the cache map and the KV cache events follow.
+    blocks out of the window are freed while the full group keeps the whole context; an encoder-decoder model's
+    cross-attention layers get theirs (``cross_group``: its blocks, and encoder positions per request). Group 0
+    is the one usage, admission, the cache map and the KV cache events follow.
 
     Block hashes come from ``core/block_hash.py`` (``hash_algo``: builtin | sha256, the root from
     ``hash_seed``), the same functions a router uses to predict them. ``enable_kv_cache_events``: group 0's
@@ -30,7 +31,7 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  hash_seed: int | None = None, sliding_window: int | None = None,
                  sliding_group: tuple[int, int] | None = None, hash_algo: str = "builtin",
-                 enable_kv_cache_events: bool = False) -> None:
+                 enable_kv_cache_events: bool = False, cross_group: tuple[int, int] | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_algo = check_hash_algo(hash_algo)
@@ -39,6 +40,10 @@ class KVCacheManager:
                                     enable_kv_cache_events=enable_kv_cache_events)]
         if sliding_group is not None:  # (num_blocks, window) of a hybrid model's sliding layers
             self.groups.append(KVCacheGroup(sliding_group[0], block_size, enable_caching, sliding_group[1]))
+        if cross_group is not None:  # (num_blocks, encoder positions) of an encoder-decoder model's cross-attention
+            if enable_caching:
+                raise ValueError("enable_prefix_caching: an encoder-decoder model runs without prefix caching")
+            self.groups.append(KVCacheGroup(cross_group[0], block_size, False, encoder_tokens=cross_group[1]))
         # The first block's parent value: random per process unless configured, so hashes can't be
         # predicted across deployments.
         self.root_hash = root_hash_value(hash_seed, hash_algo)

@@ -49,7 +49,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: list[int], max_tokens: int, arrival_time: float | None = None,
-                 cache_salt: str | None = None, pooling_params: PoolingParams | None = None) -> None:
+                 cache_salt: str | None = None, pooling_params: PoolingParams | None = None,
+                 encoder_input: Any = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -60,6 +61,8 @@ class Request:
         self.cache_salt = cache_salt
         # Pooling requests sample nothing: they finish once their prompt has been computed.
         self.pooling_params = pooling_params
+        # An encoder-decoder request's encoder input (Whisper: float32 log-mel [n_mels, 3000]); opaque here.
+        self.encoder_input = encoder_input
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0

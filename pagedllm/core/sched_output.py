@@ -22,6 +22,8 @@ class NewRequestData:
     block_ids: tuple[list[int], ...]  # the block table in each KV cache group
     num_computed_tokens: int
     pooling_params: Any = None  # PoolingParams for a pooling request
+    # An encoder-decoder request's encoder input (audio_features): the runner runs its encoder this step.
+    encoder_input: Any = None
 
 
 @dataclass
@@ -71,6 +73,8 @@ class ModelRunnerOutput:
     # req_id -> pooled vector (a float32 CPU tensor) for pooling requests whose prompt is now complete.
     pooler_output: dict[str, Any] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Times the draft governor turned drafting off since start-up (spec_decode/governor.py).
+    spec_num_auto_disabled: int = 0
     # The KV connector worker half's report (distributed/kv_transfer/base.KVConnectorOutput), or None.
     kv_connector_output: Any = None
 

@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.encoder_decoder import encoder_cost
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.remote_kv import PROMPT_TOKEN_SOURCES, RemoteKVState, count_prompt_sources
 from pagedllm.core.request import Request, RequestStatus
@@ -44,7 +45,8 @@ class Scheduler:
                                  sliding_window=cache_config.sliding_window,
                                  sliding_group=cache_config.sliding_group(),
                                  hash_algo=cache_config.prefix_caching_hash_algo,
-                                 enable_kv_cache_events=enable_kv_cache_events)
+                                 enable_kv_cache_events=enable_kv_cache_events,
+                                 cross_group=cache_config.cross_group())
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -190,10 +192,16 @@ class Scheduler:
                 grammar_pending.append(self.waiting.popleft())
                 continue
             num_new = request.num_tokens - start - num_hit_tokens - num_external
-            no_chunking = not self.config.enable_chunked_prefill or self.config.is_encoder_only
-            if no_chunking and num_new > budget:
+            # An encoder-decoder request's encoder runs in the step that admits it, and costs budget like tokens
+            # (core/encoder_decoder.py); alone in a step it is admitted whatever the budget.
+            encoder = encoder_cost(request, self.config)
+            if encoder and encoder + 1 > budget and num_scheduled:
                 break
-            num_new = min(num_new, budget)
+            step_budget = max(budget - encoder, 1)
+            no_chunking = not self.config.enable_chunked_prefill or self.config.is_encoder_only
+            if no_chunking and num_new > step_budget:
+                break
+            num_new = min(num_new, step_budget)
             if not self.config.is_encoder_only:  # an encoder keeps no KV cache
                 new_blocks = self._allocate(request, num_new, hits, num_hit_tokens + num_external)
                 if new_blocks is None:
@@ -213,7 +221,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             num_scheduled[request.request_id] = num_new
-            budget -= num_new
+            budget -= num_new + encoder
             new_reqs.append(self._new_request_data(request))
             if isolated is not None:
                 break
@@ -273,6 +281,7 @@ class Scheduler:
             block_ids=self.kv.get_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
             pooling_params=request.pooling_params,
+            encoder_input=request.encoder_input,
         )
 
     def _cap_length(self, request: Request) -> None:
@@ -300,6 +309,7 @@ class Scheduler:
         outputs, self._pending_outputs = self._pending_outputs, []
         if self.remote_kv is not None:
             self.remote_kv.update(result.kv_connector_output)
+        self.spec_stats.num_auto_disabled = max(self.spec_stats.num_auto_disabled, result.spec_num_auto_disabled)
         for req_id in sched.num_scheduled_tokens:
             self._isolate.discard(req_id)  # it ran without failing
             request = self.requests.get(req_id)

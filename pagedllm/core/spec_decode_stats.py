@@ -12,6 +12,7 @@ class SpecDecodingStats:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_auto_disabled: int = 0  # times the draft governor turned drafting off at some batch size
     # accepted_per_pos[i]: drafts whose token at position i (0-based) was accepted.
     accepted_per_pos: list[int] = field(default_factory=list)
 

@@ -68,18 +68,32 @@ class EngineCoreClient:
         self.input.setsockopt(zmq.LINGER, 0)
         self.output = self.ctx.socket(zmq.PULL)
         self.output.setsockopt(zmq.LINGER, 0)
-        input_address = f"ipc://{self._ipc_dir}/input"
-        output_address = f"ipc://{self._ipc_dir}/output"
-        self.input.bind(input_address)
-        self.output.bind(output_address)
+        on_ray = config.parallel.data_parallel_backend == "ray"
+        if on_ray:  # engines on any node of the cluster connect over TCP to this node's address
+            from pagedllm.executor.ray_engines import bind_tcp
+
+            input_address, output_address = bind_tcp(self.input), bind_tcp(self.output)
+        else:
+            input_address = f"ipc://{self._ipc_dir}/input"
+            output_address = f"ipc://{self._ipc_dir}/output"
+            self.input.bind(input_address)
+            self.output.bind(output_address)
         mp = multiprocessing.get_context("spawn")  # fork would copy this process's threads and sockets
         self.processes: list[Any] = []
         self._parent_ends: list[Any] = []
         self.ready: list[Ready] = []
         try:
-            for index in range(num_engines):
+            if on_ray:
+                from pagedllm.executor.ray_engines import start_ray_engines
+
+                self.processes = start_ray_engines(config, num_engines, target, input_address, output_address,
+                                                   threads_per_engine)
+            for index in range(0 if on_ray else num_engines):
                 child_end, parent_end = mp.Pipe(duplex=False)
-                proc = mp.Process(target=target, name=f"pagedllm-engine-{index}", daemon=True,
+                # A daemonic process may not start children: an engine with tensor-parallel ranks is not one (it still
+                # exits with this process, through its pipe end below).
+                proc = mp.Process(target=target, name=f"pagedllm-engine-{index}",
+                                  daemon=config.parallel.tensor_parallel_size == 1,
                                   args=(config, index, input_address, output_address, child_end,
                                         threads_per_engine))
                 proc.start()

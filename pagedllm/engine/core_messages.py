@@ -50,6 +50,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float
     cache_salt: str | None = None
     pooling_params: PoolingParams | None = None
+    # An encoder-decoder request's encoder input (float32 audio_features): its raw bytes and shape.
+    encoder_input: bytes | None = None
+    encoder_input_shape: list[int] | None = None
 
 
 class AbortRequests(msgspec.Struct, array_like=True):

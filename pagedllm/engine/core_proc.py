@@ -35,6 +35,7 @@ from pagedllm.engine.core_messages import (
     encode,
     parse_frames,
 )
+from pagedllm.engine.encoder_inputs import unpack_encoder_input
 from pagedllm.engine.engine_snapshot import SnapshotPublisher
 from pagedllm.logger import init_logger
 
@@ -144,7 +145,8 @@ class EngineCoreProc:
 
     def _add(self, req: EngineCoreRequest) -> None:
         request = Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_ids,
-                          req.max_tokens, req.arrival_time, req.cache_salt, req.pooling_params)
+                          req.max_tokens, req.arrival_time, req.cache_salt, req.pooling_params,
+                          encoder_input=unpack_encoder_input(req.encoder_input, req.encoder_input_shape))
         try:
             self.core.add_request(request)
         except ValueError as e:  # the API side checked the prompt; anything left fails this request only
@@ -202,17 +204,20 @@ class EngineCoreProc:
 
 
 def run_engine_core(config: EngineConfig, engine_index: int, input_address: str, output_address: str,
-                    parent_alive: Connection, num_threads: int | None = None) -> None:
+                    parent_alive: Connection | None, num_threads: int | None = None) -> None:
     """Entry point of an engine process (a ``multiprocessing`` spawn target).
 
     Says HELLO as soon as its sockets are connected, builds the engine (model, KV cache), then says READY (or
     FAILED with the traceback) and serves until SHUTDOWN, SIGTERM, or the API process going away. A loop that
     raises says DEAD with the reason before the process exits with status 1.
     """
-    # Ctrl-C reaches the whole process group: the API process decides when engines stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _raise_system_exit)
-    _exit_with_parent(parent_alive, engine_index)
+    # Ctrl-C reaches the whole process group: the API process decides when engines stop. (A Ray actor, which has
+    # no parent pipe, may run its call off the main thread: Ray then owns the signals.)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, _raise_system_exit)
+    if parent_alive is not None:
+        _exit_with_parent(parent_alive, engine_index)
     if num_threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(num_threads)  # before torch starts its pool
         import torch

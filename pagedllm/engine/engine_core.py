@@ -16,7 +16,6 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_stats import SchedulerStats, make_scheduler_stats
 from pagedllm.logger import init_logger
 from pagedllm.structured_output.manager import StructuredOutputManager
-from pagedllm.worker.worker import Worker
 
 logger = init_logger(__name__)
 
@@ -25,6 +24,8 @@ def is_fatal_device_error(exc: BaseException) -> bool:
     """A CUDA error (device-side assert, illegal address, launch failure ...) leaves the CUDA context broken:
     every later call fails too, so retrying requests one by one would only fail them all. Out-of-memory is not
     one of these (the allocator recovers)."""
+    if getattr(exc, "fatal", False):  # e.g. a tensor-parallel rank died (executor/)
+        return True
     text = str(exc)
     accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8 raises CUDA errors as this
     if accelerator_error is not None and isinstance(exc, accelerator_error):
@@ -38,7 +39,9 @@ class EngineCore:
     def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
         self.config = config
         self.engine_index = engine_index
-        self.worker = Worker(config)
+        from pagedllm.executor import make_executor
+
+        self.worker = make_executor(config)  # a Worker, or one per tensor-parallel rank (executor/)
         config.cache.num_blocks = self.worker.determine_num_blocks()
         self.worker.init_kv_cache(config.cache.num_blocks)
         events = config.kv_events
@@ -64,6 +67,8 @@ class EngineCore:
         from pagedllm.distributed.kv_transfer.factory import create_connector_pair
 
         kvt = config.kv_transfer
+        if not hasattr(self.worker, "attach_kv_connector"):  # a tensor-parallel executor
+            raise ValueError("kv_transfer_config: KV transfer needs --tensor-parallel-size 1")
         scheduler_half, worker_half = create_connector_pair(kvt, config.cache.block_size)
         self.worker.attach_kv_connector(worker_half)
         scheduler_half.bind_worker(worker_half)
@@ -147,6 +152,9 @@ class EngineCore:
         try:
             result = self.worker.execute_model(sched, overlap)
         except Exception as e:  # one bad request must not take the engine down; isolate it instead
+            if getattr(e, "fatal", False):
+                logger.critical("%s; the engine stops", e)
+                raise
             if is_fatal_device_error(e):
                 logger.critical("the GPU reported an error that breaks its context (%s); the engine stops, since "
                                 "every later step would fail too: restart the server", e)
@@ -193,11 +201,14 @@ class EngineCore:
                 self.kv_events.publish(KVEventBatch(time.time(), events, self.engine_index))
 
     def close(self) -> None:
-        """Release what outlives a step (the KV events socket)."""
+        """Release what outlives a step (the KV events socket, the tensor-parallel ranks)."""
+        close = getattr(self.worker, "close", None)
+        if close is not None:
+            close()
         if self.kv_events is not None:
             self.kv_events.close()
             self.kv_events = None
-        if self.worker.kv_connector is not None:
+        if getattr(self.worker, "kv_connector", None) is not None:
             self.worker.kv_connector.shutdown()
             self.worker.kv_connector = None
 

@@ -59,6 +59,7 @@ class EngineFrontEnd:
             cache_salt = str(prompt["cache_salt"])  # vLLM's place for it in offline prompts
         if isinstance(params, PoolingParams) != self.config.model.is_pooling:
             raise ValueError(_wrong_runner_message(self.config.model.name, self.config.model.is_pooling))
+        encoder_input = self.processor.encoder_input(prompt)  # audio_features (Whisper), else None
         if isinstance(params, PoolingParams):
             text, token_ids = self.processor.tokenize_for_pooling(prompt, params, add_special_tokens)
             request = self.processor.make_pooling_request(request_id, token_ids, params, arrival_time)
@@ -68,7 +69,8 @@ class EngineFrontEnd:
         if params.structured_outputs is not None:
             self._precompile(params)
         text, token_ids = self.processor.tokenize(prompt, add_special_tokens)
-        requests = self.processor.make_requests(request_id, token_ids, params, arrival_time, cache_salt)
+        requests = self.processor.make_requests(request_id, token_ids, params, arrival_time, cache_salt,
+                                                encoder_input)
         self.output_processor.add_request(request_id, text, token_ids, params, kind, arrival_time)
         self._queue(requests)
 

@@ -35,6 +35,7 @@ from pagedllm.engine.core_messages import (
     RequestType,
     UtilityCall,
 )
+from pagedllm.engine.encoder_inputs import pack_encoder_input
 from pagedllm.engine.front_end import EngineFrontEnd
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import Processor
@@ -171,10 +172,12 @@ class MultiprocEngine(EngineFrontEnd):
         parent = _parent_id(first.request_id, len(requests))
         loads = [r + s for r, s in zip(self._reported_load, self._sent_since_report)]
         engine = self.router.choose(parent, first.prompt_token_ids, first.cache_salt, loads)
+        encoder_input, encoder_shape = pack_encoder_input(first.encoder_input)
         for request in requests:
             self._send(engine, RequestType.ADD, EngineCoreRequest(
                 request.request_id, request.prompt_token_ids, request.sampling_params, list(request.eos_token_ids),
-                request.max_tokens, request.arrival_time, request.cache_salt, request.pooling_params))
+                request.max_tokens, request.arrival_time, request.cache_salt, request.pooling_params,
+                encoder_input, encoder_shape))
             self._owner[request.request_id] = engine
             self._parent_of[request.request_id] = parent
         self._live_children[parent] = len(requests)

@@ -51,6 +51,14 @@ class Processor:
             return None, list(prompt)
         raise ValueError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
 
+    def encoder_input(self, prompt: PromptType) -> Any:
+        """The prompt's ``audio_features`` as float32 [n_mels, 3000] for an encoder-decoder (Whisper) model, None for
+        any other; ValueError naming the field when a Whisper prompt lacks it or a text model is sent one."""
+        from pagedllm.engine.encoder_inputs import check_audio_features
+
+        features = prompt.get("audio_features") if isinstance(prompt, dict) else None
+        return check_audio_features(features, self.model_config)
+
     def validate_params(self, params: SamplingParams, num_prompt_tokens: int) -> int:
         """Checks that need the model; returns the effective max_tokens."""
         params.verify_token_ids(self.vocab_size)
@@ -59,15 +67,18 @@ class Processor:
         return room if params.max_tokens is None else min(params.max_tokens, room)
 
     def make_requests(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      arrival_time: float | None = None, cache_salt: str | None = None) -> list[Request]:
-        """One engine request per sample (n > 1 fans out; children share prompt blocks via the cache)."""
+                      arrival_time: float | None = None, cache_salt: str | None = None,
+                      encoder_input: Any = None) -> list[Request]:
+        """One engine request per sample (n > 1 fans out; children share prompt blocks via the cache, and an
+        encoder-decoder request's children its ``encoder_input``)."""
         max_tokens = self.validate_params(params, len(prompt_token_ids))
         arrival_time = arrival_time if arrival_time is not None else time.time()
         requests = []
         for i in range(params.n):
             child = params.child_params(i)
             requests.append(Request(child_request_id(request_id, i, params.n), prompt_token_ids, child,
-                                    self.model_config.eos_token_ids, max_tokens, arrival_time, cache_salt))
+                                    self.model_config.eos_token_ids, max_tokens, arrival_time, cache_salt,
+                                    encoder_input=encoder_input))
         return requests
 
     # ---- pooling (embedding) requests ---------------------------------------------------------------------
@@ -100,6 +111,8 @@ class Processor:
             if hidden and params.dimensions > hidden:
                 raise ValueError(f"dimensions: {params.dimensions} is more than the model's {hidden} dimensions")
         self.check_fits(len(prompt_token_ids), pooling=True)
+        if self.model_config.is_encoder_decoder:
+            raise ValueError(f"model: {self.model_config.name!r} is an encoder-decoder model; it cannot pool")
         return Request(request_id, prompt_token_ids, _POOLING_SAMPLING, [], 1,
                        arrival_time if arrival_time is not None else time.time(), pooling_params=params)
 

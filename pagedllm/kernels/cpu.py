@@ -67,6 +67,16 @@ def kernels_name() -> str:
     return f"pagedllm_cpu_kernels_{kind.lower()}"
 
 
+@functools.cache
+def sources_digest() -> str:
+    """A hash of the kernels' sources: what a measurement of them (the autotune table) holds for."""
+    digest = hashlib.sha256()
+    for path in sorted(_CSRC.iterdir()):
+        if path.suffix in (".cpp", ".h"):
+            digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def build_directory(name: str) -> Path:
     """Where ``name`` is built and cached. The folder's name carries a hash of the source path: two checkouts
     never rebuild over each other's build."""

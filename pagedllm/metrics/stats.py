@@ -93,6 +93,7 @@ class StatsRecorder:
             m.kv_cache_usage_perc.set(stats.kv_cache_usage)
             m.kv_cache_sliding_usage_perc.set(stats.sliding_kv_cache_usage or 0.0)
             _inc(m.num_preemptions, stats.num_preemptions - prev.num_preemptions)
+            _inc(m.spec_decode_auto_disabled, stats.spec_num_auto_disabled - prev.spec_num_auto_disabled)
             _inc(m.prefix_cache_queries, d_q)
             _inc(m.prefix_cache_hits, d_h)
             for source, count in stats.prompt_tokens_by_source.items():

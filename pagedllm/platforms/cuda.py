@@ -17,6 +17,16 @@ class CudaPlatform(Platform):
     packs_quantized_by_rows = True
     # The fused Triton RMSNorm takes the scale in the activation dtype: Gemma's 1 + w would round to bf16 first.
     fused_norm_keeps_offset_exact = False
+    distributed_backend = "nccl"
+
+    def max_tensor_parallel_size(self) -> int:
+        return torch.cuda.device_count()
+
+    def rank_device(self, device: torch.device, rank: int) -> torch.device:
+        # One GPU per rank: NCCL and the caching allocator use the current one. A Ray actor sees only its own GPU.
+        index = rank if torch.cuda.device_count() > rank else 0
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
 
     def _make_attention_backend(self, name: str) -> Any:
         from pagedllm.kernels import triton_ops

@@ -27,6 +27,8 @@ class Platform:
     fused_norm_keeps_offset_exact = True
     #: The runner keeps one logits buffer across steps (a fresh vocab-sized tensor per step costs page faults).
     reuses_logits_buffer = False
+    #: torch.distributed backend of the tensor-parallel group (``distributed/parallel_state.py``).
+    distributed_backend = "gloo"
 
     def __init__(self) -> None:
         self._attention_backends: dict[str, Any] = {}
@@ -46,6 +48,16 @@ class Platform:
         if name in ("auto", "torch"):
             return TorchPagedAttentionBackend()
         raise ValueError(f"attention_backend: {name!r} does not run on the {self.name} platform; use torch")
+
+    def max_tensor_parallel_size(self) -> int:
+        """The most tensor-parallel ranks this host can give distinct processors: one physical core each here."""
+        from pagedllm.utils import physical_cpu_cores
+
+        return max(1, physical_cpu_cores())
+
+    def rank_device(self, device: torch.device, rank: int) -> torch.device:
+        """The device tensor-parallel rank ``rank`` computes on (one host processor set: the same device)."""
+        return device
 
     def prepare_worker(self) -> None:
         """Once, when a worker starts on this platform (thread pools, kernels compiled before the first request)."""

@@ -9,6 +9,7 @@ several rows (speculative decoding).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -73,6 +74,11 @@ class SamplingMetadata:
     grammar_bitmask: torch.Tensor | None = None
     # Per-row requested logprobs count (None = not requested), so the engine can slice [B, k+1] results.
     num_logprobs: list[int | None] = field(default_factory=list)
+    # allowed_token_ids: rows that set it [M] int64 and their allowed tokens [M, V] bool. None when no row does.
+    allowed_rows: torch.Tensor | None = None
+    allowed_mask: torch.Tensor | None = None
+    # A Whisper model's decoding rules for this step (sample/whisper_rules.py), or None.
+    whisper: Any = None
 
 
 def _pad_rows(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
@@ -95,6 +101,7 @@ def build_sampling_metadata(
     device: torch.device,
     grammar_rows: list[int] | None = None,
     grammar_bitmask: torch.Tensor | None = None,
+    decoding_rules: Any = None,
 ) -> SamplingMetadata:
     """Build the batch tensors for one sampling step.
 
@@ -104,7 +111,8 @@ def build_sampling_metadata(
     Token ids >= ``vocab_size`` in logit_bias / stop_token_ids are dropped here (the front end should
     reject them with ``SamplingParams.verify_token_ids``).
     ``grammar_rows`` / ``grammar_bitmask`` [len(grammar_rows), ceil(V/32)] int32: the rows under a grammar and
-    the tokens each may take next (xgrammar's bitmask layout).
+    the tokens each may take next (xgrammar's bitmask layout). ``decoding_rules``: the model's own rules
+    (``WhisperDecodingRules``), applied to every row without ``allowed_token_ids``.
     """
     num_rows = len(params)
     words = (vocab_size + 31) // 32
@@ -199,6 +207,18 @@ def build_sampling_metadata(
 
     all_greedy = all(greedy)
     all_random = not any(greedy)
+    allowed = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    allowed_mask = None
+    if allowed:
+        mask = np.zeros((len(allowed), vocab_size), dtype=np.bool_)
+        for j, i in enumerate(allowed):
+            ids = [t for t in params[i].allowed_token_ids if t < vocab_size]
+            mask[j, ids] = True
+        allowed_mask = to_device(torch.from_numpy(mask), device)
+    whisper = None
+    if decoding_rules is not None:
+        ruled = [i for i, p in enumerate(params) if p.allowed_token_ids is None]
+        whisper = decoding_rules.step(ruled, prompt_token_ids, output_token_ids, device)
 
     # On CUDA every tensor below is queued without a stream sync (host_to_device.py): the model runner builds
     # this metadata while the GPU still runs the step's forward pass.
@@ -246,4 +266,7 @@ def build_sampling_metadata(
         num_logprobs=num_logprobs,
         grammar_rows=i64(grammar_rows) if grammar_rows else None,
         grammar_bitmask=to_device(grammar_bitmask, device) if grammar_rows else None,
+        allowed_rows=tensor_on(allowed, torch.int64, device) if allowed else None,
+        allowed_mask=allowed_mask,
+        whisper=whisper,
     )

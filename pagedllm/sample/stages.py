@@ -112,6 +112,20 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 # ---- the stages -----------------------------------------------------------------------------------------
 
+class AllowedTokensStage:
+    """Rows with ``allowed_token_ids``: every other token gets -inf."""
+
+    name = "allowed_token_ids"
+
+    def is_active(self, meta: SamplingMetadata) -> bool:
+        return meta.allowed_rows is not None
+
+    def apply(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        assert meta.allowed_rows is not None and meta.allowed_mask is not None
+        rows = logits.index_select(0, meta.allowed_rows).masked_fill_(~meta.allowed_mask, float("-inf"))
+        return logits.index_copy_(0, meta.allowed_rows, rows)
+
+
 class LogitBiasStage:
     name = "logit_bias"
 
@@ -202,8 +216,10 @@ class MinPStage:
 
 
 def default_stages() -> list[LogitsStage]:
-    """The processing order: what the request asked for (bias, min_tokens, penalties, grammar), then the
-    distribution's shape (temperature, truncation). The grammar comes before truncation so top-k/top-p pick
-    among allowed tokens only."""
-    return [LogitBiasStage(), MinTokensStage(), PenaltiesStage(), GrammarBitmaskStage(), TemperatureStage(),
-            TopKTopPStage(), MinPStage()]
+    """The processing order: the model's own rules (Whisper's), the tokens a request allows, what the request asked
+    for (bias, min_tokens, penalties, grammar), then the distribution's shape (temperature, truncation). The
+    grammar comes before truncation so top-k/top-p pick among allowed tokens only."""
+    from pagedllm.sample.whisper_rules import WhisperRulesStage
+
+    return [WhisperRulesStage(), AllowedTokensStage(), LogitBiasStage(), MinTokensStage(), PenaltiesStage(),
+            GrammarBitmaskStage(), TemperatureStage(), TopKTopPStage(), MinPStage()]

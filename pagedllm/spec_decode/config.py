@@ -10,7 +10,7 @@ from pagedllm.utils import parse_json_object
 METHODS = ("ngram", "draft_model", "layer_skip")
 # vLLM's keys that mean something here; anything else is refused so a typo is not silently ignored.
 _KNOWN_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
-               "num_draft_layers", "disable_by_batch_size"}
+               "num_draft_layers", "disable_by_batch_size", "auto_disable"}
 DEFAULT_PROMPT_LOOKUP_MIN = 2
 DEFAULT_PROMPT_LOOKUP_MAX = 5
 # Above this many requests in a step, a CPU step is compute-bound: k extra query tokens per request cost
@@ -26,6 +26,8 @@ class SpeculativeConfig:
     tokenizer, ``model``) or ``layer_skip`` (the target's first ``num_draft_layers`` layers + its head).
     ``disable_by_batch_size``: no drafts in a step with more than this many requests (None: always draft;
     default DEFAULT_DISABLE_BY_BATCH_SIZE when the key is absent).
+    ``auto_disable``: measure as the engine runs and stop drafting at batch sizes where it costs more than it
+    saves (``spec_decode/governor.py``); on by default, ``false`` always drafts (comparisons, tests).
     ``draft_model_config`` is the resolved ``ModelConfig`` of the draft model (filled by engine args).
     """
 
@@ -36,6 +38,7 @@ class SpeculativeConfig:
     model: str | None = None
     num_draft_layers: int | None = None
     disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
+    auto_disable: bool = True
     draft_model_config: Any = None
 
     @property
@@ -80,7 +83,11 @@ def parse_speculative_config(raw: str | dict[str, Any] | SpeculativeConfig | Non
         raise ValueError("speculative_config.num_speculative_tokens: required (tokens drafted per step)")
     disable = _positive_int(raw, "disable_by_batch_size") if "disable_by_batch_size" in raw \
         else DEFAULT_DISABLE_BY_BATCH_SIZE
-    cfg = SpeculativeConfig(method=method, num_speculative_tokens=k, disable_by_batch_size=disable)
+    auto_disable = raw.get("auto_disable", True)
+    if not isinstance(auto_disable, bool):
+        raise ValueError(f"speculative_config.auto_disable: must be true or false, got {auto_disable!r}")
+    cfg = SpeculativeConfig(method=method, num_speculative_tokens=k, disable_by_batch_size=disable,
+                            auto_disable=auto_disable)
     if method == "ngram":
         lo, hi = _positive_int(raw, "prompt_lookup_min"), _positive_int(raw, "prompt_lookup_max")
         if lo is None and hi is None:

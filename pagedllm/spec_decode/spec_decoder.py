@@ -17,6 +17,7 @@ from pagedllm.sample.rejection_sampler import DraftRun, process_target_logits, r
 from pagedllm.sample.sampler import compute_logprobs_for_targets, logprob_dicts
 from pagedllm.sampling_params import SAMPLING_EPS, SamplingParams
 from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.governor import DraftGovernor
 from pagedllm.spec_decode.model_drafter import make_draft_model_drafter, make_layer_skip_drafter
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.spec_decode.proposer import DraftJob, Proposer
@@ -48,6 +49,7 @@ class SpecDecoder:
             self.proposer = make_draft_model_drafter(draft_model, block_size, device)
         # req_id -> [k, V] distributions its pending (random) drafts were drawn from.
         self.draft_probs: dict[str, torch.Tensor] = {}
+        self.governor = DraftGovernor(enabled=config.auto_disable)
 
     def forget(self, req_id: str) -> None:
         self.draft_probs.pop(req_id, None)
@@ -136,7 +138,8 @@ class SpecDecoder:
 
         ``starts[i]``/``query_lens[i]``: where request i's computed tokens began this step and how many
         were scheduled (states already hold the accepted tokens)."""
-        enabled = self.config.disable_by_batch_size is None or len(states) <= self.config.disable_by_batch_size
+        enabled = ((self.config.disable_by_batch_size is None or len(states) <= self.config.disable_by_batch_size)
+                   and self.governor.drafting(len(states)))
         jobs = []
         for state, start, q in zip(states, starts, query_lens):
             proposing = enabled and state.req_id in sampled and can_speculate(state.params)
@@ -148,3 +151,8 @@ class SpecDecoder:
         proposals = self.proposer.propose_batch(jobs)
         self.draft_probs.update(proposals.probs)
         return {rid: d for rid, d in proposals.drafts.items() if d}
+
+    def observe_step(self, num_requests: int, num_tokens: int, seconds: float, verified: bool) -> None:
+        """A pure decode step (every request sampled, none computed prompt tokens) for the governor:
+        ``seconds`` of model, verification and proposing; ``verified``: whether it checked drafts."""
+        self.governor.observe(num_requests, num_tokens, seconds, verified)

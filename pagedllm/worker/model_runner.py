@@ -6,6 +6,7 @@ scheduler's diffs to it, so per step only new tokens and new block ids travel.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,6 +106,11 @@ class ModelRunner:
         self.spec_decoder: Any = None
         self.draft_model: nn.Module | None = None
         self.draft_kv_caches: list[torch.Tensor] = []
+        # An encoder-decoder model (worker/encoder_decoder.py): runs new requests' encoders, builds the
+        # cross-attention group's metadata. None for every other model.
+        self.encoder_decoder: Any = None
+        # Model-level decoding rules applied to every sampled row (Whisper's, sample/whisper_rules.py), or None.
+        self.decoding_rules: Any = None
 
     # ---- KV cache ----------------------------------------------------------------------------------
     def kv_cache_spec(self) -> tuple[int, int, int]:
@@ -208,6 +214,7 @@ class ModelRunner:
         self._update_states(sched)
         if sched.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
+        began = time.perf_counter()
         if self.pooling is not None:
             return self.pooling.execute(self, sched)
         # Decodes (one token) first: the attention backend batches them in one call.
@@ -216,6 +223,8 @@ class ModelRunner:
         query_lens = [sched.num_scheduled_tokens[r] for r in order]
         spec = sched.scheduled_spec_decode_tokens
         meta, input_ids, positions = self._prepare_inputs(states, query_lens, spec)
+        if self.encoder_decoder is not None:
+            self.encoder_decoder.run_encoders(sched)  # new requests' cross-attention K/V, before the decoder reads
 
         if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
             hidden = self.decode_graphs.run(input_ids, positions, meta)  # CUDA graph replay
@@ -255,6 +264,12 @@ class ModelRunner:
         if self.spec_decoder is not None:
             result.spec_token_ids = self.spec_decoder.propose(states, starts, query_lens,
                                                               set(result.sampled_token_ids))
+            decoding = len(result.sampled_token_ids) == len(states) and all(
+                q == 1 + len(spec.get(state.req_id, ())) for q, state in zip(query_lens, states))
+            if decoding:  # what the draft governor compares: tokens per second with and without drafts
+                self.spec_decoder.observe_step(len(states), sum(map(len, result.sampled_token_ids.values())),
+                                               time.perf_counter() - began, bool(verify_jobs))
+            result.spec_num_auto_disabled = self.spec_decoder.governor.num_turned_off
         return result
 
     def _verify(self, hidden: torch.Tensor, rows: list[int], jobs: list, result: ModelRunnerOutput) -> None:
@@ -277,7 +292,8 @@ class ModelRunner:
         sampling_meta = build_sampling_metadata(
             [s.params for s in sample_states], [s.output_token_ids for s in sample_states],
             [s.prompt_token_ids for s in sample_states], [s.generator for s in sample_states],
-            self.eos_token_ids, self.vocab_size, self.device, grammar_rows, grammar_bitmask)
+            self.eos_token_ids, self.vocab_size, self.device, grammar_rows, grammar_bitmask,
+            decoding_rules=self.decoding_rules)
         out = self.sampler(logits, sampling_meta)
         if overlap is not None:
             overlap()
@@ -299,6 +315,9 @@ class ModelRunner:
         seq_lens = [state.num_computed_tokens + q for state, q in zip(states, query_lens)]
         metas = []
         for group in range(len(states[0].block_ids)):  # one metadata per KV cache group
+            if self.encoder_decoder is not None and group == self.encoder_decoder.group:
+                metas.append(self.encoder_decoder.cross_metadata([s.block_ids[group] for s in states], metas[0]))
+                continue
             width = max(len(s.block_ids[group]) for s in states)
             tables = np.zeros((len(states), width), dtype=np.int32)
             for i, state in enumerate(states):

@@ -11,7 +11,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.logger import init_logger
 from pagedllm.platforms import platform_for
-from pagedllm.utils import format_bytes
+from pagedllm.utils import cdiv, format_bytes
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
@@ -30,7 +30,12 @@ def resolve_device(name: str) -> torch.device:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
+    """``tp_rank`` / ``tp_init_method``: this worker's rank in a tensor-parallel group of
+    ``config.parallel.tensor_parallel_size`` (joined before the model is built, so its layers are this rank's
+    slices; ``executor/``)."""
+
+    def __init__(self, config: EngineConfig, tp_rank: int = 0, tp_init_method: str | None = None) -> None:
+        from pagedllm.distributed.parallel_state import get_tp, init_tensor_parallel
         from pagedllm.model_executor.loader import load_model
         from pagedllm.model_executor.loader.dtype import torch_dtype
 
@@ -40,6 +45,12 @@ class Worker:
         self.platform = platform_for(self.device)  # every device-specific choice of this engine comes from it
         config.device.device = self.platform.name
         self.platform.prepare_worker()
+        world = config.parallel.tensor_parallel_size
+        if world > 1:
+            self.device = self.platform.rank_device(self.device, tp_rank)
+            self.tp = init_tensor_parallel(tp_rank, world, tp_init_method, self.platform.distributed_backend)
+        else:
+            self.tp = get_tp()
         mc = config.model
         self.dtype = torch_dtype(mc.dtype)
         torch.manual_seed(mc.seed)
@@ -59,12 +70,25 @@ class Worker:
                                   mc.eos_token_ids, pooling=pooling)
         config.cache.sliding_window = self.runner.kv_sliding_window()
         config.cache.sliding_group_window = self.runner.kv_cache_groups()[1]
+        if mc.is_encoder_decoder:
+            from pagedllm.sample.whisper_rules import WhisperDecodingRules
+            from pagedllm.worker.encoder_decoder import attach_encoder_decoder
+
+            attach_encoder_decoder(self.runner, config.cache.cross_group_tokens)
+            self.runner.decoding_rules = WhisperDecodingRules.from_config(mc.hf_config, mc.vocab_size)
         if config.speculative is not None:
             from pagedllm.spec_decode.setup import attach_spec_decoder
 
             attach_spec_decoder(self.runner, config.speculative, self.device)
             if getattr(self.runner, "draft_model", None) is not None:
                 self._bind_attention_backend(self.runner.draft_model)  # the draft attends as the target does
+
+    def close_parallel(self) -> None:
+        """Leave the tensor-parallel group (nothing for a single rank)."""
+        from pagedllm.distributed.parallel_state import destroy_tensor_parallel
+
+        if self.tp.is_parallel:
+            destroy_tensor_parallel()
 
     def _bind_attention_backend(self, model: torch.nn.Module) -> None:
         """The engine's one attention backend on every attention layer of ``model`` (chosen once, not per call)."""
@@ -78,12 +102,14 @@ class Worker:
         per_block = self.runner.bytes_per_block()
         if cache.kv_cache_memory is not None:
             budget, flag = cache.kv_cache_memory, "kv_cache_memory"
-        elif self.platform.is_accelerator:
+        elif self.platform.is_accelerator and not self.config.model.is_encoder_decoder:
             budget, flag = self._profile_gpu_kv_budget(), "gpu_memory_utilization"
         else:
             budget, flag = CPU_DEFAULT_KV_CACHE_MEMORY, "kv_cache_memory"
         if cache.sliding_group_window is not None:
             return self._split_hybrid_budget(budget, flag)
+        if cache.cross_group_tokens:
+            return self._split_cross_budget(budget, flag)
         num_blocks = budget // per_block
         if num_blocks < 2:
             raise ValueError(
@@ -108,6 +134,24 @@ class Worker:
                 f"(one block needs {format_bytes(self.runner.bytes_per_block())}); raise --{flag.replace('_', '-')}")
         cache.sliding_group_num_blocks = sliding
         return full
+
+    def _split_cross_budget(self, budget: int, flag: str) -> int:
+        """An encoder-decoder model: split the budget so both groups hold the same number of requests at full
+        length (the decoder's max_model_len, the encoder's positions); set the cross group's blocks in the cache
+        config, return the decoder group's."""
+        cache, bs = self.config.cache, self.config.cache.block_size
+        decoder_blocks = cdiv(self.config.scheduler.max_model_len, bs)
+        cross_blocks = cdiv(cache.cross_group_tokens, bs)
+        per_request = decoder_blocks * self.runner.bytes_per_block(0) + cross_blocks * self.runner.bytes_per_block(1)
+        requests = budget // per_request
+        if requests < 1:
+            raise ValueError(f"{flag}: {format_bytes(budget)} for the KV cache cannot hold one request of "
+                             f"{self.config.model.architecture} ({format_bytes(per_request)}: "
+                             f"{cache.cross_group_tokens} encoder positions and "
+                             f"{self.config.scheduler.max_model_len} decoder tokens); raise "
+                             f"--{flag.replace('_', '-')}")
+        cache.cross_group_num_blocks = int(requests * cross_blocks + 1)
+        return int(requests * decoder_blocks + 1)
 
     def _profile_gpu_kv_budget(self) -> int:
         """Run the largest step the scheduler can issue (the whole token budget in prompts of at most
@@ -147,15 +191,22 @@ class Worker:
                         "per step)", self.config.model.architecture, self.config.scheduler.max_num_batched_tokens)
             return
         cache = self.config.cache
-        self.runner.init_kv_cache(num_blocks, cache.sliding_group_num_blocks)
+        self.runner.init_kv_cache(num_blocks, cache.sliding_group_num_blocks or cache.cross_group_num_blocks)
         tokens = (num_blocks - 1) * cache.block_size
         max_len = self.config.scheduler.max_model_len
         group = cache.sliding_group()
-        per_block = self.runner.bytes_per_block() if group is None else self.runner.bytes_per_block(0)
+        per_block = (self.runner.bytes_per_block() if group is None and cache.cross_group() is None
+                     else self.runner.bytes_per_block(0))
         size = format_bytes(num_blocks * per_block)
         logger.info("KV cache: %d blocks of %d tokens (%s, %s), %d tokens; max concurrency %.1fx at %d tokens "
                     "per request", num_blocks, cache.block_size, size, self.config.model.dtype, tokens,
                     tokens / max_len, max_len)
+        cross = cache.cross_group()
+        if cross is not None:
+            logger.info("KV cache: the cross-attention layers keep their own %d blocks (%s): %d requests' encoder "
+                        "outputs (%d positions each); the blocks above are the decoder's self-attention layers'",
+                        cross[0], format_bytes(cross[0] * self.runner.bytes_per_block(1)),
+                        (cross[0] - 1) // cdiv(cross[1], cache.block_size), cross[1])
         if group is not None:
             logger.info("KV cache: the sliding-window layers (window %d) keep their own %d blocks (%s), sized for "
                         "%d requests at the window plus one step's tokens; the blocks above are the full-attention "
@@ -170,6 +221,8 @@ class Worker:
             return
         if self.runner.pooling is not None:
             return  # a pooling model's steps run through the pooling runner, never a decode graph
+        if getattr(self.runner, "encoder_decoder", None) is not None:
+            return  # the cross-attention group's metadata is built per step, outside the captured graphs
         from pagedllm.kernels.triton_ops import triton_available
         from pagedllm.worker.cuda_graphs import DecodeGraphRunner, graph_batch_sizes
 

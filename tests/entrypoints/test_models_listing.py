@@ -9,7 +9,7 @@ from pagedllm.entrypoints.openai.serving_models import ServingModels
 from pagedllm.model_executor.models.registry import get_model_cls, supported_architectures
 
 EXPECTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
-            "Gemma3ForCausalLM", "GPT2LMHeadModel", "BertModel"}
+            "Gemma3ForCausalLM", "GPT2LMHeadModel", "BertModel", "WhisperForConditionalGeneration"}
 
 
 def test_cli_lists_every_architecture(capsys) -> None:
@@ -26,7 +26,8 @@ def test_cli_lists_every_architecture(capsys) -> None:
 
 def test_every_listed_architecture_has_a_class() -> None:
     for arch in supported_architectures():
-        assert get_model_cls([arch]).__name__.endswith(("ForCausalLM", "LMHeadModel", "Model"))
+        assert get_model_cls([arch]).__name__.endswith(("ForCausalLM", "LMHeadModel", "Model",
+                                                        "ForConditionalGeneration"))
 
 
 def test_v1_models_metadata() -> None:

@@ -62,7 +62,8 @@ def test_unpack_matches_pack() -> None:
 
 def test_stage_order_and_activity() -> None:
     names = [s.name for s in default_stages()]
-    assert names == ["logit_bias", "min_tokens", "penalties", "grammar_bitmask", "temperature", "top_k_top_p",
+    assert names == ["whisper_rules", "allowed_token_ids", "logit_bias", "min_tokens", "penalties", "grammar_bitmask",
+                     "temperature", "top_k_top_p",
                      "min_p"]
     sampler = Sampler()
     assert sampler.active_stages(make_meta([SamplingParams(temperature=0)] * 2)) == []

@@ -40,6 +40,10 @@ def test_counters_and_mean_acceptance_length(caplog) -> None:
     per_pos = {line.split('position="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
                for line in text.splitlines() if line.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total{")}
     assert per_pos == {"0": 3, "1": 2, "2": 1, "3": 1}
+    assert _value(text, "pagedllm:spec_decode_auto_disabled_total") == 0
+    stats.num_auto_disabled = 2  # the draft governor turned drafting off twice
+    recorder.record_step(engine, [], 0.0)
+    assert _value(metrics.render().decode(), "pagedllm:spec_decode_auto_disabled_total") == 2
     logger = logging.getLogger("pagedllm.metrics")
     logger.addHandler(caplog.handler)  # the package logger does not propagate to the root
     try:

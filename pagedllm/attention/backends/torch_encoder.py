@@ -23,6 +23,10 @@ from pagedllm.attention.metadata import AttentionMetadata
 ENCODER_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 BUCKET_STEP = 16  # sequences up to MIN_POW2_BUCKET tokens are bucketed by multiples of this
 MIN_POW2_BUCKET = 128  # longer ones by powers of two (few buckets even with long-tail lengths)
+# Longest sequence the C++ encoder kernel attends; SDPA's blocked matmuls win beyond it. Whisper's 1500-position
+# encoder, 4 x tiny.en on 2 shared cores: 9.5-11.8 s through SDPA vs 13-14 s through the kernel. BERT's
+# prompts (<= 512) keep the kernel.
+ENCODER_KERNEL_MAX_LEN = 512
 
 
 @dataclass
@@ -113,10 +117,11 @@ def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       scale: float, kernels: Any | None = None) -> torch.Tensor:
     """The backends' encoder path. query: [T, H, D]; key/value: [T, Hkv, D] -> [T, H, D].
 
-    With the C++ CPU kernels (``kernels``; float32 or bfloat16) each (sequence, head) is attended in place, with
-    no gather, padding or mask (``kernels/csrc/encoder_attention.cpp``); otherwise the length buckets above.
+    With the C++ CPU kernels (``kernels``; float32 or bfloat16) and sequences of at most ``ENCODER_KERNEL_MAX_LEN``
+    tokens each (sequence, head) is attended in place, with no gather, padding or mask
+    (``kernels/csrc/encoder_attention.cpp``); otherwise the length buckets above.
     """
-    if kernels is not None and query.dtype in ENCODER_KERNEL_DTYPES:
+    if kernels is not None and query.dtype in ENCODER_KERNEL_DTYPES and meta.max_query_len <= ENCODER_KERNEL_MAX_LEN:
         return kernels.encoder_attention(query, key, value, _query_start_cpu(meta), scale)
     return bucketed_attention(query, key, value, encoder_plan(meta), scale).view(query.shape)
 

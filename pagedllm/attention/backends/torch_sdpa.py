@@ -1,7 +1,8 @@
 """Paged attention: torch SDPA for fresh prompts, and for requests with earlier context either the C++
 CPU kernel (reads K/V through block tables in place) or the portable path (SDPA over K/V gathered
 through the block tables). The portable path is the reference and serves CUDA. Sliding-window layers go
-through ``torch_windowed``, encoder layers through ``torch_encoder``; ``TorchPagedAttentionBackend`` routes
+through ``torch_windowed``, encoder layers through ``torch_encoder``, cross-attention layers through
+``cross_attention``; ``TorchPagedAttentionBackend`` routes
 by the layer's spec.
 """
 
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.backends.base import AttentionBackend
+from pagedllm.attention.backends.cross_attention import cross_attention
 from pagedllm.attention.backends.torch_encoder import encoder_attention
 from pagedllm.attention.backends.torch_windowed import sliding_window_attention
 from pagedllm.attention.metadata import AttentionMetadata
@@ -210,6 +212,8 @@ class TorchPagedAttentionBackend(AttentionBackend):
                 meta: AttentionMetadata, spec: AttentionSpec, scale: float) -> torch.Tensor:
         if spec.kind == "encoder":
             return encoder_attention(query, key, value, meta, scale, self._kernels(query))
+        if spec.kind == "cross":
+            return cross_attention(query, kv_cache, meta, scale, self._kernels(query))
         if kv_cache is None:
             raise RuntimeError("a causal or sliding-window attention layer has no KV cache bound")
         window = spec.window_for(meta.max_seq_len)

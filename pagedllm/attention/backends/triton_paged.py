@@ -268,8 +268,8 @@ def triton_paged_attention(query: torch.Tensor, key: torch.Tensor | None, value:
 
 
 class TritonPagedAttentionBackend(AttentionBackend):
-    """CUDA: causal and sliding-window layers through the Triton kernel; encoder layers (no cache) through
-    the portable torch path. Graph-safe: it reads no tensor values on the host."""
+    """CUDA: causal and sliding-window layers through the Triton kernel; encoder layers (no cache) and
+    cross-attention layers through the portable torch path. Graph-safe: it reads no tensor values on the host."""
 
     name = "triton"
     graph_safe = True
@@ -283,7 +283,7 @@ class TritonPagedAttentionBackend(AttentionBackend):
     def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
                 kv_cache: torch.Tensor | None, meta: AttentionMetadata, spec: AttentionSpec,
                 scale: float) -> torch.Tensor:
-        if spec.kind == "encoder" or kv_cache is None:
+        if spec.kind in ("encoder", "cross") or kv_cache is None:
             return self.fallback.forward(query, key, value, kv_cache, meta, spec, scale)
         window = spec.window if spec.kind == "sliding" else 0
         return triton_paged_attention(query, key, value, kv_cache, meta, scale, sliding_window=window or 0)

@@ -1,4 +1,4 @@
-"""The ``pagedllm`` command: ``serve``, ``proxy``, ``generate``, ``chat`` and ``bench {throughput,latency,serve}``.
+"""The ``pagedllm`` command: ``serve``, ``proxy``, ``generate``, ``chat``, ``transcribe`` and ``bench ...``.
 
 Subcommand modules are imported only when their parser is built or run, so ``pagedllm --help`` stays quick
 and a missing optional piece (the HTTP server) breaks only its own subcommand.
@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_module_command(subparsers, "proxy", "pagedllm.entrypoints.cli.proxy",
                         "Disaggregated prefill / decode: one OpenAI-compatible front over prefill and decode "
                         "instances.")
+    _add_module_command(subparsers, "transcribe", "pagedllm.entrypoints.cli.transcribe",
+                        "Speech to text for audio files with a Whisper model (default whisper-base).")
     _add_module_command(subparsers, "models", "pagedllm.entrypoints.cli.models",
                         "List the supported model architectures and the formats each loads from.")
 

@@ -20,8 +20,9 @@ def main(args: argparse.Namespace) -> int:
                           for a in infos], indent=2))
         return 0
     rows = [("ARCHITECTURE", "MODELS", "FORMATS", "NOTES")]
-    rows += [(a.name, a.family, ", ".join("HF folder" if f == "hf" else f"GGUF ({a.gguf_arch})" for f in a.formats),
-              a.notes) for a in infos]
+    names = {"hf": "HF folder", "ct2": "CTranslate2 folder"}
+    rows += [(a.name, a.family, ", ".join(names.get(f, f"GGUF ({a.gguf_arch})") for f in a.formats), a.notes)
+             for a in infos]
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3])

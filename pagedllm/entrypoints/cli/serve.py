@@ -14,7 +14,8 @@ Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detoke
 /metrics (Prometheus, vLLM metric names), /reset_prefix_cache, /v1/kv_cache/snapshot (the block map), and a
 browser playground at / (chat + a live map of the paged KV cache; --disable-frontend turns it off); with a
 pooling model (--runner pooling, e.g. all-MiniLM-L6-v2) /v1/embeddings, /pooling and /score instead of
-generation. Works with the official `openai` client:
+generation; with a Whisper model (e.g. whisper-base) /v1/audio/transcriptions and /v1/audio/translations
+(docs/audio.md). Works with the official `openai` client:
   OpenAI(base_url="http://HOST:PORT/v1", api_key="KEY or anything")
 """
 
@@ -64,7 +65,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "format the model's chat template asks for; hermes, <tool_call>{...}</tool_call>, "
                             "when the template knows no tools and the built-in tool ChatML template is used).")
     group.add_argument("--max-request-body-bytes", type=int, default=32 * 1024 * 1024,
-                       help="Largest accepted request body; bigger ones get 413 (default: 32 MiB).")
+                       help="Largest accepted request body; bigger ones get 413 (default: 32 MiB). Audio uploads "
+                            "have their own limit, --max-audio-file-size-mb.")
+    group.add_argument("--max-audio-file-size-mb", type=float, default=25.0,
+                       help="Largest audio file /v1/audio/transcriptions and /translations accept, in MiB; a "
+                            "bigger upload gets 413 whatever --max-request-body-bytes says (default: 25, OpenAI's).")
+    group.add_argument("--max-audio-duration-s", type=float, default=3600.0,
+                       help="Longest decoded audio accepted, in seconds (a small compressed file can hold hours; "
+                            "longer uploads get 400). Audio over 30 s is cut into 30 s windows (default: 3600).")
     return parser
 
 

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm import envs
+from pagedllm.audio.transcription import DEFAULT_MAX_DURATION_S, is_transcription_model
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, error_response, param_of
 from pagedllm.entrypoints.openai.playground import add_frontend_routes, add_kv_cache_routes
@@ -42,7 +43,15 @@ from pagedllm.entrypoints.openai.serving_completion import ServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import ServingEmbedding
 from pagedllm.entrypoints.openai.serving_models import ServingModels
 from pagedllm.entrypoints.openai.serving_tokenization import ServingTokenization
+from pagedllm.entrypoints.openai.serving_transcription import (
+    AUDIO_PATHS,
+    DEFAULT_MAX_FILE_MB,
+    FORM_OVERHEAD_BYTES,
+    ServingTranscription,
+    upload_limit_message,
+)
 from pagedllm.logger import init_logger
+from pagedllm.metrics.audio import AudioMetrics
 from pagedllm.metrics.prometheus import PrometheusMetrics
 
 logger = init_logger(__name__)
@@ -62,6 +71,8 @@ class ServerOptions:
     allow_credentials: bool = False
     enable_frontend: bool = True  # the browser playground at / (--disable-frontend turns it off)
     tool_call_parser: str | None = None  # None: the parser matching the model's chat template
+    max_audio_file_bytes: int = int(DEFAULT_MAX_FILE_MB * 2**20)  # /v1/audio/* uploads (--max-audio-file-size-mb)
+    max_audio_duration_s: float = DEFAULT_MAX_DURATION_S  # decoded audio (--max-audio-duration-s)
 
 
 class GuardMiddleware:
@@ -70,10 +81,13 @@ class GuardMiddleware:
     Pure ASGI (not BaseHTTPMiddleware) so streaming responses and disconnects pass straight through.
     """
 
-    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int,
+                 path_limits: dict[str, tuple[int, Any]] | None = None) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        # Paths with a limit of their own instead of max_body_bytes: path -> (bytes, message(size | None)).
+        self.path_limits = path_limits or {}
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -103,9 +117,13 @@ class GuardMiddleware:
                                         "(Authorization: Bearer <key>)")
 
         length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            return await reply(413, f"Request body of {int(length)} bytes exceeds the limit of "
-                                    f"{self.max_body_bytes} bytes")
+        limit, too_large = self.path_limits.get(scope["path"], (self.max_body_bytes, None))
+        if too_large is None:
+            def too_large(size: int | None) -> str:
+                got = f"of {size} bytes " if size is not None else ""
+                return f"Request body {got}exceeds the limit of {limit} bytes"
+        if length is not None and length.isdigit() and int(length) > limit:
+            return await reply(413, too_large(int(length)))
         if scope["method"] in ("POST", "PUT", "PATCH") and length is None:
             # Chunked upload: buffer it here so the limit holds without a Content-Length.
             chunks, size, more = [], 0, True
@@ -116,8 +134,8 @@ class GuardMiddleware:
                 chunks.append(message.get("body", b""))
                 size += len(chunks[-1])
                 more = message.get("more_body", False)
-                if size > self.max_body_bytes:
-                    return await reply(413, f"Request body exceeds the limit of {self.max_body_bytes} bytes")
+                if size > limit:
+                    return await reply(413, too_large(None))
             replayed = False
 
             async def replay() -> dict:
@@ -159,6 +177,11 @@ def build_app(engine: AsyncLLM, options: ServerOptions, metrics: PrometheusMetri
     tokenization = ServingTokenization(chat)
     is_pooling = bool(getattr(core.config.model, "is_pooling", False))
     embedding = ServingEmbedding(engine, models, tokenizer) if is_pooling else None
+    audio_metrics = None
+    if metrics is not None and is_transcription_model(core.config.model):
+        audio_metrics = AudioMetrics(metrics.registry, metrics.model_name)
+    transcription = ServingTranscription(engine, models, tokenizer, core.config.model, core.processor.max_model_len,
+                                         options.max_audio_file_bytes, options.max_audio_duration_s, audio_metrics)
 
     def runner_check(pooling_endpoint: bool) -> None:
         """Generation endpoints on a pooling model, and pooling endpoints on a generative one: 400."""
@@ -251,6 +274,14 @@ def build_app(engine: AsyncLLM, options: ServerOptions, metrics: PrometheusMetri
         runner_check(pooling_endpoint=True)
         return await embedding.score(req, raw)
 
+    @app.post("/v1/audio/transcriptions")
+    async def create_transcription(raw: Request):
+        return await transcription.create(raw, "transcribe")
+
+    @app.post("/v1/audio/translations")
+    async def create_translation(raw: Request):
+        return await transcription.create(raw, "translate")
+
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> JSONResponse:
         return JSONResponse(tokenization.tokenize(req).model_dump(exclude_none=True))
@@ -274,7 +305,11 @@ def build_app(engine: AsyncLLM, options: ServerOptions, metrics: PrometheusMetri
         add_frontend_routes(app)
 
     # Outermost first: CORS answers preflights before the guard asks for a key.
-    app.add_middleware(GuardMiddleware, api_key=options.api_key, max_body_bytes=options.max_body_bytes)
+    # Audio uploads answer to their own limit (the file plus its form), never to the general body limit.
+    audio_limit = (options.max_audio_file_bytes + FORM_OVERHEAD_BYTES,
+                   lambda size: upload_limit_message(size, options.max_audio_file_bytes))
+    app.add_middleware(GuardMiddleware, api_key=options.api_key, max_body_bytes=options.max_body_bytes,
+                       path_limits={path: audio_limit for path in AUDIO_PATHS})
     app.add_middleware(CORSMiddleware, allow_origins=options.allowed_origins,
                        allow_credentials=options.allow_credentials, allow_methods=options.allowed_methods,
                        allow_headers=options.allowed_headers)
@@ -322,7 +357,9 @@ def run_server(args: argparse.Namespace) -> None:
             shutdown_timeout=args.shutdown_timeout, allowed_origins=args.allowed_origins,
             allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
             allow_credentials=args.allow_credentials, enable_frontend=not getattr(args, "disable_frontend", False),
-            tool_call_parser=getattr(args, "tool_call_parser", None))
+            tool_call_parser=getattr(args, "tool_call_parser", None),
+            max_audio_file_bytes=int(getattr(args, "max_audio_file_size_mb", DEFAULT_MAX_FILE_MB) * 2**20),
+            max_audio_duration_s=getattr(args, "max_audio_duration_s", DEFAULT_MAX_DURATION_S))
         app = build_app(engine, options, metrics)
 
         display_host = args.host if args.host not in ("", "0.0.0.0", "::") else "localhost"

@@ -22,10 +22,10 @@ _MEDIA_TYPES = {".js": "text/javascript; charset=utf-8", ".css": "text/css; char
 # Served by name from this fixed list (no path from the URL reaches the filesystem).
 ASSETS = {p.name: _MEDIA_TYPES[p.suffix] for p in sorted(FRONTEND_DIR.iterdir()) if p.suffix in _MEDIA_TYPES}
 # The page runs only its own scripts and talks only to this server; no one may frame it (the API key
-# sits in its session storage).
+# sits in its session storage). Media only from blob: URLs: the audio tab plays back the clip it sends.
 SECURITY_HEADERS = {
     "Content-Security-Policy": ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
-                                "img-src 'self' data:; base-uri 'none'; form-action 'none'; "
+                                "img-src 'self' data:; media-src blob:; base-uri 'none'; form-action 'none'; "
                                 "frame-ancestors 'none'"),
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",

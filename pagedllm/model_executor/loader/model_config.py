@@ -76,10 +76,18 @@ def resolve_model_config(mc: ModelConfig) -> ModelConfig:
         hf_config = gguf_to_hf_config(gguf)
         mc.model_path = source.gguf_file
         mc.gguf_file = source.gguf_file
+    elif source.ct2_file:
+        from pagedllm.model_executor.loader.ct2_whisper import ct2_whisper_config
+
+        hf_config = ct2_whisper_config(source.folder)
+        mc.model_path = source.folder
+        mc.gguf_file = None
+        mc.ct2_file = source.ct2_file
     else:
         hf_config = _load_hf_config(source.folder)
         mc.model_path = source.folder
         mc.gguf_file = None
+        mc.ct2_file = None
     archs = list(getattr(hf_config, "architectures", None) or [])
     get_model_cls(archs)  # fails early, naming the supported architectures
     mc.architecture = archs[0] if len(archs) == 1 else next(a for a in archs if _supported(a))
@@ -106,6 +114,10 @@ def resolve_model_config(mc: ModelConfig) -> ModelConfig:
     st_max_len = _resolve_runner(mc, None if mc.gguf_file else source.folder)
 
     model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
+    if mc.is_encoder_decoder:
+        from pagedllm.model_executor.loader.whisper_config import finish_whisper_config
+
+        model_max = finish_whisper_config(mc, source.folder)
     if st_max_len and (model_max == 0 or st_max_len < model_max):
         model_max = st_max_len  # the length a sentence-transformers model was trained for (and truncates at)
     if mc.max_model_len is None:
@@ -134,6 +146,7 @@ def _resolve_runner(mc: ModelConfig, folder: str | None) -> int | None:
 
     model_cls = get_model_cls([mc.architecture])
     mc.is_encoder_only = bool(getattr(model_cls, "is_encoder_only", False))
+    mc.is_encoder_decoder = bool(getattr(model_cls, "is_encoder_decoder", False))
     mc.runner = resolve_runner(mc.runner, mc.is_encoder_only, folder, mc.architecture)
     if not mc.is_pooling:
         return None

@@ -26,7 +26,7 @@ def load_model(mc: ModelConfig, device: torch.device | str = "cpu") -> nn.Module
     """The model for ``mc`` on ``device``, weights in ``mc.dtype``, eval mode, gradients off.
 
     Resolves ``mc`` first if needed. HF folders load from safetensors shards; GGUF files are dequantized
-    tensor by tensor.
+    tensor by tensor; a CTranslate2 Whisper ``model.bin`` is read by ``loader/ct2_whisper.py``.
     """
     from pagedllm.model_executor.layers.direct_call import promote_attributes
     from pagedllm.model_executor.layers.quantization import get_quantization_config
@@ -57,6 +57,12 @@ def load_model(mc: ModelConfig, device: torch.device | str = "cpu") -> nn.Module
         keep = quant_config is not None and quant_config.name == "gguf"
         weights = iter_gguf_weights(gguf, mc.hf_config, keep_quantized=keep)
         total = len(gguf.tensors)
+    elif mc.ct2_file:
+        from pagedllm.model_executor.loader.ct2_file import read_ct2_file
+        from pagedllm.model_executor.loader.ct2_whisper import count_ct2_whisper_weights, iter_ct2_whisper_weights
+
+        weights = iter_ct2_whisper_weights(read_ct2_file(mc.ct2_file), mc.hf_config)
+        total = count_ct2_whisper_weights(mc.hf_config)
     else:
         from pagedllm.model_executor.loader.safetensors_weights import (
             count_safetensors,
@@ -73,6 +79,9 @@ def load_model(mc: ModelConfig, device: torch.device | str = "cpu") -> nn.Module
     for module in list(model.modules()):
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
+    from pagedllm.model_executor.layers.quantization.kernel_choice import autotune_model
+
+    autotune_model(model, mc.cpu_kernel_autotune)  # quantized CPU layers: the kernel measured fastest here
     promote_attributes(model)  # the weights are final: plain attribute reads from here on (direct_call.py)
     logger.info("loaded %s (%s, %s%s) in %.2f s; weights use %s on %s", mc.architecture, mc.model_path, mc.dtype,
                 f", quantization {quant_config.name}" if quant_config else "", time.perf_counter() - start,

@@ -37,6 +37,27 @@ def _gguf_tokenizer(path: str) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
 
 
+def _ct2_whisper_tokenizer(folder: str) -> Any:
+    """A CTranslate2 Whisper folder's ``tokenizer.json`` as a ``WhisperTokenizerFast`` told every special token
+    (without the list, transformers decodes timestamps at the wrong offset), with the timestamp tokens
+    ``<|0.00|>`` ... ``<|30.00|>`` after ``<|notimestamps|>`` added where the file lacks them (tiny.en's)."""
+    from tokenizers import AddedToken
+    from transformers import WhisperTokenizerFast
+
+    from pagedllm.model_executor.loader.ct2_whisper import timestamp_tokens, whisper_special_tokens
+
+    tok = WhisperTokenizerFast(tokenizer_file=os.path.join(folder, "tokenizer.json"),
+                               additional_special_tokens=whisper_special_tokens(folder))
+    stamps = timestamp_tokens()
+    if tok.convert_tokens_to_ids(stamps[0]) == tok.unk_token_id:
+        no_timestamps = tok.convert_tokens_to_ids("<|notimestamps|>")
+        if len(tok) != no_timestamps + 1:
+            raise ValueError(f"tokenizer: {folder}/tokenizer.json has no timestamp tokens and cannot take them after "
+                             f"<|notimestamps|> ({no_timestamps}): it holds {len(tok)} tokens")
+        tok.add_tokens([AddedToken(s, lstrip=False, rstrip=False, normalized=True, special=False) for s in stamps])
+    return tok
+
+
 def load_tokenizer(mc: ModelConfig) -> Any:
     """A ``transformers`` fast tokenizer for ``mc`` (resolved, or resolved here).
 
@@ -55,6 +76,8 @@ def load_tokenizer(mc: ModelConfig) -> Any:
         tok = AutoTokenizer.from_pretrained(mc.tokenizer, local_files_only=True)
     elif mc.gguf_file:
         tok = _gguf_tokenizer(mc.gguf_file)
+    elif mc.ct2_file:
+        tok = _ct2_whisper_tokenizer(mc.model_path)
     else:
         tok = AutoTokenizer.from_pretrained(mc.model_path, local_files_only=True)
     if not tok.is_fast:

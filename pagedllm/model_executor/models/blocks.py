@@ -15,9 +15,16 @@ from torch import nn
 
 from pagedllm.attention.layer import Attention
 from pagedllm.attention.spec import AttentionSpec
+from pagedllm.distributed.parallel_state import divide, get_tp
 from pagedllm.model_executor.layers.activation import gated_activation
 from pagedllm.model_executor.layers.direct_call import DirectCall
 from pagedllm.model_executor.layers.linear import Linear
+from pagedllm.model_executor.layers.parallel_linear import (
+    Slice,
+    column_parallel_linear,
+    even_part,
+    row_parallel_linear,
+)
 from pagedllm.model_executor.layers.rotary_embedding import RopeStep
 
 _LINEAR_TAKES_QUANT = "quant_config" in inspect.signature(Linear.__init__).parameters
@@ -49,11 +56,18 @@ class GatedMLP(DirectCall, nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, act: str, *, bias: bool = False,
                  dtype: torch.dtype, quant_config: Any = None, prefix: str = "") -> None:
         super().__init__()
-        self.gate_up_proj = make_linear(hidden_size, 2 * intermediate_size, bias=bias, dtype=dtype,
-                                        quant_config=quant_config, shard_sizes=(intermediate_size,) * 2,
-                                        prefix=f"{prefix}.gate_up_proj")
-        self.down_proj = make_linear(intermediate_size, hidden_size, bias=bias, dtype=dtype,
-                                     quant_config=quant_config, prefix=f"{prefix}.down_proj")
+        if get_tp().is_parallel:  # gate/up by output rows, down by input columns (+ all-reduce)
+            part = even_part(intermediate_size, f"{prefix}: intermediate_size")
+            self.gate_up_proj = column_parallel_linear(hidden_size, (part, part), bias=bias, dtype=dtype,
+                                                       quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
+            self.down_proj = row_parallel_linear(part, hidden_size, bias=bias, dtype=dtype, quant_config=quant_config,
+                                                 prefix=f"{prefix}.down_proj")
+        else:
+            self.gate_up_proj = make_linear(hidden_size, 2 * intermediate_size, bias=bias, dtype=dtype,
+                                            quant_config=quant_config, shard_sizes=(intermediate_size,) * 2,
+                                            prefix=f"{prefix}.gate_up_proj")
+            self.down_proj = make_linear(intermediate_size, hidden_size, bias=bias, dtype=dtype,
+                                         quant_config=quant_config, prefix=f"{prefix}.down_proj")
         self.act_and_mul = gated_activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,18 +88,47 @@ class RotaryAttention(DirectCall, nn.Module):
                  qk_norm: Callable[[int], nn.Module] | None = None, quant_config: Any = None,
                  prefix: str = "") -> None:
         super().__init__()
+        if get_tp().is_parallel:
+            num_heads, num_kv_heads = self._init_parallel(hidden_size, num_heads, num_kv_heads, head_dim, dtype,
+                                                          qkv_bias, o_bias, quant_config, prefix)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.qkv_proj = make_linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias, dtype=dtype,
-                                    quant_config=quant_config,
-                                    shard_sizes=(self.q_size, self.kv_size, self.kv_size),
-                                    prefix=f"{prefix}.qkv_proj")
-        self.o_proj = make_linear(self.q_size, hidden_size, bias=o_bias, dtype=dtype, quant_config=quant_config,
-                                  prefix=f"{prefix}.o_proj")
+        if not get_tp().is_parallel:
+            self.qkv_proj = make_linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias, dtype=dtype,
+                                        quant_config=quant_config,
+                                        shard_sizes=(self.q_size, self.kv_size, self.kv_size),
+                                        prefix=f"{prefix}.qkv_proj")
+            self.o_proj = make_linear(self.q_size, hidden_size, bias=o_bias, dtype=dtype, quant_config=quant_config,
+                                      prefix=f"{prefix}.o_proj")
         self.q_norm = qk_norm(head_dim) if qk_norm else None
         self.k_norm = qk_norm(head_dim) if qk_norm else None
         self.attn = Attention(num_heads, head_dim, scale if scale is not None else head_dim ** -0.5, num_kv_heads,
                               layer_idx=layer_idx, spec=spec)
+
+    def _init_parallel(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype, qkv_bias: bool, o_bias: bool, quant_config: Any,
+                       prefix: str) -> tuple[int, int]:
+        """This rank's heads: q heads split evenly, KV heads split or (fewer than the ranks) replicated; the
+        q/k/v projection by output rows, the output projection by input columns. Returns (q heads, KV heads)."""
+        tp = get_tp()
+        world, rank = tp.world_size, tp.rank
+        local_heads = divide(num_heads, world, f"{prefix}: num_attention_heads")
+        if num_kv_heads >= world:
+            local_kv = divide(num_kv_heads, world, f"{prefix}: num_key_value_heads")
+            kv_head = rank * local_kv
+        else:  # replicated: each KV head serves world / num_kv_heads ranks
+            if world % num_kv_heads:
+                raise ValueError(f"tensor_parallel_size {world} is neither a divisor nor a multiple of "
+                                 f"{prefix}: num_key_value_heads ({num_kv_heads})")
+            local_kv, kv_head = 1, rank * num_kv_heads // world
+        d = head_dim
+        q_part = Slice(rank * local_heads * d, local_heads * d, num_heads * d)
+        kv_part = Slice(kv_head * d, local_kv * d, num_kv_heads * d)
+        self.qkv_proj = column_parallel_linear(hidden_size, (q_part, kv_part, kv_part), bias=qkv_bias, dtype=dtype,
+                                               quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
+        self.o_proj = row_parallel_linear(q_part, hidden_size, bias=o_bias, dtype=dtype, quant_config=quant_config,
+                                          prefix=f"{prefix}.o_proj")
+        return local_heads, local_kv
 
     def forward(self, x: torch.Tensor, rope: RopeStep | None) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""

@@ -17,6 +17,7 @@ from torch import nn
 from pagedllm.attention.spec import AttentionSpec, layer_attention_specs
 from pagedllm.model_executor.layers.direct_call import DirectCall
 from pagedllm.model_executor.layers.layernorm import GemmaRMSNorm
+from pagedllm.model_executor.layers.parallel_linear import make_embedding
 from pagedllm.model_executor.layers.rotary_embedding import RopeStep, RotaryEmbedding
 from pagedllm.model_executor.models.base import CausalLM
 from pagedllm.model_executor.models.blocks import GatedMLP, RotaryAttention, head_dim_of
@@ -72,7 +73,7 @@ class Gemma3Model(DirectCall, nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype, quant_config: Any = None) -> None:
         super().__init__()
         specs = layer_attention_specs(cfg)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens = make_embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.embed_scale = cfg.hidden_size ** 0.5
         self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i, specs[i], dtype, quant_config)
                                     for i in range(cfg.num_hidden_layers))

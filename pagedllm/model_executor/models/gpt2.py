@@ -12,9 +12,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.distributed.parallel_state import get_tp
 from pagedllm.model_executor.layers.activation import activation
 from pagedllm.model_executor.layers.direct_call import DirectCall
 from pagedllm.model_executor.layers.layernorm import LayerNorm
+from pagedllm.model_executor.layers.parallel_linear import (
+    column_parallel_linear,
+    even_part,
+    make_embedding,
+    row_parallel_linear,
+)
 from pagedllm.model_executor.models.base import CausalLM
 from pagedllm.model_executor.models.blocks import RotaryAttention, make_linear
 from pagedllm.model_executor.models.weight_loading import WeightMapping
@@ -23,10 +30,17 @@ from pagedllm.model_executor.models.weight_loading import WeightMapping
 class GPT2MLP(DirectCall, nn.Module):
     def __init__(self, hidden: int, inner: int, act: str, dtype: torch.dtype, quant_config: Any, prefix: str) -> None:
         super().__init__()
-        self.c_fc = make_linear(hidden, inner, bias=True, dtype=dtype, quant_config=quant_config,
-                                prefix=f"{prefix}.c_fc")
-        self.c_proj = make_linear(inner, hidden, bias=True, dtype=dtype, quant_config=quant_config,
-                                  prefix=f"{prefix}.c_proj")
+        if get_tp().is_parallel:  # c_fc by output rows, c_proj by input columns (+ all-reduce)
+            part = even_part(inner, f"{prefix}: n_inner")
+            self.c_fc = column_parallel_linear(hidden, (part,), bias=True, dtype=dtype, quant_config=quant_config,
+                                               prefix=f"{prefix}.c_fc")
+            self.c_proj = row_parallel_linear(part, hidden, bias=True, dtype=dtype, quant_config=quant_config,
+                                              prefix=f"{prefix}.c_proj")
+        else:
+            self.c_fc = make_linear(hidden, inner, bias=True, dtype=dtype, quant_config=quant_config,
+                                    prefix=f"{prefix}.c_fc")
+            self.c_proj = make_linear(inner, hidden, bias=True, dtype=dtype, quant_config=quant_config,
+                                      prefix=f"{prefix}.c_proj")
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -60,7 +74,7 @@ class GPT2Block(DirectCall, nn.Module):
 class GPT2Model(DirectCall, nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype, quant_config: Any = None) -> None:
         super().__init__()
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd, dtype=dtype)
+        self.wte = make_embedding(cfg.vocab_size, cfg.n_embd, dtype)
         self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd, dtype=dtype)
         self.h = nn.ModuleList(GPT2Block(cfg, i, dtype, quant_config) for i in range(cfg.n_layer))
         self.ln_f = LayerNorm(cfg.n_embd, cfg.layer_norm_epsilon, dtype)

@@ -18,6 +18,7 @@ from torch import nn
 from pagedllm.attention.spec import AttentionSpec, layer_attention_specs
 from pagedllm.model_executor.layers.direct_call import DirectCall
 from pagedllm.model_executor.layers.layernorm import RMSNorm
+from pagedllm.model_executor.layers.parallel_linear import make_embedding
 from pagedllm.model_executor.layers.rotary_embedding import RopeStep, RotaryEmbedding, rope_settings
 from pagedllm.model_executor.models.base import CausalLM
 from pagedllm.model_executor.models.blocks import GatedMLP, RotaryAttention, head_dim_of
@@ -63,7 +64,7 @@ class LlamaModel(DirectCall, nn.Module):
         if float(getattr(cfg, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
             raise ValueError("partial_rotary_factor != 1 is not supported")
         specs = layer_attention_specs(cfg)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens = make_embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, specs[i], arch, dtype, quant_config)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)

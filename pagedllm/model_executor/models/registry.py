@@ -11,7 +11,7 @@ class ArchitectureInfo:
     module: str  # under pagedllm.model_executor.models
     class_name: str
     family: str
-    formats: tuple[str, ...]  # "hf" (safetensors folder) and/or "gguf"
+    formats: tuple[str, ...]  # "hf" (safetensors folder), "gguf", "ct2" (a CTranslate2 folder)
     notes: str = ""
     gguf_arch: str = ""  # the GGUF file's general.architecture, where "gguf" is a format
 
@@ -31,6 +31,9 @@ _ARCHITECTURES = [
                      "5 local : 1 global layers, sliding window", gguf_arch="gemma3"),
     ArchitectureInfo("GPT2LMHeadModel", "gpt2", "GPT2LMHeadModel", "GPT-2", ("hf", "gguf"),
                      "learned positions, Conv1D weights", gguf_arch="gpt2"),
+    ArchitectureInfo("WhisperForConditionalGeneration", "whisper", "WhisperForConditionalGeneration",
+                     "Whisper (speech to text)", ("hf", "ct2"),
+                     "encoder-decoder: audio_features prompts, a cross-attention KV cache group"),
     ArchitectureInfo("BertModel", "bert", "BertModel", "BERT encoders (all-MiniLM-L6-v2, ...)", ("hf",),
                      "encoder-only: pooling runner (embeddings)"),
 ]

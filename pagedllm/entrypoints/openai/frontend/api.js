@@ -45,11 +45,13 @@ export function onAuthRequired(fn) {
 /** fetch() against this server with the key; throws AuthError on 401 and ApiError on other failures. */
 export async function apiFetch(path, { method = "GET", body, signal } = {}) {
   const headers = { ...authHeaders() };
-  if (body !== undefined) headers["Content-Type"] = "application/json";
+  // FormData (an upload) goes as multipart, with the boundary the browser sets; anything else as JSON.
+  const form = body instanceof FormData;
+  if (body !== undefined && !form) headers["Content-Type"] = "application/json";
   const resp = await fetch(path, {
     method,
     headers,
-    body: body === undefined ? undefined : JSON.stringify(body),
+    body: body === undefined ? undefined : form ? body : JSON.stringify(body),
     signal,
     cache: "no-store",
   });

@@ -1,6 +1,7 @@
-// Start-up: API key, model list, tabs (Chat / KV cache, also reachable as #chat and #kv).
+// Start-up: API key, model list, tabs (Chat / Audio / KV cache, also reachable as #chat, #audio and #kv).
 
 import { apiFetch, AuthError, getApiKey, onAuthRequired, setApiKey } from "./api.js";
+import { AudioPane } from "./audio.js";
 import { ChatPane } from "./chat.js";
 import { KvMap } from "./kvmap.js";
 
@@ -25,6 +26,7 @@ async function loadModels() {
     const resp = await apiFetch("/v1/models");
     const data = await resp.json();
     select.replaceChildren(...data.data.map((m) => new Option(m.id, m.id)));
+    showAudioTab(data.data.some((m) => SPEECH_ARCHITECTURES.includes(m.architecture)));
     $("conn-status").textContent = `Connected · ${data.data.length} model${data.data.length === 1 ? "" : "s"}`;
     if (getApiKey()) {
       // Connected with a key: keep only "Forget" (the key stays in this tab's session storage).
@@ -40,10 +42,22 @@ async function loadModels() {
   }
 }
 
-const TABS = ["chat", "kv"];
+const TABS = ["chat", "audio", "kv"];
+// The audio tab is shown only when the server runs a speech-to-text model (/v1/models names its architecture).
+const SPEECH_ARCHITECTURES = ["WhisperForConditionalGeneration"];
+const requestedTab = location.hash.slice(1);
+
+const shownTabs = () => TABS.filter((tab) => !$(`tab-${tab}`).hidden);
+
+function showAudioTab(speech) {
+  $("tab-audio").hidden = !speech;
+  const current = TABS.find((tab) => $(`tab-${tab}`).getAttribute("aria-selected") === "true");
+  if (speech && (requestedTab === "audio" || !requestedTab)) selectTab("audio");
+  else if (!speech && current === "audio") selectTab("chat");
+}
 
 function selectTab(name, { focus = false } = {}) {
-  if (!TABS.includes(name)) name = "chat";
+  if (!shownTabs().includes(name)) name = "chat";
   for (const tab of TABS) {
     const button = $(`tab-${tab}`);
     const selected = tab === name;
@@ -58,6 +72,7 @@ function selectTab(name, { focus = false } = {}) {
 
 const chat = new ChatPane({ getModel: () => $("model").value, announce });
 const kv = new KvMap();
+const audio = new AudioPane({ getModel: () => $("model").value, announce });
 
 for (const tab of TABS) {
   $(`tab-${tab}`).addEventListener("click", () => selectTab(tab));
@@ -66,7 +81,8 @@ for (const tab of TABS) {
     const step = { ArrowRight: 1, ArrowLeft: -1 }[e.key];
     if (step) {
       e.preventDefault();
-      selectTab(TABS[(TABS.indexOf(tab) + step + TABS.length) % TABS.length], { focus: true });
+      const shown = shownTabs();
+      selectTab(shown[(shown.indexOf(tab) + step + shown.length) % shown.length], { focus: true });
     }
   });
 }
@@ -92,3 +108,4 @@ $("key-forget").addEventListener("click", () => {
 selectTab(location.hash.slice(1) || "chat");
 loadModels();
 void chat;
+void audio;

@@ -89,6 +89,17 @@ class Fp8LinearMethod(PackedLinearMethod):
         layer.weight.data[start:start + rows] = q.view(torch.uint8)
         layer.f8_scales[start:start + rows] = scales
 
+    def load_input_slice(self, layer: nn.Module, loaded: torch.Tensor, part: Any, shard_id: int | None) -> bool:
+        """Row-parallel (tensor parallelism): float rows quantized per channel with the whole row's scale, then cut
+        to input columns ``part`` (block scales and fp8 checkpoints slice as they are: False)."""
+        if self.block is not None or loaded.dtype == torch.float8_e4m3fn:
+            return False
+        start, rows = shard_range(layer, shard_id)
+        q, scales = quantize_f8(loaded, loaded.shape[1])
+        layer.weight.data[start:start + rows] = q.view(torch.uint8)[:, part.start:part.start + part.size]
+        layer.f8_scales[start:start + rows] = scales
+        return True
+
     def _shard_scales(self, layer: nn.Module, shard: int, rows: int) -> torch.Tensor:
         """The checkpoint scale of one shard as [rows, K / group]."""
         s = layer.f8_ckpt_scales.get(shard)

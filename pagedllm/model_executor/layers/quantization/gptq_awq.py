@@ -74,6 +74,11 @@ class _PackedCheckpointMethod(PackedLinearMethod):
             setattr(layer, tname, set_weight_loader(
                 param, lambda p, w, shard_id=None, t=tname: layer.ckpt_parts.__setitem__((t, shard_id or 0), w)))
 
+    def checkpoint_axes(self, name: str, loaded: torch.Tensor) -> tuple[int | None, int | None]:
+        """(output axis, input axis) of a checkpoint tensor, for tensor parallelism: the packed tensors are
+        [inputs (or groups), outputs]; ``g_idx`` [K] runs along the inputs."""
+        return (None, 0) if loaded.ndim == 1 else (1, 0)
+
     def shard_qzs(self, layer: nn.Module, parts: dict[str, torch.Tensor], rows: int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """One shard -> (q [rows, K] int32, z [rows, G] int32, s [rows, G] float32, g_idx [K] or None)."""
@@ -144,6 +149,12 @@ class GPTQLinearMethod(_PackedCheckpointMethod):
         _check(layer, "qzeros", tuple(z.shape), (groups, rows))
         _check(layer, "scales", tuple(s.shape), (groups, rows))
         g_idx = parts.get("g_idx")
+        if g_idx is not None:
+            # A tensor-parallel rank holding input columns k0.. sees groups from k0 / group: number them from 0.
+            g_idx = g_idx.long() - g_idx.long().min()
+            if int(g_idx.max()) >= groups:
+                raise ValueError(f"{layer.prefix or 'linear'}: an act-order (desc_act) GPTQ layer cannot be split "
+                                 "by input columns across tensor-parallel ranks")
         return q.t().contiguous(), z.t().contiguous(), s.t().contiguous(), g_idx
 
 

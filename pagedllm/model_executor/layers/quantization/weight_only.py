@@ -8,6 +8,8 @@ CPU, ``qrows.py`` for Triton).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -60,6 +62,17 @@ class WeightOnlyLinearMethod(PackedLinearMethod):
             layer.weight_min[start:start + rows] = mins
         layer.weight.data[start:start + rows] = q
         layer.weight_scale[start:start + rows] = scales
+
+    def load_input_slice(self, layer: nn.Module, loaded: torch.Tensor, part: Any, shard_id: int | None) -> bool:
+        """Row-parallel (tensor parallelism): a per-channel scale belongs to the whole row, so quantize the whole
+        [N, K] row first and keep input columns ``part``; grouped scales fall on the slice as they are (False)."""
+        if self.group is not None or loaded.dtype == torch.int8:
+            return False
+        start, rows = shard_range(layer, shard_id)
+        q, scales = quantize_q8(loaded, loaded.shape[1])
+        layer.weight.data[start:start + rows] = q[:, part.start:part.start + part.size]
+        layer.weight_scale[start:start + rows] = scales
+        return True
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if layer.qpanels is not None:

@@ -1,0 +1,101 @@
+"""The tensor-parallel group of this process: its rank, the world size, and the collectives the parallel layers
+call (all-reduce of a row-parallel output, all-gather of vocab-sharded logits, the embedding's all-reduce).
+
+One group per process, set once by the worker before it builds the model (``init_tensor_parallel``), read by
+the layers while they are built (``get_tp``); a process that never calls it is rank 0 of 1 and every collective
+is the identity. The torch.distributed backend comes from the platform (gloo on a CPU, NCCL on CUDA).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pagedllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+@dataclass(frozen=True)
+class TensorParallelGroup:
+    rank: int = 0
+    world_size: int = 1
+    backend: str = "none"
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.world_size > 1
+
+
+_TP = TensorParallelGroup()
+# Per-call cost of the collectives (read by the benchmark in docs/distributed.md): calls and seconds.
+COLLECTIVE_STATS = {"all_reduce_calls": 0, "all_reduce_s": 0.0, "all_gather_calls": 0, "all_gather_s": 0.0}
+_timed = False
+
+
+def get_tp() -> TensorParallelGroup:
+    return _TP
+
+
+def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: str,
+                         timeout_s: float = 60.0) -> TensorParallelGroup:
+    """Join the group (blocks until every rank has joined). ``init_method``: ``tcp://host:port`` of rank 0."""
+    global _TP
+    if world_size > 1:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        logger.info("tensor parallel rank %d of %d joined (%s)", rank, world_size, backend)
+    _TP = TensorParallelGroup(rank, world_size, backend)
+    return _TP
+
+
+def destroy_tensor_parallel() -> None:
+    global _TP
+    if _TP.is_parallel and dist.is_initialized():
+        dist.destroy_process_group()
+    _TP = TensorParallelGroup()
+
+
+def time_collectives(enabled: bool) -> None:
+    """Count and time every collective from now on (off by default: a timer per call is not free)."""
+    global _timed
+    _timed = enabled
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over the ranks, in place; returns ``x``."""
+    if _TP.world_size == 1:
+        return x
+    if not _timed:
+        dist.all_reduce(x)
+        return x
+    t0 = time.perf_counter()
+    dist.all_reduce(x)
+    COLLECTIVE_STATS["all_reduce_calls"] += 1
+    COLLECTIVE_STATS["all_reduce_s"] += time.perf_counter() - t0
+    return x
+
+
+def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
+    """x [..., n] on each rank -> [..., world_size * n], rank r's slice at r * n."""
+    if _TP.world_size == 1:
+        return x
+    t0 = time.perf_counter() if _timed else 0.0
+    parts = [torch.empty_like(x) for _ in range(_TP.world_size)]
+    dist.all_gather(parts, x.contiguous())
+    out = torch.cat(parts, dim=-1)
+    if _timed:
+        COLLECTIVE_STATS["all_gather_calls"] += 1
+        COLLECTIVE_STATS["all_gather_s"] += time.perf_counter() - t0
+    return out
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    """numerator / denominator, or a ValueError naming ``what`` and both numbers."""
+    if numerator % denominator:
+        raise ValueError(f"tensor_parallel_size {denominator} does not divide {what} ({numerator})")
+    return numerator // denominator

@@ -1,0 +1,240 @@
+"""Which kernel each quantized linear layer runs on this CPU, chosen by measurement (``kernels/autotune.py``).
+
+The candidates of a weight compute the same product within float rounding (each is tested against the others),
+so a choice changes speed only:
+- every ISA the kernels have for this CPU (AVX-512 where present, AVX2; ``PAGEDLLM_CPU_ISA`` forces one);
+- for 4-bit weights, both panel layouts: ``dot8`` (activations split into two int8 terms, byte dot products:
+  the fastest for few rows, where a step is bound by weight bytes) and ``pairs`` (float activations: measured
+  2x faster than dot8 for 64+ rows on an AVX2 EPYC, where a step is compute-bound). A layer whose buckets
+  choose both keeps both copies (4-bit: ~1.2x the bytes); one that chooses one layout keeps only that one.
+
+Layers of one shape class (format, N, K, group) share one measurement; the table of choices is logged and saved
+per machine fingerprint, so later starts only read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.kernels import autotune
+from pagedllm.kernels.cpu import cpu_isa, kernels_name, sources_digest
+from pagedllm.logger import init_logger
+from pagedllm.model_executor.layers.quantization.packed_weight import PackedWeight
+from pagedllm.model_executor.layers.quantization.qpanels import PANEL, Q4Dot8Panels, Q4PairsPanels, QPanels
+from pagedllm.platforms import platform_of
+from pagedllm.utils import format_bytes
+
+logger = init_logger(__name__)
+
+ISA_NAMES = {1: "avx2", 2: "avx512", 3: "generic"}
+
+
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """Panels [P, C, 16] -> rows [N, C] (the inverse of ``qpanels._panels``)."""
+    p, c, _ = t.shape
+    return t.transpose(1, 2).reshape(p * PANEL, c)[:n]
+
+
+def _fp16_exact(t: torch.Tensor) -> bool:
+    return bool((t.half().float() == t.float()).all())
+
+
+def other_layout(weight: QPanels) -> QPanels | None:
+    """The same 4-bit weight in the other panel layout (dot8 <-> pairs), or None where there is none: dot8
+    needs a group that is a multiple of 8 and keeps float16 scales and mins, so only exact ones convert."""
+    if not isinstance(weight, Q4Dot8Panels | Q4PairsPanels):
+        return None
+    target = Q4PairsPanels if isinstance(weight, Q4Dot8Panels) else Q4Dot8Panels
+    if target is Q4Dot8Panels and (weight.group % 8 or not (_fp16_exact(weight.scales) and _fp16_exact(weight.mins))):
+        return None
+    n = weight.out_features
+    q = _rows(weight._levels(), n).to(torch.uint8)
+    return target.pack(q, _rows(weight.scales.float(), n), _rows(weight.mins.float(), n))
+
+
+def _isas(kernels: Any) -> list[int]:
+    forced = cpu_isa()
+    if forced:
+        return [forced]
+    fast = [isa for isa in kernels.supported_isas() if isa != 3]
+    return fast or [3]
+
+
+def candidates(weight: PackedWeight) -> dict[str, Callable[[], tuple[PackedWeight, int]]]:
+    """name ("dot8/avx2", ...) -> a maker of (the weight in that candidate's layout, its ISA code)."""
+    if not isinstance(weight, QPanels):
+        return {}
+    kernels = platform_of(weight.qweight).cpu_kernels(torch.float32)
+    if kernels is None:
+        return {}
+    layouts: dict[str, Callable[[], PackedWeight | None]] = {weight.layout: lambda: weight}
+    if isinstance(weight, Q4Dot8Panels) or (isinstance(weight, Q4PairsPanels) and weight.group % 8 == 0 and
+                                            _fp16_exact(weight.scales) and _fp16_exact(weight.mins)):
+        cache: list[QPanels | None] = []
+
+        def alt() -> QPanels | None:
+            if not cache:
+                cache.append(other_layout(weight))
+            return cache[0]
+
+        layouts["pairs" if isinstance(weight, Q4Dot8Panels) else "dot8"] = alt
+    out: dict[str, Callable[[], tuple[PackedWeight, int]]] = {}
+    for layout, make in layouts.items():
+        for isa in _isas(kernels):
+            out[f"{layout}/{ISA_NAMES[isa]}"] = lambda make=make, isa=isa: (make(), isa)
+    return out
+
+
+def shape_key(weight: PackedWeight) -> str:
+    return f"{type(weight).__name__}:{weight.out_features}x{weight.in_features}:g{weight.group}"
+
+
+@dataclass
+class LayerTuning:
+    """What the autotuner can do with one layer: its shape class, its candidates (name -> a maker of the
+    candidate's kernel, made only when timed or chosen) and how to bind a choice per bucket."""
+
+    key: str
+    in_features: int
+    kernels: dict[str, Callable[[], autotune.Kernel | None]]
+    apply: Callable[[list[str]], int]  # binds one choice per bucket; returns the bytes a second copy costs
+
+
+def _quantized_tuning(layer: nn.Module) -> LayerTuning | None:
+    weight = layer.qpanels
+    makers = candidates(weight)
+    if len(makers) < 2:
+        return None
+
+    def kernel(name: str) -> autotune.Kernel | None:
+        packed, isa = makers[name]()
+        return packed.bind(isa) if packed is not None else None
+
+    def apply(choices: list[str]) -> int:
+        made = {name: makers[name]() for name in dict.fromkeys(choices)}
+        bound = {name: w.bind(isa) for name, (w, isa) in made.items()}
+        primary = made[choices[0]][0]  # the layout few-row steps run stays the layer's weight
+        object.__setattr__(primary, "_kernel", autotune.by_rows([bound[name] for name in choices]))
+        layer.qpanels = primary
+        layer._cpu_matmul = primary.cpu_matmul()
+        copies = {id(w): w for w, _ in made.values()}
+        return sum(w.nbytes() for w in copies.values() if w is not primary)
+
+    return LayerTuning(shape_key(weight), weight.in_features, {name: lambda n=name: kernel(n) for name in makers},
+                       apply)
+
+
+def _float_tuning(layer: nn.Module) -> LayerTuning | None:
+    """A float32 layer in the C++ kernel's panels: those (``panels``) against BLAS on the plain weight (``blas``,
+    MKL or oneDNN through ``F.linear``; Intel's libraries may win where the panels were not tuned)."""
+    packed = getattr(layer, "packed_weight", None)
+    if packed is None or packed.dtype != torch.float32:
+        return None
+    n, k = layer.out_features, layer.in_features
+    plain: list[torch.Tensor] = []
+
+    def weight() -> torch.Tensor:
+        if not plain:
+            plain.append(_rows(packed, n).contiguous())
+        return plain[0]
+
+    gemm = layer._kernels.packed_gemm
+
+    def panels(x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+        return gemm(x, packed, n, bias, out)
+
+    def blas_kernel() -> autotune.Kernel:
+        w = weight()
+
+        def blas(x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+            return torch.addmm(bias, x, w.T, out=out) if bias is not None else torch.mm(x, w.T, out=out)
+
+        return blas
+
+    def apply(choices: list[str]) -> int:
+        if set(choices) == {"panels"}:
+            return 0
+        kinds = {"panels": panels, "blas": blas_kernel()}
+        layer._cpu_matmul = autotune.by_rows([kinds[name] for name in choices])
+        if "panels" in choices:
+            return weight().numel() * 4  # both copies are kept
+        layer.packed_weight = None  # BLAS everywhere: the plain weight replaces the panels
+        layer.weight = nn.Parameter(weight(), requires_grad=False)
+        return 0
+
+    return LayerTuning(f"Float32Panels:{n}x{k}", k, {"panels": lambda: panels, "blas": blas_kernel}, apply)
+
+
+def tuning_for(layer: nn.Module) -> LayerTuning | None:
+    """The autotuner's plan for a linear layer on the CPU, or None where it has one kernel only."""
+    if getattr(layer, "_cpu_matmul", None) is None:
+        return None
+    if isinstance(getattr(layer, "qpanels", None), QPanels):
+        return _quantized_tuning(layer)
+    return _float_tuning(layer)
+
+
+def autotune_model(model: nn.Module, mode: str, timer: Callable[..., float] = autotune.time_once) -> None:
+    """Chooses, per shape class and bucket of rows, the kernel of every CPU linear layer of ``model`` that has
+    more than one (``mode``: off | on (use the saved table, measure what it lacks) | force (measure again))."""
+    from pagedllm.model_executor.layers.linear import Linear
+
+    if mode not in autotune.MODES:
+        raise ValueError(f"cpu_kernel_autotune: must be one of {list(autotune.MODES)}, got {mode!r}")
+    if mode == "off":
+        return
+    groups: dict[str, list[LayerTuning]] = {}
+    for module in model.modules():
+        plan = tuning_for(module) if isinstance(module, Linear) else None
+        if plan is not None:
+            groups.setdefault(plan.key, []).append(plan)
+    if not groups:
+        return
+    table = autotune.AutotuneTable.open(autotune.fingerprint(f"{kernels_name()}-{sources_digest()}"))
+    if table.stale:
+        logger.info("cpu kernel autotune: the saved table was measured on another machine or build; measuring")
+
+    def missing() -> list[str]:
+        return [key for key, plans in groups.items() if mode == "force" or not _valid(table.choices(key), plans[0])]
+
+    if missing():
+        with autotune.measuring_lock(table):
+            todo = missing()  # another process may have measured meanwhile
+            for key in todo:
+                plan = groups[key][0]
+                made = {name: make() for name, make in plan.kernels.items()}
+                timed = {name: kernel for name, kernel in made.items() if kernel is not None}
+                choices, timings = autotune.choose(timed, plan.in_features, timer)
+                table.record(key, choices, timings)
+            if todo:
+                table.save()
+    extra = 0
+    for key, plans in groups.items():
+        choices = table.choices(key)
+        if not _valid(choices, plans[0]):
+            continue  # a forced table without this shape: the default kernel stays
+        for plan in plans:
+            extra += plan.apply(choices)
+        _log(key, choices, table.entries[key].get("ms", {}), len(plans))
+    if extra:
+        logger.info("cpu kernel autotune: layers keeping two copies of their weight (one per kernel) add %s",
+                    format_bytes(extra))
+
+
+def _valid(choices: list[str] | None, plan: LayerTuning) -> bool:
+    return choices is not None and len(choices) == len(autotune.BUCKET_ROWS) and set(choices) <= set(plan.kernels)
+
+
+def _log(key: str, choices: list[str], ms: dict[str, list[float]], num_layers: int) -> None:
+    cells = []
+    for b, rows in enumerate(autotune.BUCKET_ROWS):
+        name = choices[b]
+        others = [f"{n} {t[b]:.3f}" for n, t in ms.items() if n != name and b < len(t)]
+        mine = f" {ms[name][b]:.3f} ms" if name in ms and b < len(ms[name]) else ""
+        cells.append(f"M~{rows}: {name}{mine}" + (f" (vs {', '.join(others)})" if others else ""))
+    logger.info("cpu kernel autotune %s (%d layers): %s", key, num_layers, "; ".join(cells))

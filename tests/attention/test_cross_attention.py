@@ -1,0 +1,45 @@
+"""Cross-attention over the cross-attention KV cache group: the C++ kernel path (each query token as a request of
+its own) and the portable path equal plain unmasked attention over each request's encoder K/V."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.backends.cross_attention import cross_attention
+from pagedllm.attention.metadata import build_attention_metadata
+from pagedllm.kernels.cpu import load_cpu_kernels
+from pagedllm.worker.encoder_decoder import EncoderDecoderRunner
+
+BLOCK, POSITIONS, HEADS, DIM = 16, 100, 4, 16
+
+
+@pytest.mark.parametrize("use_kernels", [False, True])
+def test_cross_attention_equals_unmasked_attention(use_kernels: bool) -> None:
+    kernels = load_cpu_kernels() if use_kernels else None
+    if use_kernels and kernels is None:
+        pytest.skip("C++ CPU kernels unavailable")
+    torch.manual_seed(0)
+    num_blocks = 40
+    cache = torch.zeros(2, num_blocks, BLOCK, HEADS, DIM)
+    runner = EncoderDecoderRunner(torch.nn.Identity(), 1, POSITIONS, BLOCK, torch.device("cpu"))
+    tables = [[3, 9, 1, 12, 5, 7, 30], [20, 21, 2, 4, 6, 8, 10], [11, 13, 14, 15, 16, 17, 18]]  # 7 blocks = 112
+    encoder_kv = []
+    for table in tables:  # each request's encoder K/V written at its slots, as write_cross_kv does
+        k, v = torch.randn(POSITIONS, HEADS, DIM), torch.randn(POSITIONS, HEADS, DIM)
+        slots = torch.from_numpy(runner.slot_mapping(table))
+        cache[0].view(-1, HEADS, DIM)[slots] = k
+        cache[1].view(-1, HEADS, DIM)[slots] = v
+        encoder_kv.append((k, v))
+    query_lens = [1, 1, 5]  # two decodes, one prompt of 5 tokens
+    decoder = build_attention_metadata(query_lens, [7, 3, 5], [[0], [0], [0]], BLOCK)
+    meta = runner.cross_metadata(tables, decoder)
+    query = torch.randn(sum(query_lens), HEADS, DIM)
+    out = cross_attention(query, cache, meta, DIM ** -0.5, kernels)
+    start = 0
+    for (k, v), q_len in zip(encoder_kv, query_lens):
+        q = query[start:start + q_len].transpose(0, 1)
+        expected = F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1), scale=DIM ** -0.5)
+        torch.testing.assert_close(out[start:start + q_len], expected.transpose(0, 1), atol=1e-5, rtol=1e-5)
+        start += q_len

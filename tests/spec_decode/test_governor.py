@@ -1,0 +1,107 @@
+"""The draft governor: drafting turns itself off where it measures slower, and outputs never change."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import ENGINE
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.spec_decode.config import parse_speculative_config
+from pagedllm.spec_decode.governor import MIN_DRAFTED_SAMPLES, DraftGovernor, bucket_of
+from pagedllm.spec_decode.spec_decoder import SpecDecoder
+
+
+def _run(gov: DraftGovernor, steps: int, num_requests: int, drafted_tps: float, plain_tps: float) -> list[bool]:
+    """Steps at a fixed batch size; each draws drafts when the governor says so, at the given rates."""
+    decisions = []
+    for _ in range(steps):
+        drafting = gov.drafting(num_requests)
+        decisions.append(drafting)
+        gov.observe(num_requests, num_requests, num_requests / (drafted_tps if drafting else plain_tps), drafting)
+    return decisions
+
+
+def test_buckets_are_powers_of_two() -> None:
+    assert [bucket_of(n) for n in (1, 2, 3, 4, 5, 8, 9, 200)] == [1, 2, 4, 4, 8, 8, 16, 256]
+
+
+def test_slow_drafting_turns_off_then_retries_after_cooldown() -> None:
+    gov = DraftGovernor(probe_every=4, cooldown_steps=40)
+    decisions = _run(gov, 60, 2, drafted_tps=50.0, plain_tps=100.0)
+    assert gov.num_turned_off == 1
+    # Drafting (with one probe in four) until enough of both rates were measured, then off for the cooldown.
+    judged = decisions.index(False, 8) + 1
+    assert decisions[:judged].count(True) >= MIN_DRAFTED_SAMPLES
+    assert not any(decisions[judged:judged + 40])
+    assert decisions[judged + 40]  # tried again after the cooldown...
+    _run(gov, 20, 2, drafted_tps=50.0, plain_tps=100.0)
+    assert gov.num_turned_off == 2  # ...and turned off again: still slower
+
+
+def test_drafting_that_pays_stays_on_with_probes() -> None:
+    gov = DraftGovernor(probe_every=8)
+    decisions = _run(gov, 200, 4, drafted_tps=150.0, plain_tps=100.0)
+    assert gov.num_turned_off == 0
+    assert decisions.count(False) == 200 // 8  # one plain step in eight keeps the other rate measured
+
+
+def test_loss_within_tolerance_keeps_drafting() -> None:
+    gov = DraftGovernor(max_loss=0.10, probe_every=4)
+    _run(gov, 200, 1, drafted_tps=95.0, plain_tps=100.0)  # 5% slower: not worth a decision on noisy timings
+    assert gov.num_turned_off == 0
+
+
+def test_batch_size_buckets_are_judged_apart() -> None:
+    gov = DraftGovernor(probe_every=4)
+    _run(gov, 80, 1, drafted_tps=200.0, plain_tps=100.0)  # pays alone
+    _run(gov, 80, 16, drafted_tps=500.0, plain_tps=1000.0)  # costs in a large batch
+    assert gov.drafting(16) is False
+    assert any(gov.drafting(1) for _ in range(3))
+
+
+def test_auto_disable_false_always_drafts() -> None:
+    gov = DraftGovernor(enabled=False)
+    assert all(_run(gov, 100, 2, drafted_tps=10.0, plain_tps=100.0))
+    assert gov.num_turned_off == 0
+
+
+def test_config_key() -> None:
+    base = {"method": "ngram", "num_speculative_tokens": 3}
+    assert parse_speculative_config(base).auto_disable is True
+    assert parse_speculative_config({**base, "auto_disable": False}).auto_disable is False
+    with pytest.raises(ValueError, match="auto_disable"):
+        parse_speculative_config({**base, "auto_disable": "no"})
+
+
+def _slow_drafts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deterministic timings: a step that verified drafts takes 4x a plain step, whatever the machine does."""
+    real = SpecDecoder.observe_step
+
+    def observe(self, num_requests, num_tokens, seconds, verified):
+        real(self, num_requests, num_tokens, 2.0 if verified else 0.5, verified)
+
+    monkeypatch.setattr(SpecDecoder, "observe_step", observe)
+
+
+@pytest.mark.parametrize("auto_disable", [True, False])
+def test_engine_turns_a_losing_drafter_off_and_outputs_stay_equal(tiny_models, monkeypatch, auto_disable) -> None:
+    _slow_drafts(monkeypatch)
+    cfg = {"method": "layer_skip", "num_draft_layers": 1, "num_speculative_tokens": 3, "auto_disable": auto_disable}
+    plain = LLM(tiny_models["target"], **ENGINE)
+    llm = LLM(tiny_models["target"], **ENGINE, speculative_config=cfg)
+    llm.engine.core.worker.runner.spec_decoder.governor.probe_every = 4  # plain samples sooner than 1 in 32
+    prompts = [{"prompt_token_ids": [5, 17, 300, 42]}]  # one stream: every decode step in one batch-size bucket
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    ids = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert ids == [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    stats = llm.engine.core.scheduler.spec_stats
+    drafts_before = stats.num_drafts
+    assert drafts_before > 0
+    again = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert again == ids
+    if auto_disable:
+        assert stats.num_auto_disabled == 1
+        assert stats.num_drafts == drafts_before  # off within the cooldown
+    else:
+        assert stats.num_auto_disabled == 0
+        assert stats.num_drafts > drafts_before
