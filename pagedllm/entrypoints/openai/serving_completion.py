@@ -18,8 +18,8 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
-    merge_streams,
     sse,
+    start_streams,
     stream_error,
     until_disconnect,
 )
@@ -74,24 +74,11 @@ class ServingCompletion(OpenAIServing):
         streams = [self.engine.generate({"prompt_token_ids": p.token_ids}, params, f"{request_id}-{i}",
                                         kind=kind, cache_salt=req.cache_salt, arrival_time=time.time())
                    for i, p in enumerate(prompts)]
-        merged = merge_streams(streams)
-        try:
-            first = await merged.__anext__()
-        except ValueError as e:
-            raise OpenAIError(str(e), param=param_of(str(e))) from None
-
-        async def rest() -> AsyncIterator[tuple[int, RequestOutput]]:
-            try:
-                yield first
-                async for item in merged:
-                    yield item
-            finally:
-                await merged.aclose()
-
+        outputs = await start_streams(streams)
         if req.stream:
-            return StreamingResponse(self._stream(req, prompts, rest(), request_id, model, created),
+            return StreamingResponse(self._stream(req, prompts, outputs, request_id, model, created),
                                      media_type="text/event-stream")
-        result = await until_disconnect(raw_request, self._collect(req, prompts, rest(), request_id, model,
+        result = await until_disconnect(raw_request, self._collect(req, prompts, outputs, request_id, model,
                                                                    created))
         return JSONResponse(result.model_dump()) if result is not None else None
 

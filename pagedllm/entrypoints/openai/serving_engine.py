@@ -117,6 +117,27 @@ async def merge_streams(
             task.cancel()  # cancelling a pump runs its stream's abort handler
 
 
+async def start_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """``merge_streams`` once its first item is in: a request the engine refuses (ValueError) becomes a 400
+    here, before any response starts. The result yields that first item, then the rest; closing it aborts all."""
+    merged = merge_streams(streams)
+    try:
+        first = await merged.__anext__()
+    except ValueError as e:
+        await merged.aclose()
+        raise OpenAIError(str(e), param=param_of(str(e))) from None
+
+    async def rest() -> AsyncIterator[tuple[int, RequestOutput]]:
+        try:
+            yield first
+            async for item in merged:
+                yield item
+        finally:
+            await merged.aclose()
+
+    return rest()
+
+
 async def until_disconnect(request: Request, coro: Any) -> Any:
     """Run a non-streaming handler; if the client goes away first, cancel it (its streams abort)."""
     task = asyncio.ensure_future(coro)

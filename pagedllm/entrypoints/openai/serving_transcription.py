@@ -36,7 +36,7 @@ from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.output_processor import OutputKind
 from pagedllm.entrypoints.openai.errors import OpenAIError, param_of
 from pagedllm.entrypoints.openai.protocol_audio import TranscriptionRequest
-from pagedllm.entrypoints.openai.serving_engine import merge_streams, sse, stream_error, until_disconnect
+from pagedllm.entrypoints.openai.serving_engine import sse, start_streams, stream_error, until_disconnect
 from pagedllm.entrypoints.openai.serving_models import ServingModels
 from pagedllm.logger import init_logger
 from pagedllm.metrics.audio import AudioMetrics
@@ -135,25 +135,11 @@ class ServingTranscription:
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
         streams = [self.engine.generate(r.prompt, r.params, f"{request_id}-{i}", kind=kind)
                    for i, r in enumerate(requests)]
-        merged = merge_streams(streams)
-        try:
-            first = await merged.__anext__()
-        except ValueError as e:
-            await merged.aclose()
-            raise OpenAIError(str(e), param=param_of(str(e))) from None
-
-        async def rest() -> AsyncIterator[tuple[int, RequestOutput]]:
-            try:
-                yield first
-                async for item in merged:
-                    yield item
-            finally:
-                await merged.aclose()
-
+        outputs = await start_streams(streams)
         if req.stream:
-            return StreamingResponse(self._stream(req, options, chunks, duration, rest(), start),
+            return StreamingResponse(self._stream(req, options, chunks, duration, outputs, start),
                                      media_type="text/event-stream")
-        body = await until_disconnect(raw, self._collect(options, chunks, duration, rest(), start))
+        body = await until_disconnect(raw, self._collect(options, chunks, duration, outputs, start))
         if body is None:
             return None
         if isinstance(body, dict):
