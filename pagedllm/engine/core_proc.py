@@ -217,7 +217,7 @@ def run_engine_core(config: EngineConfig, engine_index: int, input_address: str,
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, _raise_system_exit)
     if parent_alive is not None:
-        _exit_with_parent(parent_alive, engine_index)
+        exit_with_parent(parent_alive, f"engine {engine_index}", "the API process")
     if num_threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(num_threads)  # before torch starts its pool
         import torch
@@ -271,15 +271,16 @@ def _raise_system_exit(signum: int, frame: Any) -> None:
     raise SystemExit(0)
 
 
-def _exit_with_parent(parent_alive: Connection, engine_index: int) -> None:
-    """End this process when the API process dies (even by SIGKILL): its end of the pipe closes, recv fails."""
+def exit_with_parent(parent_alive: Connection, who: str, parent: str) -> None:
+    """End this process when its parent dies (even by SIGKILL): the parent's end of the pipe closes, recv fails.
+    ``who`` / ``parent`` name both in the log line ("engine 0", "the API process")."""
 
     def watch() -> None:
         try:
             parent_alive.recv()
         except (EOFError, OSError):
             pass
-        logger.warning("engine %d: the API process is gone; exiting", engine_index)
+        logger.warning("%s: %s is gone; exiting", who, parent)
         os._exit(0)
 
     threading.Thread(target=watch, name="pagedllm-parent-watch", daemon=True).start()

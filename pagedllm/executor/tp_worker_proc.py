@@ -12,6 +12,7 @@ from typing import Any
 import zmq
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.core_proc import exit_with_parent
 from pagedllm.executor.step_broadcast import INIT, STEP, StepSubscriber
 from pagedllm.logger import init_logger
 
@@ -25,7 +26,7 @@ def run_tp_worker(config: EngineConfig, rank: int, init_method: str, step_addres
     if threading.current_thread() is threading.main_thread():  # (a Ray actor may run calls elsewhere)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the engine decides when ranks stop
     if parent_alive is not None:
-        _exit_with_parent(parent_alive, rank)
+        exit_with_parent(parent_alive, f"tensor-parallel rank {rank}", "the engine process")
     os.environ["OMP_NUM_THREADS"] = str(num_threads)  # before torch starts its pool
     import torch
 
@@ -59,17 +60,3 @@ def serve_steps(worker: Any, sub: StepSubscriber) -> None:
             logger.info("tensor-parallel rank %d: stopping", sub.rank)
             worker.close_parallel()
             return
-
-
-def _exit_with_parent(parent_alive: Connection, rank: int) -> None:
-    """End this process when the engine's process dies (even by SIGKILL): its end of the pipe closes."""
-
-    def watch() -> None:
-        try:
-            parent_alive.recv()
-        except (EOFError, OSError):
-            pass
-        logger.warning("tensor-parallel rank %d: the engine process is gone; exiting", rank)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="pagedllm-parent-watch", daemon=True).start()
