@@ -171,7 +171,8 @@ def measuring_lock(table: AutotuneTable) -> Iterator[None]:
 
 def choose(candidates: dict[str, Kernel], in_features: int, timer: Callable[[Kernel, torch.Tensor], float]
            = time_once, min_rounds: int = 5, max_rounds: int = 50, min_seconds: float = 0.01,
-           max_seconds: float = 0.5, margin: float = 0.05) -> tuple[list[str], dict[str, list[float]]]:
+           max_seconds: float = 0.5, margin: float = 0.05, dtype: torch.dtype = torch.float32
+           ) -> tuple[list[str], dict[str, list[float]]]:
     """Times every candidate at every bucket's rows; the fastest name per bucket, and the timings (seconds).
 
     Per bucket, after one warm-up call each, the candidates run in turns (A, B, A, B, ...): at least 2 rounds,
@@ -182,7 +183,7 @@ def choose(candidates: dict[str, Kernel], in_features: int, timer: Callable[[Ker
     kernel can cost a second copy of the weight, so noise must not buy one."""
     timings: dict[str, list[float]] = {name: [] for name in candidates}
     for rows in BUCKET_ROWS:
-        x = torch.randn(rows, in_features)
+        x = torch.randn(rows, in_features, dtype=dtype)
         for kernel in candidates.values():
             kernel(x, None, None)
         best = dict.fromkeys(candidates, float("inf"))

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from pagedllm.model_executor.loader.ct2_whisper import whisper_generation_config
+
 SENTENCE = "The weather is nice today. Please send me the report by Friday."
 SAMPLE_RATE = 16000
 
@@ -24,23 +26,6 @@ def _tiny_en_folder() -> str:
         return ct2_folder("whisper-tiny.en")
     except ValueError as e:
         pytest.skip(str(e))
-
-
-def whisper_generation_config(hf_config: Any) -> Any:
-    """transformers' generation config from the decoding ids the engine resolved onto ``hf_config``."""
-    from transformers import GenerationConfig
-
-    multilingual = bool(getattr(hf_config, "is_multilingual", False))
-    # An English-only model's config must not have lang_to_id at all: transformers detects a language if it does.
-    languages = dict(lang_to_id=dict(hf_config.lang_to_id), task_to_id=dict(hf_config.task_to_id)) if multilingual \
-        else {}
-    return GenerationConfig(
-        decoder_start_token_id=hf_config.decoder_start_token_id, eos_token_id=hf_config.eos_token_id,
-        pad_token_id=hf_config.eos_token_id, bos_token_id=hf_config.eos_token_id,
-        suppress_tokens=list(hf_config.suppress_tokens), begin_suppress_tokens=list(hf_config.begin_suppress_tokens),
-        no_timestamps_token_id=hf_config.no_timestamps_token_id,
-        max_initial_timestamp_index=hf_config.max_initial_timestamp_index, is_multilingual=multilingual,
-        max_length=448, **languages)
 
 
 def make_tiny_whisper(path: str | os.PathLike, seed: int = 0) -> str:

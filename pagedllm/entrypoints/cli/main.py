@@ -123,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "Chat requests under a JSON schema vs free, side by side; TTFT of new vs cached schemas.")
     _add_module_command(bench_sub, "kv-transfer", "pagedllm.benchmarks.kv_transfer",
                         "Time to move one prompt's KV blocks between two processes with the NixlConnector.")
+    _add_module_command(bench_sub, "mixed-load", "pagedllm.benchmarks.mixed_load",
+                        "Decode streams' inter-token latency while long prompts keep arriving (one instance or a "
+                        "disaggregating proxy).")
+    _add_module_command(bench_sub, "transcription", "pagedllm.benchmarks.transcription",
+                        "Speech-to-text clips per second and real-time factor, sequential and concurrent.")
     bench.set_defaults(func=lambda args: _print_help(bench))
     return parser
 

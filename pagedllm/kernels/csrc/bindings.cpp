@@ -16,6 +16,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_gemm", &packed_gemm, "x[M,K] @ W^T (+ bias) with W packed in 16-column panels [N/16, K, 16]",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none(),
         py::arg("out") = py::none());
+  m.def("bf16_gemm", &bf16_gemm,
+        "bf16 x[M,K] @ W^T (+ bias) -> bf16, W in panels of 16 columns and pairs of k [ceil(N/16), K/2, 16, 2]",
+        py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none(),
+        py::arg("out") = py::none(), py::arg("generic") = false);
+  m.def("bf16_gemm_supported", &bf16_gemm_supported, "Whether this CPU runs bf16_gemm's AVX-512 BF16 path");
   m.def("q8_gemm", &q8_gemm, "x[M,K] @ (scale * int8 W)^T (+ bias), W in 16-column panels [P, K, 16]",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("group"), py::arg("out_features"),
         py::arg("bias") = py::none(), py::arg("out") = py::none(), py::arg("isa") = 0);

@@ -52,6 +52,12 @@ torch::Tensor w8a8_gemm(const torch::Tensor& x, const torch::Tensor& qweight, co
                         int64_t out_features, const std::optional<torch::Tensor>& bias,
                         const std::optional<torch::Tensor>& out);
 
+// bf16_gemm.cpp (AVX-512 BF16, or the portable loop when generic): x, W [ceil(N/16), K/2, 16, 2], bias, y in bf16
+bool bf16_gemm_supported();
+torch::Tensor bf16_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
+                        const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& out,
+                        bool generic);
+
 // sampling.cpp
 torch::Tensor sample_from_logits(const torch::Tensor& logits, const torch::Tensor& temperature,
                                  const torch::Tensor& uniform);

@@ -117,6 +117,25 @@ def ct2_whisper_config(folder: str, ct2: CT2File | None = None) -> Any:
     )
 
 
+
+def whisper_generation_config(hf_config: Any) -> Any:
+    """transformers' ``GenerationConfig`` for the decoding ids resolved onto ``hf_config`` (by
+    ``ct2_whisper_config``): what transformers' ``generate`` needs to decode like the engine (the references of the
+    tests and of ``benchmarks/whisper_peers.py``)."""
+    from transformers import GenerationConfig
+
+    multilingual = bool(getattr(hf_config, "is_multilingual", False))
+    # An English-only model's config must not have lang_to_id at all: transformers detects a language if it does.
+    languages = dict(lang_to_id=dict(hf_config.lang_to_id), task_to_id=dict(hf_config.task_to_id)) if multilingual \
+        else {}
+    return GenerationConfig(
+        decoder_start_token_id=hf_config.decoder_start_token_id, eos_token_id=hf_config.eos_token_id,
+        pad_token_id=hf_config.eos_token_id, bos_token_id=hf_config.eos_token_id,
+        suppress_tokens=list(hf_config.suppress_tokens), begin_suppress_tokens=list(hf_config.begin_suppress_tokens),
+        no_timestamps_token_id=hf_config.no_timestamps_token_id,
+        max_initial_timestamp_index=hf_config.max_initial_timestamp_index, is_multilingual=multilingual,
+        max_length=448, **languages)
+
 def _tensor(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.array(array, dtype=np.float32))  # a copy: the mapped file is read-only
 

@@ -79,9 +79,10 @@ def load_model(mc: ModelConfig, device: torch.device | str = "cpu") -> nn.Module
     for module in list(model.modules()):
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
-    from pagedllm.model_executor.layers.quantization.kernel_choice import autotune_model
+    from pagedllm.model_executor.layers.quantization.kernel_choice import autotune_model, release_tuning_state
 
-    autotune_model(model, mc.cpu_kernel_autotune)  # quantized CPU layers: the kernel measured fastest here
+    autotune_model(model, mc.cpu_kernel_autotune)  # CPU linear layers: the kernel measured fastest here
+    release_tuning_state(model)
     promote_attributes(model)  # the weights are final: plain attribute reads from here on (direct_call.py)
     logger.info("loaded %s (%s, %s%s) in %.2f s; weights use %s on %s", mc.architecture, mc.model_path, mc.dtype,
                 f", quantization {quant_config.name}" if quant_config else "", time.perf_counter() - start,

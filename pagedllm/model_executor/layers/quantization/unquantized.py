@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.kernels.autotune import bucket_index
 from pagedllm.model_executor.layers.quantization.base import (
     CpuMatmul,
     LinearMethod,
@@ -33,6 +34,15 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     padded_n = -(-n // PANEL) * PANEL
     w = F.pad(weight.detach(), (0, 0, 0, padded_n - n))
     return w.view(padded_n // PANEL, PANEL, k).transpose(1, 2).contiguous()
+
+
+def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
+    """bf16 weight [N, K] (K even) -> [ceil(N / 16), K / 2, 16, 2] panels (zero-padded past N), what ``bf16_gemm``
+    reads: one 64-byte row per pair of k, the operand of one AVX-512 BF16 dot product."""
+    n, k = weight.shape
+    padded_n = -(-n // PANEL) * PANEL
+    w = F.pad(weight.detach(), (0, 0, 0, padded_n - n))
+    return w.view(padded_n // PANEL, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 @functools.cache
@@ -54,7 +64,9 @@ class UnquantizedLinearMethod(LinearMethod):
     """``weight`` [N, K] in the model dtype, repacked after loading where a kernel applies: float32 into the
     panels of the C++ kernel; bfloat16 on a CPU with native bf16 into oneDNN's blocked layout. The latter
     skips oneDNN's per-call weight reorder (~20% of a BERT matmul) and fuses bias and GELU into the matmul
-    (torch's separate bf16 GELU cost more than the matmul it follows)."""
+    (torch's separate bf16 GELU cost more than the matmul it follows). Where the C++ kernels have AVX-512 BF16,
+    the plain bf16 weight is kept until the autotuner has timed the C++ bf16 panels (``bf16_gemm``) against
+    oneDNN (``kernel_choice.py``), which binds ``_bf16_matmul`` when the panels win a bucket of rows."""
 
     name = "unquantized"
 
@@ -66,6 +78,10 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.packed_weight = None
         layer.onednn_weight = None
         layer._kernels = None
+        layer.bf16_panels = None  # [ceil(N/16), K/2, 16, 2] (pack_bf16_weight), when the autotuner chose them
+        layer._bf16_matmul = None  # the per-bucket kernel of a bf16 layer (oneDNN and/or panels)
+        layer._bf16_panel_buckets = ()  # per bucket of rows: whether it runs the panels
+        layer._bf16_plain = None  # the plain bf16 weight, kept for the autotuner until it has decided
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if layer.packed_weight is not None or layer.onednn_weight is not None:
@@ -74,6 +90,11 @@ class UnquantizedLinearMethod(LinearMethod):
         platform = platform_of(w)
         if w.dtype == torch.bfloat16 and platform.onednn_bf16():
             layer.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+            kernels = platform.cpu_kernels(w.dtype, (torch.bfloat16,))
+            if kernels is not None and hasattr(kernels, "bf16_gemm") and kernels.bf16_gemm_supported() and \
+                    layer.in_features % 2 == 0:
+                layer._bf16_plain = w.detach()
+                layer._kernels = kernels
             layer.weight = None  # the packed copy replaces it
             return
         kernels = platform.cpu_kernels(w.dtype)
@@ -87,6 +108,9 @@ class UnquantizedLinearMethod(LinearMethod):
               out: torch.Tensor | None) -> torch.Tensor:
         if layer.packed_weight is not None:
             return layer._kernels.packed_gemm(x, layer.packed_weight, layer.out_features, bias, out)
+        bf16_matmul = getattr(layer, "_bf16_matmul", None)  # set by the autotuner (kernel_choice.py)
+        if bf16_matmul is not None and x.dtype == torch.bfloat16:
+            return bf16_matmul(x, bias, out)
         if layer.onednn_weight is not None:
             y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), layer.onednn_weight, bias, "none", [], "")
             return out.copy_(y) if out is not None else y
@@ -94,8 +118,16 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply_activation(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
                          activation: str) -> torch.Tensor | None:
-        if layer.onednn_weight is None or activation not in _ONEDNN_ACTIVATIONS:
+        panels = getattr(layer, "bf16_panels", None)
+        if (layer.onednn_weight is None and panels is None) or activation not in _ONEDNN_ACTIVATIONS:
             return None
+        if panels is not None and x.dtype == torch.bfloat16 and \
+                layer._bf16_panel_buckets[bucket_index(x.shape[0])]:
+            y = layer._bf16_matmul(x, bias, None)
+            if activation == "relu":
+                return y.relu_()
+            layer._kernels.gelu_(y, activation == "gelu_tanh")
+            return y
         op, algorithm = _ONEDNN_ACTIVATIONS[activation]
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), layer.onednn_weight, bias, op, [], algorithm)
 
@@ -106,7 +138,9 @@ class UnquantizedLinearMethod(LinearMethod):
         return lambda x, bias, out: gemm(x, packed, n, bias, out)
 
     def packed_nbytes(self, layer: nn.Module) -> int:
-        return sum(t.numel() * t.element_size() for t in (layer.packed_weight, layer.onednn_weight) if t is not None)
+        copies = (layer.packed_weight, layer.onednn_weight, getattr(layer, "bf16_panels", None))
+        return sum(t.numel() * t.element_size() for t in copies
+                   if t is not None)
 
     def bias_dtype(self, dtype: torch.dtype) -> torch.dtype:
         # The model dtype, as nn.Linear: F.linear takes the bias in the activations' dtype (also for a layer a
@@ -114,6 +148,8 @@ class UnquantizedLinearMethod(LinearMethod):
         return dtype
 
     def scheme(self, layer: nn.Module) -> str:
+        if getattr(layer, "bf16_panels", None) is not None:
+            return f"{self.name} bfloat16 (panels{' + oneDNN' if layer.onednn_weight is not None else ''})"
         if layer.onednn_weight is not None:
             return f"{self.name} bfloat16 (oneDNN packed)"
         w = layer.packed_weight if layer.packed_weight is not None else layer.weight
