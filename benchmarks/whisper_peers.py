@@ -22,6 +22,7 @@ SAMPLE_RATE = 16000
 
 
 def _load(path: str):
+    # faster-whisper's venv has PyAV but not pagedllm, so pagedllm.audio.decode cannot be imported there.
     import av
     import numpy as np
 

@@ -39,10 +39,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
     """bf16 weight [N, K] (K even) -> [ceil(N / 16), K / 2, 16, 2] panels (zero-padded past N), what ``bf16_gemm``
     reads: one 64-byte row per pair of k, the operand of one AVX-512 BF16 dot product."""
-    n, k = weight.shape
-    padded_n = -(-n // PANEL) * PANEL
-    w = F.pad(weight.detach(), (0, 0, 0, padded_n - n))
-    return w.view(padded_n // PANEL, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    panels = pack_weight(weight)  # [P, K, 16]: the float panels, whose k rows pair up
+    p, k, _ = panels.shape
+    return panels.view(p, k // 2, 2, PANEL).transpose(2, 3).contiguous()
 
 
 @functools.cache
