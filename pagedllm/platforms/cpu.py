@@ -39,10 +39,15 @@ class CpuPlatform(Platform):
         return load_cpu_kernels() if dtype in dtypes else None
 
     def elementwise_kernels(self, dtype: torch.dtype) -> Any | None:
+        # bf16: the fused passes round where the torch ops do (kernels/csrc/fused_ops.cpp), so results match.
+        return self.cpu_kernels(dtype, (torch.float32, torch.bfloat16))
+
+    def activation_kernels(self, dtype: torch.dtype) -> Any | None:
+        # float32 only: in bf16 torch's own SiLU-and-mul measured faster than a pass that rounds like it.
         return self.cpu_kernels(dtype)
 
     def rotary_kernels(self, dtype: torch.dtype, table_dtype: torch.dtype) -> Any | None:
-        return self.cpu_kernels(dtype) if table_dtype == torch.float32 else None
+        return self.elementwise_kernels(dtype) if table_dtype == dtype else None
 
     def onednn_bf16(self) -> bool:
         from pagedllm.model_executor.layers.quantization.unquantized import onednn_bf16_available

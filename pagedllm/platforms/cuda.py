@@ -44,6 +44,9 @@ class CudaPlatform(Platform):
 
         return triton_ops.TRITON_OPS if triton_ops.triton_available() else None
 
+    def activation_kernels(self, dtype: torch.dtype) -> Any | None:
+        return self.elementwise_kernels(dtype)
+
     def rotary_kernels(self, dtype: torch.dtype, table_dtype: torch.dtype) -> Any | None:
         return self.elementwise_kernels(dtype)
 

@@ -68,7 +68,11 @@ class Platform:
         return None
 
     def elementwise_kernels(self, dtype: torch.dtype) -> Any | None:
-        """A module with ``rms_norm_``, ``silu_and_mul`` and ``rotary_`` for tensors of ``dtype``, or None."""
+        """A module with ``rms_norm_`` and ``rotary_`` for tensors of ``dtype``, or None."""
+        return None
+
+    def activation_kernels(self, dtype: torch.dtype) -> Any | None:
+        """A module with ``silu_and_mul`` for tensors of ``dtype``, or None."""
         return None
 
     def rotary_kernels(self, dtype: torch.dtype, table_dtype: torch.dtype) -> Any | None:

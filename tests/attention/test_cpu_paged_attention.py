@@ -38,6 +38,8 @@ def _case(num_reqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block
     (9, 3, 64),   # SmolLM2: 3 query heads per KV head, vector paths
     (8, 2, 32),   # 4 per KV head: tiles of 3 + 1
     (7, 1, 16),   # 7 per KV head: tiles of 3 + 3 + 1
+    (4, 2, 48),   # AVX-512: three 16-column chunks per sweep over V
+    (2, 1, 80),   # AVX-512: sweeps of 4 + 1 chunks
     (4, 4, 8),    # no GQA; D % 16 != 0 takes the scalar V path
     (6, 3, 12),   # D % 8 != 0: scalar everywhere
 ])

@@ -176,3 +176,78 @@ def test_silu_and_mul(kernels, t: int, i: int) -> None:
     gate_up = torch.randn(t, 2 * i) * 4
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(kernels.silu_and_mul(gate_up), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+def _bf16_matches(got: torch.Tensor, ref: torch.Tensor, share: float = 0.99) -> None:
+    """bf16 results: within one bf16 step everywhere and bit-equal almost everywhere (a missed rounding point
+    of the reference would leave about a third of the elements one step off)."""
+    assert got.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), ref.float(), atol=1e-6, rtol=2 ** -6)  # a step is 2^-8..2^-7 of it
+    assert (got == ref).float().mean().item() >= share
+
+
+@pytest.mark.parametrize("t", [1, 5, 70])
+def test_rms_norm_bf16_rounds_where_the_torch_path_does(kernels, t: int) -> None:
+    torch.manual_seed(t)
+    x, res = torch.randn(t, 576, dtype=torch.bfloat16), torch.randn(t, 576, dtype=torch.bfloat16)
+    w = (torch.randn(576) * 0.5 + 1).to(torch.bfloat16)
+
+    def reference(v: torch.Tensor) -> torch.Tensor:  # layers/layernorm.py's torch path
+        v32 = v.float()
+        return w * (v32 * torch.rsqrt(v32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+
+    out = x.clone()
+    kernels.rms_norm_(out, None, w, 1e-5)
+    _bf16_matches(out, reference(x))
+    xi, ri = x.clone(), res.clone()
+    kernels.rms_norm_(xi, ri, w, 1e-5)
+    assert torch.equal(ri, x + res)
+    _bf16_matches(xi, reference(x + res))
+    with pytest.raises(RuntimeError, match="weight must have the dtype of x"):
+        kernels.rms_norm_(x.clone(), None, w.float(), 1e-5)
+
+
+def test_rotary_bf16_equals_the_torch_path(kernels) -> None:
+    torch.manual_seed(1)
+    heads, kv_heads, d, t = 9, 3, 64, 11
+    emb = RotaryEmbedding(d, 256, 10000.0, {}, torch.bfloat16)
+    positions = torch.randint(0, 256, (t,))
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, dtype=torch.bfloat16)
+    cos, sin = emb.lookup(positions)
+    q_ref = apply_rotary(qkv[:, :heads * d], cos, sin, heads)
+    k_ref = apply_rotary(qkv[:, heads * d:(heads + kv_heads) * d], cos, sin, kv_heads)
+    kernels.rotary_(qkv, positions, emb.cos_sin_cache, heads + kv_heads, d)
+    assert torch.equal(qkv[:, :heads * d], q_ref)
+    assert torch.equal(qkv[:, heads * d:(heads + kv_heads) * d], k_ref)
+    with pytest.raises(RuntimeError, match="cos_sin must have the dtype of x"):
+        kernels.rotary_(qkv, positions, emb.cos_sin_cache.float(), heads, d)
+
+
+def test_bf16_layers_take_the_fused_kernels_except_gemma_offset() -> None:
+    """RMSNorm (plain w) and rotary in bf16 run the fused passes, SiLU-and-mul torch's own; Gemma's (1 + w) keeps
+    the reference's float32 scale (torch path), since (1 + w) rounded to bf16 would change its result."""
+    from pagedllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
+    from pagedllm.platforms import platform_of
+
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    assert platform_of(x).elementwise_kernels(torch.bfloat16) is not None
+    assert platform_of(x).rotary_kernels(torch.bfloat16, torch.bfloat16) is not None
+    assert platform_of(x).rotary_kernels(torch.bfloat16, torch.float32) is None
+    assert platform_of(x).activation_kernels(torch.bfloat16) is None
+    assert platform_of(x).activation_kernels(torch.float32) is not None
+    with pytest.raises(RuntimeError, match="gate_up must be float32"):
+        platform_of(x).elementwise_kernels(torch.bfloat16).silu_and_mul(torch.zeros(2, 8, dtype=torch.bfloat16))
+    gemma = GemmaRMSNorm(64, 1e-6, torch.bfloat16)
+    with torch.no_grad():
+        gemma.weight.normal_()
+    x32 = x.float()
+    expected = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * (gemma.weight.float() + 1)).to(
+        torch.bfloat16)
+    assert torch.equal(gemma(x), expected)
+    plain = RMSNorm(64, 1e-6, torch.bfloat16)
+    residual = torch.randn(4, 64, dtype=torch.bfloat16)
+    summed = x + residual
+    out, res = plain(x.clone(), residual.clone())
+    assert torch.equal(res, summed)
+    _bf16_matches(out, (summed.float() * torch.rsqrt(summed.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(
+        torch.bfloat16), share=0.95)

@@ -106,4 +106,4 @@ def test_dispatch_by_device() -> None:
     # CUDA tensors get the Triton ops; CPU tensors never do (the interpreter is for tests only).
     got = elementwise_kernels_for(torch.zeros(1, device=DEVICE))
     assert (got is triton_ops.TRITON_OPS) == (DEVICE == "cuda")
-    assert elementwise_kernels_for(torch.zeros(1, dtype=torch.bfloat16)) is None
+    assert elementwise_kernels_for(torch.zeros(1, dtype=torch.bfloat16)) is not triton_ops.TRITON_OPS

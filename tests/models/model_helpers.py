@@ -98,6 +98,7 @@ def cpu_tensors_get_cuda_elementwise_ops(monkeypatch) -> None:  # noqa: ANN001 -
 
     cpu = platform_for("cpu")
     monkeypatch.setattr(cpu, "elementwise_kernels", lambda dtype: triton_ops.TRITON_OPS)
+    monkeypatch.setattr(cpu, "activation_kernels", lambda dtype: triton_ops.TRITON_OPS)
     monkeypatch.setattr(cpu, "rotary_kernels", lambda dtype, table_dtype: (
         triton_ops.TRITON_OPS if table_dtype == torch.float32 else None))
 

@@ -1,17 +1,119 @@
-// Element-wise steps of a decoder layer fused into single passes over memory (float32).
+// Element-wise steps of a decoder layer fused into single passes over memory (float32 and bfloat16).
 // Each replaces several torch ops (and their temporaries); per decode step a 30-layer model runs ~10 of
 // these per layer, so at small batches the launch and allocation cost matters as much as the arithmetic.
+//
+// bfloat16 (the norm and rotary): arithmetic in float32, rounded to bf16 (nearest even) exactly where the torch
+// ops of the reference (layers/layernorm.py, rotary_embedding.py) round each op's result, so the fused pass gives
+// their values bit for bit (the norm's sum of squares may differ in its last float bit).
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 namespace {
 
+// Loads widen to float; stores (and `round`) round to the element type. float: identities.
+template <typename T>
+struct Elem {
+  static float load(const T* p) { return *p; }
+  static void store(T* p, float v) { *p = v; }
+  static float round(float v) { return v; }
+};
+
+template <>
+struct Elem<c10::BFloat16> {  // plain integer ops on the bits, so the loops vectorize
+  static float load(const c10::BFloat16* p) {
+    return __builtin_bit_cast(float, static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(p)) << 16);
+  }
+  static uint32_t rounded_bits(float v) {  // nearest even; NaN stays NaN (an integer test: -ffast-math)
+    const uint32_t u = __builtin_bit_cast(uint32_t, v);
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? (u | 0x00400000u) : u + 0x7FFFu + ((u >> 16) & 1u);
+  }
+  static void store(c10::BFloat16* p, float v) {
+    *reinterpret_cast<uint16_t*>(p) = static_cast<uint16_t>(rounded_bits(v) >> 16);
+  }
+  static float round(float v) { return __builtin_bit_cast(float, rounded_bits(v) & 0xFFFF0000u); }
+};
+
 void check_rows(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32, name, " must be float32");
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16,
+              name, " must be float32 or bfloat16");
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [T, C] with contiguous rows");
+}
+
+void check_same_dtype(const torch::Tensor& t, const torch::Tensor& like, const char* name) {
+  TORCH_CHECK(t.scalar_type() == like.scalar_type(), name, " must have the dtype of x (", like.scalar_type(), ")");
+}
+
+template <typename T>
+void rms_norm_rows(T* xp, int64_t x_stride, T* res, int64_t res_stride, const T* w, int64_t rows, int64_t C,
+                   float eps) {
+  using E = Elem<T>;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      T* row = xp + t * x_stride;
+      float ss = 0.f;
+      if (res) {
+        T* r = res + t * res_stride;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t c = 0; c < C; ++c) {
+          const float v = E::round(E::load(row + c) + E::load(r + c));
+          E::store(r + c, v);
+          E::store(row + c, v);
+          ss += v * v;
+        }
+      } else {
+#pragma omp simd reduction(+ : ss)
+        for (int64_t c = 0; c < C; ++c) {
+          const float v = E::load(row + c);
+          ss += v * v;
+        }
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(C) + eps);
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) E::store(row + c, E::load(w + c) * E::round(E::load(row + c) * inv));
+    }
+  });
+}
+
+template <typename T>
+void rotary_rows(T* base, int64_t stride, const int64_t* pos, const T* cs, int64_t rows, int64_t num_heads,
+                 int64_t head_dim) {
+  using E = Elem<T>;
+  const int64_t half = head_dim / 2;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cs + pos[t] * head_dim;
+      const T* s = c + half;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        T* x1 = base + t * stride + h * head_dim;
+        T* x2 = x1 + half;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = E::load(x1 + i), b = E::load(x2 + i), ci = E::load(c + i), si = E::load(s + i);
+          E::store(x1 + i, E::round(a * ci) - E::round(b * si));
+          E::store(x2 + i, E::round(b * ci) + E::round(a * si));
+        }
+      }
+    }
+  });
+}
+
+// float32 only: for bf16 the rounding after silu and after the product costs more than torch's own pass.
+void silu_and_mul_rows(const float* in, int64_t stride, float* op, int64_t rows, int64_t I) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* g = in + t * stride;
+      const float* u = g + I;
+      float* o = op + t * I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
+  });
 }
 
 }  // namespace
@@ -21,43 +123,26 @@ void check_rows(const torch::Tensor& t, const char* name) {
 void rms_norm_(torch::Tensor& x, const std::optional<torch::Tensor>& residual, const torch::Tensor& weight,
                double eps) {
   check_rows(x, "x");
-  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.is_contiguous(), "weight must be float32");
+  check_same_dtype(weight, x, "weight");
+  TORCH_CHECK(weight.is_contiguous(), "weight must be contiguous");
   const int64_t T = x.size(0), C = x.size(1);
   TORCH_CHECK(weight.numel() == C, "weight must have ", C, " elements");
-  float* res = nullptr;
-  int64_t res_stride = 0;
-  if (residual.has_value() && residual->defined()) {
+  const bool has_res = residual.has_value() && residual->defined();
+  if (has_res) {
     check_rows(*residual, "residual");
+    check_same_dtype(*residual, x, "residual");
     TORCH_CHECK(residual->size(0) == T && residual->size(1) == C, "residual must match x");
-    res = residual->data_ptr<float>();
-    res_stride = residual->stride(0);
   }
-  float* xp = x.data_ptr<float>();
-  const int64_t x_stride = x.stride(0);
-  const float* w = weight.data_ptr<float>();
   const float feps = static_cast<float>(eps);
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      float* row = xp + t * x_stride;
-      float ss = 0.f;
-      if (res) {
-        float* r = res + t * res_stride;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t c = 0; c < C; ++c) {
-          const float v = row[c] + r[c];
-          r[c] = v;
-          row[c] = v;
-          ss += v * v;
-        }
-      } else {
-#pragma omp simd reduction(+ : ss)
-        for (int64_t c = 0; c < C; ++c) ss += row[c] * row[c];
-      }
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(C) + feps);
-#pragma omp simd
-      for (int64_t c = 0; c < C; ++c) row[c] = w[c] * (row[c] * inv);
-    }
-  });
+  const int64_t res_stride = has_res ? residual->stride(0) : 0;
+  if (x.scalar_type() == torch::kFloat32) {
+    rms_norm_rows(x.data_ptr<float>(), x.stride(0), has_res ? residual->data_ptr<float>() : nullptr, res_stride,
+                  weight.data_ptr<float>(), T, C, feps);
+  } else {
+    rms_norm_rows(x.data_ptr<c10::BFloat16>(), x.stride(0),
+                  has_res ? residual->data_ptr<c10::BFloat16>() : nullptr, res_stride,
+                  weight.data_ptr<c10::BFloat16>(), T, C, feps);
+  }
 }
 
 // qk [T, >= num_heads * D] (rows may be strided: the fused qkv output), positions [T] int64,
@@ -66,50 +151,29 @@ void rms_norm_(torch::Tensor& x, const std::optional<torch::Tensor>& residual, c
 void rotary_(torch::Tensor& qk, const torch::Tensor& positions, const torch::Tensor& cos_sin, int64_t num_heads,
              int64_t head_dim) {
   check_rows(qk, "qk");
-  TORCH_CHECK(cos_sin.scalar_type() == torch::kFloat32 && cos_sin.is_contiguous() && cos_sin.size(1) == head_dim,
-              "cos_sin must be float32 [P, head_dim]");
+  check_same_dtype(cos_sin, qk, "cos_sin");
+  TORCH_CHECK(cos_sin.is_contiguous() && cos_sin.size(1) == head_dim, "cos_sin must be [P, head_dim]");
   TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.numel() == qk.size(0), "positions [T] int64");
   TORCH_CHECK(qk.size(1) >= num_heads * head_dim && head_dim % 2 == 0, "qk too narrow for num_heads");
-  const int64_t T = qk.size(0), half = head_dim / 2, stride = qk.stride(0), P = cos_sin.size(0);
-  float* base = qk.data_ptr<float>();
-  const float* cs = cos_sin.data_ptr<float>();
+  const int64_t T = qk.size(0), stride = qk.stride(0), P = cos_sin.size(0);
   const torch::Tensor pos_c = positions.contiguous();
   const int64_t* pos = pos_c.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < P, "position out of range");
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* c = cs + pos[t] * head_dim;
-      const float* s = c + half;
-      for (int64_t h = 0; h < num_heads; ++h) {
-        float* x1 = base + t * stride + h * head_dim;
-        float* x2 = x1 + half;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = x1[i], b = x2[i];
-          x1[i] = a * c[i] - b * s[i];
-          x2[i] = b * c[i] + a * s[i];
-        }
-      }
-    }
-  });
+  if (qk.scalar_type() == torch::kFloat32) {
+    rotary_rows(qk.data_ptr<float>(), stride, pos, cos_sin.data_ptr<float>(), T, num_heads, head_dim);
+  } else {
+    rotary_rows(qk.data_ptr<c10::BFloat16>(), stride, pos, cos_sin.data_ptr<c10::BFloat16>(), T, num_heads,
+                head_dim);
+  }
 }
 
 // gate_up [T, 2I] = [gate | up] -> silu(gate) * up [T, I].
 torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
   check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.scalar_type() == torch::kFloat32, "gate_up must be float32");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up width must be even");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2, stride = gate_up.stride(0);
   torch::Tensor out = torch::empty({T, I}, gate_up.options());
-  const float* in = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* g = in + t * stride;
-      const float* u = g + I;
-      float* o = op + t * I;
-#pragma omp simd
-      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
-    }
-  });
+  silu_and_mul_rows(gate_up.data_ptr<float>(), stride, out.data_ptr<float>(), T, I);
   return out;
 }

@@ -11,8 +11,9 @@ from pagedllm.platforms import platform_of
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up: [T, 2I] laid out [gate | up] -> silu(gate) * up, [T, I] (one fused pass on CPU and CUDA)."""
-    kernels = platform_of(gate_up).elementwise_kernels(gate_up.dtype)
+    """gate_up: [T, 2I] laid out [gate | up] -> silu(gate) * up, [T, I] (one fused pass where the platform has one:
+    CUDA, and the CPU in float32)."""
+    kernels = platform_of(gate_up).activation_kernels(gate_up.dtype)
     if kernels is not None and gate_up.dim() == 2:
         return kernels.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)

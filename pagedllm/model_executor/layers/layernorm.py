@@ -27,14 +27,14 @@ class RMSNorm(DirectCall, nn.Module):
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden]. With ``residual`` ([T, hidden]) returns (norm(x + residual), x + residual).
 
-        On CPU in float32 (and on CUDA) one fused pass computes it, writing the results into ``x`` and ``residual``
-        (callers hand over both); without a residual ``x`` is left as it is.
+        On CPU in float32 or bfloat16 (and on CUDA) one fused pass computes it, writing the results into ``x`` and
+        ``residual`` (callers hand over both); without a residual ``x`` is left as it is.
         """
         platform = platform_of(x)
         kernels = platform.elementwise_kernels(x.dtype)
-        # Gemma's (1 + w) is taken in float32 by the reference; a fused op may round it to x's dtype first.
+        # Gemma's (1 + w) is taken in float32 by the reference; a fused op gets it in x's dtype, exact in float32 only.
         if (kernels is not None and x.dim() == 2 and self.weight.dtype == x.dtype
-                and (platform.fused_norm_keeps_offset_exact or not self.weight_offset)):
+                and (not self.weight_offset or (platform.fused_norm_keeps_offset_exact and x.dtype == torch.float32))):
             if residual is None:
                 out = x.clone()
                 kernels.rms_norm_(out, None, self._scale(), self.eps)

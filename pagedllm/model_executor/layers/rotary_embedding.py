@@ -192,7 +192,7 @@ class RopeStep:
     def rotate_qk(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """qkv: [T, (H + 2*Hkv) * D] laid out [q | k | v] -> rotated q [T, H*D] and k [T, Hkv*D].
 
-        On CPU in float32 and on CUDA the rotation is done in place inside ``qkv`` and q/k are views of it.
+        On CPU in float32 or bfloat16 and on CUDA the rotation is done in place inside ``qkv`` and q/k are views of it.
         """
         d = self.emb.head_dim
         q_size, kv_size = num_heads * d, num_kv_heads * d
