@@ -89,6 +89,11 @@ class Platform:
         """Whether bfloat16 weights are prepacked for oneDNN's fused matmul here."""
         return False
 
+    def packs_linear_weights(self, dtype: torch.dtype) -> bool:
+        """Whether unquantized linear layers keep their weights of ``dtype`` repacked here (C++ panels, oneDNN's
+        blocked layout): where they do, a tied LM head pays for a copy of its own instead of the embedding rows."""
+        return self.cpu_kernels(dtype) is not None or (dtype == torch.bfloat16 and self.onednn_bf16())
+
     def grammar_bitmask_apply(self, dtype: torch.dtype) -> Callable[..., None] | None:
         """xgrammar's in-place bitmask apply for logits of ``dtype`` here, or None (torch ops then)."""
         return None

@@ -95,7 +95,7 @@ def test_bf16_linear_autotuned_between_onednn_and_panels(own_cache, panels_to: i
     xs = [torch.randn(rows, 96).bfloat16() for rows in (1, 5, 20, 100, 300)]
 
     def timer(kernel, x):  # the panels win the first `panels_to` buckets
-        return 0.5 if (kernel.__name__ == "<lambda>") == (autotune.bucket_index(x.shape[0]) < panels_to) else 1.0
+        return 0.5 if (kernel.__name__ == "panels") == (autotune.bucket_index(x.shape[0]) < panels_to) else 1.0
 
     model = _Model([layer])
     kernel_choice.autotune_model(model, "on", timer)
@@ -111,6 +111,9 @@ def test_bf16_linear_autotuned_between_onednn_and_panels(own_cache, panels_to: i
         _close(layer(x.unsqueeze(0)).squeeze(0), ref)
         for act, fn in [("gelu", F.gelu), ("gelu_tanh", lambda t: F.gelu(t, approximate="tanh")), ("relu", F.relu)]:
             _close(layer.forward_activation(x, act), fn(ref))
+        out = torch.full((x.shape[0], 40), float("nan"))  # a float32 destination, as the LM head's logits buffer
+        assert layer(x, out=out) is out
+        _close(out.bfloat16(), ref)
 
 
 @pytest.mark.skipif(not (HAS_BF16_DOT and onednn_bf16_available()),

@@ -83,12 +83,13 @@ class CausalLM(DirectCall, nn.Module):
         return logits
 
     def process_weights_after_loading(self) -> None:
-        """After loading: the tied LM head as its own ``Linear`` (a packed fp32 copy, or quantized) where that
-        pays, i.e. where the CPU kernels run or a quantization scheme applies; elsewhere F.linear on the rows."""
+        """After loading: the tied LM head as its own ``Linear`` (a packed copy: fp32 panels, bf16 for oneDNN, or
+        quantized) where that pays, i.e. where linear weights are repacked or a quantization scheme applies;
+        elsewhere F.linear on the rows."""
         if not self.tie_word_embeddings or self._tied_head is not None:
             return
         embedding = self.embedding().weight
-        if self.quant_config is None and platform_of(embedding).cpu_kernels(embedding.dtype) is None:
+        if self.quant_config is None and not platform_of(embedding).packs_linear_weights(embedding.dtype):
             return  # plain F.linear on the embedding rows: no second copy
         with torch.device("meta"):  # no random init of a vocab-sized matrix that is overwritten next
             # Under tensor parallelism the embedding holds this rank's vocabulary rows: the head takes them as is.

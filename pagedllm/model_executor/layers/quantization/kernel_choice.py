@@ -193,7 +193,13 @@ def _bf16_tuning(layer: nn.Module) -> LayerTuning | None:
         if not packed:
             packed.append(pack_bf16_weight(plain))
         weight = packed[0]
-        return lambda x, bias, out: gemm(x, weight, n, bias, out)
+
+        def panels(x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+            if out is None or out.dtype == torch.bfloat16:
+                return gemm(x, weight, n, bias, out)
+            return out.copy_(gemm(x, weight, n, bias, None))  # a float32 destination (the LM head's logits)
+
+        return panels
 
     def apply(choices: list[str]) -> int:
         if "panels" not in choices:
