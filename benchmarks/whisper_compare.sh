@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Speech to text side by side on one quiet machine, 2 threads, float32, the same 16 espeak-ng clips (5-10 s) and the
-# same CTranslate2 weights (whisper-base): pagedllm (`pagedllm bench transcription`, sequential and concurrent),
+# Speech to text side by side on one quiet machine, 2 threads, float32 (or DTYPE), the same 16 espeak-ng clips (5-10 s)
+# and the same CTranslate2 weights (whisper-base): pagedllm (`pagedllm bench transcription`, sequential and concurrent),
 # faster-whisper float32 and int8 (its own venv, WhisperModel one clip at a time and BatchedInferencePipeline), and
 # transformers (generate one clip at a time, ASR pipeline batched). Transcripts are held against transformers'.
 #   benchmarks/whisper_compare.sh
 #   MODEL=whisper-tiny.en FW_VENV=/path/to/venv benchmarks/whisper_compare.sh
+#   DTYPE=bfloat16 benchmarks/whisper_compare.sh     # pagedllm and transformers in bf16 (faster-whisper has none on CPU)
 # faster-whisper is never a dependency: FW_VENV is made here with `pip install faster-whisper` when missing.
 # Results: $OUT/whisper_{pagedllm,fw_float32,fw_int8,transformers}.json and $OUT/whisper_compare.json.
 set -euo pipefail
@@ -12,6 +13,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-results}
 PY=${PY:-.venv/bin/python}
 MODEL=${MODEL:-whisper-base}
+DTYPE=${DTYPE:-float32}
 FW_VENV=${FW_VENV:-$HOME/.cache/pagedllm-peers/faster-whisper-venv}
 CLIPS=$OUT/speech_clips
 mkdir -p "$OUT"
@@ -22,12 +24,13 @@ if [ ! -x "$FW_VENV/bin/python" ]; then
 fi
 FOLDER=$($PY -c "from pagedllm.model_executor.loader.ct2_packages import ct2_folder as f; print(f('$MODEL'))")
 
-$PY -m pagedllm bench transcription --model "$MODEL" --dtype float32 --clips-dir "$CLIPS" \
+$PY -m pagedllm bench transcription --model "$MODEL" --dtype "$DTYPE" --clips-dir "$CLIPS" \
   --output-json "$OUT/whisper_pagedllm.json"
 "$FW_VENV/bin/python" benchmarks/whisper_peers.py faster-whisper "$FOLDER" "$OUT/whisper_fw_float32.json" "$CLIPS"/*.wav
 "$FW_VENV/bin/python" benchmarks/whisper_peers.py faster-whisper "$FOLDER" "$OUT/whisper_fw_int8.json" "$CLIPS"/*.wav \
   --compute-type int8
-$PY benchmarks/whisper_peers.py transformers "$FOLDER" "$OUT/whisper_transformers.json" "$CLIPS"/*.wav
+$PY benchmarks/whisper_peers.py transformers "$FOLDER" "$OUT/whisper_transformers.json" "$CLIPS"/*.wav \
+  --compute-type "$DTYPE"
 
 $PY - "$OUT" <<'PYEOF'
 import json, sys

@@ -3,7 +3,7 @@ given, 2 threads; prints and writes JSON shaped like pagedllm's (``sequential`` 
 real-time factor, texts).
 
   fw-venv/bin/python benchmarks/whisper_peers.py faster-whisper CT2_DIR OUT.json clip_*.wav [--compute-type int8]
-  .venv/bin/python  benchmarks/whisper_peers.py transformers   CT2_DIR OUT.json clip_*.wav
+  .venv/bin/python  benchmarks/whisper_peers.py transformers   CT2_DIR OUT.json clip_*.wav [--compute-type bfloat16]
 
 faster-whisper (its own venv; never a dependency): ``WhisperModel.transcribe`` one clip after another, and for the
 concurrent case its ``BatchedInferencePipeline`` over all clips at once (the clips laid end to end, each its own
@@ -66,7 +66,7 @@ def faster_whisper(folder: str, clips: list, compute_type: str) -> dict:
             "concurrent": _timed(concurrent)}
 
 
-def transformers_peer(folder: str, clips: list) -> dict:
+def transformers_peer(folder: str, clips: list, compute_type: str = "float32") -> dict:
     import torch
     from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration, pipeline
 
@@ -83,7 +83,8 @@ def transformers_peer(folder: str, clips: list) -> dict:
     model = WhisperForConditionalGeneration(config)
     model.load_state_dict(dict(iter_ct2_whisper_weights(read_ct2_file(f"{folder}/model.bin"), config)), strict=False)
     model.tie_weights()
-    model.eval()
+    dtype = getattr(torch, compute_type)  # float32 or bfloat16
+    model.to(dtype).eval()
     model.generation_config = whisper_generation_config(config)
     tokenizer = _ct2_whisper_tokenizer(folder)
     extractor = WhisperFeatureExtractor(feature_size=config.num_mel_bins)
@@ -93,13 +94,15 @@ def transformers_peer(folder: str, clips: list) -> dict:
         texts = []
         with torch.inference_mode():
             for clip in clips:
-                feats = extractor(clip, sampling_rate=SAMPLE_RATE, return_tensors="pt").input_features
+                feats = extractor(clip, sampling_rate=SAMPLE_RATE, return_tensors="pt").input_features.to(dtype)
                 ids = model.generate(feats, **kwargs)
                 texts.append(tokenizer.decode(ids[0], skip_special_tokens=True).strip())
         return texts
 
     asr = pipeline("automatic-speech-recognition", model=model, tokenizer=tokenizer, feature_extractor=extractor,
-                   device="cpu")
+                   device="cpu", dtype=dtype)
+    if asr.tokenizer.pad_token_id is None:  # the pipeline batches only with a pad token; Whisper pads with EOS
+        asr.tokenizer.pad_token_id = model.config.eos_token_id
 
     def batched(size: int):
         def run():
@@ -111,7 +114,7 @@ def transformers_peer(folder: str, clips: list) -> dict:
     sequential()  # warm-up
     seq = _timed(sequential)
     best = min((_timed(batched(size)) for size in (8, 16)), key=lambda r: r[0])
-    return {"engine": "transformers", "sequential": seq, "concurrent": best}
+    return {"engine": f"transformers {compute_type}", "sequential": seq, "concurrent": best}
 
 
 def main(argv: list[str]) -> int:
@@ -124,7 +127,7 @@ def main(argv: list[str]) -> int:
     clips = [_load(p) for p in rest]
     audio_s = sum(c.size for c in clips) / SAMPLE_RATE
     raw = faster_whisper(folder, clips, compute_type) if engine == "faster-whisper" else \
-        transformers_peer(folder, clips)
+        transformers_peer(folder, clips, compute_type)
     result = {"engine": raw["engine"], "num_clips": len(clips), "audio_seconds": audio_s}
     for mode in ("sequential", "concurrent"):
         elapsed, texts = raw[mode]
