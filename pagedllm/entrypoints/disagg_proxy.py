@@ -160,6 +160,8 @@ def build_app(config: ProxyConfig) -> FastAPI:
         first.pop("stream_options", None)
         if "max_completion_tokens" in first:
             first["max_completion_tokens"] = 1
+        if isinstance(first.get("min_tokens"), int) and first["min_tokens"] > 1:
+            first["min_tokens"] = 1  # the prefill leg makes one token; the decode leg keeps the client's floor
         try:
             answer, _ = await send(prefill, path, first, request_id, stream=False)
         except UpstreamError as e:

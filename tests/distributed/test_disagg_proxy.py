@@ -99,6 +99,19 @@ def test_prefill_then_decode_with_the_returned_params(instances) -> None:
     assert headers["x-request-id"] == seen["prefill"][-1][1]["x-request-id"]  # one id on both sides
 
 
+def test_min_tokens_is_capped_for_the_prefill_leg_only(instances) -> None:
+    """A client's min_tokens (benchmarks send min_tokens = max_tokens) would make max_tokens = 1 invalid there."""
+    served, seen = instances
+    config = ProxyConfig([served["prefill"].url], [served["decode"].url])
+    r = _call(config, "POST", "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 9,
+                                                       "min_tokens": 9, "ignore_eos": True})
+    assert r.status_code == 200
+    first, _ = seen["prefill"][-1]
+    assert first["max_tokens"] == 1 and first["min_tokens"] == 1 and first["ignore_eos"] is True
+    second, _ = seen["decode"][-1]
+    assert second["max_tokens"] == 9 and second["min_tokens"] == 9
+
+
 def test_chat_streams_through(instances) -> None:
     served, seen = instances
     config = ProxyConfig([served["prefill"].url], [served["decode"].url])
