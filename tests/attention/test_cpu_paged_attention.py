@@ -58,6 +58,21 @@ def test_kernel_matches_portable_path(num_reqs: int, num_heads: int, num_kv_head
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("num_reqs", [2, 10])  # a task per KV head, or per request
+def test_long_chunks_split_into_tasks_of_query_rows(num_reqs: int) -> None:
+    """Chunks of 70 and 33 tokens after earlier context span several 32-row tasks (and a 1-row tail)."""
+    kernels = load_cpu_kernels()
+    assert kernels is not None
+    for chunk_len in (70, 33):
+        meta, cache, query = _case(num_reqs, 9, 3, 64, 16, chunk_len=chunk_len, seed=chunk_len)
+        expected = torch.zeros_like(query)
+        _attend_with_context(query, cache, meta, list(range(meta.num_reqs)), 0.125, expected)
+        got = torch.zeros_like(query)
+        kernels.paged_attention(query, cache[0], cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                got, 0.125, torch.arange(meta.num_reqs, dtype=torch.int32))
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
 def test_kernel_reads_bf16_cache() -> None:
     kernels = load_cpu_kernels()
     assert kernels is not None

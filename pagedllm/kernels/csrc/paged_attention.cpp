@@ -28,6 +28,8 @@
 
 namespace {
 
+constexpr int64_t QUERY_ROWS_PER_TASK = 32;
+
 template <typename T>
 inline float to_float(T v) { return static_cast<float>(v); }
 
@@ -257,28 +259,38 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache, const torch
   const int64_t tasks_per_req = Hkv / heads_per_task;
 
   // Tasks differ in cost by orders of magnitude (a 1-token decode next to a whole prompt), so instead of
-  // a static split the threads pull tasks from a shared counter, longest first (cost ~ q_len x seq_len).
-  const int64_t num_tasks = num_reqs * tasks_per_req;
-  std::vector<int64_t> order(static_cast<size_t>(num_tasks));
-  std::vector<int64_t> cost(static_cast<size_t>(num_reqs));
-  for (int64_t i = 0; i < num_reqs; ++i) cost[i] = static_cast<int64_t>(qs[ri[i] + 1] - qs[ri[i]]) * sl[ri[i]];
-  for (int64_t t = 0; t < num_tasks; ++t) order[t] = t;
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return cost[a / tasks_per_req] > cost[b / tasks_per_req]; });
+  // a static split the threads pull tasks from a shared counter, longest first (cost ~ rows x seq_len). A long
+  // query (a prompt chunk) is cut into tasks of QUERY_ROWS_PER_TASK tokens: its tokens attend independently, and
+  // as one task a 952-token chunk over 3,000 tokens of context kept one thread busy for a whole step.
+  struct Task {
+    int64_t req, h_begin, j_begin, j_end, cost;
+  };
+  std::vector<Task> tasks;
+  tasks.reserve(static_cast<size_t>(num_reqs * tasks_per_req));
+  for (int64_t i = 0; i < num_reqs; ++i) {
+    const int64_t r = ri[i], q_len = qs[r + 1] - qs[r];
+    for (int64_t j0 = 0; j0 < q_len; j0 += QUERY_ROWS_PER_TASK) {
+      const int64_t j1 = std::min(q_len, j0 + QUERY_ROWS_PER_TASK);
+      for (int64_t t = 0; t < tasks_per_req; ++t)
+        tasks.push_back({r, t * heads_per_task, j0, j1, (j1 - j0) * static_cast<int64_t>(sl[r])});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> scores, acc;
     for (int64_t pulled = next.fetch_add(1); pulled < num_tasks; pulled = next.fetch_add(1)) {
-      const int64_t task = order[pulled];
-      const int64_t r = ri[task / tasks_per_req];
-      const int64_t h_begin = (task % tasks_per_req) * heads_per_task, h_end = h_begin + heads_per_task;
+      const Task& task = tasks[pulled];
+      const int64_t r = task.req;
+      const int64_t h_begin = task.h_begin, h_end = h_begin + heads_per_task;
       const int64_t seq_len = sl[r];
       const int64_t q_begin = qs[r], q_len = qs[r + 1] - qs[r];
       const int32_t* table = bt + r * max_blocks;
       const int64_t HG = (h_end - h_begin) * G;  // query heads of this task
       scores.resize(static_cast<size_t>(HG * seq_len));
       acc.resize(static_cast<size_t>(HG * D));
-      for (int64_t j = 0; j < q_len; ++j) {
+      for (int64_t j = task.j_begin; j < task.j_end; ++j) {
         const int64_t ctx = seq_len - q_len + j + 1;  // keys visible to this query token
         const int64_t nblocks = (ctx + block_size - 1) / block_size;
         // Query heads h_begin*G .. h_end*G of this token, contiguous: [HG, D].
