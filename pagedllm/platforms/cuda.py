@@ -15,8 +15,6 @@ class CudaPlatform(Platform):
     is_accelerator = True
     supports_graphs = True
     packs_quantized_by_rows = True
-    # The fused Triton RMSNorm takes the scale in the activation dtype: Gemma's 1 + w would round to bf16 first.
-    fused_norm_keeps_offset_exact = False
     distributed_backend = "nccl"
 
     def max_tensor_parallel_size(self) -> int:
@@ -43,6 +41,10 @@ class CudaPlatform(Platform):
         from pagedllm.kernels import triton_ops
 
         return triton_ops.TRITON_OPS if triton_ops.triton_available() else None
+
+    def fused_norm_keeps_offset_exact(self, dtype: torch.dtype) -> bool:
+        # The fused Triton RMSNorm takes the scale in the activation dtype: Gemma's 1 + w would round to bf16 first.
+        return False
 
     def activation_kernels(self, dtype: torch.dtype) -> Any | None:
         return self.elementwise_kernels(dtype)

@@ -23,8 +23,6 @@ class Platform:
     supports_graphs = False
     #: Quantized weights are packed by rows for the Triton kernels (``QRows``), not in the CPU kernels' panels.
     packs_quantized_by_rows = False
-    #: The fused RMSNorm computes Gemma's ``1 + w`` in float32, as the reference does.
-    fused_norm_keeps_offset_exact = True
     #: The runner keeps one logits buffer across steps (a fresh vocab-sized tensor per step costs page faults).
     reuses_logits_buffer = False
     #: torch.distributed backend of the tensor-parallel group (``distributed/parallel_state.py``).
@@ -70,6 +68,11 @@ class Platform:
     def elementwise_kernels(self, dtype: torch.dtype) -> Any | None:
         """A module with ``rms_norm_`` and ``rotary_`` for tensors of ``dtype``, or None."""
         return None
+
+    def fused_norm_keeps_offset_exact(self, dtype: torch.dtype) -> bool:
+        """Whether the fused RMSNorm gives Gemma's ``1 + w`` scale as the reference does (in float32) for
+        activations of ``dtype``: it takes the scale in that dtype, which is exact in float32 only."""
+        return dtype == torch.float32
 
     def activation_kernels(self, dtype: torch.dtype) -> Any | None:
         """A module with ``silu_and_mul`` for tensors of ``dtype``, or None."""

@@ -12,7 +12,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 namespace {
 
@@ -26,16 +25,12 @@ struct Elem {
 
 template <>
 struct Elem<c10::BFloat16> {  // plain integer ops on the bits, so the loops vectorize
-  static float load(const c10::BFloat16* p) {
-    return __builtin_bit_cast(float, static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(p)) << 16);
-  }
+  static float load(const c10::BFloat16* p) { return __builtin_bit_cast(float, static_cast<uint32_t>(p->x) << 16); }
   static uint32_t rounded_bits(float v) {  // nearest even; NaN stays NaN (an integer test: -ffast-math)
     const uint32_t u = __builtin_bit_cast(uint32_t, v);
     return (u & 0x7FFFFFFFu) > 0x7F800000u ? (u | 0x00400000u) : u + 0x7FFFu + ((u >> 16) & 1u);
   }
-  static void store(c10::BFloat16* p, float v) {
-    *reinterpret_cast<uint16_t*>(p) = static_cast<uint16_t>(rounded_bits(v) >> 16);
-  }
+  static void store(c10::BFloat16* p, float v) { p->x = static_cast<uint16_t>(rounded_bits(v) >> 16); }
   static float round(float v) { return __builtin_bit_cast(float, rounded_bits(v) & 0xFFFF0000u); }
 };
 

@@ -32,9 +32,9 @@ class RMSNorm(DirectCall, nn.Module):
         """
         platform = platform_of(x)
         kernels = platform.elementwise_kernels(x.dtype)
-        # Gemma's (1 + w) is taken in float32 by the reference; a fused op gets it in x's dtype, exact in float32 only.
+        # Gemma's (1 + w) is taken in float32 by the reference; the platform says whether its fused op matches that.
         if (kernels is not None and x.dim() == 2 and self.weight.dtype == x.dtype
-                and (not self.weight_offset or (platform.fused_norm_keeps_offset_exact and x.dtype == torch.float32))):
+                and (not self.weight_offset or platform.fused_norm_keeps_offset_exact(x.dtype))):
             if residual is None:
                 out = x.clone()
                 kernels.rms_norm_(out, None, self._scale(), self.eps)
