@@ -185,8 +185,9 @@ def canvas_pixel(page, block: int) -> tuple[int, int, int]:
     }""", block))
 
 
-def blocks_of(page, request_id: str) -> list[int]:
-    """Block ids the request holds, from the same endpoint the page reads (with the page's key)."""
+def blocks_of(page, request_id: str) -> tuple[int, list[int]]:
+    """The snapshot's seq and the block ids the request holds in it, from the endpoint the page reads (with the
+    page's key). The snapshot may be newer than the one the map shows: wait for the map's seq before reading pixels."""
     return page.evaluate("""async (rid) => {
         const r = await fetch('/v1/kv_cache/snapshot', {headers: {Authorization:
             'Bearer ' + sessionStorage.getItem('pagedllm.apiKey')}});
@@ -194,7 +195,7 @@ def blocks_of(page, request_id: str) -> list[int]:
         const owner = s.owners.findIndex(o => o.id === rid);
         const out = []; let i = 0;
         for (const [state, o, n] of s.runs) { for (let k = 0; k < n; k++, i++) if (o === owner) out.push(i); }
-        return owner < 0 ? [] : out;
+        return [s.seq, owner < 0 ? [] : out];
     }""", request_id)
 
 
@@ -221,8 +222,10 @@ def test_kv_map_follows_a_request_and_stop_aborts_it(page):
     # The map shows the request's blocks in its own colour while it runs.
     page.get_by_role("tab", name="KV cache").click()
     wait_js(page, f"(document.getElementById('kv-view').dataset.owners || '').includes('{request_id}')")
-    held = blocks_of(page, request_id)
+    seq, held = blocks_of(page, request_id)
     assert held, "the running request holds no blocks"
+    # A decoding request only gains blocks, so a map drawn from this snapshot or a later one colours all of them.
+    wait_js(page, f"+document.getElementById('kv-view').dataset.seq >= {seq}")
     colours = {canvas_pixel(page, b) for b in held}
     assert FREE_RGB not in colours and CACHED_RGB not in colours, colours
     assert int(page.locator("#kv-view").get_attribute("data-used")) >= 1
