@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -35,6 +37,11 @@ _TP = TensorParallelGroup()
 # Per-call cost of the collectives (read by the benchmark in docs/distributed.md): calls and seconds.
 COLLECTIVE_STATS = {"all_reduce_calls": 0, "all_reduce_s": 0.0, "all_gather_calls": 0, "all_gather_s": 0.0}
 _timed = False
+# A rank slow to start (a loaded host, a first kernel build) is waited for this long; one that exits is seen at once.
+JOIN_TIMEOUT_S = 900.0
+# How long a collective waits for a peer before it fails (a rank that died is usually seen at once: its sockets
+# close; this bounds the case where it hangs instead).
+COLLECTIVE_TIMEOUT_S = 60.0
 
 
 def get_tp() -> TensorParallelGroup:
@@ -42,15 +49,56 @@ def get_tp() -> TensorParallelGroup:
 
 
 def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: str,
-                         timeout_s: float = 60.0) -> TensorParallelGroup:
-    """Join the group (blocks until every rank has joined). ``init_method``: ``tcp://host:port`` of rank 0."""
+                         join_timeout_s: float = JOIN_TIMEOUT_S, collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
+                         alive: Callable[[], None] | None = None) -> TensorParallelGroup:
+    """Join the group (blocks until every rank has joined). ``init_method``: ``tcp://host:port`` of rank 0.
+
+    Rank 0 hosts the rendezvous store and waits up to ``join_timeout_s`` for every other rank to check in,
+    calling ``alive()`` (which raises when a rank already exited) between polls: a rank slow to start (a
+    loaded host, a first kernel build) is waited for, a dead one fails the start at once. Only then is the
+    process group formed, so its own ``collective_timeout_s`` bounds the collectives, not the start-up.
+    """
     global _TP
     if world_size > 1:
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        host, port = _host_port(init_method)
+        join_timeout = datetime.timedelta(seconds=join_timeout_s)
+        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=join_timeout,
+                              wait_for_workers=False)
+        if rank == 0:
+            _wait_for_ranks(store, world_size, join_timeout_s, alive)
+        else:
+            store.set(_joined_key(rank), "1")
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=collective_timeout_s))
         logger.info("tensor parallel rank %d of %d joined (%s)", rank, world_size, backend)
     _TP = TensorParallelGroup(rank, world_size, backend)
     return _TP
+
+
+def _host_port(init_method: str) -> tuple[str, int]:
+    parsed = urlparse(init_method)
+    if parsed.scheme != "tcp" or not parsed.hostname or not parsed.port:
+        raise ValueError(f"tensor parallel init_method: expected tcp://host:port, got {init_method!r}")
+    return parsed.hostname, parsed.port
+
+
+def _joined_key(rank: int) -> str:
+    return f"pagedllm/joined/{rank}"
+
+
+def _wait_for_ranks(store: dist.TCPStore, world_size: int, timeout_s: float,
+                    alive: Callable[[], None] | None) -> None:
+    pending = list(range(1, world_size))
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        if alive is not None:
+            alive()
+        pending = [r for r in pending if not store.check([_joined_key(r)])]
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"tensor-parallel ranks {pending} did not join the group within {timeout_s:.0f} s")
+        time.sleep(0.05)
 
 
 def destroy_tensor_parallel() -> None:

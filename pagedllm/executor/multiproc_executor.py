@@ -33,9 +33,6 @@ from pagedllm.logger import init_logger
 logger = init_logger(__name__)
 
 STARTUP_TIMEOUT_S = 900.0
-# How long a collective waits for a peer before it fails (a rank that died is usually seen at once: its sockets
-# close; this bounds the case where it hangs instead).
-COLLECTIVE_TIMEOUT_S = 60.0
 
 
 class RankDiedError(RuntimeError):
@@ -85,7 +82,7 @@ class MultiprocExecutor:
                 self.processes.append(self._start_rank(rank_target or run_tp_worker, config, rank, init_method,
                                                        step_address, answer_address, threads))
             torch.set_num_threads(threads)
-            self.worker = Worker(config, tp_rank=0, tp_init_method=init_method)
+            self.worker = Worker(config, tp_rank=0, tp_init_method=init_method, tp_alive=self._check_alive)
             torch.set_num_threads(threads)  # prepare_worker set the whole host's count
             self.startup_s = time.perf_counter() - start
             logger.info("tensor parallel: %d ranks (%s backend, %s executor), %d CPU threads each; ranks ready in "

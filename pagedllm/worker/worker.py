@@ -32,9 +32,11 @@ def resolve_device(name: str) -> torch.device:
 class Worker:
     """``tp_rank`` / ``tp_init_method``: this worker's rank in a tensor-parallel group of
     ``config.parallel.tensor_parallel_size`` (joined before the model is built, so its layers are this rank's
-    slices; ``executor/``)."""
+    slices; ``executor/``). ``tp_alive``: rank 0's check, called while it waits for the others to join, that
+    raises when one of them has exited."""
 
-    def __init__(self, config: EngineConfig, tp_rank: int = 0, tp_init_method: str | None = None) -> None:
+    def __init__(self, config: EngineConfig, tp_rank: int = 0, tp_init_method: str | None = None,
+                 tp_alive: Callable[[], None] | None = None) -> None:
         from pagedllm.distributed.parallel_state import get_tp, init_tensor_parallel
         from pagedllm.model_executor.loader import load_model
         from pagedllm.model_executor.loader.dtype import torch_dtype
@@ -48,7 +50,8 @@ class Worker:
         world = config.parallel.tensor_parallel_size
         if world > 1:
             self.device = self.platform.rank_device(self.device, tp_rank)
-            self.tp = init_tensor_parallel(tp_rank, world, tp_init_method, self.platform.distributed_backend)
+            self.tp = init_tensor_parallel(tp_rank, world, tp_init_method, self.platform.distributed_backend,
+                                           alive=tp_alive)
         else:
             self.tp = get_tp()
         mc = config.model

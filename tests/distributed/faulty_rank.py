@@ -1,4 +1,5 @@
-"""A tensor-parallel rank that dies in the middle of a step (SIGKILL-like ``os._exit``), for the fault tests."""
+"""Tensor-parallel ranks that die (SIGKILL-like ``os._exit``) in the middle of a step or before they join the
+group, for the fault tests."""
 
 from __future__ import annotations
 
@@ -28,3 +29,8 @@ def run_dying_rank(*args: Any) -> None:
 
     tp_worker_proc.serve_steps = serve
     tp_worker_proc.run_tp_worker(*args)
+
+
+def run_rank_dying_before_it_joins(*args: Any) -> None:
+    """A rank whose process exits at start-up, before it reaches the group (an import error, OOM-killed)."""
+    os._exit(7)

@@ -40,7 +40,7 @@ def _step(conn: NixlConnector, meta: NixlMetadata | None = None, finished: set[s
     return out
 
 
-def _until(conn: NixlConnector, pred, timeout: float = 10.0, finished: set[str] | None = None) -> KVConnectorOutput:
+def _until(conn: NixlConnector, pred, timeout: float = 30.0, finished: set[str] | None = None) -> KVConnectorOutput:
     total = KVConnectorOutput()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

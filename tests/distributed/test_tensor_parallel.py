@@ -1,6 +1,7 @@
 """Tensor parallelism through the mp executor: TP=2 greedy equals TP=1 on a tiny random model of every family
 (4 heads, 2 KV heads; float32), quantized int8 and GGUF-kept Q8_0 too; a rank that dies mid-step ends the engine
-within seconds; heads that do not divide fail at start-up naming the numbers."""
+within seconds, one that exits before it joins fails the start at once; heads that do not divide fail at
+start-up naming the numbers."""
 
 from __future__ import annotations
 
@@ -105,3 +106,17 @@ def test_rank_killed_mid_step_ends_the_engine(tmp_path, monkeypatch) -> None:
         assert time.monotonic() - start < 10.0
     finally:
         llm.engine.core.close()
+
+
+def test_rank_dying_before_it_joins_fails_the_start_at_once(tmp_path) -> None:
+    from faulty_rank import run_rank_dying_before_it_joins
+
+    from pagedllm.engine_args import EngineArgs
+    from pagedllm.executor.multiproc_executor import MultiprocExecutor, RankDiedError
+
+    config = EngineArgs(model=tiny("LlamaForCausalLM", tmp_path), tensor_parallel_size=2, dtype="float32",
+                        kv_cache_memory="16MiB", max_model_len=128).create_engine_config()
+    start = time.monotonic()
+    with pytest.raises(RankDiedError, match=r"tensor-parallel rank 1 \(pid \d+\) exited with status 7"):
+        MultiprocExecutor(config, rank_target=run_rank_dying_before_it_joins)
+    assert time.monotonic() - start < 60.0  # the join itself would wait up to JOIN_TIMEOUT_S (900 s)
