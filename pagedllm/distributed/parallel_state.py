@@ -37,8 +37,9 @@ _TP = TensorParallelGroup()
 # Per-call cost of the collectives (read by the benchmark in docs/distributed.md): calls and seconds.
 COLLECTIVE_STATS = {"all_reduce_calls": 0, "all_reduce_s": 0.0, "all_gather_calls": 0, "all_gather_s": 0.0}
 _timed = False
-# A rank slow to start (a loaded host, a first kernel build) is waited for this long; one that exits is seen at once.
-JOIN_TIMEOUT_S = 900.0
+# How long a rank may take to start (join the group, then size its KV cache): a loaded host or a first kernel
+# build can take a minute; one that exits is seen at once.
+RANK_STARTUP_TIMEOUT_S = 900.0
 # How long a collective waits for a peer before it fails (a rank that died is usually seen at once: its sockets
 # close; this bounds the case where it hangs instead).
 COLLECTIVE_TIMEOUT_S = 60.0
@@ -49,7 +50,8 @@ def get_tp() -> TensorParallelGroup:
 
 
 def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: str,
-                         join_timeout_s: float = JOIN_TIMEOUT_S, collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
+                         join_timeout_s: float = RANK_STARTUP_TIMEOUT_S,
+                         collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
                          alive: Callable[[], None] | None = None) -> TensorParallelGroup:
     """Join the group (blocks until every rank has joined). ``init_method``: ``tcp://host:port`` of rank 0.
 
@@ -88,12 +90,11 @@ def _joined_key(rank: int) -> str:
 
 def _wait_for_ranks(store: dist.TCPStore, world_size: int, timeout_s: float,
                     alive: Callable[[], None] | None) -> None:
-    pending = list(range(1, world_size))
     deadline = time.monotonic() + timeout_s
-    while pending:
+    while True:
         if alive is not None:
             alive()
-        pending = [r for r in pending if not store.check([_joined_key(r)])]
+        pending = [r for r in range(1, world_size) if not store.check([_joined_key(r)])]
         if not pending:
             return
         if time.monotonic() > deadline:

@@ -27,12 +27,11 @@ import zmq
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.distributed.parallel_state import RANK_STARTUP_TIMEOUT_S
 from pagedllm.executor.step_broadcast import StepPublisher
 from pagedllm.logger import init_logger
 
 logger = init_logger(__name__)
-
-STARTUP_TIMEOUT_S = 900.0
 
 
 class RankDiedError(RuntimeError):
@@ -135,7 +134,7 @@ class MultiprocExecutor:
         """The KV blocks every rank can hold: the smallest of the ranks' own answers."""
         own = self.worker.determine_num_blocks()
         answers: dict[int, int] = {}
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + RANK_STARTUP_TIMEOUT_S
         while len(answers) < self.world_size - 1:
             self._check_alive()
             if time.monotonic() > deadline:

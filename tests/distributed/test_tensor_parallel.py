@@ -119,4 +119,4 @@ def test_rank_dying_before_it_joins_fails_the_start_at_once(tmp_path) -> None:
     start = time.monotonic()
     with pytest.raises(RankDiedError, match=r"tensor-parallel rank 1 \(pid \d+\) exited with status 7"):
         MultiprocExecutor(config, rank_target=run_rank_dying_before_it_joins)
-    assert time.monotonic() - start < 60.0  # the join itself would wait up to JOIN_TIMEOUT_S (900 s)
+    assert time.monotonic() - start < 60.0  # the join itself would wait up to RANK_STARTUP_TIMEOUT_S (900 s)
