@@ -191,10 +191,18 @@ def rotary_and_write_kv_(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cac
                                     BLOCK_HALF=next_pow2(half), BLOCK_KV=next_pow2(num_kv_heads), WRITE_KV=True)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, C] -> rms_norm(x) * weight, [T, C] (x left as it is)."""
+    out = x.clone()
+    rms_norm_(out, None, weight, eps)
+    return out
+
+
 class _TritonOps:
-    """The three ops under the CPU kernels' names, plus rotary fused with the KV-cache write."""
+    """The element-wise ops under the CPU kernels' names, plus rotary fused with the KV-cache write."""
 
     rms_norm_ = staticmethod(rms_norm_)
+    rms_norm = staticmethod(rms_norm)
     silu_and_mul = staticmethod(silu_and_mul)
     rotary_ = staticmethod(rotary_)
     rotary_and_write_kv_ = staticmethod(rotary_and_write_kv_)

@@ -46,6 +46,10 @@ class CpuPlatform(Platform):
         # float32 only: in bf16 torch's own SiLU-and-mul measured faster than a pass that rounds like it.
         return self.cpu_kernels(dtype)
 
+    def step_graph_kernels(self, dtype: torch.dtype) -> Any | None:
+        # float32 only: in bf16 some ops of a step are torch's own (SiLU-and-mul, the attention's casts).
+        return self.cpu_kernels(dtype)
+
     def rotary_kernels(self, dtype: torch.dtype, table_dtype: torch.dtype) -> Any | None:
         return self.elementwise_kernels(dtype) if table_dtype == dtype else None
 

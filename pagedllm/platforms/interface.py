@@ -74,6 +74,11 @@ class Platform:
         activations of ``dtype``: it takes the scale in that dtype, which is exact in float32 only."""
         return dtype == torch.float32
 
+    def step_graph_kernels(self, dtype: torch.dtype) -> Any | None:
+        """The C++ kernels module that records and replays decode steps of a model in ``dtype`` (CPU step graphs,
+        ``worker/cpu_graphs.py``), or None where steps are not recorded that way."""
+        return None
+
     def activation_kernels(self, dtype: torch.dtype) -> Any | None:
         """A module with ``silu_and_mul`` for tensors of ``dtype``, or None."""
         return None

@@ -227,7 +227,7 @@ class ModelRunner:
             self.encoder_decoder.run_encoders(sched)  # new requests' cross-attention K/V, before the decoder reads
 
         if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
-            hidden = self.decode_graphs.run(input_ids, positions, meta)  # CUDA graph replay
+            hidden = self.decode_graphs.run(input_ids, positions, meta)  # a CUDA or CPU step graph replayed
         else:
             with forward_context(meta):
                 hidden = self.model(input_ids, positions)

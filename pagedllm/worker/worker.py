@@ -218,14 +218,19 @@ class Worker:
         self.capture_decode_graphs()
 
     def capture_decode_graphs(self) -> None:
-        """CUDA only, after the KV cache exists: capture decode steps for a ladder of batch sizes (skipped
-        with --enforce-eager, or without triton, whose kernels are what makes a step graph-safe)."""
-        if not self.platform.supports_graphs or self.config.device.enforce_eager:
-            return
-        if self.runner.pooling is not None:
+        """After the KV cache exists: record decode steps for a ladder of batch sizes, as CUDA graphs on a GPU
+        (with triton, whose kernels make a step graph-safe) or as CPU step graphs over the C++ kernels. Skipped
+        with --enforce-eager and for models whose steps are not plain decoder forwards."""
+        if self.config.device.enforce_eager or self.runner.pooling is not None:
             return  # a pooling model's steps run through the pooling runner, never a decode graph
         if getattr(self.runner, "encoder_decoder", None) is not None:
-            return  # the cross-attention group's metadata is built per step, outside the captured graphs
+            return  # the cross-attention group's metadata is built per step, outside the recorded graphs
+        if self.platform.supports_graphs:
+            self._capture_cuda_graphs()
+        elif self.platform.step_graph_kernels(self.dtype) is not None:
+            self._capture_cpu_graphs()
+
+    def _capture_cuda_graphs(self) -> None:
         from pagedllm.kernels.triton_ops import triton_available
         from pagedllm.worker.cuda_graphs import DecodeGraphRunner, graph_batch_sizes
 
@@ -243,6 +248,27 @@ class Worker:
                                    num_kv_groups=1 if self.config.cache.sliding_group() is None else 2)
         graphs.capture()
         self.runner.decode_graphs = graphs
+
+    def _capture_cpu_graphs(self) -> None:
+        from pagedllm.worker.cpu_graphs import CPU_GRAPH_SIZES, CpuDecodeGraphRunner
+
+        why = None
+        if self.config.parallel.tensor_parallel_size > 1:
+            why = "tensor parallelism (the all-reduces are torch.distributed calls)"
+        elif self.attention_backend.name != "cpu":
+            why = f"attention backend {self.attention_backend.name!r} (only the C++ kernels record)"
+        elif any(m.spec.kind != "causal" for m in attention_layers(self.runner.model)):
+            why = "layers that are not plain causal attention (the sliding window's path is torch ops)"
+        if why is not None:
+            logger.info("CPU step graphs not recorded for %s: decode steps run eagerly", why)
+            return
+        sched, bs = self.config.scheduler, self.config.cache.block_size
+        graphs = CpuDecodeGraphRunner(self.runner.model, self.platform.step_graph_kernels(self.dtype),
+                                      max_blocks_per_seq=-(-sched.max_model_len // bs), block_size=bs,
+                                      hidden_size=self.config.model.hf_config.hidden_size, dtype=self.dtype,
+                                      sizes=[s for s in CPU_GRAPH_SIZES if s <= sched.max_num_seqs])
+        if graphs.capture():
+            self.runner.decode_graphs = graphs
 
     def execute_model(self, sched: SchedulerOutput, overlap: Callable[[], None] | None = None) -> ModelRunnerOutput:
         """One step; ``overlap`` (if any) runs while the device computes it (see ModelRunner.execute_model)."""

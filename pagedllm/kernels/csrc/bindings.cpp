@@ -1,50 +1,70 @@
 // The Python module: one extension holds every CPU kernel, so there is one build to cache.
 #include "kernels.h"
+#include "step_graph.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("write_kv", &write_kv, "Store K/V rows at their cache slots");
-  m.def("paged_attention", &paged_attention, "Paged attention reading K/V through block tables");
-  m.def("encoder_attention", &encoder_attention,
+  m.def("write_kv", step_graph::recorded<-1>("write_kv", &write_kv), "Store K/V rows at their cache slots");
+  m.def("paged_attention", step_graph::recorded<-1>("paged_attention", &paged_attention), "Paged attention reading K/V through block tables");
+  m.def("encoder_attention", step_graph::recorded<-1>("encoder_attention", &encoder_attention),
         "Bidirectional attention within each sequence of a flat batch, K/V read in place -> [T, H, D]",
         py::arg("query"), py::arg("key"), py::arg("value"), py::arg("query_start"), py::arg("scale"));
-  m.def("add_layer_norm", &add_layer_norm,
+  m.def("add_layer_norm", step_graph::recorded<-1>("add_layer_norm", &add_layer_norm),
         "(layer_norm(x + residual) in float32, its bfloat16 copy if want_bf16 else the same tensor)",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("bias"), py::arg("eps"),
         py::arg("want_bf16"));
-  m.def("gelu_", &gelu_, "In place GELU (erf form, or the tanh approximation)", py::arg("x"),
+  m.def("gelu_", step_graph::recorded<-1>("gelu_", &gelu_), "In place GELU (erf form, or the tanh approximation)", py::arg("x"),
         py::arg("tanh_approx") = false);
-  m.def("packed_gemm", &packed_gemm, "x[M,K] @ W^T (+ bias) with W packed in 16-column panels [N/16, K, 16]",
+  m.def("packed_gemm", step_graph::recorded<4>("packed_gemm", &packed_gemm), "x[M,K] @ W^T (+ bias) with W packed in 16-column panels [N/16, K, 16]",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none(),
         py::arg("out") = py::none());
-  m.def("bf16_gemm", &bf16_gemm,
+  m.def("bf16_gemm", step_graph::recorded<4>("bf16_gemm", &bf16_gemm),
         "bf16 x[M,K] @ W^T (+ bias) -> bf16, W in panels of 16 columns and pairs of k [ceil(N/16), K/2, 16, 2]",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none(),
         py::arg("out") = py::none(), py::arg("generic") = false);
   m.def("bf16_gemm_supported", &bf16_gemm_supported, "Whether this CPU runs bf16_gemm's AVX-512 BF16 path");
-  m.def("q8_gemm", &q8_gemm, "x[M,K] @ (scale * int8 W)^T (+ bias), W in 16-column panels [P, K, 16]",
+  m.def("q8_gemm", step_graph::recorded<6>("q8_gemm", &q8_gemm), "x[M,K] @ (scale * int8 W)^T (+ bias), W in 16-column panels [P, K, 16]",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("group"), py::arg("out_features"),
         py::arg("bias") = py::none(), py::arg("out") = py::none(), py::arg("isa") = 0);
-  m.def("q4_gemm", &q4_gemm, "x[M,K] @ (scale * q4 + min)^T (+ bias), W nibbles in panels [P, K/2, 16]",
+  m.def("q4_gemm", step_graph::recorded<7>("q4_gemm", &q4_gemm), "x[M,K] @ (scale * q4 + min)^T (+ bias), W nibbles in panels [P, K/2, 16]",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("group"),
         py::arg("out_features"), py::arg("bias") = py::none(), py::arg("out") = py::none(), py::arg("isa") = 0);
-  m.def("q4_dot_gemm", &q4_dot_gemm,
+  m.def("q4_dot_gemm", step_graph::recorded<7>("q4_dot_gemm", &q4_dot_gemm),
         "x[M,K] quantized per group to int8 @ (scale * q4 + min)^T (+ bias), W in dot8 blocks [P, K/8, 64]",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("group"),
         py::arg("out_features"), py::arg("bias") = py::none(), py::arg("out") = py::none(), py::arg("isa") = 0);
-  m.def("f8_gemm", &f8_gemm, "x[M,K] @ (scale * fp8 e4m3 W)^T (+ bias), W bytes in panels [P, K, 16]",
+  m.def("f8_gemm", step_graph::recorded<6>("f8_gemm", &f8_gemm), "x[M,K] @ (scale * fp8 e4m3 W)^T (+ bias), W bytes in panels [P, K, 16]",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("group"), py::arg("out_features"),
         py::arg("bias") = py::none(), py::arg("out") = py::none(), py::arg("isa") = 0);
   m.def("supported_isas", &supported_isas, "Kernel ISA codes this CPU runs (3 = portable, 1 = AVX2, 2 = AVX-512)");
   m.def("w8a8_supported", &w8a8_supported, "Whether this CPU runs w8a8_gemm (AVX-512 VNNI)");
-  m.def("w8a8_gemm", &w8a8_gemm, "x[M,K] quantized per row to int8 @ (scale * int8 W)^T (+ bias), VNNI",
+  m.def("w8a8_gemm", step_graph::recorded<5>("w8a8_gemm", &w8a8_gemm), "x[M,K] quantized per row to int8 @ (scale * int8 W)^T (+ bias), VNNI",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("out_features"), py::arg("bias") = py::none(),
         py::arg("out") = py::none());
-  m.def("sample_from_logits", &sample_from_logits, "Inverse-CDF sample of softmax(logits / temperature) per row",
+  m.def("sample_from_logits", step_graph::recorded<-1>("sample_from_logits", &sample_from_logits), "Inverse-CDF sample of softmax(logits / temperature) per row",
         py::arg("logits"), py::arg("temperature"), py::arg("uniform"));
-  m.def("sample_masked", &sample_masked, "Per row argmax or inverse-CDF draw over the tokens a bitmask allows",
+  m.def("sample_masked", step_graph::recorded<-1>("sample_masked", &sample_masked), "Per row argmax or inverse-CDF draw over the tokens a bitmask allows",
         py::arg("logits"), py::arg("temperature"), py::arg("uniform"), py::arg("greedy"), py::arg("bitmask"),
         py::arg("mask_row"));
-  m.def("rms_norm_", &rms_norm_, "In place: residual += x (if given); x = rms_norm(residual or x) * weight");
-  m.def("rotary_", &rotary_, "In place rotate-half rotary embedding on the first num_heads heads of each row");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for gate_up = [gate | up]");
+  m.def("rms_norm_", step_graph::recorded<-1>("rms_norm_", &rms_norm_), "In place: residual += x (if given); x = rms_norm(residual or x) * weight");
+  m.def("rotary_", step_graph::recorded<-1>("rotary_", &rotary_), "In place rotate-half rotary embedding on the first num_heads heads of each row");
+  m.def("rms_norm", step_graph::recorded<3>("rms_norm", &rms_norm), "rms_norm(x) * weight into out (new if none)",
+        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("out") = py::none());
+  m.def("silu_and_mul", step_graph::recorded<1>("silu_and_mul", &silu_and_mul),
+        "silu(gate) * up for gate_up = [gate | up], into out (new if none)", py::arg("gate_up"),
+        py::arg("out") = py::none());
+  m.def("embedding_rows", step_graph::recorded<2>("embedding_rows", &embedding_rows),
+        "table[ids] into out (new if none); an id outside the table is an error", py::arg("table"), py::arg("ids"),
+        py::arg("out") = py::none());
+
+  // Step graphs (step_graph.h): record the kernel calls of one forward, replay them in one call.
+  py::class_<step_graph::StepGraph, std::shared_ptr<step_graph::StepGraph>>(m, "StepGraph")
+      .def("replay", &step_graph::StepGraph::replay, py::call_guard<py::gil_scoped_release>(),
+           "Run the recorded kernel calls again, in order, on the same tensors")
+      .def_property_readonly("num_ops", [](const step_graph::StepGraph& g) { return g.ops.size(); })
+      .def_readonly("broken", &step_graph::StepGraph::broken,
+                    "Why the recording cannot be replayed (empty when it can)");
+  m.def("begin_step_graph", &step_graph::begin, "Start recording this thread's kernel calls");
+  m.def("end_step_graph", &step_graph::end, "Stop recording: the StepGraph of the calls since begin_step_graph");
+  m.def("in_recorded_kernel", &step_graph::in_recorded_kernel,
+        "Whether a recorded kernel is running on this thread (its own torch ops are part of it)");
 }

@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 namespace {
 
@@ -44,33 +45,37 @@ void check_same_dtype(const torch::Tensor& t, const torch::Tensor& like, const c
   TORCH_CHECK(t.scalar_type() == like.scalar_type(), name, " must have the dtype of x (", like.scalar_type(), ")");
 }
 
+// Row t of dst = rms_norm(src row t) * w. With res, first res = src + res and dst = res (then src must be dst:
+// the in-place form); without, src is only read (dst may be another tensor).
 template <typename T>
-void rms_norm_rows(T* xp, int64_t x_stride, T* res, int64_t res_stride, const T* w, int64_t rows, int64_t C,
-                   float eps) {
+void rms_norm_rows(const T* src, int64_t src_stride, T* dst, int64_t dst_stride, T* res, int64_t res_stride,
+                   const T* w, int64_t rows, int64_t C, float eps) {
   using E = Elem<T>;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      T* row = xp + t * x_stride;
+      const T* in = src + t * src_stride;
+      T* row = dst + t * dst_stride;
       float ss = 0.f;
       if (res) {
         T* r = res + t * res_stride;
 #pragma omp simd reduction(+ : ss)
         for (int64_t c = 0; c < C; ++c) {
-          const float v = E::round(E::load(row + c) + E::load(r + c));
+          const float v = E::round(E::load(in + c) + E::load(r + c));
           E::store(r + c, v);
           E::store(row + c, v);
           ss += v * v;
         }
+        in = row;
       } else {
 #pragma omp simd reduction(+ : ss)
         for (int64_t c = 0; c < C; ++c) {
-          const float v = E::load(row + c);
+          const float v = E::load(in + c);
           ss += v * v;
         }
       }
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(C) + eps);
 #pragma omp simd
-      for (int64_t c = 0; c < C; ++c) E::store(row + c, E::load(w + c) * E::round(E::load(row + c) * inv));
+      for (int64_t c = 0; c < C; ++c) E::store(row + c, E::load(w + c) * E::round(E::load(in + c) * inv));
     }
   });
 }
@@ -131,13 +136,37 @@ void rms_norm_(torch::Tensor& x, const std::optional<torch::Tensor>& residual, c
   const float feps = static_cast<float>(eps);
   const int64_t res_stride = has_res ? residual->stride(0) : 0;
   if (x.scalar_type() == torch::kFloat32) {
-    rms_norm_rows(x.data_ptr<float>(), x.stride(0), has_res ? residual->data_ptr<float>() : nullptr, res_stride,
-                  weight.data_ptr<float>(), T, C, feps);
+    float* xp = x.data_ptr<float>();
+    rms_norm_rows<float>(xp, x.stride(0), xp, x.stride(0), has_res ? residual->data_ptr<float>() : nullptr,
+                         res_stride, weight.data_ptr<float>(), T, C, feps);
   } else {
-    rms_norm_rows(x.data_ptr<c10::BFloat16>(), x.stride(0),
-                  has_res ? residual->data_ptr<c10::BFloat16>() : nullptr, res_stride,
-                  weight.data_ptr<c10::BFloat16>(), T, C, feps);
+    c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+    rms_norm_rows<c10::BFloat16>(xp, x.stride(0), xp, x.stride(0),
+                                 has_res ? residual->data_ptr<c10::BFloat16>() : nullptr, res_stride,
+                                 weight.data_ptr<c10::BFloat16>(), T, C, feps);
   }
+}
+
+// x [T, C] -> rms_norm(x) * weight [T, C] in out (allocated when none), x left as it is.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
+                       const std::optional<torch::Tensor>& out) {
+  check_rows(x, "x");
+  check_same_dtype(weight, x, "weight");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight must be [C], contiguous");
+  const int64_t T = x.size(0), C = x.size(1);
+  torch::Tensor y = out.has_value() ? *out : torch::empty({T, C}, x.options());
+  check_rows(y, "out");
+  check_same_dtype(y, x, "out");
+  TORCH_CHECK(y.size(0) == T && y.size(1) == C, "out must be [T, C] like x");
+  const float feps = static_cast<float>(eps);
+  if (x.scalar_type() == torch::kFloat32) {
+    rms_norm_rows<float>(x.data_ptr<float>(), x.stride(0), y.data_ptr<float>(), y.stride(0), nullptr, 0,
+                         weight.data_ptr<float>(), T, C, feps);
+  } else {
+    rms_norm_rows<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), x.stride(0), y.data_ptr<c10::BFloat16>(),
+                                 y.stride(0), nullptr, 0, weight.data_ptr<c10::BFloat16>(), T, C, feps);
+  }
+  return y;
 }
 
 // qk [T, >= num_heads * D] (rows may be strided: the fused qkv output), positions [T] int64,
@@ -163,12 +192,33 @@ void rotary_(torch::Tensor& qk, const torch::Tensor& positions, const torch::Ten
 }
 
 // gate_up [T, 2I] = [gate | up] -> silu(gate) * up [T, I].
-torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
+torch::Tensor silu_and_mul(const torch::Tensor& gate_up, const std::optional<torch::Tensor>& out) {
   check_rows(gate_up, "gate_up");
   TORCH_CHECK(gate_up.scalar_type() == torch::kFloat32, "gate_up must be float32");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up width must be even");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2, stride = gate_up.stride(0);
-  torch::Tensor out = torch::empty({T, I}, gate_up.options());
-  silu_and_mul_rows(gate_up.data_ptr<float>(), stride, out.data_ptr<float>(), T, I);
-  return out;
+  torch::Tensor y = out.has_value() ? *out : torch::empty({T, I}, gate_up.options());
+  TORCH_CHECK(y.scalar_type() == torch::kFloat32 && y.is_contiguous() && y.dim() == 2 && y.size(0) == T &&
+              y.size(1) == I, "out must be a contiguous float32 [T, I]");
+  silu_and_mul_rows(gate_up.data_ptr<float>(), stride, y.data_ptr<float>(), T, I);
+  return y;
+}
+
+// table [V, C] (contiguous rows), ids [T] int64 -> table[ids] [T, C] in out (allocated when none).
+torch::Tensor embedding_rows(const torch::Tensor& table, const torch::Tensor& ids,
+                             const std::optional<torch::Tensor>& out) {
+  TORCH_CHECK(table.dim() == 2 && table.is_contiguous(), "table must be a contiguous [V, C]");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kInt64, "ids must be [T] int64");
+  const int64_t T = ids.size(0), V = table.size(0), C = table.size(1);
+  torch::Tensor y = out.has_value() ? *out : torch::empty({T, C}, table.options());
+  TORCH_CHECK(y.scalar_type() == table.scalar_type() && y.is_contiguous() && y.dim() == 2 && y.size(0) == T &&
+              y.size(1) == C, "out must be a contiguous [T, C] of the table's dtype");
+  const torch::Tensor ids_c = ids.contiguous();
+  const int64_t* id = ids_c.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(id[t] >= 0 && id[t] < V, "token id ", id[t], " out of range [0, ", V, ")");
+  const int64_t row_bytes = C * static_cast<int64_t>(table.element_size());
+  const char* src = static_cast<const char*>(table.data_ptr());
+  char* dst = static_cast<char*>(y.data_ptr());
+  for (int64_t t = 0; t < T; ++t) std::memcpy(dst + t * row_bytes, src + id[t] * row_bytes, row_bytes);
+  return y;
 }

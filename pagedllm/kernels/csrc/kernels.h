@@ -72,4 +72,8 @@ void rms_norm_(torch::Tensor& x, const std::optional<torch::Tensor>& residual, c
                double eps);
 void rotary_(torch::Tensor& qk, const torch::Tensor& positions, const torch::Tensor& cos_sin, int64_t num_heads,
              int64_t head_dim);
-torch::Tensor silu_and_mul(const torch::Tensor& gate_up);
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
+                       const std::optional<torch::Tensor>& out);
+torch::Tensor silu_and_mul(const torch::Tensor& gate_up, const std::optional<torch::Tensor>& out);
+torch::Tensor embedding_rows(const torch::Tensor& table, const torch::Tensor& ids,
+                             const std::optional<torch::Tensor>& out);

@@ -36,9 +36,7 @@ class RMSNorm(DirectCall, nn.Module):
         if (kernels is not None and x.dim() == 2 and self.weight.dtype == x.dtype
                 and (not self.weight_offset or platform.fused_norm_keeps_offset_exact(x.dtype))):
             if residual is None:
-                out = x.clone()
-                kernels.rms_norm_(out, None, self._scale(), self.eps)
-                return out
+                return kernels.rms_norm(x, self._scale(), self.eps)
             kernels.rms_norm_(x, residual, self._scale(), self.eps)
             return x, residual
         if residual is not None:

@@ -25,6 +25,7 @@ from torch import nn
 from pagedllm.distributed.parallel_state import all_gather_last_dim, all_reduce, get_tp
 from pagedllm.model_executor.layers.linear import Linear
 from pagedllm.model_executor.layers.quantization.base import set_weight_loader
+from pagedllm.platforms import platform_of
 
 
 @dataclass(frozen=True)
@@ -207,11 +208,23 @@ class VocabParallelEmbedding(nn.Embedding):
         return all_reduce(x)
 
 
+class TokenEmbedding(nn.Embedding):
+    """``nn.Embedding`` whose row lookup of a flat batch is the C++ kernel where the platform has it: the same
+    rows, and a CPU step graph can record it (worker/cpu_graphs.py)."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [T] int64 -> [T, hidden_size]."""
+        kernels = platform_of(input_ids).cpu_kernels(self.weight.dtype, (torch.float32, torch.bfloat16))
+        if kernels is not None and input_ids.dim() == 1 and input_ids.dtype == torch.long:
+            return kernels.embedding_rows(self.weight, input_ids)
+        return super().forward(input_ids)
+
+
 def make_embedding(vocab_size: int, hidden_size: int, dtype: torch.dtype) -> nn.Embedding:
-    """The token embedding: vocab-parallel under tensor parallelism, else a plain ``nn.Embedding``."""
+    """The token embedding: vocab-parallel under tensor parallelism, else a ``TokenEmbedding``."""
     if get_tp().is_parallel:
         return VocabParallelEmbedding(vocab_size, hidden_size, dtype)
-    return nn.Embedding(vocab_size, hidden_size, dtype=dtype)
+    return TokenEmbedding(vocab_size, hidden_size, dtype=dtype)
 
 
 def gather_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

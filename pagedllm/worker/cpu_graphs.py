@@ -1,0 +1,118 @@
+"""CPU step graphs: the decode forward's kernel calls recorded once per batch size, replayed from C++.
+
+On two cores a batch-1 decode step of the default model is ~200 kernel calls, and the Python and torch
+dispatch between them cost about a third of the step. While a step graph records, every C++ kernel keeps its
+arguments and runs as usual (``kernels/csrc/step_graph.h``); a replay calls the same kernels on the same tensors
+in one C++ loop, with the GIL released. The CUDA graphs' buffers and padding (``DecodeGraphRunner``) carry over:
+inputs live in persistent tensors, a step of ``n`` decodes is padded to the next recorded size.
+
+A recording is only replayed when it is the whole computation: while it records, any torch op that computes
+outside a kernel (an add, a copy, a fill) refuses the capture, and so does a kernel that allocates a result a
+replay would not refill. Each graph is then replayed once on other inputs and must equal an eager forward
+bit for bit; otherwise every step runs eagerly, with a log line saying why.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pagedllm.logger import init_logger
+from pagedllm.worker.cuda_graphs import DecodeGraphRunner, padded_batch_size
+
+logger = init_logger(__name__)
+
+# Batch sizes recorded: exact sizes up to 8 (a recording costs one forward and a few KiB, and padding a CPU step
+# costs real compute, unlike on a GPU). Bigger decode batches spend most of their time in the kernels anyway.
+CPU_GRAPH_SIZES = list(range(1, 9))
+
+# aten ops that create tensors (torch.tensor is lift_fresh + detach_) without computing anything a replay redoes.
+_ALLOCATIONS = {"empty.memory_format", "empty_strided", "empty_like", "new_empty", "new_empty_strided",
+                "lift_fresh", "detach_"}
+
+
+class GraphRefused(RuntimeError):
+    """Raised while recording: something computed outside the C++ kernels, so a replay would miss it."""
+
+
+class _OnlyKernels(TorchDispatchMode):
+    """Lets views and allocations through; any other torch op outside a recorded kernel refuses the capture."""
+
+    def __init__(self, kernels: Any) -> None:
+        super().__init__()
+        self.kernels = kernels
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.name().split("::")[-1]
+        if not (func.is_view or name in _ALLOCATIONS or self.kernels.in_recorded_kernel()):
+            raise GraphRefused(f"torch op {name} computes outside the C++ kernels")
+        return func(*args, **(kwargs or {}))
+
+
+class CpuDecodeGraphRunner(DecodeGraphRunner):
+    """Decode steps of 1..8 requests replayed from recorded kernel calls (``capture`` records and checks)."""
+
+    def __init__(self, model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], kernels: Any,
+                 max_blocks_per_seq: int, block_size: int, hidden_size: int, dtype: torch.dtype,
+                 sizes: list[int] | None = None) -> None:
+        super().__init__(model, torch.device("cpu"), sizes or CPU_GRAPH_SIZES, max_blocks_per_seq, block_size,
+                         hidden_size, dtype)
+        self.kernels = kernels
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def _record(self, size: int) -> tuple[Any, torch.Tensor]:
+        """(the StepGraph of one forward over the buffers' first ``size`` rows, the tensor it writes)."""
+        self.kernels.begin_step_graph()
+        try:
+            with _OnlyKernels(self.kernels):
+                hidden = self._forward(size)
+        finally:
+            graph = self.kernels.end_step_graph()
+        if graph.broken:
+            raise GraphRefused(graph.broken)
+        return graph, hidden
+
+    def _matches_eager(self, size: int, graph: Any, hidden: torch.Tensor) -> bool:
+        """Replay on other token ids (still dummy rows: null block 0) and compare with an eager forward."""
+        self.input_ids[:size] = torch.arange(1, size + 1)
+        try:
+            expected = self._forward(size).clone()
+            graph.replay()
+            return torch.equal(hidden, expected)
+        finally:
+            self.input_ids[:size].zero_()
+
+    @torch.inference_mode()
+    def capture(self) -> bool:
+        """Record and check one graph per size; False (no graphs: every step eager) if any is refused."""
+        start = time.perf_counter()
+        try:
+            for size in self.sizes:
+                graph, hidden = self._record(size)
+                if not self._matches_eager(size, graph, hidden):
+                    raise GraphRefused(f"the batch-{size} replay differs from the eager forward")
+                self.graphs[size] = graph
+                self.outputs[size] = hidden
+        except GraphRefused as e:
+            self.graphs.clear()
+            self.outputs.clear()
+            logger.info("CPU step graphs refused (%s): decode steps run eagerly", e)
+            return False
+        ops = self.graphs[self.sizes[-1]].num_ops
+        logger.info("recorded CPU step graphs for decode batches of 1..%d (%d kernel calls at batch %d) in %.2f s",
+                    self.sizes[-1], ops, self.sizes[-1], time.perf_counter() - start)
+        return True
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
+        """hidden states [n, hidden_size] of a decode-only step of n requests (``can_run(meta)`` must hold):
+        the inputs copied into the buffers, the recorded graph of the padded size replayed. The result is a view
+        of that graph's output tensor, valid until its next replay."""
+        size = padded_batch_size(meta.num_reqs, self.sizes)
+        assert size is not None and self.can_run(meta)
+        self._load(input_ids, positions, meta, size)
+        self.graphs[size].replay()
+        return self.outputs[size][:meta.num_reqs]
