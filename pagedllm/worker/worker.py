@@ -226,49 +226,9 @@ class Worker:
         if getattr(self.runner, "encoder_decoder", None) is not None:
             return  # the cross-attention group's metadata is built per step, outside the recorded graphs
         if self.platform.supports_graphs:
-            self._capture_cuda_graphs()
+            _capture_cuda_graphs(self)
         elif self.platform.step_graph_kernels(self.dtype) is not None:
-            self._capture_cpu_graphs()
-
-    def _capture_cuda_graphs(self) -> None:
-        from pagedllm.kernels.triton_ops import triton_available
-        from pagedllm.worker.cuda_graphs import DecodeGraphRunner, graph_batch_sizes
-
-        if not triton_available():
-            logger.warning("triton is not installed: decode steps run eagerly (no CUDA graphs)")
-            return
-        if not getattr(self.attention_backend, "graph_safe", False):
-            logger.info("attention backend %r reads tensors on the host: decode steps run eagerly (no CUDA graphs)",
-                        self.attention_backend.name)
-            return
-        sched, bs = self.config.scheduler, self.config.cache.block_size
-        graphs = DecodeGraphRunner(self.runner.model, self.device, graph_batch_sizes(sched.max_num_seqs),
-                                   max_blocks_per_seq=-(-sched.max_model_len // bs), block_size=bs,
-                                   hidden_size=self.config.model.hf_config.hidden_size, dtype=self.dtype,
-                                   num_kv_groups=1 if self.config.cache.sliding_group() is None else 2)
-        graphs.capture()
-        self.runner.decode_graphs = graphs
-
-    def _capture_cpu_graphs(self) -> None:
-        from pagedllm.worker.cpu_graphs import CPU_GRAPH_SIZES, CpuDecodeGraphRunner
-
-        why = None
-        if self.config.parallel.tensor_parallel_size > 1:
-            why = "tensor parallelism (the all-reduces are torch.distributed calls)"
-        elif self.attention_backend.name != "cpu":
-            why = f"attention backend {self.attention_backend.name!r} (only the C++ kernels record)"
-        elif any(m.spec.kind != "causal" for m in attention_layers(self.runner.model)):
-            why = "layers that are not plain causal attention (the sliding window's path is torch ops)"
-        if why is not None:
-            logger.info("CPU step graphs not recorded for %s: decode steps run eagerly", why)
-            return
-        sched, bs = self.config.scheduler, self.config.cache.block_size
-        graphs = CpuDecodeGraphRunner(self.runner.model, self.platform.step_graph_kernels(self.dtype),
-                                      max_blocks_per_seq=-(-sched.max_model_len // bs), block_size=bs,
-                                      hidden_size=self.config.model.hf_config.hidden_size, dtype=self.dtype,
-                                      sizes=[s for s in CPU_GRAPH_SIZES if s <= sched.max_num_seqs])
-        if graphs.capture():
-            self.runner.decode_graphs = graphs
+            _capture_cpu_graphs(self)
 
     def execute_model(self, sched: SchedulerOutput, overlap: Callable[[], None] | None = None) -> ModelRunnerOutput:
         """One step; ``overlap`` (if any) runs while the device computes it (see ModelRunner.execute_model)."""
@@ -290,3 +250,47 @@ class Worker:
                              "method or no speculation")
         connector.register_kv_caches(runner.kv_caches)
         self.kv_connector = connector
+
+
+def _capture_cuda_graphs(self: Worker) -> None:
+    """CUDA graphs of decode steps (with triton, whose kernels make a step graph-safe)."""
+    from pagedllm.kernels.triton_ops import triton_available
+    from pagedllm.worker.cuda_graphs import DecodeGraphRunner, graph_batch_sizes
+
+    if not triton_available():
+        logger.warning("triton is not installed: decode steps run eagerly (no CUDA graphs)")
+        return
+    if not getattr(self.attention_backend, "graph_safe", False):
+        logger.info("attention backend %r reads tensors on the host: decode steps run eagerly (no CUDA graphs)",
+                    self.attention_backend.name)
+        return
+    sched, bs = self.config.scheduler, self.config.cache.block_size
+    graphs = DecodeGraphRunner(self.runner.model, self.device, graph_batch_sizes(sched.max_num_seqs),
+                               max_blocks_per_seq=-(-sched.max_model_len // bs), block_size=bs,
+                               hidden_size=self.config.model.hf_config.hidden_size, dtype=self.dtype,
+                               num_kv_groups=1 if self.config.cache.sliding_group() is None else 2)
+    graphs.capture()
+    self.runner.decode_graphs = graphs
+
+
+def _capture_cpu_graphs(self: Worker) -> None:
+    """CPU step graphs over the C++ kernels, for models whose decode forward is nothing but those kernels."""
+    from pagedllm.worker.cpu_graphs import CPU_GRAPH_SIZES, CpuDecodeGraphRunner
+
+    why = None
+    if self.config.parallel.tensor_parallel_size > 1:
+        why = "tensor parallelism (the all-reduces are torch.distributed calls)"
+    elif self.attention_backend.name != "cpu":
+        why = f"attention backend {self.attention_backend.name!r} (only the C++ kernels record)"
+    elif any(m.spec.kind != "causal" for m in attention_layers(self.runner.model)):
+        why = "layers that are not plain causal attention (the sliding window's path is torch ops)"
+    if why is not None:
+        logger.info("CPU step graphs not recorded for %s: decode steps run eagerly", why)
+        return
+    sched, bs = self.config.scheduler, self.config.cache.block_size
+    graphs = CpuDecodeGraphRunner(self.runner.model, self.platform.step_graph_kernels(self.dtype),
+                                  max_blocks_per_seq=-(-sched.max_model_len // bs), block_size=bs,
+                                  hidden_size=self.config.model.hf_config.hidden_size, dtype=self.dtype,
+                                  sizes=[s for s in CPU_GRAPH_SIZES if s <= sched.max_num_seqs])
+    if graphs.capture():
+        self.runner.decode_graphs = graphs

@@ -152,6 +152,45 @@ def test_rms_norm_with_and_without_residual(kernels, t: int) -> None:
     torch.testing.assert_close(xi, _rms(x + res, w, 1e-5), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_out_of_place_leaves_x_and_fills_out(kernels, dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    x = torch.randn(7, 2 * 576, dtype=dtype)[:, :576]  # strided rows, as a view of a wider output
+    w = torch.randn(576, dtype=dtype)
+    before = x.clone()
+    in_place = x.clone()
+    kernels.rms_norm_(in_place, None, w, 1e-5)
+    got = kernels.rms_norm(x, w, 1e-5)
+    assert torch.equal(got, in_place) and torch.equal(x, before)
+    out = torch.empty(7, 576, dtype=dtype)
+    kernels.rms_norm(x, w, 1e-5, out)
+    assert torch.equal(out, in_place)
+    with pytest.raises(RuntimeError, match="out must be"):
+        kernels.rms_norm(x, w, 1e-5, torch.empty(6, 576, dtype=dtype))
+
+
+def test_silu_and_mul_into_out(kernels) -> None:
+    gate_up = torch.randn(3, 40)
+    out = torch.full((3, 20), float("nan"))
+    kernels.silu_and_mul(gate_up, out)
+    assert torch.equal(out, kernels.silu_and_mul(gate_up))
+    with pytest.raises(RuntimeError, match="out must be"):
+        kernels.silu_and_mul(gate_up, torch.empty(3, 21))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_rows_equals_f_embedding_and_checks_ids(kernels, dtype: torch.dtype) -> None:
+    table = torch.randn(50, 24).to(dtype)
+    ids = torch.tensor([3, 0, 49, 3])
+    assert torch.equal(kernels.embedding_rows(table, ids), F.embedding(ids, table))
+    out = torch.empty(4, 24, dtype=dtype)
+    kernels.embedding_rows(table, ids, out)
+    assert torch.equal(out, F.embedding(ids, table))
+    for bad in (50, -1):
+        with pytest.raises(RuntimeError, match="out of range"):
+            kernels.embedding_rows(table, torch.tensor([1, bad]))
+
+
 def test_rotary_matches_torch_path_in_a_strided_qkv(kernels) -> None:
     torch.manual_seed(0)
     heads, kv_heads, d, t = 9, 3, 64, 11

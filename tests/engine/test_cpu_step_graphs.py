@@ -1,0 +1,99 @@
+"""CPU step graphs (worker/cpu_graphs.py): decode steps replayed from recorded C++ kernel calls give the tokens an
+eager engine gives; a forward that computes outside the kernels, or whose replay differs from an eager forward, is
+refused and runs eagerly."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.kernels.cpu import load_cpu_kernels
+from pagedllm.worker.cpu_graphs import CpuDecodeGraphRunner
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = load_cpu_kernels()
+    assert k is not None, "the C++ CPU kernels must build on the test machine"
+    return k
+
+
+def _runner(model, kernels) -> CpuDecodeGraphRunner:
+    return CpuDecodeGraphRunner(model, kernels, max_blocks_per_seq=4, block_size=16, hidden_size=8,
+                                dtype=torch.float32, sizes=[1, 3])
+
+
+def test_a_kernel_only_forward_records_and_replays_new_inputs(kernels) -> None:
+    table = torch.randn(20, 8)
+    w = torch.randn(8)
+    graphs = _runner(lambda ids, pos: kernels.rms_norm(kernels.embedding_rows(table, ids), w, 1e-6), kernels)
+    assert graphs.capture() and set(graphs.graphs) == {1, 3}
+    assert graphs.graphs[3].num_ops == 2 and graphs.graphs[3].broken == ""
+    graphs.input_ids[:3] = torch.tensor([7, 2, 19])
+    graphs.graphs[3].replay()
+    assert torch.equal(graphs.outputs[3], kernels.rms_norm(table[[7, 2, 19]], w, 1e-6))
+
+
+def test_a_torch_op_outside_the_kernels_refuses_the_capture(kernels, caplog) -> None:
+    table = torch.randn(20, 8)
+    graphs = _runner(lambda ids, pos: kernels.embedding_rows(table, ids) * 2, kernels)
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        assert not graphs.capture()
+    assert not graphs.graphs and "torch op mul" in caplog.text and "run eagerly" in caplog.text
+
+
+def test_a_kernel_result_no_replay_refills_refuses_the_capture(kernels, caplog) -> None:
+    # encoder_attention allocates its result and takes no out: a replay would not write where Python reads.
+    table = torch.randn(20, 8)
+
+    def model(ids, pos):
+        x = kernels.embedding_rows(table, ids).view(-1, 2, 4)
+        return kernels.encoder_attention(x, x, x, torch.tensor([0, ids.shape[0]], dtype=torch.int32), 0.5)
+
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        assert not _runner(model, kernels).capture()
+    assert "encoder_attention returns a tensor" in caplog.text
+
+
+def test_a_replay_that_differs_from_eager_is_refused(kernels, caplog) -> None:
+    # The table is chosen in Python per call: the recording froze the first, the eager check reads the next.
+    tables = iter(torch.randn(8, 20, 8))
+    graphs = _runner(lambda ids, pos: kernels.embedding_rows(next(tables), ids), kernels)
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        assert not graphs.capture()
+    assert "differs from the eager forward" in caplog.text and not graphs.graphs
+
+
+def test_recording_twice_on_a_thread_is_an_error(kernels) -> None:
+    kernels.begin_step_graph()
+    try:
+        with pytest.raises(RuntimeError, match="already recording"):
+            kernels.begin_step_graph()
+    finally:
+        kernels.end_step_graph()
+    with pytest.raises(RuntimeError, match="no step graph is recording"):
+        kernels.end_step_graph()
+
+
+PROMPTS = ["The capital of France is", "1 2 3 4", "def fibonacci(n):", "Once upon a time", "a", "Water boils at",
+           "The best way to learn", "In 1969", "Hello, my name is", "Rust or C++?"]
+
+
+def test_engine_tokens_equal_with_and_without_step_graphs() -> None:
+    """Ten requests of different lengths: steps of more than 8 decodes run eagerly, then the batch shrinks
+    through every recorded size (requests stop at different lengths)."""
+    params = [SamplingParams(max_tokens=6 + 3 * i, temperature=0, ignore_eos=True) for i in range(len(PROMPTS))]
+    runs = {}
+    for eager in (True, False):
+        llm = LLM(enforce_eager=eager)
+        runner = llm.engine.core.worker.runner
+        assert (runner.decode_graphs is None) == eager
+        runs[eager] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        alone = llm.generate(PROMPTS[:1], params[:1])[0].outputs[0].token_ids  # batch 1: the size-1 graph
+        assert alone == runs[eager][0]
+        del llm
+    assert runs[False] == runs[True]
+    assert [len(t) for t in runs[False]] == [p.max_tokens for p in params]
