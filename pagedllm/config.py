@@ -132,7 +132,7 @@ AUTOTUNE_MODES = ("off", "on", "force")  # --cpu-kernel-autotune (kernels/autotu
 class DeviceConfig:
     device: str = "auto"  # auto | cpu | cuda; resolved to cpu/cuda
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS; the engine's platform makes it
-    enforce_eager: bool = False  # GPU: no CUDA graphs
+    enforce_eager: bool = False  # no recorded decode steps: CUDA graphs on a GPU, step graphs on the CPU
     # GPU: the previous step's outputs are detokenized while the device runs the next step (llm_engine.py)
     disable_async_output_proc: bool = False
 

@@ -14,6 +14,7 @@ bit for bit; otherwise every step runs eagerly, with a log line saying why.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -98,14 +99,20 @@ class CpuDecodeGraphRunner(DecodeGraphRunner):
                 self.graphs[size] = graph
                 self.outputs[size] = hidden
         except GraphRefused as e:
-            self.graphs.clear()
-            self.outputs.clear()
-            logger.info("CPU step graphs refused (%s): decode steps run eagerly", e)
-            return False
+            return self._refuse(f"CPU step graphs refused ({e}): decode steps run eagerly")
+        except Exception as e:  # a forward that fails on the dummy rows: the engine still serves, eagerly
+            return self._refuse(f"CPU step graphs not recorded: the forward failed on dummy rows ({e!r}); decode "
+                                "steps run eagerly", logging.WARNING)
         ops = self.graphs[self.sizes[-1]].num_ops
         logger.info("recorded CPU step graphs for decode batches of 1..%d (%d kernel calls at batch %d) in %.2f s",
                     self.sizes[-1], ops, self.sizes[-1], time.perf_counter() - start)
         return True
+
+    def _refuse(self, message: str, level: int = logging.INFO) -> bool:
+        self.graphs.clear()
+        self.outputs.clear()
+        logger.log(level, message)
+        return False
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
         """hidden states [n, hidden_size] of a decode-only step of n requests (``can_run(meta)`` must hold):

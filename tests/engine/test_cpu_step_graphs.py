@@ -67,6 +67,18 @@ def test_a_replay_that_differs_from_eager_is_refused(kernels, caplog) -> None:
     assert "differs from the eager forward" in caplog.text and not graphs.graphs
 
 
+def test_a_forward_that_fails_while_recording_leaves_the_engine_eager(kernels, caplog) -> None:
+    def model(ids, pos):
+        raise ValueError("no such layer")
+
+    graphs = _runner(model, kernels)
+    with caplog.at_level(logging.WARNING, logger="pagedllm"):
+        assert not graphs.capture()
+    assert "no such layer" in caplog.text and not graphs.graphs
+    kernels.begin_step_graph()  # the failed recording was ended: a new one may start
+    kernels.end_step_graph()
+
+
 def test_recording_twice_on_a_thread_is_an_error(kernels) -> None:
     kernels.begin_step_graph()
     try:
