@@ -1,6 +1,6 @@
 """CPU step graphs: the decode forward's kernel calls recorded once per batch size, replayed from C++.
 
-On two cores a batch-1 decode step of the default model is ~200 kernel calls, and the Python and torch
+On two cores a batch-1 decode step of the default model is ~300 kernel calls, and the Python and torch
 dispatch between them cost about a third of the step. While a step graph records, every C++ kernel keeps its
 arguments and runs as usual (``kernels/csrc/step_graph.h``); a replay calls the same kernels on the same tensors
 in one C++ loop, with the GIL released. The CUDA graphs' buffers and padding (``DecodeGraphRunner``) carry over:
@@ -27,8 +27,9 @@ from pagedllm.worker.cuda_graphs import DecodeGraphRunner, padded_batch_size
 
 logger = init_logger(__name__)
 
-# Batch sizes recorded: exact sizes up to 8 (a recording costs one forward and a few KiB, and padding a CPU step
-# costs real compute, unlike on a GPU). Bigger decode batches spend most of their time in the kernels anyway.
+# Batch sizes recorded: exact sizes up to 8 (a recording costs one forward and keeps that size's activations, and
+# padding a CPU step costs real compute, unlike on a GPU). Bigger decode batches spend most of their time in the
+# kernels anyway.
 CPU_GRAPH_SIZES = list(range(1, 9))
 
 # aten ops that create tensors (torch.tensor is lift_fresh + detach_) without computing anything a replay redoes.
