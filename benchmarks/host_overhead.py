@@ -24,7 +24,7 @@ PIECES = {  # label: (module, class or None, function)
     "schedule": ("pagedllm.core.scheduler", "Scheduler", "schedule"),
     "update_states": ("pagedllm.worker.model_runner", "ModelRunner", "_update_states"),
     "prepare_inputs": ("pagedllm.worker.model_runner", "ModelRunner", "_prepare_inputs"),
-    "sampling_metadata": ("pagedllm.worker.model_runner", None, "build_sampling_metadata"),
+    "sampling_metadata": ("pagedllm.sample.batch_state", "SamplingBatch", "metadata"),
     "update_from_output": ("pagedllm.core.scheduler", "Scheduler", "update_from_output"),
     "process_outputs": ("pagedllm.engine.output_processor", "OutputProcessor", "process_outputs"),
     "step": ("pagedllm.engine.llm_engine", "LLMEngine", "step"),
@@ -70,16 +70,24 @@ def instrument() -> dict[str, float]:
     return seconds
 
 
-def run(model: Path, batch: int, input_len: int, output_len: int, repeats: int, seconds: dict[str, float]) -> dict:
-    """Milliseconds per step of each piece for ``batch`` requests at once (the best of ``repeats`` runs)."""
+def run(model: Path, batch: int, input_len: int, output_len: int, repeats: int, seconds: dict[str, float],
+        sampling: str = "greedy") -> dict:
+    """Milliseconds per step of each piece for ``batch`` requests at once (the best of ``repeats`` runs).
+
+    ``sampling``: "greedy", or "random" (temperature 0.8, top-k 50, top-p 0.95, a presence penalty and a seed
+    per request: every sampler stage with per-request state is active)."""
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(model=str(model), max_num_seqs=batch, max_num_batched_tokens=max(8192, batch * input_len),
               dtype="float32", disable_log_stats=True)
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(input_len)]} for _ in range(batch)]
-    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
-    llm.generate(prompts[:2], params, use_tqdm=False)
+    if sampling == "greedy":
+        params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+    else:
+        params = [SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.8, top_k=50, top_p=0.95,
+                                 presence_penalty=0.5, seed=i) for i in range(batch)]
+    llm.generate(prompts[:2], params if sampling == "greedy" else params[:2], use_tqdm=False)
     best: dict | None = None
     for _ in range(repeats):
         seconds.clear()
@@ -89,7 +97,7 @@ def run(model: Path, batch: int, input_len: int, output_len: int, repeats: int, 
         row = {label: round(seconds[label] / steps * 1e3, 3) for label in PIECES}
         row["host_pieces"] = round(sum(v for k, v in row.items() if k != "step"), 3)
         if best is None or row["host_pieces"] < best["host_pieces"]:
-            best = dict(batch=batch, steps=steps, **row)
+            best = dict(batch=batch, sampling=sampling, steps=steps, **row)
     return best
 
 
@@ -99,12 +107,14 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="Runs per batch size; the fastest is kept.")
+    parser.add_argument("--sampling", choices=["greedy", "random"], default="greedy",
+                        help="greedy, or random sampling with top-k, top-p, a presence penalty and a seed per request.")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     seconds = instrument()
     with tempfile.TemporaryDirectory() as tmp:
         model = tiny_default_model(Path(tmp))
-        rows = [run(model, int(b), args.input_len, args.output_len, args.repeats, seconds)
+        rows = [run(model, int(b), args.input_len, args.output_len, args.repeats, seconds, args.sampling)
                 for b in args.batch_sizes.split(",")]
     for row in rows:
         print(json.dumps(row))

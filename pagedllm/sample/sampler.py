@@ -20,12 +20,7 @@ from pagedllm.sample.draw import (
     masked_draw_kernel,
 )
 from pagedllm.sample.metadata import SamplingMetadata
-from pagedllm.sample.stages import (
-    GrammarBitmaskStage,
-    LogitsStage,
-    TemperatureStage,
-    default_stages,
-)
+from pagedllm.sample.stages import LogitsStage, default_stages
 
 
 @dataclass
@@ -93,8 +88,10 @@ class Sampler(nn.Module):
     """Turns a step's logits into token ids: the ordered logits stages, then the draw.
 
     Does not modify the caller's logits. Every active stage runs on every path: the only shortcuts fuse the
-    tail of the active stages into the C++ draw (same result, fewer passes): a last temperature stage, and a
-    grammar bitmask stage right before it (or last), which the draw then reads word by word.
+    tail of the active stages into the C++ draw (same result, fewer passes), as the stages declare
+    (``draw_fusion``): a last temperature stage, and a grammar bitmask stage right before it (or last), which
+    the draw then reads word by word. ``stages``: the runner passes its ``SamplingBatch``'s, the objects that
+    keep the requests' state.
     """
 
     def __init__(self, stages: list[LogitsStage] | None = None) -> None:
@@ -128,10 +125,10 @@ class Sampler(nn.Module):
 
         stages = self.active_stages(meta)
         fused_temperature = None
-        if stages and isinstance(stages[-1], TemperatureStage):
+        if stages and stages[-1].draw_fusion == "temperature":
             # The draw divides by the temperature itself (the C++ kernel in the same pass as the softmax).
             stages, fused_temperature = stages[:-1], meta.temperature
-        fused_grammar = bool(stages) and isinstance(stages[-1], GrammarBitmaskStage) and \
+        fused_grammar = bool(stages) and stages[-1].draw_fusion == "bitmask" and \
             masked_draw_kernel(logits, copied=len(stages) > 1) is not None
         if fused_grammar:
             # The C++ draw reads the bitmask itself and skips disallowed words: no [N, V] -inf fill.

@@ -1,9 +1,14 @@
-"""The sampler's logits stages, in the order they run: each says itself whether the batch needs it.
+"""The sampler's logits stages, in the order they run: each keeps its own per-request state and says itself
+whether the batch needs it.
 
-A stage works in place on the sampler's private float32 copy of the logits [N, V] (N rows, vocab V).
-Rows are independent: a stage reads only per-row metadata, so several rows may belong to one request
-(speculative decoding scores k+1 positions of a request in one call). Greedy rows carry neutral values
-(temperature 1, no truncation), so after every stage their argmax is still the right token.
+A stage's state lives in per-slot columns (``sample/batch_state.py``): ``update_state`` writes a request's
+values once when it joins the batch and resets them when it leaves; ``prepare`` gathers the step's rows into
+the stage's fields of that step's SamplingMetadata; ``apply`` works in place on the sampler's private
+float32 copy of the logits [N, V] (N rows, vocab V). Rows are independent: a stage reads only per-row
+metadata, so several rows may belong to one request (speculative decoding scores k+1 positions of a request
+in one call). Greedy rows carry neutral values (temperature 1, no truncation), so after every stage their
+argmax is still the right token. ``draw_fusion`` names what the draw can do in its own pass instead of the
+stage when the stage comes last (``Sampler.forward``).
 
 Masked logits are set to -inf; the draw (``sample/draw.py``) never picks a -inf logit while the row has a
 finite one.
@@ -13,20 +18,39 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
 
+from pagedllm.host_to_device import tensor_on, to_device
 from pagedllm.platforms import platform_of
+from pagedllm.sample.batch_state import AddedRow, BatchUpdate, SlotRowState, StepRows
 from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sampling_params import SAMPLING_EPS
 
 
 class LogitsStage(Protocol):
     """One step of logits processing. ``apply`` may change ``logits`` in place and returns it."""
 
     name: str
+    draw_fusion: str | None  # "temperature" / "bitmask": the draw can stand in for this stage when it is last
+
+    def update_state(self, update: BatchUpdate) -> None: ...
+
+    def prepare(self, step: StepRows, meta: SamplingMetadata) -> None: ...
 
     def is_active(self, meta: SamplingMetadata) -> bool: ...
 
     def apply(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor: ...
+
+
+def _pad_rows(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """list of B token lists -> [B, max_len] int64 padded with ``pad`` (numpy: far cheaper than lists)."""
+    width = max((len(r) for r in rows), default=0)
+    arr = np.full((len(rows), max(width, 1)), pad, dtype=np.int64)
+    for i, row in enumerate(rows):
+        if row:
+            arr[i, : len(row)] = row
+    return to_device(torch.from_numpy(arr), device)
 
 
 # ---- the operations -------------------------------------------------------------------------------------
@@ -110,12 +134,89 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(logits < threshold, float("-inf"))
 
 
+# ---- the per-slot state ----------------------------------------------------------------------------------
+
+def on_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A gathered numpy column as a tensor on ``device`` (queued without a stream sync on CUDA)."""
+    return to_device(torch.from_numpy(np.ascontiguousarray(values)), device)
+
+
+class StatelessStage:
+    """A stage whose step inputs come with the step (the grammar's bitmask) or from other stages' fields."""
+
+    draw_fusion: str | None = None
+
+    def update_state(self, update: BatchUpdate) -> None:
+        pass
+
+    def prepare(self, step: StepRows, meta: SamplingMetadata) -> None:
+        pass
+
+
+class DrawRows(SlotRowState):
+    """What the draw needs per request: greedy or not, temperature, its own generator, logprobs wanted.
+
+    Greedy slots hold temperature 1.0 so dividing by it is harmless; ``unseeded``: a random request without
+    a generator (it takes the shared batched draw); ``logprobs`` -1 = not requested.
+    """
+
+    columns = {"greedy": (np.bool_, True), "temperature": (np.float32, 1.0), "unseeded": (np.bool_, False),
+               "logprobs": (np.int64, -1)}
+
+    def add_row(self, row: AddedRow, update: BatchUpdate) -> None:
+        p, slot, cols = row.params, row.slot, self.rows
+        greedy = p.temperature < SAMPLING_EPS
+        cols["greedy"][slot] = greedy
+        if not greedy:
+            cols["temperature"][slot] = p.temperature
+            if row.generator is not None:
+                self.extras[slot] = row.generator
+            else:
+                cols["unseeded"][slot] = True
+        cols["logprobs"][slot] = -1 if p.logprobs is None else p.logprobs
+
+    def prepare(self, step: StepRows, meta: SamplingMetadata) -> None:
+        slots, cols = step.slots, self.rows
+        greedy = cols["greedy"][slots]
+        meta.all_greedy = bool(greedy.all())
+        meta.all_random = not greedy.any()
+        if not meta.all_greedy:
+            meta.temperature = on_device(cols["temperature"][slots], step.device)
+            if not meta.all_random:
+                meta.greedy_mask = on_device(greedy, step.device)
+        if self.extras:
+            meta.generators = {row: self.extras[slot] for row, slot in enumerate(slots.tolist())
+                               if slot in self.extras}
+        meta.has_unseeded_random = bool(cols["unseeded"][slots].any())
+        wanted = cols["logprobs"][slots]
+        meta.num_logprobs = [None if k < 0 else k for k in wanted.tolist()]
+        if (wanted >= 0).any():
+            meta.max_num_logprobs = int(wanted.max())
+
+
 # ---- the stages -----------------------------------------------------------------------------------------
 
-class AllowedTokensStage:
+class AllowedTokensStage(SlotRowState):
     """Rows with ``allowed_token_ids``: every other token gets -inf."""
 
     name = "allowed_token_ids"
+    draw_fusion = None
+    columns = {"limited": (np.bool_, False)}
+
+    def add_row(self, row: AddedRow, update: BatchUpdate) -> None:
+        if row.params.allowed_token_ids is not None:
+            self.rows["limited"][row.slot] = True
+            self.extras[row.slot] = [t for t in row.params.allowed_token_ids if t < update.vocab_size]
+
+    def prepare(self, step: StepRows, meta: SamplingMetadata) -> None:
+        rows = np.flatnonzero(self.rows["limited"][step.slots])
+        if rows.size == 0:
+            return
+        mask = np.zeros((rows.size, step.vocab_size), dtype=np.bool_)
+        for j, slot in enumerate(step.slots[rows].tolist()):
+            mask[j, self.extras[slot]] = True
+        meta.allowed_rows = on_device(rows.astype(np.int64), step.device)
+        meta.allowed_mask = on_device(mask, step.device)
 
     def is_active(self, meta: SamplingMetadata) -> bool:
         return meta.allowed_rows is not None
@@ -126,8 +227,35 @@ class AllowedTokensStage:
         return logits.index_copy_(0, meta.allowed_rows, rows)
 
 
-class LogitBiasStage:
+class LogitBiasStage(SlotRowState):
+    """Adds each request's ``logit_bias`` (ids past the vocabulary dropped) to its rows."""
+
     name = "logit_bias"
+    draw_fusion = None
+    columns = {"biased": (np.bool_, False)}
+
+    def add_row(self, row: AddedRow, update: BatchUpdate) -> None:
+        bias = [(t, v) for t, v in (row.params.logit_bias or {}).items() if t < update.vocab_size]
+        if bias:
+            self.rows["biased"][row.slot] = True
+            self.extras[row.slot] = ([t for t, _ in bias], [v for _, v in bias])
+
+    def prepare(self, step: StepRows, meta: SamplingMetadata) -> None:
+        rows = np.flatnonzero(self.rows["biased"][step.slots])
+        if rows.size == 0:
+            return
+        bias_rows: list[int] = []
+        tokens: list[int] = []
+        values: list[float] = []
+        for row, slot in zip(rows.tolist(), step.slots[rows].tolist()):
+            row_tokens, row_values = self.extras[slot]
+            bias_rows.extend([row] * len(row_tokens))
+            tokens.extend(row_tokens)
+            values.extend(row_values)
+        meta.logit_bias_rows = tensor_on(bias_rows, torch.int64, step.device)
+        meta.logit_bias_tokens = tensor_on(tokens, torch.int64, step.device)
+        meta.logit_bias_values = tensor_on(values, torch.float32, step.device)
+        meta.no_logit_bias = False
 
     def is_active(self, meta: SamplingMetadata) -> bool:
         return not meta.no_logit_bias
@@ -137,10 +265,38 @@ class LogitBiasStage:
                                  accumulate=True)
 
 
-class MinTokensStage:
-    """Stop tokens (EOS + stop_token_ids) are masked until a row has min_tokens outputs."""
+class MinTokensStage(SlotRowState):
+    """Stop tokens (EOS + stop_token_ids, EOS left out under ``ignore_eos``) are masked until a row has
+    min_tokens outputs."""
 
     name = "min_tokens"
+    draw_fusion = None
+    columns = {"min_tokens": (np.int64, 0)}
+
+    def add_row(self, row: AddedRow, update: BatchUpdate) -> None:
+        p = row.params
+        if p.min_tokens <= 0:
+            return
+        stop_ids = set(p.stop_token_ids or ())
+        if not p.ignore_eos:
+            stop_ids.update(update.eos_token_ids)
+        self.rows["min_tokens"][row.slot] = p.min_tokens
+        self.extras[row.slot] = [t for t in stop_ids if 0 <= t < update.vocab_size]
+
+    def prepare(self, step: StepRows, meta: SamplingMetadata) -> None:
+        wanted = self.rows["min_tokens"][step.slots]
+        rows = np.flatnonzero(wanted)
+        mask_rows: list[int] = []
+        mask_tokens: list[int] = []
+        for row in rows.tolist():
+            if len(step.outputs[row]) < wanted[row]:
+                stop_ids = self.extras[int(step.slots[row])]
+                mask_rows.extend([row] * len(stop_ids))
+                mask_tokens.extend(stop_ids)
+        if mask_rows:
+            meta.min_tokens_rows = tensor_on(mask_rows, torch.int64, step.device)
+            meta.min_tokens_tokens = tensor_on(mask_tokens, torch.int64, step.device)
+            meta.no_min_tokens = False
 
     def is_active(self, meta: SamplingMetadata) -> bool:
         return not meta.no_min_tokens
@@ -150,8 +306,39 @@ class MinTokensStage:
         return logits
 
 
-class PenaltiesStage:
+class PenaltiesStage(SlotRowState):
+    """Presence, frequency (output tokens) and repetition (prompt + output tokens) penalties."""
+
     name = "penalties"
+    draw_fusion = None
+    columns = {"presence": (np.float32, 0.0), "frequency": (np.float32, 0.0), "repetition": (np.float32, 1.0),
+               "penalized": (np.bool_, False), "repeats": (np.bool_, False)}
+
+    def add_row(self, row: AddedRow, update: BatchUpdate) -> None:
+        p, slot, cols = row.params, row.slot, self.rows
+        cols["presence"][slot] = p.presence_penalty
+        cols["frequency"][slot] = p.frequency_penalty
+        cols["repetition"][slot] = p.repetition_penalty
+        cols["repeats"][slot] = p.repetition_penalty != 1.0
+        cols["penalized"][slot] = (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                                   or p.repetition_penalty != 1.0)
+
+    def prepare(self, step: StepRows, meta: SamplingMetadata) -> None:
+        slots, cols = step.slots, self.rows
+        penalized = cols["penalized"][slots]
+        if not penalized.any():
+            return
+        repeats = cols["repeats"][slots]
+        # Rows without penalties contribute empty lists so long unrelated sequences do not widen the pad.
+        meta.output_token_ids = _pad_rows([out if on else [] for out, on in zip(step.outputs, penalized.tolist())],
+                                          step.vocab_size, step.device)
+        if repeats.any():
+            meta.prompt_token_ids = _pad_rows([p if on else [] for p, on in zip(step.prompts, repeats.tolist())],
+                                              step.vocab_size, step.device)
+        meta.presence_penalties = on_device(cols["presence"][slots], step.device)
+        meta.frequency_penalties = on_device(cols["frequency"][slots], step.device)
+        meta.repetition_penalties = on_device(cols["repetition"][slots], step.device)
+        meta.no_penalties = False
 
     def is_active(self, meta: SamplingMetadata) -> bool:
         return not meta.no_penalties
@@ -161,10 +348,17 @@ class PenaltiesStage:
         return logits
 
 
-class GrammarBitmaskStage:
-    """Tokens a row's grammar does not allow next get -inf (structured outputs)."""
+class GrammarBitmaskStage(StatelessStage):
+    """Tokens a row's grammar does not allow next get -inf (structured outputs); the step brings the
+    bitmask. The CPU draw can read the bitmask itself (``draw_fusion``), with no [N, V] fill."""
 
     name = "grammar_bitmask"
+    draw_fusion = "bitmask"
+
+    def prepare(self, step: StepRows, meta: SamplingMetadata) -> None:
+        if step.grammar_rows:
+            meta.grammar_rows = tensor_on(step.grammar_rows, torch.int64, step.device)
+            meta.grammar_bitmask = to_device(step.grammar_bitmask, step.device)
 
     def is_active(self, meta: SamplingMetadata) -> bool:
         return meta.grammar_bitmask is not None
@@ -183,8 +377,12 @@ class GrammarBitmaskStage:
         return logits
 
 
-class TemperatureStage:
+class TemperatureStage(StatelessStage):
+    """Divides random rows' logits by their temperature (``DrawRows`` keeps it: the draw needs it too).
+    The draw can divide in its own pass when this stage comes last (``draw_fusion``)."""
+
     name = "temperature"
+    draw_fusion = "temperature"
 
     def is_active(self, meta: SamplingMetadata) -> bool:
         return not meta.all_greedy
@@ -194,8 +392,33 @@ class TemperatureStage:
         return logits.div_(meta.temperature.unsqueeze(1))
 
 
-class TopKTopPStage:
+class TopKTopPStage(SlotRowState):
+    """Keeps each random row's top-k tokens, then its nucleus (top-p). ``top_k`` 0 = off (also greedy)."""
+
     name = "top_k_top_p"
+    draw_fusion = None
+    columns = {"top_k": (np.int64, 0), "top_p": (np.float32, 1.0)}
+
+    def add_row(self, row: AddedRow, update: BatchUpdate) -> None:
+        p = row.params
+        if p.temperature < SAMPLING_EPS:
+            return  # truncation is irrelevant for argmax: greedy rows keep the neutral values
+        self.rows["top_p"][row.slot] = p.top_p
+        if 0 < p.top_k < update.vocab_size:
+            self.rows["top_k"][row.slot] = p.top_k
+
+    def prepare(self, step: StepRows, meta: SamplingMetadata) -> None:
+        top_k = self.rows["top_k"][step.slots]
+        top_p = self.rows["top_p"][step.slots]
+        limited, nucleus = top_k > 0, top_p < 1.0
+        use_top_k, use_top_p = bool(limited.any()), bool(nucleus.any())
+        if use_top_k:
+            meta.top_k = on_device(np.where(limited, top_k, step.vocab_size), step.device)
+            meta.max_top_k = int(top_k.max())
+        if use_top_p:
+            meta.top_p = on_device(top_p, step.device)
+            meta.top_p_without_top_k = bool((nucleus & ~limited).any())
+        meta.no_top_p_top_k = not (use_top_k or use_top_p)
 
     def is_active(self, meta: SamplingMetadata) -> bool:
         return not meta.no_top_p_top_k
@@ -204,8 +427,22 @@ class TopKTopPStage:
         return apply_top_k_top_p(logits, meta.top_k, meta.top_p, meta.max_top_k, meta.top_p_without_top_k)
 
 
-class MinPStage:
+class MinPStage(SlotRowState):
+    """Masks tokens less likely than min_p times the row's most likely one (random rows; 0.0 = off)."""
+
     name = "min_p"
+    draw_fusion = None
+    columns = {"min_p": (np.float32, 0.0)}
+
+    def add_row(self, row: AddedRow, update: BatchUpdate) -> None:
+        if row.params.temperature >= SAMPLING_EPS:
+            self.rows["min_p"][row.slot] = row.params.min_p
+
+    def prepare(self, step: StepRows, meta: SamplingMetadata) -> None:
+        min_p = self.rows["min_p"][step.slots]
+        if (min_p > 0.0).any():
+            meta.min_p = on_device(min_p, step.device)
+            meta.no_min_p = False
 
     def is_active(self, meta: SamplingMetadata) -> bool:
         return not meta.no_min_p

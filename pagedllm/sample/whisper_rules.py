@@ -23,9 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from pagedllm.host_to_device import tensor_on
+from pagedllm.sample.batch_state import AddedRow, BatchUpdate, SlotRowState, StepRows
 
 
 @dataclass(frozen=True)
@@ -142,10 +144,21 @@ def apply_whisper_rules(logits: torch.Tensor, step: WhisperStepRules) -> torch.T
     return logits
 
 
-class WhisperRulesStage:
-    """The sampler stage (first of all: transformers runs these processors before any other)."""
+class WhisperRulesStage(SlotRowState):
+    """The sampler stage (first of all: transformers runs these processors before any other). It keeps which
+    requests the rules govern (those without ``allowed_token_ids``); the step brings the model's rules."""
 
     name = "whisper_rules"
+    draw_fusion = None
+    columns = {"ruled": (np.bool_, False)}
+
+    def add_row(self, row: AddedRow, update: BatchUpdate) -> None:
+        self.rows["ruled"][row.slot] = row.params.allowed_token_ids is None
+
+    def prepare(self, step: StepRows, meta: Any) -> None:
+        if step.decoding_rules is not None:
+            ruled = np.flatnonzero(self.rows["ruled"][step.slots]).tolist()
+            meta.whisper = step.decoding_rules.step(ruled, step.prompts, step.outputs, step.device)
 
     def is_active(self, meta: Any) -> bool:
         return meta.whisper is not None

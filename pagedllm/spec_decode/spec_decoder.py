@@ -12,7 +12,7 @@ import torch
 
 from pagedllm.host_to_device import index_rows, tensor_on
 from pagedllm.logger import init_logger
-from pagedllm.sample.metadata import build_sampling_metadata
+from pagedllm.sample.batch_state import SamplingBatch
 from pagedllm.sample.rejection_sampler import DraftRun, process_target_logits, rejection_sample
 from pagedllm.sample.sampler import compute_logprobs_for_targets, logprob_dicts
 from pagedllm.sampling_params import SAMPLING_EPS, SamplingParams
@@ -55,22 +55,20 @@ class SpecDecoder:
         self.draft_probs.pop(req_id, None)
 
     # ---- verification ------------------------------------------------------------------------------
-    def verify(self, logits: torch.Tensor, jobs: list[tuple[Any, list[int], int]]
+    def verify(self, logits: torch.Tensor, jobs: list[tuple[Any, list[int], int]], sampling: SamplingBatch
                ) -> tuple[list[list[int]], list[list[dict[int, tuple[float, int]]] | None]]:
         """logits [N, V]: raw target logits; jobs: (runner state, drafts, first row) per request, each
-        owning len(drafts) + 1 consecutive rows. Returns per job its new tokens and, if it asked for
-        logprobs, one {token: (logprob, rank)} per new token (raw logprobs, like the Sampler's)."""
-        params, outputs, prompts, row_ids = [], [], [], []
+        owning len(drafts) + 1 consecutive rows; ``sampling``: the runner's batch, which holds every job's
+        request. Returns per job its new tokens and, if it asked for logprobs, one {token: (logprob, rank)}
+        per new token (raw logprobs, like the Sampler's)."""
+        req_ids, pending, row_ids = [], [], []
         for state, drafts, first_row in jobs:
             for i in range(len(drafts) + 1):
-                params.append(state.params)
-                # Row i sees the drafts before it as output tokens (penalties, min_tokens).
-                outputs.append(state.output_token_ids + drafts[:i])
-                prompts.append(state.prompt_token_ids)
+                req_ids.append(state.req_id)
+                pending.append(drafts[:i])  # row i sees the drafts before it as output tokens
                 row_ids.append(first_row + i)
         rows = index_rows(logits, row_ids)  # the identity in the runner: a view
-        meta = build_sampling_metadata(params, outputs, prompts, [None] * len(params), self.eos_token_ids,
-                                       self.vocab_size, self.device)
+        meta = sampling.metadata(req_ids, pending=pending)
         processed = process_target_logits(rows, meta)
         runs, first = [], 0
         for state, drafts, _ in jobs:

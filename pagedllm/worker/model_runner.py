@@ -22,7 +22,7 @@ from pagedllm.attention.spec import common_sliding_window, kv_cache_groups
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.host_to_device import index_rows, tensor_on, to_device
 from pagedllm.platforms import platform_for
-from pagedllm.sample.metadata import build_sampling_metadata
+from pagedllm.sample.batch_state import SamplingBatch
 from pagedllm.sample.sampler import Sampler, compute_logprobs_for_targets, logprob_dicts
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.manager import resolve_bitmask
@@ -93,7 +93,9 @@ class ModelRunner:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
-        self.sampler = Sampler()
+        # The requests' sampling state, kept across steps; the sampler applies the same stage objects.
+        self.sampling = SamplingBatch(vocab_size, eos_token_ids, device)
+        self.sampler = Sampler(self.sampling.stages)
         self.requests: dict[str, CachedRequestState] = {}
         # Generators outlive preemption so a seeded request resumes its random stream where it was.
         self.generators: dict[str, torch.Generator] = {}
@@ -188,17 +190,22 @@ class ModelRunner:
                 self.spec_decoder.forget(req_id)
         for req_id in sched.preempted_req_ids:
             self.requests.pop(req_id, None)
+        added = []
         for new in sched.scheduled_new_reqs:
             gen = self.generators.get(new.req_id)
             if gen is None and new.sampling_params.seed is not None:
                 gen = torch.Generator(device=self.device).manual_seed(new.sampling_params.seed)
                 self.generators[new.req_id] = gen
-            self.requests[new.req_id] = CachedRequestState(
+            state = self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id, prompt_token_ids=new.prompt_token_ids,
                 token_ids=list(new.prompt_token_ids) + list(new.output_token_ids), params=new.sampling_params,
                 block_ids=tuple(list(ids) for ids in new.block_ids), num_computed_tokens=new.num_computed_tokens,
                 generator=gen,
                 output_token_ids=list(new.output_token_ids), pooling_params=new.pooling_params)
+            if self.pooling is None:
+                added.append((new.req_id, state.params, state.prompt_token_ids, state.output_token_ids, gen))
+        if self.pooling is None:
+            self.sampling.update(removed=[*sched.finished_req_ids, *sched.preempted_req_ids], added=added)
         for cached in sched.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             for table, new_ids in zip(state.block_ids, cached.new_block_ids):
@@ -275,7 +282,7 @@ class ModelRunner:
     def _verify(self, hidden: torch.Tensor, rows: list[int], jobs: list, result: ModelRunnerOutput) -> None:
         """Check drafts against the target (spec_decode/); keep the accepted ones, roll back the rest."""
         logits = self.model.compute_logits(hidden[rows], out=self._logits_out(len(rows)))
-        tokens, logprobs = self.spec_decoder.verify(logits, jobs)
+        tokens, logprobs = self.spec_decoder.verify(logits, jobs, self.sampling)
         for (state, drafts, _), new, entries in zip(jobs, tokens, logprobs):
             state.token_ids.extend(new)
             state.output_token_ids.extend(new)
@@ -289,11 +296,8 @@ class ModelRunner:
         # Valid until the next compute_logits call: the sampler reads it and keeps nothing of it.
         logits = self.model.compute_logits(index_rows(hidden, sample_rows), out=self._logits_out(len(sample_rows)))
         grammar_rows, grammar_bitmask = _grammar_rows(sched, sample_states)
-        sampling_meta = build_sampling_metadata(
-            [s.params for s in sample_states], [s.output_token_ids for s in sample_states],
-            [s.prompt_token_ids for s in sample_states], [s.generator for s in sample_states],
-            self.eos_token_ids, self.vocab_size, self.device, grammar_rows, grammar_bitmask,
-            decoding_rules=self.decoding_rules)
+        sampling_meta = self.sampling.metadata([s.req_id for s in sample_states], grammar_rows=grammar_rows,
+                                               grammar_bitmask=grammar_bitmask, decoding_rules=self.decoding_rules)
         out = self.sampler(logits, sampling_meta)
         if overlap is not None:
             overlap()
