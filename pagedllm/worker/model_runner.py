@@ -17,7 +17,7 @@ from torch import nn
 
 from pagedllm.attention.forward_context import forward_context
 from pagedllm.attention.layer import attention_layers, bind_kv_caches
-from pagedllm.attention.metadata import AttentionMetadata, build_attention_metadata, token_positions
+from pagedllm.attention.metadata import AttentionMetadata, build_attention_metadata, link_groups, token_positions
 from pagedllm.attention.spec import common_sliding_window, kv_cache_groups
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.host_to_device import index_rows, tensor_on, to_device
@@ -323,9 +323,7 @@ class ModelRunner:
             for i, state in enumerate(states):
                 tables[i, :len(state.block_ids[group])] = state.block_ids[group]
             metas.append(build_attention_metadata(query_lens, seq_lens, tables, self.block_size, self.device))
-        meta = metas[0]
-        if len(metas) > 1:
-            meta.group_metadata = metas  # each layer picks its group's (attention/forward_context.py)
+        meta = link_groups(metas)  # each layer picks its group's (attention/forward_context.py)
         ids: list[int] = []
         for state, q in zip(states, query_lens):
             start = state.num_computed_tokens
