@@ -132,6 +132,12 @@ class AttentionMetadata:
             block_tables=to_device(torch.from_numpy(tables), device), num_decodes=decoder_meta.num_decodes,
             query_start_loc_cpu=decoder_meta.query_start_loc_cpu, seq_lens_cpu=seq_lens, block_size=block_size)
 
+    def for_group(self, group: int) -> AttentionMetadata:
+        """KV cache group ``group``'s metadata of this step (this is group 0's; one group: itself)."""
+        if group and self.group_metadata is not None:
+            return self.group_metadata[group]
+        return self
+
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens_cpu)

@@ -64,6 +64,7 @@ class PoolingRunner:
             meta, input_ids, positions = encoder_inputs(states, query_lens, runner.device)
         else:
             meta, input_ids, positions = runner._prepare_inputs(states, query_lens)
+        runner.prepare_attention(meta)
         with forward_context(meta):
             hidden = runner.model(input_ids, positions)
 
