@@ -28,9 +28,7 @@ def get_attn_metadata(group: int = 0) -> AttentionMetadata:
     """This step's metadata for KV cache group ``group`` (group 0's carries the others, if any)."""
     if _current is None:
         raise RuntimeError("attention called outside forward_context(); the model runner sets it per step")
-    if group and _current.group_metadata is not None:
-        return _current.group_metadata[group]
-    return _current
+    return _current.for_group(group)
 
 
 def current_attn_metadata() -> AttentionMetadata | None:

@@ -10,6 +10,7 @@ from torch import nn
 from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.attention.backends.selector import DeviceAttentionBackend
 from pagedllm.attention.forward_context import get_attn_metadata
+from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.spec import AttentionSpec
 from pagedllm.model_executor.layers.direct_call import DirectCall
 
@@ -74,3 +75,25 @@ def bind_kv_caches(model: nn.Module, kv_caches: list[torch.Tensor], groups: list
     for i, layer in enumerate(layers):
         layer.kv_cache = kv_caches[layer.layer_idx]
         layer.kv_group = groups[i] if groups is not None else 0
+
+
+#: Who reads a step's metadata: (KV cache group, backend, the specs of that backend's layers there).
+StepReaders = list[tuple[int, AttentionBackend, frozenset[AttentionSpec]]]
+
+
+def step_readers(model: nn.Module) -> StepReaders:
+    """The layers of ``model`` that read the metadata of a model runner's step: its cached layers by KV cache
+    group, and the encoder layers of an encoder-only model (an encoder-decoder model's encoder reads metadata of
+    its own, built in its forward)."""
+    layers = attention_layers(model)
+    cached = [m for m in layers if m.spec.uses_kv_cache]
+    readers: dict[tuple[int, AttentionBackend], set[AttentionSpec]] = {}
+    for layer in cached or layers:
+        readers.setdefault((layer.kv_group, layer.backend), set()).add(layer.spec)
+    return [(group, backend, frozenset(specs)) for (group, backend), specs in readers.items()]
+
+
+def prepare_step_states(meta: AttentionMetadata, readers: StepReaders) -> None:
+    """Each backend's per-step state, built once before the forward (``AttentionBackend.prepare_step``)."""
+    for group, backend, specs in readers:
+        backend.prepare_step(meta.for_group(group), specs)

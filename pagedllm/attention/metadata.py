@@ -47,6 +47,97 @@ class AttentionMetadata:
     backend_state: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
     _max_query_len: int | None = field(default=None, init=False, repr=False)
 
+    @classmethod
+    def for_step(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]] | np.ndarray,
+                 block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
+        """A step's metadata from its lengths and block tables (model runner, profiling step, draft model, tests).
+
+        Requests must come decodes first. ``query_lens[i]`` new tokens of request i end at position
+        ``seq_lens[i] - 1``; ``block_tables``: per request its physical block ids (ragged lists, or an
+        [R, max_blocks] int32 array already 0-padded).
+        """
+        num_reqs = len(query_lens)
+        num_decodes = 0
+        while num_decodes < num_reqs and query_lens[num_decodes] == 1:
+            num_decodes += 1
+        if any(q == 1 for q in query_lens[num_decodes:]):
+            raise ValueError("attention metadata: requests must be ordered decodes (one query token) first")
+        if isinstance(block_tables, np.ndarray):
+            tables = block_tables.astype(np.int32, copy=False)
+        else:
+            tables = _padded_tables(block_tables, min_width=1)
+        qsl = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=qsl[1:])
+        row_of_token = np.repeat(np.arange(num_reqs), query_lens)
+        positions = token_positions(query_lens, seq_lens)
+        # Tokens past a request's table get slot -1 (encoder layers keep no cache and pass empty tables).
+        block_idx = positions // block_size
+        in_table = block_idx < tables.shape[1]
+        slot_mapping = np.where(in_table, tables[row_of_token, np.minimum(block_idx, tables.shape[1] - 1)]
+                                .astype(np.int64) * block_size + positions % block_size, -1)
+        qsl_list = qsl.tolist()
+        seq_list = [int(s) for s in seq_lens]
+        return _assemble(
+            # Queued without a stream sync on CUDA (host_to_device.py).
+            slot_mapping=to_device(torch.from_numpy(slot_mapping), device),
+            query_start_loc=tensor_on(qsl_list, torch.int32, device),
+            seq_lens=tensor_on(seq_list, torch.int32, device),
+            block_tables=to_device(torch.from_numpy(np.ascontiguousarray(tables)), device),
+            num_decodes=num_decodes, query_start_loc_cpu=qsl_list, seq_lens_cpu=seq_list, block_size=block_size)
+
+    @classmethod
+    def over_buffers(cls, size: int, slot_mappings: list[torch.Tensor], block_tables: list[torch.Tensor],
+                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> AttentionMetadata:
+        """A decode-only step of ``size`` requests as views over persistent buffers (what a captured decode
+        graph reads), one metadata per KV cache group: group g's over ``slot_mappings[g]`` ([N] int64) and
+        ``block_tables[g]`` ([N, max_blocks] int32), all over ``query_start_loc`` ([N + 1] int32) and
+        ``seq_lens`` ([N] int32), N >= ``size``. Returns group 0's, carrying the others when there are several.
+
+        The host lists describe the shapes, not the lengths: graph-safe backends read the device tensors only.
+        ``max_decode_seq_len`` (the table's whole width) bounds a gather nobody does under a graph.
+        """
+        metas = [_assemble(slot_mapping=slots[:size], query_start_loc=query_start_loc[:size + 1],
+                           seq_lens=seq_lens[:size], block_tables=tables[:size], num_decodes=size,
+                           query_start_loc_cpu=list(range(size + 1)), seq_lens_cpu=[1] * size,
+                           max_decode_seq_len=tables.shape[1] * block_size, block_size=block_size)
+                 for slots, tables in zip(slot_mappings, block_tables, strict=True)]
+        return link_groups(metas)
+
+    @classmethod
+    def encoder_only(cls, query_lens: list[int], device: torch.device | str) -> AttentionMetadata:
+        """An encoder step of whole sequences of ``query_lens`` tokens: their offsets and lengths only (no KV
+        cache: empty slot mapping, [R, 0] block tables, block size 0; no request counts as a decode)."""
+        qsl = [0]
+        for q in query_lens:
+            qsl.append(qsl[-1] + q)
+        return _assemble(
+            slot_mapping=torch.zeros(0, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(query_lens, dtype=torch.int32, device=device),
+            block_tables=torch.zeros((len(query_lens), 0), dtype=torch.int32, device=device),
+            num_decodes=0, query_start_loc_cpu=qsl, seq_lens_cpu=list(query_lens), block_size=0)
+
+    @classmethod
+    def cross_attention(cls, decoder_meta: AttentionMetadata, block_tables: list[list[int]], encoder_len: int,
+                        block_size: int, device: torch.device | str) -> AttentionMetadata:
+        """The cross-attention KV cache group's metadata for a step whose decoder metadata is ``decoder_meta``:
+        the decoder's query layout, the requests' cross-attention ``block_tables`` (same order) and
+        ``seq_len`` = ``encoder_len`` for each. Nothing is written through it (its slot_mapping is the
+        decoder's, unused)."""
+        seq_lens = [encoder_len] * len(block_tables)
+        tables = _padded_tables(block_tables, min_width=0)
+        return _assemble(
+            slot_mapping=decoder_meta.slot_mapping, query_start_loc=decoder_meta.query_start_loc,
+            seq_lens=tensor_on(seq_lens, torch.int32, device),
+            block_tables=to_device(torch.from_numpy(tables), device), num_decodes=decoder_meta.num_decodes,
+            query_start_loc_cpu=decoder_meta.query_start_loc_cpu, seq_lens_cpu=seq_lens, block_size=block_size)
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """KV cache group ``group``'s metadata of this step (this is group 0's; one group: itself)."""
+        if group and self.group_metadata is not None:
+            return self.group_metadata[group]
+        return self
+
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens_cpu)
@@ -74,48 +165,37 @@ def token_positions(query_lens: list[int], seq_lens: list[int]) -> np.ndarray:
     return np.arange(int(qsl[-1]), dtype=np.int64) - qsl[row_of_token] + starts[row_of_token]
 
 
-def build_attention_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]] | np.ndarray,
-                             block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
-    """The one metadata builder (model runner and tests alike).
+def link_groups(metas: list[AttentionMetadata]) -> AttentionMetadata:
+    """Group 0's metadata of a step with one metadata per KV cache group, carrying every group's when there
+    are several (each layer then reads its group's: ``forward_context.get_attn_metadata``)."""
+    if len(metas) > 1:
+        metas[0].group_metadata = metas
+    return metas[0]
 
-    Requests must come decodes first. ``query_lens[i]`` new tokens of request i end at position
-    ``seq_lens[i] - 1``; ``block_tables``: per request its physical block ids (ragged lists, or an
-    [R, max_blocks] int32 array already 0-padded).
-    """
-    num_reqs = len(query_lens)
-    num_decodes = 0
-    while num_decodes < num_reqs and query_lens[num_decodes] == 1:
-        num_decodes += 1
-    if any(q == 1 for q in query_lens[num_decodes:]):
-        raise ValueError("attention metadata: requests must be ordered decodes (one query token) first")
-    if isinstance(block_tables, np.ndarray):
-        tables = block_tables.astype(np.int32, copy=False)
-    else:
-        width = max((len(t) for t in block_tables), default=1) or 1
-        tables = np.zeros((num_reqs, width), dtype=np.int32)
-        for i, table in enumerate(block_tables):
-            tables[i, :len(table)] = table
-    qsl = np.zeros(num_reqs + 1, dtype=np.int64)
-    np.cumsum(query_lens, out=qsl[1:])
-    row_of_token = np.repeat(np.arange(num_reqs), query_lens)
-    positions = token_positions(query_lens, seq_lens)
-    # Tokens past a request's table get slot -1 (encoder layers keep no cache and pass empty tables).
-    block_idx = positions // block_size
-    in_table = block_idx < tables.shape[1]
-    slot_mapping = np.where(in_table, tables[row_of_token, np.minimum(block_idx, tables.shape[1] - 1)].astype(np.int64)
-                            * block_size + positions % block_size, -1)
-    qsl_list = qsl.tolist()
-    seq_list = [int(s) for s in seq_lens]
+
+#: The public name of ``AttentionMetadata.for_step``: the one builder of a step's metadata from lengths and tables.
+build_attention_metadata = AttentionMetadata.for_step
+
+
+def _padded_tables(block_tables: list[list[int]], min_width: int) -> np.ndarray:
+    """Ragged per-request block ids -> [R, max(longest, min_width)] int32, 0-padded (block 0 is the null block)."""
+    width = max((len(t) for t in block_tables), default=min_width) or min_width
+    tables = np.zeros((len(block_tables), width), dtype=np.int32)
+    for i, table in enumerate(block_tables):
+        tables[i, :len(table)] = table
+    return tables
+
+
+def _assemble(*, slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+              block_tables: torch.Tensor, num_decodes: int, query_start_loc_cpu: list[int], seq_lens_cpu: list[int],
+              block_size: int, max_decode_seq_len: int | None = None) -> AttentionMetadata:
+    """The one construction of ``AttentionMetadata`` (``tests/attention/test_metadata_constructors.py`` holds
+    the count at one): every constructor above ends here. ``num_actual_tokens`` is the host offsets' last;
+    ``max_decode_seq_len`` by default the longest ``seq_len`` among the decodes."""
+    if max_decode_seq_len is None:
+        max_decode_seq_len = max(seq_lens_cpu[:num_decodes], default=0)
     return AttentionMetadata(
-        num_actual_tokens=qsl_list[-1],
-        # Queued without a stream sync on CUDA (host_to_device.py).
-        slot_mapping=to_device(torch.from_numpy(slot_mapping), device),
-        query_start_loc=tensor_on(qsl_list, torch.int32, device),
-        seq_lens=tensor_on(seq_list, torch.int32, device),
-        block_tables=to_device(torch.from_numpy(np.ascontiguousarray(tables)), device),
-        num_decodes=num_decodes,
-        query_start_loc_cpu=qsl_list,
-        seq_lens_cpu=seq_list,
-        max_decode_seq_len=max(seq_list[:num_decodes], default=0),
-        block_size=block_size,
-    )
+        num_actual_tokens=query_start_loc_cpu[-1], slot_mapping=slot_mapping, query_start_loc=query_start_loc,
+        seq_lens=seq_lens, block_tables=block_tables, num_decodes=num_decodes,
+        query_start_loc_cpu=query_start_loc_cpu, seq_lens_cpu=seq_lens_cpu, max_decode_seq_len=max_decode_seq_len,
+        block_size=block_size)

@@ -51,7 +51,8 @@ class KVCacheManager:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
-    # Group 0's state, under the names callers used before there were groups.
+    # Group 0's state, under the names callers used before there were groups (tests read them; the product
+    # code reads ``groups[0]``).
     @property
     def pool(self) -> BlockPool:
         return self.groups[0].pool
@@ -66,7 +67,7 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        return self.pool.usage
+        return self.groups[0].pool.usage
 
     @property
     def num_usable_blocks(self) -> int:
@@ -179,12 +180,13 @@ class KVCacheManager:
 
     def take_events(self) -> list[KVEvent]:
         """Group 0's KV cache events since the last call, oldest first; [] unless events are enabled."""
-        return self.pool.take_events()
+        return self.groups[0].pool.take_events()
 
     def snapshot(self) -> KVCacheSnapshot:
         """Every block's state and owning request in group 0, for the playground's cache map. O(num_blocks)."""
-        tables = {rid: [b.block_id for b in blocks] for rid, blocks in self.req_to_blocks.items()}
-        return build_snapshot(self.pool.block_states(), self.block_size, tables)
+        group = self.groups[0]
+        tables = {rid: [b.block_id for b in blocks] for rid, blocks in group.req_to_blocks.items()}
+        return build_snapshot(group.pool.block_states(), self.block_size, tables)
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         # A sliding group is sized to hold any request group 0 admits (worker/kv_cache_groups.py).

@@ -94,18 +94,8 @@ class DecodeGraphRunner:
 
     def _metadata(self, size: int) -> AttentionMetadata:
         """Metadata over the first ``size`` rows of the buffers (what the graph of that size reads)."""
-        metas = [AttentionMetadata(
-            num_actual_tokens=size, slot_mapping=slots[:size],
-            query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
-            block_tables=tables[:size], num_decodes=size,
-            query_start_loc_cpu=list(range(size + 1)), seq_lens_cpu=[1] * size,
-            # The host copies above describe the shapes, not the lengths: graph-safe backends read the
-            # device tensors only. max_decode_seq_len bounds a gather nobody does under a graph.
-            max_decode_seq_len=tables.shape[1] * self.block_size, block_size=self.block_size)
-            for slots, tables in zip(self.group_slot_mappings, self.group_block_tables, strict=True)]
-        if len(metas) > 1:
-            metas[0].group_metadata = metas
-        return metas[0]
+        return AttentionMetadata.over_buffers(size, self.group_slot_mappings, self.group_block_tables,
+                                              self.query_start_loc, self.seq_lens, self.block_size)
 
     def _load(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, size: int) -> None:
         """Copy a step's inputs into the buffers; rows n..size-1 become dummy one-token requests."""

@@ -19,7 +19,7 @@ from torch import nn
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.core.sched_output import SchedulerOutput
-from pagedllm.host_to_device import tensor_on, to_device
+from pagedllm.host_to_device import to_device
 from pagedllm.logger import init_logger
 from pagedllm.utils import cdiv
 
@@ -68,17 +68,8 @@ class EncoderDecoderRunner:
         """The cross-attention group's metadata for a step whose decoder metadata is ``decoder_meta``; the
         requests' cross-attention block tables in the same order. Nothing is written through it (its
         slot_mapping is the decoder's, unused)."""
-        width = max(len(t) for t in block_tables)
-        tables = np.zeros((len(block_tables), width), dtype=np.int32)
-        for i, table in enumerate(block_tables):
-            tables[i, :len(table)] = table
-        seq_lens = [self.positions] * len(block_tables)
-        return AttentionMetadata(
-            num_actual_tokens=decoder_meta.num_actual_tokens, slot_mapping=decoder_meta.slot_mapping,
-            query_start_loc=decoder_meta.query_start_loc, seq_lens=tensor_on(seq_lens, torch.int32, self.device),
-            block_tables=to_device(torch.from_numpy(tables), self.device), num_decodes=decoder_meta.num_decodes,
-            query_start_loc_cpu=decoder_meta.query_start_loc_cpu, seq_lens_cpu=seq_lens,
-            max_decode_seq_len=self.positions if decoder_meta.num_decodes else 0, block_size=self.block_size)
+        return AttentionMetadata.cross_attention(decoder_meta, block_tables, self.positions, self.block_size,
+                                                 self.device)
 
 
 def attach_encoder_decoder(runner: Any, positions: int) -> EncoderDecoderRunner:

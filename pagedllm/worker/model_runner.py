@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from pagedllm.attention.forward_context import forward_context
-from pagedllm.attention.layer import attention_layers, bind_kv_caches
-from pagedllm.attention.metadata import AttentionMetadata, build_attention_metadata, token_positions
+from pagedllm.attention.layer import StepReaders, attention_layers, bind_kv_caches, prepare_step_states, step_readers
+from pagedllm.attention.metadata import AttentionMetadata, build_attention_metadata, link_groups, token_positions
 from pagedllm.attention.spec import common_sliding_window, kv_cache_groups
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.host_to_device import index_rows, tensor_on, to_device
@@ -113,6 +113,9 @@ class ModelRunner:
         self.encoder_decoder: Any = None
         # Model-level decoding rules applied to every sampled row (Whisper's, sample/whisper_rules.py), or None.
         self.decoding_rules: Any = None
+        # The layers that read a step's metadata, by group and backend (step_readers); found at the first step
+        # after the KV caches are bound (which sets each layer's group).
+        self._step_readers: StepReaders | None = None
 
     # ---- KV cache ----------------------------------------------------------------------------------
     def kv_cache_spec(self) -> tuple[int, int, int]:
@@ -152,6 +155,7 @@ class ModelRunner:
         self.kv_caches = [_zeros((2, group_blocks[g], self.block_size, num_kv_heads, head_size), self.dtype,
                                  self.device) for g in groups]
         bind_kv_caches(self.model, self.kv_caches, groups)
+        self._step_readers = None  # the layers' groups may have changed
         if self.draft_model is not None:
             num_layers, num_kv_heads, head_size = _kv_spec(self.draft_model)
             shape = (2, num_blocks, self.block_size, num_kv_heads, head_size)
@@ -236,6 +240,7 @@ class ModelRunner:
         if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
             hidden = self.decode_graphs.run(input_ids, positions, meta)  # a CUDA or CPU step graph replayed
         else:
+            self.prepare_attention(meta)
             with forward_context(meta):
                 hidden = self.model(input_ids, positions)
 
@@ -313,6 +318,12 @@ class ModelRunner:
             if entries is not None and state.params.logprobs is not None:
                 result.logprobs[state.req_id] = [entries[row]]
 
+    def prepare_attention(self, meta: AttentionMetadata) -> None:
+        """The attention backends' per-step state for an eagerly run step (built once, not by the first layer)."""
+        if self._step_readers is None:
+            self._step_readers = step_readers(self.model)
+        prepare_step_states(meta, self._step_readers)
+
     def _prepare_inputs(self, states: list[CachedRequestState], query_lens: list[int],
                         spec: dict[str, list[int]] | None = None
                         ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
@@ -327,9 +338,7 @@ class ModelRunner:
             for i, state in enumerate(states):
                 tables[i, :len(state.block_ids[group])] = state.block_ids[group]
             metas.append(build_attention_metadata(query_lens, seq_lens, tables, self.block_size, self.device))
-        meta = metas[0]
-        if len(metas) > 1:
-            meta.group_metadata = metas  # each layer picks its group's (attention/forward_context.py)
+        meta = link_groups(metas)  # each layer picks its group's (attention/forward_context.py)
         ids: list[int] = []
         for state, q in zip(states, query_lens):
             start = state.num_computed_tokens

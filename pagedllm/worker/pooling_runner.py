@@ -39,20 +39,11 @@ def log_pooling_setup(mc: Any) -> None:
 def encoder_inputs(states: list[CachedRequestState], query_lens: list[int], device: torch.device
                    ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
     """Flat ids and per-sequence positions of whole prompts, and metadata holding only their offsets."""
-    qsl = [0]
     ids: list[int] = []
     for state, q in zip(states, query_lens):
-        qsl.append(qsl[-1] + q)
         ids.extend(state.token_ids[:q])
     positions = torch.cat([torch.arange(q) for q in query_lens])
-    empty = torch.zeros(0, dtype=torch.int64, device=device)
-    meta = AttentionMetadata(
-        num_actual_tokens=qsl[-1], slot_mapping=empty,
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(query_lens, dtype=torch.int32, device=device),
-        block_tables=torch.zeros((len(states), 0), dtype=torch.int32, device=device),
-        num_decodes=0, query_start_loc_cpu=qsl, seq_lens_cpu=list(query_lens), max_decode_seq_len=0,
-        block_size=0)
+    meta = AttentionMetadata.encoder_only(query_lens, device)
     return meta, torch.tensor(ids, dtype=torch.long, device=device), positions.to(device)
 
 
@@ -73,6 +64,7 @@ class PoolingRunner:
             meta, input_ids, positions = encoder_inputs(states, query_lens, runner.device)
         else:
             meta, input_ids, positions = runner._prepare_inputs(states, query_lens)
+        runner.prepare_attention(meta)
         with forward_context(meta):
             hidden = runner.model(input_ids, positions)
 

@@ -280,7 +280,7 @@ def _capture_cpu_graphs(self: Worker) -> None:
     why = None
     if self.config.parallel.tensor_parallel_size > 1:
         why = "tensor parallelism (the all-reduces are torch.distributed calls)"
-    elif self.attention_backend.name != "cpu":
+    elif not getattr(self.attention_backend, "records_step_graphs", False):
         why = f"attention backend {self.attention_backend.name!r} (only the C++ kernels record)"
     elif any(m.spec.kind != "causal" for m in attention_layers(self.runner.model)):
         why = "layers that are not plain causal attention (the sliding window's path is torch ops)"

@@ -16,6 +16,7 @@ from pagedllm.kernels.cpu import load_cpu_kernels
 
 class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
     name = "cpu"
+    records_step_graphs = True
 
     def __init__(self) -> None:
         kernels = load_cpu_kernels()
@@ -24,5 +25,5 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
                              "loaded here (see the warning above); use 'torch'")
         self.kernels = kernels
 
-    def _kernels(self, query: torch.Tensor) -> Any | None:
+    def _kernels(self, tensor: torch.Tensor) -> Any | None:
         return self.kernels

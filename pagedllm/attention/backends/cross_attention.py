@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention.backends.torch_state import torch_state
 from pagedllm.attention.metadata import AttentionMetadata
 
 
@@ -27,10 +28,11 @@ def _gather(cache: torch.Tensor, table: torch.Tensor, num_tokens: int) -> torch.
     return gathered.view(r, nblocks * block_size, hkv, d)[:, :num_tokens].transpose(1, 2)
 
 
-def _per_token_layout(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def cross_layout(meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
     """(query_start [T + 1], seq_lens [T], block_tables [T, nb], rows [T]) int32: one kernel request per query
-    token (memoized on the metadata: every cross-attention layer of the step asks)."""
-    layout = meta.backend_state.get("cross_layout")
+    token (built once per step, in the backends' state: every cross-attention layer of the step asks)."""
+    state = torch_state(meta)
+    layout = state.cross_layout
     if layout is None:
         device = meta.block_tables.device
         num_tokens = meta.num_actual_tokens
@@ -44,7 +46,7 @@ def _per_token_layout(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tens
             seq = torch.full((num_tokens,), meta.seq_lens_cpu[0], dtype=torch.int32, device=device)
             starts = torch.arange(num_tokens + 1, dtype=torch.int32, device=device)
             layout = (starts, seq, meta.block_tables.index_select(0, row_of_token).contiguous(), rows)
-        meta.backend_state["cross_layout"] = layout
+        state.cross_layout = layout
     return layout
 
 
@@ -55,7 +57,7 @@ def cross_attention(query: torch.Tensor, kv_cache: torch.Tensor | None, meta: At
     if kv_cache is None:
         raise RuntimeError("a cross-attention layer has no KV cache bound (the cross-attention group's)")
     if kernels is not None and kv_cache.dtype in (torch.float32, torch.bfloat16):
-        starts, seq, tables, rows = _per_token_layout(meta)
+        starts, seq, tables, rows = cross_layout(meta)
         q32 = query.float().contiguous()
         out32 = torch.empty_like(q32)
         kernels.paged_attention(q32, kv_cache[0], kv_cache[1], tables, seq, starts, out32, scale, rows)

@@ -4,6 +4,8 @@ from the engine's platform and ``--attention-backend`` (``Worker``)."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from pagedllm.attention.backends.base import AttentionBackend
@@ -20,6 +22,9 @@ class DeviceAttentionBackend(AttentionBackend):
 
     def takes_kv_from_rotary(self, qkv: torch.Tensor) -> bool:
         return platform_of(qkv).attention_backend().takes_kv_from_rotary(qkv)
+
+    def prepare_step(self, meta: AttentionMetadata, specs: Collection[AttentionSpec]) -> None:
+        platform_of(meta.seq_lens).attention_backend().prepare_step(meta, specs)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor | None,
                 meta: AttentionMetadata, spec: AttentionSpec, scale: float) -> torch.Tensor:

@@ -6,8 +6,8 @@ Sequences are bucketed by length (multiples of ``BUCKET_STEP`` up to ``MIN_POW2_
 above), each bucket is gathered into a padded [n, H, L, D] block and run through one SDPA call with a
 key-padding mask. A step of many short sentences thus costs a handful of SDPA calls per layer (not one
 per sentence), padding wastes little, and no token attends to padding or to another sequence. The plan
-depends only on the step's sequence lengths, so it is built once per step (memoized on the metadata) and
-shared by all layers.
+depends only on the step's sequence lengths, so it is built once per step (in the backends' state,
+``torch_state``) and shared by all layers.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention.backends.torch_state import torch_state
 from pagedllm.attention.metadata import AttentionMetadata
 
 ENCODER_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -84,13 +85,12 @@ def _check_whole_sequences(meta: AttentionMetadata) -> None:
 
 
 def encoder_plan(meta: AttentionMetadata) -> EncoderAttentionPlan:
-    """The step's plan, built by the first encoder layer that asks and reused by the others."""
-    plan = meta.backend_state.get("encoder_plan")
-    if plan is None:
+    """The step's plan, built once per step (``prepare_encoder_state``, else the first encoder layer that asks)."""
+    state = torch_state(meta)
+    if state.encoder_plan is None:
         _check_whole_sequences(meta)
-        plan = plan_encoder_attention(meta.query_start_loc_cpu, meta.query_start_loc.device)
-        meta.backend_state["encoder_plan"] = plan
-    return plan
+        state.encoder_plan = plan_encoder_attention(meta.query_start_loc_cpu, meta.query_start_loc.device)
+    return state.encoder_plan
 
 
 def bucketed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: EncoderAttentionPlan,
@@ -121,16 +121,29 @@ def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     tokens each (sequence, head) is attended in place, with no gather, padding or mask
     (``kernels/csrc/encoder_attention.cpp``); otherwise the length buckets above.
     """
-    if kernels is not None and query.dtype in ENCODER_KERNEL_DTYPES and meta.max_query_len <= ENCODER_KERNEL_MAX_LEN:
+    if query.dtype in ENCODER_KERNEL_DTYPES and _kernel_takes_step(meta, kernels):
         return kernels.encoder_attention(query, key, value, _query_start_cpu(meta), scale)
     return bucketed_attention(query, key, value, encoder_plan(meta), scale).view(query.shape)
 
 
 def _query_start_cpu(meta: AttentionMetadata) -> torch.Tensor:
-    """The step's sequence offsets as an int32 host tensor (memoized: every layer asks)."""
-    qs = meta.backend_state.get("encoder_query_start")
-    if qs is None:
+    """The step's sequence offsets as an int32 host tensor (built once per step: every layer asks)."""
+    state = torch_state(meta)
+    if state.encoder_query_start is None:
         _check_whole_sequences(meta)
-        qs = torch.tensor(meta.query_start_loc_cpu, dtype=torch.int32)
-        meta.backend_state["encoder_query_start"] = qs
-    return qs
+        state.encoder_query_start = torch.tensor(meta.query_start_loc_cpu, dtype=torch.int32)
+    return state.encoder_query_start
+
+
+def _kernel_takes_step(meta: AttentionMetadata, kernels: Any | None) -> bool:
+    """Whether the C++ encoder kernel attends this step (for a query in one of ``ENCODER_KERNEL_DTYPES``)."""
+    return kernels is not None and meta.max_query_len <= ENCODER_KERNEL_MAX_LEN
+
+
+def prepare_encoder_state(meta: AttentionMetadata, kernels: Any | None) -> None:
+    """Before the forward: what ``encoder_attention`` will ask for on this step, the kernel's offsets or the
+    buckets (a layer whose dtype the kernel does not serve builds the buckets itself)."""
+    if _kernel_takes_step(meta, kernels):
+        _query_start_cpu(meta)
+    else:
+        encoder_plan(meta)

@@ -8,6 +8,7 @@ by the layer's spec.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,8 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.backends.base import AttentionBackend
-from pagedllm.attention.backends.cross_attention import cross_attention
-from pagedllm.attention.backends.torch_encoder import encoder_attention
+from pagedllm.attention.backends.cross_attention import cross_attention, cross_layout
+from pagedllm.attention.backends.torch_encoder import encoder_attention, prepare_encoder_state
+from pagedllm.attention.backends.torch_state import TORCH_STATE_KEY, TorchStepState, torch_state
 from pagedllm.attention.backends.torch_windowed import sliding_window_attention
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.spec import AttentionSpec
@@ -56,9 +58,9 @@ class AttentionPlan:
 
 
 def step_plan(meta: AttentionMetadata) -> AttentionPlan:
-    """The step's plan (memoized in ``meta.backend_state``: every layer asks the same)."""
-    plan = meta.backend_state.get("paged_plan")
-    if plan is None:
+    """The step's plan (built once per step: by ``build_state``, else by the first layer that asks)."""
+    state = torch_state(meta)
+    if state.paged_plan is None:
         qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         fresh: dict[int, list[int]] = {}
         other: list[int] = []
@@ -68,9 +70,9 @@ def step_plan(meta: AttentionMetadata) -> AttentionPlan:
                 fresh.setdefault(q_len, []).append(i)
             else:
                 other.append(i)
-        plan = AttentionPlan(fresh, other, torch.tensor(other, dtype=torch.int32, device=meta.seq_lens.device))
-        meta.backend_state["paged_plan"] = plan
-    return plan
+        state.paged_plan = AttentionPlan(fresh, other, torch.tensor(other, dtype=torch.int32,
+                                                                    device=meta.seq_lens.device))
+    return state.paged_plan
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -203,10 +205,23 @@ class TorchPagedAttentionBackend(AttentionBackend):
     """
 
     name = "torch"
+    state_key = TORCH_STATE_KEY
 
-    def _kernels(self, query: torch.Tensor) -> Any | None:
+    def _kernels(self, tensor: torch.Tensor) -> Any | None:
         """The C++ kernels for this step's tensors (the CPU backend's), or None: the portable path."""
         return None
+
+    def build_state(self, meta: AttentionMetadata, specs: Collection[AttentionSpec]) -> TorchStepState:
+        """The pieces the layers of ``specs`` will ask for: the paged plan (causal layers, and sliding ones
+        this step is not longer than), the encoder's offsets or buckets, the kernel's cross-attention layout."""
+        kernels = self._kernels(meta.seq_lens)
+        if any(s.kind in ("causal", "sliding") and s.window_for(meta.max_seq_len) is None for s in specs):
+            step_plan(meta)
+        if any(s.kind == "encoder" for s in specs):
+            prepare_encoder_state(meta, kernels)
+        if kernels is not None and any(s.kind == "cross" for s in specs):
+            cross_layout(meta)
+        return torch_state(meta)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor | None,
                 meta: AttentionMetadata, spec: AttentionSpec, scale: float) -> torch.Tensor:

@@ -19,6 +19,8 @@ the portable torch path).
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from pagedllm.attention.backends.base import AttentionBackend
@@ -267,6 +269,10 @@ def triton_paged_attention(query: torch.Tensor, key: torch.Tensor | None, value:
     return out
 
 
+# Layers the Triton backend hands to its fallback (the portable torch path).
+FALLBACK_KINDS = ("encoder", "cross")
+
+
 class TritonPagedAttentionBackend(AttentionBackend):
     """CUDA: causal and sliding-window layers through the Triton kernel; encoder layers (no cache) and
     cross-attention layers through the portable torch path. Graph-safe: it reads no tensor values on the host."""
@@ -280,10 +286,15 @@ class TritonPagedAttentionBackend(AttentionBackend):
     def takes_kv_from_rotary(self, qkv: torch.Tensor) -> bool:
         return True
 
+    def prepare_step(self, meta: AttentionMetadata, specs: Collection[AttentionSpec]) -> None:
+        """The kernel keeps no per-step state (its launch shape is worked out per call, from the batch and the
+        table's width); the layers it hands to the fallback get the fallback's."""
+        self.fallback.prepare_step(meta, [s for s in specs if s.kind in FALLBACK_KINDS])
+
     def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
                 kv_cache: torch.Tensor | None, meta: AttentionMetadata, spec: AttentionSpec,
                 scale: float) -> torch.Tensor:
-        if spec.kind in ("encoder", "cross") or kv_cache is None:
+        if spec.kind in FALLBACK_KINDS or kv_cache is None:
             return self.fallback.forward(query, key, value, kv_cache, meta, spec, scale)
         window = spec.window if spec.kind == "sliding" else 0
         return triton_paged_attention(query, key, value, kv_cache, meta, scale, sliding_window=window or 0)
