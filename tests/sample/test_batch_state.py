@@ -50,7 +50,7 @@ def test_steps_over_a_changing_batch_equal_a_fresh_batch_of_the_same_rows() -> N
     batch = SamplingBatch(VOCAB, EOS, CPU)
     live: dict[str, tuple[SamplingParams, list[int], list[int], torch.Generator | None]] = {}
     next_id = 0
-    for step in range(40):
+    for _ in range(40):
         removed = [r for r in live if rng.random() < 0.25]
         for r in removed:
             del live[r]
