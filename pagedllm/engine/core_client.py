@@ -32,7 +32,7 @@ from pagedllm.engine.core_messages import (
     encode,
     parse_frames,
 )
-from pagedllm.engine.core_proc import identity_of, run_engine_core
+from pagedllm.engine.core_proc import IPC_DIR_PREFIX, identity_of, run_engine_core
 from pagedllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -61,7 +61,7 @@ class EngineCoreClient:
         self.on_death = on_death
         self.dead: tuple[int, str] | None = None  # (engine index, why) of the first engine that died
         self._shutting_down = False
-        self._ipc_dir = tempfile.mkdtemp(prefix="pagedllm-engine-")
+        self._ipc_dir = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX)
         self.ctx = zmq.Context()
         self.input = self.ctx.socket(zmq.ROUTER)
         self.input.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone engine raises instead of vanishing

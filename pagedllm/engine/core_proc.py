@@ -9,10 +9,12 @@ by ZMQ's I/O thread, and an idle engine sleeps in ``poll`` until a message arriv
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -217,7 +219,9 @@ def run_engine_core(config: EngineConfig, engine_index: int, input_address: str,
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, _raise_system_exit)
     if parent_alive is not None:
-        exit_with_parent(parent_alive, f"engine {engine_index}", "the API process")
+        # A SIGKILLed API process cannot remove its socket folder: the engine that outlives it does.
+        exit_with_parent(parent_alive, f"engine {engine_index}", "the API process",
+                         on_exit=lambda: remove_ipc_dir(input_address))
     if num_threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(num_threads)  # before torch starts its pool
         import torch
@@ -263,6 +267,19 @@ def run_engine_core(config: EngineConfig, engine_index: int, input_address: str,
         raise SystemExit(status)
 
 
+#: The prefix of the private folder holding the engine sockets' ipc:// files (``EngineCoreClient`` makes it).
+IPC_DIR_PREFIX = "pagedllm-engine-"
+
+
+def remove_ipc_dir(address: str) -> None:
+    """Remove the private socket folder of an ``ipc://`` address; any other address or folder is left alone."""
+    if not address.startswith("ipc://"):
+        return
+    folder = os.path.dirname(address[len("ipc://"):])
+    if os.path.basename(folder).startswith(IPC_DIR_PREFIX):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def _describe(exc: BaseException) -> str:
     return "".join(traceback.format_exception_only(type(exc), exc)).strip()
 
@@ -271,9 +288,10 @@ def _raise_system_exit(signum: int, frame: Any) -> None:
     raise SystemExit(0)
 
 
-def exit_with_parent(parent_alive: Connection, who: str, parent: str) -> None:
+def exit_with_parent(parent_alive: Connection, who: str, parent: str,
+                     on_exit: Callable[[], None] | None = None) -> None:
     """End this process when its parent dies (even by SIGKILL): the parent's end of the pipe closes, recv fails.
-    ``who`` / ``parent`` name both in the log line ("engine 0", "the API process")."""
+    ``who`` / ``parent`` name both in the log line ("engine 0", "the API process"); ``on_exit`` runs first."""
 
     def watch() -> None:
         try:
@@ -281,6 +299,8 @@ def exit_with_parent(parent_alive: Connection, who: str, parent: str) -> None:
         except (EOFError, OSError):
             pass
         logger.warning("%s: %s is gone; exiting", who, parent)
+        if on_exit is not None:
+            on_exit()
         os._exit(0)
 
     threading.Thread(target=watch, name="pagedllm-parent-watch", daemon=True).start()

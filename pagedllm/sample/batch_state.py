@@ -91,8 +91,10 @@ class SlotColumns:
 class SlotRowState:
     """Base of a stage's per-slot state: columns that grow with the batch, reset when a slot is freed.
 
-    A subclass names its ``columns`` and writes a new row in ``add_row``; it may keep sparse per-slot
-    extras (``extras``: slot -> value) for the few requests that use an option.
+    A subclass names its ``columns`` and writes a new row in ``add_row``, which says whether the request uses
+    the stage at all; ``using`` holds those slots, so a step whose batch holds none skips the stage without
+    gathering anything. It may keep sparse per-slot extras (``extras``: slot -> value) for the few requests
+    that use an option.
     """
 
     columns: dict[str, tuple[type, Any]] = {}
@@ -100,18 +102,24 @@ class SlotRowState:
     def __init__(self) -> None:
         self.rows = SlotColumns(**self.columns)
         self.extras: dict[int, Any] = {}
+        self.using: set[int] = set()
 
     def update_state(self, update: BatchUpdate) -> None:
         self.rows.grow(update.capacity)
         for slot in update.removed:
-            self.rows.reset(slot)
-            self.extras.pop(slot, None)
+            self.forget(slot)
         for row in update.added:
-            self.rows.reset(row.slot)
-            self.extras.pop(row.slot, None)
-            self.add_row(row, update)
+            self.forget(row.slot)
+            if self.add_row(row, update):
+                self.using.add(row.slot)
 
-    def add_row(self, row: AddedRow, update: BatchUpdate) -> None:
+    def forget(self, slot: int) -> None:
+        """Back to a free slot's neutral values."""
+        self.rows.reset(slot)
+        self.extras.pop(slot, None)
+        self.using.discard(slot)
+
+    def add_row(self, row: AddedRow, update: BatchUpdate) -> bool:
         raise NotImplementedError
 
 

@@ -157,37 +157,54 @@ class DrawRows(SlotRowState):
     """What the draw needs per request: greedy or not, temperature, its own generator, logprobs wanted.
 
     Greedy slots hold temperature 1.0 so dividing by it is harmless; ``unseeded``: a random request without
-    a generator (it takes the shared batched draw); ``logprobs`` -1 = not requested.
+    a generator (it takes the shared batched draw); ``logprobs`` -1 = not requested. ``using``: the random
+    requests; ``logprob_slots``: those that want logprobs.
     """
 
     columns = {"greedy": (np.bool_, True), "temperature": (np.float32, 1.0), "unseeded": (np.bool_, False),
                "logprobs": (np.int64, -1)}
 
-    def add_row(self, row: AddedRow, update: BatchUpdate) -> None:
+    def __init__(self) -> None:
+        super().__init__()
+        self.logprob_slots: set[int] = set()
+
+    def forget(self, slot: int) -> None:
+        super().forget(slot)
+        self.logprob_slots.discard(slot)
+
+    def add_row(self, row: AddedRow, update: BatchUpdate) -> bool:
         p, slot, cols = row.params, row.slot, self.rows
-        greedy = p.temperature < SAMPLING_EPS
-        cols["greedy"][slot] = greedy
-        if not greedy:
-            cols["temperature"][slot] = p.temperature
-            if row.generator is not None:
-                self.extras[slot] = row.generator
-            else:
-                cols["unseeded"][slot] = True
-        cols["logprobs"][slot] = -1 if p.logprobs is None else p.logprobs
+        if p.logprobs is not None:
+            cols["logprobs"][slot] = p.logprobs
+            self.logprob_slots.add(slot)
+        if p.temperature < SAMPLING_EPS:
+            return False
+        cols["greedy"][slot] = False
+        cols["temperature"][slot] = p.temperature
+        if row.generator is not None:
+            self.extras[slot] = row.generator
+        else:
+            cols["unseeded"][slot] = True
+        return True
 
     def prepare(self, step: StepRows, meta: SamplingMetadata) -> None:
-        slots, cols = step.slots, self.rows
-        greedy = cols["greedy"][slots]
-        meta.all_greedy = bool(greedy.all())
-        meta.all_random = not greedy.any()
-        if not meta.all_greedy:
-            meta.temperature = on_device(cols["temperature"][slots], step.device)
-            if not meta.all_random:
-                meta.greedy_mask = on_device(greedy, step.device)
-        if self.extras:
-            meta.generators = {row: self.extras[slot] for row, slot in enumerate(slots.tolist())
-                               if slot in self.extras}
-        meta.has_unseeded_random = bool(cols["unseeded"][slots].any())
+        slots, cols, num_rows = step.slots, self.rows, len(step.slots)
+        meta.all_random = num_rows == 0
+        if self.using:
+            greedy = cols["greedy"][slots]
+            meta.all_greedy = bool(greedy.all())
+            meta.all_random = not greedy.any()
+            if not meta.all_greedy:
+                meta.temperature = on_device(cols["temperature"][slots], step.device)
+                if not meta.all_random:
+                    meta.greedy_mask = on_device(greedy, step.device)
+                meta.has_unseeded_random = bool(cols["unseeded"][slots].any())
+            if self.extras:
+                meta.generators = {row: self.extras[slot] for row, slot in enumerate(slots.tolist())
+                                   if slot in self.extras}
+        if not self.logprob_slots:
+            meta.num_logprobs = [None] * num_rows
+            return
         wanted = cols["logprobs"][slots]
         meta.num_logprobs = [None if k < 0 else k for k in wanted.tolist()]
         if (wanted >= 0).any():
@@ -203,12 +220,16 @@ class AllowedTokensStage(SlotRowState):
     draw_fusion = None
     columns = {"limited": (np.bool_, False)}
 
-    def add_row(self, row: AddedRow, update: BatchUpdate) -> None:
-        if row.params.allowed_token_ids is not None:
-            self.rows["limited"][row.slot] = True
-            self.extras[row.slot] = [t for t in row.params.allowed_token_ids if t < update.vocab_size]
+    def add_row(self, row: AddedRow, update: BatchUpdate) -> bool:
+        if row.params.allowed_token_ids is None:
+            return False
+        self.rows["limited"][row.slot] = True
+        self.extras[row.slot] = [t for t in row.params.allowed_token_ids if t < update.vocab_size]
+        return True
 
     def prepare(self, step: StepRows, meta: SamplingMetadata) -> None:
+        if not self.using:
+            return
         rows = np.flatnonzero(self.rows["limited"][step.slots])
         if rows.size == 0:
             return
@@ -234,13 +255,17 @@ class LogitBiasStage(SlotRowState):
     draw_fusion = None
     columns = {"biased": (np.bool_, False)}
 
-    def add_row(self, row: AddedRow, update: BatchUpdate) -> None:
+    def add_row(self, row: AddedRow, update: BatchUpdate) -> bool:
         bias = [(t, v) for t, v in (row.params.logit_bias or {}).items() if t < update.vocab_size]
-        if bias:
-            self.rows["biased"][row.slot] = True
-            self.extras[row.slot] = ([t for t, _ in bias], [v for _, v in bias])
+        if not bias:
+            return False
+        self.rows["biased"][row.slot] = True
+        self.extras[row.slot] = ([t for t, _ in bias], [v for _, v in bias])
+        return True
 
     def prepare(self, step: StepRows, meta: SamplingMetadata) -> None:
+        if not self.using:
+            return
         rows = np.flatnonzero(self.rows["biased"][step.slots])
         if rows.size == 0:
             return
@@ -273,17 +298,20 @@ class MinTokensStage(SlotRowState):
     draw_fusion = None
     columns = {"min_tokens": (np.int64, 0)}
 
-    def add_row(self, row: AddedRow, update: BatchUpdate) -> None:
+    def add_row(self, row: AddedRow, update: BatchUpdate) -> bool:
         p = row.params
         if p.min_tokens <= 0:
-            return
+            return False
         stop_ids = set(p.stop_token_ids or ())
         if not p.ignore_eos:
             stop_ids.update(update.eos_token_ids)
         self.rows["min_tokens"][row.slot] = p.min_tokens
         self.extras[row.slot] = [t for t in stop_ids if 0 <= t < update.vocab_size]
+        return True
 
     def prepare(self, step: StepRows, meta: SamplingMetadata) -> None:
+        if not self.using:
+            return
         wanted = self.rows["min_tokens"][step.slots]
         rows = np.flatnonzero(wanted)
         mask_rows: list[int] = []
@@ -314,16 +342,21 @@ class PenaltiesStage(SlotRowState):
     columns = {"presence": (np.float32, 0.0), "frequency": (np.float32, 0.0), "repetition": (np.float32, 1.0),
                "penalized": (np.bool_, False), "repeats": (np.bool_, False)}
 
-    def add_row(self, row: AddedRow, update: BatchUpdate) -> None:
+    def add_row(self, row: AddedRow, update: BatchUpdate) -> bool:
         p, slot, cols = row.params, row.slot, self.rows
+        penalized = p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+        if not penalized:
+            return False
         cols["presence"][slot] = p.presence_penalty
         cols["frequency"][slot] = p.frequency_penalty
         cols["repetition"][slot] = p.repetition_penalty
         cols["repeats"][slot] = p.repetition_penalty != 1.0
-        cols["penalized"][slot] = (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-                                   or p.repetition_penalty != 1.0)
+        cols["penalized"][slot] = True
+        return True
 
     def prepare(self, step: StepRows, meta: SamplingMetadata) -> None:
+        if not self.using:
+            return
         slots, cols = step.slots, self.rows
         penalized = cols["penalized"][slots]
         if not penalized.any():
@@ -399,15 +432,18 @@ class TopKTopPStage(SlotRowState):
     draw_fusion = None
     columns = {"top_k": (np.int64, 0), "top_p": (np.float32, 1.0)}
 
-    def add_row(self, row: AddedRow, update: BatchUpdate) -> None:
+    def add_row(self, row: AddedRow, update: BatchUpdate) -> bool:
         p = row.params
-        if p.temperature < SAMPLING_EPS:
-            return  # truncation is irrelevant for argmax: greedy rows keep the neutral values
+        top_k = p.top_k if 0 < p.top_k < update.vocab_size else 0
+        if p.temperature < SAMPLING_EPS or (top_k == 0 and p.top_p >= 1.0):
+            return False  # truncation is irrelevant for argmax: greedy rows keep the neutral values
         self.rows["top_p"][row.slot] = p.top_p
-        if 0 < p.top_k < update.vocab_size:
-            self.rows["top_k"][row.slot] = p.top_k
+        self.rows["top_k"][row.slot] = top_k
+        return True
 
     def prepare(self, step: StepRows, meta: SamplingMetadata) -> None:
+        if not self.using:
+            return
         top_k = self.rows["top_k"][step.slots]
         top_p = self.rows["top_p"][step.slots]
         limited, nucleus = top_k > 0, top_p < 1.0
@@ -434,11 +470,15 @@ class MinPStage(SlotRowState):
     draw_fusion = None
     columns = {"min_p": (np.float32, 0.0)}
 
-    def add_row(self, row: AddedRow, update: BatchUpdate) -> None:
-        if row.params.temperature >= SAMPLING_EPS:
-            self.rows["min_p"][row.slot] = row.params.min_p
+    def add_row(self, row: AddedRow, update: BatchUpdate) -> bool:
+        if row.params.temperature < SAMPLING_EPS or row.params.min_p <= 0.0:
+            return False
+        self.rows["min_p"][row.slot] = row.params.min_p
+        return True
 
     def prepare(self, step: StepRows, meta: SamplingMetadata) -> None:
+        if not self.using:
+            return
         min_p = self.rows["min_p"][step.slots]
         if (min_p > 0.0).any():
             meta.min_p = on_device(min_p, step.device)

@@ -152,11 +152,13 @@ class WhisperRulesStage(SlotRowState):
     draw_fusion = None
     columns = {"ruled": (np.bool_, False)}
 
-    def add_row(self, row: AddedRow, update: BatchUpdate) -> None:
-        self.rows["ruled"][row.slot] = row.params.allowed_token_ids is None
+    def add_row(self, row: AddedRow, update: BatchUpdate) -> bool:
+        ruled = row.params.allowed_token_ids is None
+        self.rows["ruled"][row.slot] = ruled
+        return ruled
 
     def prepare(self, step: StepRows, meta: Any) -> None:
-        if step.decoding_rules is not None:
+        if step.decoding_rules is not None and self.using:  # no ruled row: the rules mask nothing
             ruled = np.flatnonzero(self.rows["ruled"][step.slots]).tolist()
             meta.whisper = step.decoding_rules.step(ruled, step.prompts, step.outputs, step.device)
 

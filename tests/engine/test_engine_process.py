@@ -137,3 +137,38 @@ def test_a_failed_start_up_names_the_reason_and_leaves_nothing() -> None:
     time.sleep(0.5)
     after = {c.pid for c in psutil.Process().children(recursive=True)}
     assert _alive(sorted(after - before)) == []
+
+
+_API_PROCESS = """
+import sys, time
+sys.path[:0] = {paths!r}
+from test_engine_process import _config
+from pagedllm.engine.mp_engine import MultiprocEngine
+engine = MultiprocEngine(_config())
+print(engine.client._ipc_dir, *engine.pids, flush=True)
+time.sleep(600)
+"""
+
+
+def test_sigkill_of_the_api_process_ends_the_engine_and_removes_its_sockets(tmp_path) -> None:
+    """The API process's private socket folder cannot be removed by a SIGKILLed API process: its engine does."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = str(Path(__file__).parent)
+    script = tmp_path / "api_process.py"
+    script.write_text(_API_PROCESS.format(paths=[here, str(Path(here).parent)]))
+    api = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        ipc_dir, *pids = api.stdout.readline().split()
+        assert os.path.isdir(ipc_dir) and os.path.basename(ipc_dir).startswith("pagedllm-engine-")
+        api.send_signal(signal.SIGKILL)
+        api.wait(10)
+        deadline = time.monotonic() + 30
+        while (_alive([int(p) for p in pids]) or os.path.exists(ipc_dir)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _alive([int(p) for p in pids]) == []
+        assert not os.path.exists(ipc_dir)
+    finally:
+        api.kill()
