@@ -144,9 +144,10 @@ import sys, time
 sys.path[:0] = {paths!r}
 from test_engine_process import _config
 from pagedllm.engine.mp_engine import MultiprocEngine
-engine = MultiprocEngine(_config())
-print(engine.client._ipc_dir, *engine.pids, flush=True)
-time.sleep(600)
+if __name__ == "__main__":  # the engine process is spawned: it imports this file again
+    engine = MultiprocEngine(_config())
+    print(engine.client._ipc_dir, *engine.pids, flush=True)
+    time.sleep(600)
 """
 
 
