@@ -108,7 +108,7 @@ class EngineArgs:
                                 "Ignored when --kv-cache-memory is given.")
         group.add_argument("--enforce-eager", action="store_true",
                            help="Run every step eagerly: no CUDA graphs of decode steps on a GPU, no recorded "
-                                "step graphs (decode batches of 1-8 replayed from C++) on the CPU.")
+                                "step graphs (decode batches of 1-16 replayed from C++) on the CPU.")
         group.add_argument("--disable-async-output-proc", action="store_true",
                            help="GPU only: detokenize and hand out each step's outputs before the next step starts, "
                                 "instead of while the GPU runs it (tokens then reach clients a little sooner, "

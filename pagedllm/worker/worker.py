@@ -275,7 +275,7 @@ def _capture_cuda_graphs(self: Worker) -> None:
 
 def _capture_cpu_graphs(self: Worker) -> None:
     """CPU step graphs over the C++ kernels, for models whose decode forward is nothing but those kernels."""
-    from pagedllm.worker.cpu_graphs import CPU_GRAPH_SIZES, CpuDecodeGraphRunner
+    from pagedllm.worker.cpu_graphs import CpuDecodeGraphRunner, cpu_graph_sizes
 
     why = None
     if self.config.parallel.tensor_parallel_size > 1:
@@ -291,6 +291,6 @@ def _capture_cpu_graphs(self: Worker) -> None:
     graphs = CpuDecodeGraphRunner(self.runner.model, self.platform.step_graph_kernels(self.dtype),
                                   max_blocks_per_seq=-(-sched.max_model_len // bs), block_size=bs,
                                   hidden_size=self.config.model.hf_config.hidden_size, dtype=self.dtype,
-                                  sizes=[s for s in CPU_GRAPH_SIZES if s <= sched.max_num_seqs])
+                                  sizes=cpu_graph_sizes(sched.max_num_seqs))
     if graphs.capture():
         self.runner.decode_graphs = graphs

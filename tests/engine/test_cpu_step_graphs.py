@@ -11,7 +11,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels.cpu import load_cpu_kernels
-from pagedllm.worker.cpu_graphs import CpuDecodeGraphRunner
+from pagedllm.worker.cpu_graphs import CPU_GRAPH_SIZES, CpuDecodeGraphRunner, cpu_graph_sizes
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +95,8 @@ PROMPTS = ["The capital of France is", "1 2 3 4", "def fibonacci(n):", "Once upo
 
 
 def test_engine_tokens_equal_with_and_without_step_graphs() -> None:
-    """Ten requests of different lengths: steps of more than 8 decodes run eagerly, then the batch shrinks
-    through every recorded size (requests stop at different lengths)."""
+    """Ten requests of different lengths: steps of 9 or 10 decodes replay the size-12 graph with padding rows,
+    then the batch shrinks through every recorded size up to 8 (requests stop at different lengths)."""
     params = [SamplingParams(max_tokens=6 + 3 * i, temperature=0, ignore_eos=True) for i in range(len(PROMPTS))]
     runs = {}
     for eager in (True, False):
@@ -109,3 +109,10 @@ def test_engine_tokens_equal_with_and_without_step_graphs() -> None:
         del llm
     assert runs[False] == runs[True]
     assert [len(t) for t in runs[False]] == [p.max_tokens for p in params]
+
+
+def test_recorded_sizes_cover_every_batch_the_engine_can_run() -> None:
+    assert cpu_graph_sizes(256) == CPU_GRAPH_SIZES == [1, 2, 3, 4, 5, 6, 7, 8, 12, 16]
+    assert cpu_graph_sizes(10) == [1, 2, 3, 4, 5, 6, 7, 8, 10]
+    assert cpu_graph_sizes(12) == [1, 2, 3, 4, 5, 6, 7, 8, 12]
+    assert cpu_graph_sizes(3) == [1, 2, 3]
