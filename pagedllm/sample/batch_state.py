@@ -74,6 +74,7 @@ class SlotColumns:
     def grow(self, capacity: int) -> None:
         if capacity <= self.capacity:
             return
+        capacity = max(capacity, 2 * self.capacity)  # requests arriving one a step do not copy every column each time
         for name, (dtype, neutral) in self._spec.items():
             grown = np.full(capacity, neutral, dtype=dtype)
             grown[:self.capacity] = self._data[name]
