@@ -156,7 +156,9 @@ class SamplingBatch:
                ) -> None:
         """Free the slots of ``removed`` request ids (unknown ids are ignored), then give each ``added``
         ``(req_id, params, prompt_token_ids, output_token_ids, generator)`` a slot (an id already present is
-        replaced). Every stage sees the change as one BatchUpdate."""
+        replaced). Every stage sees the change as one BatchUpdate; a step that changes nothing costs nothing."""
+        if not removed and not added:
+            return
         freed = []
         for req_id in [*removed, *(entry[0] for entry in added)]:
             slot = self._slot_of.pop(req_id, None)
