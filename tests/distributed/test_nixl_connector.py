@@ -82,13 +82,19 @@ def test_read_moves_whole_blocks_and_releases_the_producer(pair) -> None:
         assert torch.equal(dst[:, 4:7], src[:, 8:11]) and not dst[:, 7].any()
 
 
-def test_abort_before_the_read_releases_the_producer_at_once(pair) -> None:
-    prod, cons = pair
-    _step(prod, NixlMetadata(send={"p-1": [3]}))
-    out = _step(cons, NixlMetadata(recv={"d-1": _spec(prod, [1], [3], cancelled=True)}))
-    out.merge(_until(cons, lambda o: "d-1" in o.finished_recving))
-    assert not cons.kv_caches[0].any() and not out.failed_recving
-    _until(prod, lambda o: "p-1" in o.finished_sending)
+def test_abort_before_the_read_releases_the_producer_at_once() -> None:
+    # A handshake slower than the default 5 s (a loaded CI machine) would leave the consumer unable to tell the
+    # producer, which then frees only after its own timeout: give this pair a long one.
+    prod, cons = _worker("kv_producer", handshake_timeout=60), _worker("kv_consumer", handshake_timeout=60)
+    try:
+        _step(prod, NixlMetadata(send={"p-1": [3]}))
+        out = _step(cons, NixlMetadata(recv={"d-1": _spec(prod, [1], [3], cancelled=True)}))
+        out.merge(_until(cons, lambda o: "d-1" in o.finished_recving))
+        assert not cons.kv_caches[0].any() and not out.failed_recving
+        _until(prod, lambda o: "p-1" in o.finished_sending)
+    finally:
+        prod.shutdown()
+        cons.shutdown()
 
 
 def test_unconfigured_or_dead_peers_fail_the_receive(pair) -> None:
