@@ -87,18 +87,22 @@ class AttentionMetadata:
 
     @classmethod
     def over_buffers(cls, size: int, slot_mappings: list[torch.Tensor], block_tables: list[torch.Tensor],
-                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> AttentionMetadata:
-        """A decode-only step of ``size`` requests as views over persistent buffers (what a captured decode
-        graph reads), one metadata per KV cache group: group g's over ``slot_mappings[g]`` ([N] int64) and
-        ``block_tables[g]`` ([N, max_blocks] int32), all over ``query_start_loc`` ([N + 1] int32) and
-        ``seq_lens`` ([N] int32), N >= ``size``. Returns group 0's, carrying the others when there are several.
+                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                     query_len: int = 1) -> AttentionMetadata:
+        """A step of ``size`` requests of ``query_len`` tokens each (1: decodes; k + 1: verifying k drafts) as
+        views over persistent buffers (what a recorded step graph reads), one metadata per KV cache group:
+        group g's over ``slot_mappings[g]`` ([N * query_len] int64) and ``block_tables[g]`` ([N, max_blocks]
+        int32), all over ``query_start_loc`` ([N + 1] int32, multiples of ``query_len``) and ``seq_lens`` ([N]
+        int32), N >= ``size``. Returns group 0's, carrying the others when there are several.
 
         The host lists describe the shapes, not the lengths: graph-safe backends read the device tensors only.
         ``max_decode_seq_len`` (the table's whole width) bounds a gather nobody does under a graph.
         """
-        metas = [_assemble(slot_mapping=slots[:size], query_start_loc=query_start_loc[:size + 1],
-                           seq_lens=seq_lens[:size], block_tables=tables[:size], num_decodes=size,
-                           query_start_loc_cpu=list(range(size + 1)), seq_lens_cpu=[1] * size,
+        tokens = size * query_len
+        metas = [_assemble(slot_mapping=slots[:tokens], query_start_loc=query_start_loc[:size + 1],
+                           seq_lens=seq_lens[:size], block_tables=tables[:size],
+                           num_decodes=size if query_len == 1 else 0,
+                           query_start_loc_cpu=list(range(0, tokens + 1, query_len)), seq_lens_cpu=[query_len] * size,
                            max_decode_seq_len=tables.shape[1] * block_size, block_size=block_size)
                  for slots, tables in zip(slot_mappings, block_tables, strict=True)]
         return link_groups(metas)

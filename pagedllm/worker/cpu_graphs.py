@@ -68,13 +68,14 @@ class _OnlyKernels(TorchDispatchMode):
 
 
 class CpuDecodeGraphRunner(DecodeGraphRunner):
-    """Decode steps of 1..16 requests replayed from recorded kernel calls (``capture`` records and checks)."""
+    """Steps of 1..16 requests of ``query_len`` tokens each (decodes; with ``query_len`` k + 1, steps verifying
+    k drafts) replayed from recorded kernel calls (``capture`` records and checks)."""
 
     def __init__(self, model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], kernels: Any,
                  max_blocks_per_seq: int, block_size: int, hidden_size: int, dtype: torch.dtype,
-                 sizes: list[int] | None = None) -> None:
+                 sizes: list[int] | None = None, query_len: int = 1) -> None:
         super().__init__(model, torch.device("cpu"), sizes or CPU_GRAPH_SIZES, max_blocks_per_seq, block_size,
-                         hidden_size, dtype)
+                         hidden_size, dtype, query_len=query_len)
         self.kernels = kernels
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -92,13 +93,14 @@ class CpuDecodeGraphRunner(DecodeGraphRunner):
 
     def _matches_eager(self, size: int, graph: Any, hidden: torch.Tensor) -> bool:
         """Replay on other token ids (still dummy rows: null block 0) and compare with an eager forward."""
-        self.input_ids[:size] = torch.arange(1, size + 1)
+        tokens = size * self.query_len
+        self.input_ids[:tokens] = torch.arange(1, tokens + 1)
         try:
             expected = self._forward(size).clone()
             graph.replay()
             return torch.equal(hidden, expected)
         finally:
-            self.input_ids[:size].zero_()
+            self.input_ids[:tokens].zero_()
 
     @torch.inference_mode()
     def capture(self) -> bool:
@@ -117,8 +119,9 @@ class CpuDecodeGraphRunner(DecodeGraphRunner):
             return self._refuse(f"CPU step graphs not recorded: the forward failed on dummy rows ({e!r}); decode "
                                 "steps run eagerly", logging.WARNING)
         ops = self.graphs[self.sizes[-1]].num_ops
-        logger.info("recorded CPU step graphs for decode batches of 1..%d (%d kernel calls at batch %d) in %.2f s",
-                    self.sizes[-1], ops, self.sizes[-1], time.perf_counter() - start)
+        what = "decode batches" if self.query_len == 1 else f"batches verifying {self.query_len - 1} drafts each of"
+        logger.info("recorded CPU step graphs for %s 1..%d (%d kernel calls at batch %d) in %.2f s",
+                    what, self.sizes[-1], ops, self.sizes[-1], time.perf_counter() - start)
         return True
 
     def _refuse(self, message: str, level: int = logging.INFO) -> bool:
@@ -128,11 +131,39 @@ class CpuDecodeGraphRunner(DecodeGraphRunner):
         return False
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
-        """hidden states [n, hidden_size] of a decode-only step of n requests (``can_run(meta)`` must hold):
+        """hidden states [n * query_len, hidden_size] of a step of n requests (``can_run(meta)`` must hold):
         the inputs copied into the buffers, the recorded graph of the padded size replayed. The result is a view
         of that graph's output tensor, valid until its next replay."""
         size = padded_batch_size(meta.num_reqs, self.sizes)
         assert size is not None and self.can_run(meta)
         self._load(input_ids, positions, meta, size)
         self.graphs[size].replay()
-        return self.outputs[size][:meta.num_reqs]
+        return self.outputs[size][:meta.num_actual_tokens]
+
+
+class StepGraphSet:
+    """The recorded step graphs of one engine, by query length: decodes (1) and, with speculation, draft
+    verification (k + 1 for each k up to the drafts per step). What the runner asks: ``can_run`` / ``run``."""
+
+    def __init__(self, runners: list[DecodeGraphRunner]) -> None:
+        self.by_query_len = {r.query_len: r for r in runners}
+
+    def _runner(self, meta: Any) -> DecodeGraphRunner | None:
+        if meta.num_reqs == 0:
+            return None
+        runner = self.by_query_len.get(meta.num_actual_tokens // meta.num_reqs)
+        return runner if runner is not None and runner.can_run(meta) else None
+
+    def can_run(self, meta: Any) -> bool:
+        return self._runner(meta) is not None
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
+        runner = self._runner(meta)
+        assert runner is not None
+        return runner.run(input_ids, positions, meta)
+
+
+def verification_graph_sizes(max_num_seqs: int, query_len: int) -> list[int]:
+    """Batch sizes to record for steps verifying ``query_len - 1`` drafts per request: the decode sizes whose
+    tokens stay within the largest decode graph's (16), so the set's memory and recording time stay bounded."""
+    return [s for s in cpu_graph_sizes(max_num_seqs) if s * query_len <= CPU_GRAPH_SIZES[-1]]

@@ -50,33 +50,37 @@ def padded_batch_size(num_reqs: int, sizes: list[int]) -> int | None:
 
 
 class DecodeGraphRunner:
-    """Persistent input buffers + one captured graph per batch size of decode-only steps.
+    """Persistent input buffers + one captured graph per batch size of steps whose every request runs
+    ``query_len`` tokens: 1 for decode-only steps (the default), k + 1 for steps verifying k drafts each.
 
-    ``model(input_ids [N], positions [N]) -> hidden [N, hidden_size]`` must read attention metadata from
-    the forward context and never synchronise with the host or branch on tensor values (the Triton
-    attention backend qualifies; the portable torch path does not, it sizes gathers on the host).
+    ``model(input_ids [T], positions [T]) -> hidden [T, hidden_size]`` (T = requests x ``query_len``) must read
+    attention metadata from the forward context and never synchronise with the host or branch on tensor values
+    (the Triton attention backend qualifies; the portable torch path does not, it sizes gathers on the host).
     """
 
     def __init__(self, model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device,
                  sizes: list[int], max_blocks_per_seq: int, block_size: int, hidden_size: int,
-                 dtype: torch.dtype, num_kv_groups: int = 1) -> None:
+                 dtype: torch.dtype, num_kv_groups: int = 1, query_len: int = 1) -> None:
         self.model = model
         self.device = device
         self.sizes = sorted(sizes)
         self.block_size = block_size
+        self.query_len = query_len
         n = self.sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.zeros(n, dtype=torch.long, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        tokens = n * query_len
+        self.input_ids = torch.zeros(tokens, dtype=torch.long, device=device)
+        self.positions = torch.zeros(tokens, dtype=torch.long, device=device)
+        self.slot_mapping = torch.zeros(tokens, dtype=torch.long, device=device)
+        # Dummy rows are whole: query_len tokens at positions 0.. in the null block.
+        self.seq_lens = torch.full((n,), query_len, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device) * query_len
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         # Group 0's buffers are the two above; the groups share every other input.
         self.group_slot_mappings = [self.slot_mapping] + [torch.zeros_like(self.slot_mapping)
                                                           for _ in range(num_kv_groups - 1)]
         self.group_block_tables = [self.block_tables] + [torch.zeros_like(self.block_tables)
                                                          for _ in range(num_kv_groups - 1)]
-        self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
+        self.hidden = torch.zeros(tokens, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None
 
@@ -85,41 +89,45 @@ class DecodeGraphRunner:
         return len(self.group_block_tables)
 
     def can_run(self, meta: AttentionMetadata) -> bool:
-        """True for a decode-only step that fits the largest captured size and the block-table width, with
-        one metadata per KV cache group of the captured model."""
+        """True for a step whose every request runs ``query_len`` tokens, that fits the largest captured size
+        and the block-table width, with one metadata per KV cache group of the captured model."""
         groups = _groups(meta)
-        return (meta.num_decodes == meta.num_reqs and meta.num_reqs > 0
-                and meta.num_reqs <= self.sizes[-1] and len(groups) == self.num_kv_groups
+        n = meta.num_reqs
+        return (0 < n <= self.sizes[-1] and uniform_query_len(meta) == self.query_len
+                and len(groups) == self.num_kv_groups
                 and all(g.block_tables.shape[1] <= self.block_tables.shape[1] for g in groups))
 
     def _metadata(self, size: int) -> AttentionMetadata:
         """Metadata over the first ``size`` rows of the buffers (what the graph of that size reads)."""
         return AttentionMetadata.over_buffers(size, self.group_slot_mappings, self.group_block_tables,
-                                              self.query_start_loc, self.seq_lens, self.block_size)
+                                              self.query_start_loc, self.seq_lens, self.block_size,
+                                              self.query_len)
 
     def _load(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, size: int) -> None:
-        """Copy a step's inputs into the buffers; rows n..size-1 become dummy one-token requests."""
-        n = meta.num_reqs
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
+        """Copy a step's inputs into the buffers; rows n..size-1 become dummy requests of ``query_len`` tokens."""
+        n, q = meta.num_reqs, self.query_len
+        t, padded = n * q, size * q
+        self.input_ids[:t].copy_(input_ids)
+        self.positions[:t].copy_(positions)
         self.seq_lens[:n].copy_(meta.seq_lens)
         for group, slots, tables in zip(_groups(meta), self.group_slot_mappings, self.group_block_tables,
                                         strict=True):
             width = group.block_tables.shape[1]
-            slots[:n].copy_(group.slot_mapping)
+            slots[:t].copy_(group.slot_mapping)
             tables[:n, :width].copy_(group.block_tables)
             tables[:n, width:].zero_()
             if size > n:
-                slots[n:size].zero_()
+                slots[t:padded].zero_()
                 tables[n:size].zero_()
         if size > n:  # dummy rows: token 0 at position 0 in slot 0 of the null block (in every group)
-            self.input_ids[n:size].zero_()
-            self.positions[n:size].zero_()
-            self.seq_lens[n:size].fill_(1)
+            self.input_ids[t:padded].zero_()
+            self.positions[t:padded].zero_()
+            self.seq_lens[n:size].fill_(q)
 
     def _forward(self, size: int) -> torch.Tensor:
         with forward_context(self._metadata(size)):
-            return self.model(self.input_ids[:size], self.positions[:size])
+            tokens = size * self.query_len
+            return self.model(self.input_ids[:tokens], self.positions[:tokens])
 
     def capture(self) -> None:
         """Record one graph per size, largest first so smaller ones reuse its memory pool. CUDA only."""
@@ -131,7 +139,7 @@ class DecodeGraphRunner:
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                self.hidden[:size] = self._forward(size)
+                self.hidden[:size * self.query_len] = self._forward(size)
             self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
@@ -139,7 +147,7 @@ class DecodeGraphRunner:
                     len(self.sizes), self.sizes[-1], time.perf_counter() - start, used / 2**20)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """hidden states [n, hidden_size] of a decode-only step of n requests (``can_run(meta)`` must hold).
+        """hidden states [n * query_len, hidden_size] of a step of n requests (``can_run(meta)`` must hold).
 
         Replays the captured graph of the padded size; without captured graphs runs the padded batch eagerly.
         The result is a view of a persistent buffer, valid until the next call.
@@ -151,8 +159,17 @@ class DecodeGraphRunner:
         if graph is not None:
             graph.replay()
         else:
-            self.hidden[:size] = self._forward(size)
-        return self.hidden[:meta.num_reqs]
+            self.hidden[:size * self.query_len] = self._forward(size)
+        return self.hidden[:meta.num_actual_tokens]
+
+
+def uniform_query_len(meta: AttentionMetadata) -> int | None:
+    """The number of tokens every request of the step runs, or None when they differ."""
+    if meta.num_decodes == meta.num_reqs:
+        return 1
+    qsl = meta.query_start_loc_cpu
+    q = qsl[1] - qsl[0]
+    return q if all(qsl[i + 1] - qsl[i] == q for i in range(1, meta.num_reqs)) else None
 
 
 def _groups(meta: AttentionMetadata) -> list[AttentionMetadata]:

@@ -101,7 +101,8 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[torch.Tensor] = []
         self._logits_buffer: torch.Tensor | None = None
-        # Recorded decode graphs, CUDA or CPU (worker.capture_decode_graphs); None runs every step eagerly.
+        # Recorded step graphs, CUDA or CPU (worker.capture_decode_graphs): decodes, and on the CPU draft
+        # verification too; None runs every step eagerly.
         self.decode_graphs: Any = None
         # Speculative decoding (spec_decode/): set by the worker when configured. A separate draft model
         # gets its own per-layer caches over the same block ids.

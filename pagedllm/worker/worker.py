@@ -275,7 +275,7 @@ def _capture_cuda_graphs(self: Worker) -> None:
 
 def _capture_cpu_graphs(self: Worker) -> None:
     """CPU step graphs over the C++ kernels, for models whose decode forward is nothing but those kernels."""
-    from pagedllm.worker.cpu_graphs import CpuDecodeGraphRunner, cpu_graph_sizes
+    from pagedllm.worker.cpu_graphs import CpuDecodeGraphRunner, StepGraphSet, cpu_graph_sizes, verification_graph_sizes
 
     why = None
     if self.config.parallel.tensor_parallel_size > 1:
@@ -288,9 +288,23 @@ def _capture_cpu_graphs(self: Worker) -> None:
         logger.info("CPU step graphs not recorded for %s: decode steps run eagerly", why)
         return
     sched, bs = self.config.scheduler, self.config.cache.block_size
-    graphs = CpuDecodeGraphRunner(self.runner.model, self.platform.step_graph_kernels(self.dtype),
-                                  max_blocks_per_seq=-(-sched.max_model_len // bs), block_size=bs,
-                                  hidden_size=self.config.model.hf_config.hidden_size, dtype=self.dtype,
-                                  sizes=cpu_graph_sizes(sched.max_num_seqs))
-    if graphs.capture():
-        self.runner.decode_graphs = graphs
+
+    def runner(query_len: int, sizes: list[int]) -> CpuDecodeGraphRunner:
+        return CpuDecodeGraphRunner(self.runner.model, self.platform.step_graph_kernels(self.dtype),
+                                    max_blocks_per_seq=-(-sched.max_model_len // bs), block_size=bs,
+                                    hidden_size=self.config.model.hf_config.hidden_size, dtype=self.dtype,
+                                    sizes=sizes, query_len=query_len)
+
+    decodes = runner(1, cpu_graph_sizes(sched.max_num_seqs))
+    if not decodes.capture():
+        return
+    recorded = [decodes]
+    # With speculation, a step verifying k drafts per request runs k + 1 tokens each: one graph set per k
+    # (ngram proposes up to k, often fewer). One that is refused leaves those steps eager, the rest recorded.
+    spec = self.config.speculative
+    for drafts in range(1, spec.num_speculative_tokens + 1) if spec is not None else ():
+        sizes = verification_graph_sizes(sched.max_num_seqs, drafts + 1)
+        verify = runner(drafts + 1, sizes) if sizes else None
+        if verify is not None and verify.capture():
+            recorded.append(verify)
+    self.runner.decode_graphs = StepGraphSet(recorded)

@@ -1,6 +1,6 @@
-"""CPU step graphs (worker/cpu_graphs.py): decode steps replayed from recorded C++ kernel calls give the tokens an
-eager engine gives; a forward that computes outside the kernels, or whose replay differs from an eager forward, is
-refused and runs eagerly."""
+"""CPU step graphs (worker/cpu_graphs.py): decode and draft-verification steps replayed from recorded C++ kernel
+calls give the tokens an eager engine gives; a forward that computes outside the kernels, or whose replay differs
+from an eager forward, is refused and runs eagerly."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.kernels.cpu import load_cpu_kernels
-from pagedllm.worker.cpu_graphs import CPU_GRAPH_SIZES, CpuDecodeGraphRunner, cpu_graph_sizes
+from pagedllm.worker.cpu_graphs import CPU_GRAPH_SIZES, CpuDecodeGraphRunner, cpu_graph_sizes, verification_graph_sizes
+from pagedllm.worker.cuda_graphs import uniform_query_len
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +118,54 @@ def test_recorded_sizes_cover_every_batch_the_engine_can_run() -> None:
     assert cpu_graph_sizes(10) == [1, 2, 3, 4, 5, 6, 7, 8, 10]
     assert cpu_graph_sizes(12) == [1, 2, 3, 4, 5, 6, 7, 8, 12]
     assert cpu_graph_sizes(3) == [1, 2, 3]
+
+
+def test_verification_sizes_stay_within_the_largest_decode_graphs_tokens() -> None:
+    assert verification_graph_sizes(256, 2) == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert verification_graph_sizes(256, 5) == [1, 2, 3]
+    assert verification_graph_sizes(2, 5) == [1, 2]
+    assert verification_graph_sizes(256, 17) == []
+
+
+def test_a_uniform_multi_token_step_records_and_replays_like_its_eager_forward(kernels) -> None:
+    """Three tokens per request: the buffers hold size x 3 tokens, the offsets step by 3, dummy rows are whole."""
+    table = torch.randn(20, 8)
+    w = torch.randn(8)
+    graphs = CpuDecodeGraphRunner(lambda ids, pos: kernels.rms_norm(kernels.embedding_rows(table, ids), w, 1e-6),
+                                  kernels, max_blocks_per_seq=4, block_size=16, hidden_size=8, dtype=torch.float32,
+                                  sizes=[1, 2], query_len=3)
+    assert graphs.capture() and set(graphs.graphs) == {1, 2}
+    assert graphs.query_start_loc.tolist() == [0, 3, 6] and graphs.seq_lens.tolist() == [3, 3]
+    meta = graphs._metadata(2)
+    assert meta.query_start_loc_cpu == [0, 3, 6] and meta.num_decodes == 0 and meta.num_actual_tokens == 6
+    step = AttentionMetadata.for_step([3], [10], [[1]], 16)  # one request verifying two drafts
+    assert graphs.can_run(step) and uniform_query_len(step) == 3
+    ids = torch.tensor([4, 9, 13])
+    hidden = graphs.run(ids, torch.arange(7, 10), step)
+    assert hidden.shape == (3, 8) and torch.equal(hidden, kernels.rms_norm(table[ids], w, 1e-6))
+    assert graphs.input_ids[3:].tolist() == [0, 0, 0] and graphs.seq_lens.tolist() == [10, 3]
+    mixed = AttentionMetadata.for_step([2, 3], [10, 10], [[1], [2]], 16)
+    assert uniform_query_len(mixed) is None and not graphs.can_run(mixed)
+    assert not graphs.can_run(AttentionMetadata.for_step([1], [10], [[1]], 16))
+
+
+def test_speculation_replays_verification_graphs_and_keeps_the_tokens() -> None:
+    """ngram drafts on a repetitive prompt: steps verifying 1..3 drafts replay their own graphs, and the greedy
+    tokens equal an eager engine's without speculation."""
+    prompts = ["1 2 3 4 5 1 2 3 4 5 1 2 3 4 5 1 2 3", "a b c a b c a b c a b c a b"]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    eager = LLM(enforce_eager=True)
+    expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    del eager
+    llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "auto_disable": False})
+    graphs = llm.engine.core.worker.runner.decode_graphs
+    assert set(graphs.by_query_len) == {1, 2, 3, 4}
+    replays = {q: 0 for q in graphs.by_query_len}
+    for q, runner in graphs.by_query_len.items():
+        def counted(*args, q=q, run=runner.run):
+            replays[q] += 1
+            return run(*args)
+        runner.run = counted
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == expected
+    assert sum(replays[q] for q in (2, 3, 4)) > 0, replays
