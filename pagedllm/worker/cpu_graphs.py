@@ -4,7 +4,9 @@ On two cores a batch-1 decode step of the default model is ~300 kernel calls, an
 dispatch between them cost about a third of the step. While a step graph records, every C++ kernel keeps its
 arguments and runs as usual (``kernels/csrc/step_graph.h``); a replay calls the same kernels on the same tensors
 in one C++ loop, with the GIL released. The CUDA graphs' buffers and padding (``DecodeGraphRunner``) carry over:
-inputs live in persistent tensors, a step of ``n`` decodes is padded to the next recorded size.
+inputs live in persistent tensors, a step of ``n`` decodes is padded to the next recorded size. With speculative
+decoding, steps verifying k drafts per request (k + 1 tokens each, the same kernels) get graphs of their own
+(``StepGraphSet``), for every k up to the drafts per step and batches of up to ``VERIFY_GRAPH_MAX_TOKENS``.
 
 A recording is only replayed when it is the whole computation: while it records, any torch op that computes
 outside a kernel (an add, a copy, a fill) refuses the capture, and so does a kernel that allocates a result a
@@ -119,7 +121,8 @@ class CpuDecodeGraphRunner(DecodeGraphRunner):
             return self._refuse(f"CPU step graphs not recorded: the forward failed on dummy rows ({e!r}); decode "
                                 "steps run eagerly", logging.WARNING)
         ops = self.graphs[self.sizes[-1]].num_ops
-        what = "decode batches" if self.query_len == 1 else f"batches verifying {self.query_len - 1} drafts each of"
+        drafts = self.query_len - 1
+        what = "decode batches" if not drafts else f"batches verifying {drafts} draft{'s' * (drafts > 1)} a request,"
         logger.info("recorded CPU step graphs for %s 1..%d (%d kernel calls at batch %d) in %.2f s",
                     what, self.sizes[-1], ops, self.sizes[-1], time.perf_counter() - start)
         return True
@@ -163,7 +166,13 @@ class StepGraphSet:
         return runner.run(input_ids, positions, meta)
 
 
+# Tokens per verification step recorded at most. A recording keeps its activations (~0.9 MB a token for the
+# default model): up to 16 tokens, four draft counts (k = 1..4) held 154 MiB, against 17 MiB for all decode graphs;
+# up to 8, about a third of it. The host time a graph saves is fixed per step, so its share shrinks as steps grow.
+VERIFY_GRAPH_MAX_TOKENS = 8
+
+
 def verification_graph_sizes(max_num_seqs: int, query_len: int) -> list[int]:
     """Batch sizes to record for steps verifying ``query_len - 1`` drafts per request: the decode sizes whose
-    tokens stay within the largest decode graph's (16), so the set's memory and recording time stay bounded."""
-    return [s for s in cpu_graph_sizes(max_num_seqs) if s * query_len <= CPU_GRAPH_SIZES[-1]]
+    tokens stay within ``VERIFY_GRAPH_MAX_TOKENS``, so the set's memory and recording time stay bounded."""
+    return [s for s in cpu_graph_sizes(max_num_seqs) if s * query_len <= VERIFY_GRAPH_MAX_TOKENS]

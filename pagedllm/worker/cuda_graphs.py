@@ -8,6 +8,8 @@ addresses, so every input lives in a persistent buffer sized for the largest cap
 rows act as harmless dummy requests (one token at position 0, writing and reading only the null block 0).
 
 Only steps where every request decodes one token go through graphs; steps with prefill chunks run eagerly.
+(The CPU step graphs also record steps whose every request runs the same ``query_len`` tokens: verification of
+k drafts, k + 1 tokens each.)
 A hybrid model (several KV cache groups, Gemma 3) gets a block table and slot mapping buffer per group.
 The same class runs without capturing (``capture=False``): that is how the CPU tests check the padding
 and buffer logic that graphs rely on.

@@ -120,11 +120,12 @@ def test_recorded_sizes_cover_every_batch_the_engine_can_run() -> None:
     assert cpu_graph_sizes(3) == [1, 2, 3]
 
 
-def test_verification_sizes_stay_within_the_largest_decode_graphs_tokens() -> None:
-    assert verification_graph_sizes(256, 2) == [1, 2, 3, 4, 5, 6, 7, 8]
-    assert verification_graph_sizes(256, 5) == [1, 2, 3]
-    assert verification_graph_sizes(2, 5) == [1, 2]
-    assert verification_graph_sizes(256, 17) == []
+def test_verification_sizes_stay_within_their_token_cap() -> None:
+    assert verification_graph_sizes(256, 2) == [1, 2, 3, 4]
+    assert verification_graph_sizes(256, 4) == [1, 2]
+    assert verification_graph_sizes(256, 5) == [1]
+    assert verification_graph_sizes(3, 2) == [1, 2, 3]
+    assert verification_graph_sizes(256, 9) == []
 
 
 def test_a_uniform_multi_token_step_records_and_replays_like_its_eager_forward(kernels) -> None:
