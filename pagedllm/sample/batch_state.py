@@ -93,15 +93,15 @@ class SlotRowState:
     """Base of a stage's per-slot state: columns that grow with the batch, reset when a slot is freed.
 
     A subclass names its ``columns`` and writes a new row in ``add_row``, which says whether the request uses
-    the stage at all; ``using`` holds those slots, so a step whose batch holds none skips the stage without
-    gathering anything. It may keep sparse per-slot extras (``extras``: slot -> value) for the few requests
-    that use an option.
+    the stage at all; ``using`` holds those slots (and the column ``in_use`` marks them), so a step whose batch
+    holds none skips the stage without gathering anything, and ``used_rows`` finds the step's rows that do. It may
+    keep sparse per-slot extras (``extras``: slot -> value) for the few requests that use an option.
     """
 
     columns: dict[str, tuple[type, Any]] = {}
 
     def __init__(self) -> None:
-        self.rows = SlotColumns(**self.columns)
+        self.rows = SlotColumns(in_use=(np.bool_, False), **self.columns)
         self.extras: dict[int, Any] = {}
         self.using: set[int] = set()
 
@@ -113,6 +113,14 @@ class SlotRowState:
             self.forget(row.slot)
             if self.add_row(row, update):
                 self.using.add(row.slot)
+                self.rows["in_use"][row.slot] = True
+
+    def used_rows(self, step: StepRows) -> np.ndarray | None:
+        """The step's rows (indices into ``step.slots``) whose requests use this stage; None when none do."""
+        if not self.using:
+            return None
+        rows = np.flatnonzero(self.rows["in_use"][step.slots])
+        return rows if rows.size else None
 
     def forget(self, slot: int) -> None:
         """Back to a free slot's neutral values."""

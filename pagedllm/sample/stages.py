@@ -218,20 +218,15 @@ class AllowedTokensStage(SlotRowState):
 
     name = "allowed_token_ids"
     draw_fusion = None
-    columns = {"limited": (np.bool_, False)}
-
     def add_row(self, row: AddedRow, update: BatchUpdate) -> bool:
         if row.params.allowed_token_ids is None:
             return False
-        self.rows["limited"][row.slot] = True
         self.extras[row.slot] = [t for t in row.params.allowed_token_ids if t < update.vocab_size]
         return True
 
     def prepare(self, step: StepRows, meta: SamplingMetadata) -> None:
-        if not self.using:
-            return
-        rows = np.flatnonzero(self.rows["limited"][step.slots])
-        if rows.size == 0:
+        rows = self.used_rows(step)
+        if rows is None:
             return
         mask = np.zeros((rows.size, step.vocab_size), dtype=np.bool_)
         for j, slot in enumerate(step.slots[rows].tolist()):
@@ -253,21 +248,16 @@ class LogitBiasStage(SlotRowState):
 
     name = "logit_bias"
     draw_fusion = None
-    columns = {"biased": (np.bool_, False)}
-
     def add_row(self, row: AddedRow, update: BatchUpdate) -> bool:
         bias = [(t, v) for t, v in (row.params.logit_bias or {}).items() if t < update.vocab_size]
         if not bias:
             return False
-        self.rows["biased"][row.slot] = True
         self.extras[row.slot] = ([t for t, _ in bias], [v for _, v in bias])
         return True
 
     def prepare(self, step: StepRows, meta: SamplingMetadata) -> None:
-        if not self.using:
-            return
-        rows = np.flatnonzero(self.rows["biased"][step.slots])
-        if rows.size == 0:
+        rows = self.used_rows(step)
+        if rows is None:
             return
         bias_rows: list[int] = []
         tokens: list[int] = []
@@ -310,10 +300,10 @@ class MinTokensStage(SlotRowState):
         return True
 
     def prepare(self, step: StepRows, meta: SamplingMetadata) -> None:
-        if not self.using:
+        rows = self.used_rows(step)
+        if rows is None:
             return
         wanted = self.rows["min_tokens"][step.slots]
-        rows = np.flatnonzero(wanted)
         mask_rows: list[int] = []
         mask_tokens: list[int] = []
         for row in rows.tolist():
@@ -340,7 +330,7 @@ class PenaltiesStage(SlotRowState):
     name = "penalties"
     draw_fusion = None
     columns = {"presence": (np.float32, 0.0), "frequency": (np.float32, 0.0), "repetition": (np.float32, 1.0),
-               "penalized": (np.bool_, False), "repeats": (np.bool_, False)}
+               "repeats": (np.bool_, False)}
 
     def add_row(self, row: AddedRow, update: BatchUpdate) -> bool:
         p, slot, cols = row.params, row.slot, self.rows
@@ -351,17 +341,13 @@ class PenaltiesStage(SlotRowState):
         cols["frequency"][slot] = p.frequency_penalty
         cols["repetition"][slot] = p.repetition_penalty
         cols["repeats"][slot] = p.repetition_penalty != 1.0
-        cols["penalized"][slot] = True
         return True
 
     def prepare(self, step: StepRows, meta: SamplingMetadata) -> None:
-        if not self.using:
+        if self.used_rows(step) is None:
             return
         slots, cols = step.slots, self.rows
-        penalized = cols["penalized"][slots]
-        if not penalized.any():
-            return
-        repeats = cols["repeats"][slots]
+        penalized, repeats = cols["in_use"][slots], cols["repeats"][slots]
         # Rows without penalties contribute empty lists so long unrelated sequences do not widen the pad.
         meta.output_token_ids = _pad_rows([out if on else [] for out, on in zip(step.outputs, penalized.tolist())],
                                           step.vocab_size, step.device)

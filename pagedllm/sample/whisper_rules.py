@@ -23,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from pagedllm.host_to_device import tensor_on
@@ -150,17 +149,15 @@ class WhisperRulesStage(SlotRowState):
 
     name = "whisper_rules"
     draw_fusion = None
-    columns = {"ruled": (np.bool_, False)}
-
     def add_row(self, row: AddedRow, update: BatchUpdate) -> bool:
-        ruled = row.params.allowed_token_ids is None
-        self.rows["ruled"][row.slot] = ruled
-        return ruled
+        return row.params.allowed_token_ids is None
 
     def prepare(self, step: StepRows, meta: Any) -> None:
-        if step.decoding_rules is not None and self.using:  # no ruled row: the rules mask nothing
-            ruled = np.flatnonzero(self.rows["ruled"][step.slots]).tolist()
-            meta.whisper = step.decoding_rules.step(ruled, step.prompts, step.outputs, step.device)
+        if step.decoding_rules is None:
+            return
+        ruled = self.used_rows(step)
+        if ruled is not None:  # no ruled row: the rules mask nothing
+            meta.whisper = step.decoding_rules.step(ruled.tolist(), step.prompts, step.outputs, step.device)
 
     def is_active(self, meta: Any) -> bool:
         return meta.whisper is not None

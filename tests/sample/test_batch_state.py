@@ -6,10 +6,11 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import numpy as np
 import pytest
 import torch
 
-from pagedllm.sample.batch_state import SamplingBatch
+from pagedllm.sample.batch_state import SamplingBatch, StepRows
 from pagedllm.sample.metadata import SamplingMetadata, build_sampling_metadata
 from pagedllm.sampling_params import SamplingParams
 
@@ -132,3 +133,23 @@ def test_bad_step_inputs_name_the_field() -> None:
         batch.metadata(["r"], grammar_rows=[0], grammar_bitmask=torch.zeros(1, 1, dtype=torch.int32))
     with pytest.raises(ValueError, match="pending"):
         batch.metadata(["r"], pending=[[], []])
+
+
+def test_a_stage_finds_the_steps_rows_that_use_it() -> None:
+    batch = SamplingBatch(VOCAB, EOS, CPU)
+    bias = next(s for s in batch.stages if s.name == "logit_bias")
+    batch.update(added=[("plain", SamplingParams(), [1], [], None),
+                        ("biased", SamplingParams(logit_bias={3: 1.0}), [1], [], None)])
+
+    def rows(req_ids):
+        slots = [batch._slot_of[r] for r in req_ids]
+        step = StepRows(np.asarray(slots, dtype=np.int64), [[]] * len(slots), [[1]] * len(slots), VOCAB, CPU)
+        got = bias.used_rows(step)
+        return None if got is None else got.tolist()
+
+    assert rows(["plain", "biased", "biased"]) == [1, 2]
+    assert rows(["plain"]) is None
+    batch.update(removed=["biased"])
+    assert not bias.using and rows(["plain"]) is None
+    batch.update(added=[("again", SamplingParams(), [1], [], None)])  # takes the freed slot: in use no more
+    assert rows(["again", "plain"]) is None
