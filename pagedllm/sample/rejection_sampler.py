@@ -21,18 +21,6 @@ import torch
 
 from pagedllm.host_to_device import tensor_on
 from pagedllm.sample.draw import inverse_cdf, row_uniforms
-from pagedllm.sample.metadata import SamplingMetadata
-from pagedllm.sample.sampler import Sampler
-
-
-def process_target_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """logits [N, V] -> a processed float32 copy [N, V]: every sampling stage except the draw, exactly the
-    stages ``Sampler`` applies (``Sampler.process_logits``), one row per verified position. Greedy rows come
-    out so that their argmax is the Sampler's greedy choice."""
-    return _SAMPLER.process_logits(logits, meta)
-
-
-_SAMPLER = Sampler()
 
 
 @dataclass
@@ -78,7 +66,7 @@ def _draft_distributions(runs: list[DraftRun], width: int, vocab: int, device: t
 
 
 def rejection_sample_batch(processed_logits: torch.Tensor, runs: list[DraftRun]) -> RejectionResult:
-    """processed_logits [N, V] (see process_target_logits) -> RejectionResult for ``runs`` (R of them), with
+    """processed_logits [N, V] (``Sampler.process_logits``) -> RejectionResult for ``runs`` (R of them), with
     no value read back to the host.
 
     Random requests consume their uniforms in the order of the token-by-token rule: u_i tests d_{i+1}, and
@@ -154,7 +142,7 @@ def _rewind_generators(runs: list[DraftRun], states: dict[int, torch.Tensor], nu
 
 
 def rejection_sample(processed_logits: torch.Tensor, runs: list[DraftRun]) -> list[list[int]]:
-    """processed_logits [N, V] (see process_target_logits) -> per run its new tokens (1 to k + 1).
+    """processed_logits [N, V] (``Sampler.process_logits``) -> per run its new tokens (1 to k + 1).
 
     One transfer to the host for the whole batch.
     """

@@ -49,8 +49,7 @@ def attach_spec_decoder(runner: Any, cfg: SpeculativeConfig, device: Any) -> Non
 
         draft = load_model(cfg.draft_model_config, device)
         runner.draft_model = draft
-    runner.spec_decoder = SpecDecoder(cfg, runner.model, draft, runner.block_size, runner.vocab_size,
-                                      runner.eos_token_ids, device)
+    runner.spec_decoder = SpecDecoder(cfg, runner.model, draft, runner.block_size, device)
     detail = {"ngram": f"prompt lookup n={cfg.prompt_lookup_min}..{cfg.prompt_lookup_max}",
               "draft_model": f"draft model {cfg.model}",
               "layer_skip": f"the first {cfg.num_draft_layers} layers"}[cfg.method]

@@ -13,8 +13,8 @@ import torch
 from pagedllm.host_to_device import index_rows, tensor_on
 from pagedllm.logger import init_logger
 from pagedllm.sample.batch_state import SamplingBatch
-from pagedllm.sample.rejection_sampler import DraftRun, process_target_logits, rejection_sample
-from pagedllm.sample.sampler import compute_logprobs_for_targets, logprob_dicts
+from pagedllm.sample.rejection_sampler import DraftRun, rejection_sample
+from pagedllm.sample.sampler import Sampler, compute_logprobs_for_targets, logprob_dicts
 from pagedllm.sampling_params import SAMPLING_EPS, SamplingParams
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.governor import DraftGovernor
@@ -33,12 +33,10 @@ def can_speculate(params: SamplingParams) -> bool:
 
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, target: Any, draft_model: Any | None, block_size: int,
-                 vocab_size: int, eos_token_ids: list[int], device: torch.device) -> None:
+                 device: torch.device) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
         self.block_size = block_size
-        self.vocab_size = vocab_size
-        self.eos_token_ids = eos_token_ids
         self.device = device
         self.proposer: Proposer
         if config.method == "ngram":
@@ -55,12 +53,13 @@ class SpecDecoder:
         self.draft_probs.pop(req_id, None)
 
     # ---- verification ------------------------------------------------------------------------------
-    def verify(self, logits: torch.Tensor, jobs: list[tuple[Any, list[int], int]], sampling: SamplingBatch
-               ) -> tuple[list[list[int]], list[list[dict[int, tuple[float, int]]] | None]]:
+    def verify(self, logits: torch.Tensor, jobs: list[tuple[Any, list[int], int]], sampling: SamplingBatch,
+               sampler: Sampler) -> tuple[list[list[int]], list[list[dict[int, tuple[float, int]]] | None]]:
         """logits [N, V]: raw target logits; jobs: (runner state, drafts, first row) per request, each
         owning len(drafts) + 1 consecutive rows; ``sampling``: the runner's batch, which holds every job's
-        request. Returns per job its new tokens and, if it asked for logprobs, one {token: (logprob, rank)}
-        per new token (raw logprobs, like the Sampler's)."""
+        request, and ``sampler`` the runner's, over the same stages (every stage but the draw applies to the
+        target rows, as when sampling). Returns per job its new tokens and, if it asked for logprobs, one
+        {token: (logprob, rank)} per new token (raw logprobs, like the Sampler's)."""
         req_ids, pending, row_ids = [], [], []
         for state, drafts, first_row in jobs:
             for i in range(len(drafts) + 1):
@@ -69,7 +68,7 @@ class SpecDecoder:
                 row_ids.append(first_row + i)
         rows = index_rows(logits, row_ids)  # the identity in the runner: a view
         meta = sampling.metadata(req_ids, pending=pending)
-        processed = process_target_logits(rows, meta)
+        processed = sampler.process_logits(rows, meta)
         runs, first = [], 0
         for state, drafts, _ in jobs:
             probs = self.draft_probs.pop(state.req_id, None)

@@ -288,7 +288,7 @@ class ModelRunner:
     def _verify(self, hidden: torch.Tensor, rows: list[int], jobs: list, result: ModelRunnerOutput) -> None:
         """Check drafts against the target (spec_decode/); keep the accepted ones, roll back the rest."""
         logits = self.model.compute_logits(hidden[rows], out=self._logits_out(len(rows)))
-        tokens, logprobs = self.spec_decoder.verify(logits, jobs, self.sampling)
+        tokens, logprobs = self.spec_decoder.verify(logits, jobs, self.sampling, self.sampler)
         for (state, drafts, _), new, entries in zip(jobs, tokens, logprobs):
             state.token_ids.extend(new)
             state.output_token_ids.extend(new)

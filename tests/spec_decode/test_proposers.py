@@ -170,4 +170,4 @@ def test_every_method_is_a_proposer(tiny_target: LlamaForCausalLM) -> None:
     for method, cls in (("ngram", NgramProposer), ("layer_skip", ModelDrafter)):
         cfg = parse_speculative_config({"method": method, "num_speculative_tokens": 2, "num_draft_layers": 2}
                                        if method == "layer_skip" else {"method": method, "num_speculative_tokens": 2})
-        assert isinstance(SpecDecoder(cfg, tiny_target, None, 16, 256, [2], CPU).proposer, cls)
+        assert isinstance(SpecDecoder(cfg, tiny_target, None, 16, CPU).proposer, cls)
