@@ -96,6 +96,26 @@ def test_q4_dot8_matches_int8_activation_reference(kernels, isa: str, n: int, k:
         torch.testing.assert_close(y, F.linear(x, panels.dequantize(), bias), atol=1e-3 * k ** 0.5, rtol=1e-3)
 
 
+@pytest.mark.parametrize("isa", _isas())
+@pytest.mark.parametrize("group", [32, 64])
+def test_q4_dot8_integer_sums_at_their_extremes_do_not_wrap(kernels, isa: str, group: int) -> None:
+    """Every 4-bit level 15 against activations whose int8 terms are both near +-127 (x1 = 126 or 127, the
+    residual x2 about 127): the largest byte-dot sums a group can make. The AVX2 tiles add a 32-k group's
+    products in int16 lanes before widening them; nothing may wrap."""
+    n, k = 32, 128
+    q = torch.full((n, k), 15, dtype=torch.uint8)
+    _, s, mins = _fp16_params(q, torch.full((n, k // group), 0.01), torch.full((n, k // group), -0.05))
+    panels = QPanels.pack_q4(q, s, mins)
+    assert panels.layout == "dot8"
+    row = torch.full((k,), 126.5 / 127)
+    row[::group] = 1.0  # max|x| of each group: x1 = 127 there, 126 with a residual of ~127 elsewhere
+    for sign in (1.0, -1.0):
+        x = (3.0 * sign * row).expand(4, k).contiguous()
+        y = panels.matmul(x, None, isa=ISA_CODES[isa])
+        torch.testing.assert_close(y, _int8_activation_reference(x, q, s, mins, group), atol=1e-4 * k ** 0.5,
+                                   rtol=1e-5)
+
+
 def test_q4_layouts_hold_the_same_weights() -> None:
     torch.manual_seed(3)
     q, s, mins = _fp16_params(*quantize_q4(torch.randn(21, 64), 32))

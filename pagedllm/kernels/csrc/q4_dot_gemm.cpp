@@ -163,52 +163,76 @@ inline void prefetch_scales(const Problem& pb, int64_t p, int64_t g) {
   _mm_prefetch(reinterpret_cast<const char*>(pb.mins + o), _MM_HINT_T0);
 }
 
-// AVX2: 16 columns = 2 registers; two rows at most per tile (16 registers hold 2 x 2 x 2 int32 sums).
-template <int R>
+// AVX2: 16 columns = 2 registers, run as two passes of 8 columns over the panel's group. With both halves in one
+// pass, a 2-row tile's 8 int32 sums, 4 unpacked weight registers and the broadcasts outgrow the 16 registers and
+// the compiler kept the sums on the stack (a store-to-load chain every block); one half at a time needs 2R sums
+// and 2 weight registers, so up to 4 rows fit. The second pass re-reads the group's x words (L1 loads) only.
+//
+// The multiply port bounds this loop on AVX2 (vpmaddubsw and vpmaddwd share it). A block's u8 x s8 products land
+// in int16 lanes (2 * 15 * 127 = 3810 at most, low and high nibbles together 7620), so a group of up to
+// SHORT_GROUP_BLOCKS = 4 blocks (32 k: GGUF's Q4_0/Q4_1 group) sums in int16 exactly and is widened by one
+// vpmaddwd (kShort): 9 multiplies per row and block instead of 12. Longer groups widen every block. The sums
+// are exact integers either way, so both give the same result.
+constexpr int64_t SHORT_GROUP_BLOCKS = 4;
+
+template <int R, bool kShort>
 __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const Problem& pb, int64_t p, int64_t m0, float* acc) {
   const uint8_t* panel = pb.w + p * pb.panel_bytes;
+  const int8_t* x1 = pb.a->x1.data();
+  const int8_t* x2 = pb.a->x2.data();
+  const float* xd = pb.a->d.data();
+  const float* xs = pb.a->s.data();
+  const int64_t K = pb.K, G = pb.G;
   const __m256i mask = _mm256_set1_epi8(15);
   const __m256i ones = _mm256_set1_epi16(1);
   for (int i = 0; i < R * static_cast<int>(NR); ++i) acc[i] = 0.f;
   const int64_t blocks_per_group = pb.group / BLOCK_K;
-  for (int64_t g = 0; g < pb.G; ++g) {
-    __m256i c1[R][2], c2[R][2];
-    for (int i = 0; i < R; ++i) c1[i][0] = c1[i][1] = c2[i][0] = c2[i][1] = _mm256_setzero_si256();
+  for (int64_t g = 0; g < G; ++g) {
     prefetch_scales(pb, p, g);
-    for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
-      const uint8_t* blk = panel + b * BLOCK_BYTES;
-      _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_BLOCKS * BLOCK_BYTES), _MM_HINT_T0);
-      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk));       // columns 0..7
-      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32));  // columns 8..15
-      const __m256i lo0 = _mm256_and_si256(v0, mask), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), mask);
-      const __m256i lo1 = _mm256_and_si256(v1, mask), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), mask);
-      for (int i = 0; i < R; ++i) {
-        const XWords x = x_words(pb, m0 + i, b);
-        const __m256i xa0 = _mm256_set1_epi32(x.x1_lo), xa1 = _mm256_set1_epi32(x.x1_hi);
-        const __m256i xe0 = _mm256_set1_epi32(x.x2_lo), xe1 = _mm256_set1_epi32(x.x2_hi);
-        // u8 x s8 pairs into s16: 2 * 15 * 127 twice stays below 2^15, so two halves add without saturating.
-        c1[i][0] = _mm256_add_epi32(c1[i][0], _mm256_madd_epi16(_mm256_add_epi16(
-            _mm256_maddubs_epi16(lo0, xa0), _mm256_maddubs_epi16(hi0, xa1)), ones));
-        c1[i][1] = _mm256_add_epi32(c1[i][1], _mm256_madd_epi16(_mm256_add_epi16(
-            _mm256_maddubs_epi16(lo1, xa0), _mm256_maddubs_epi16(hi1, xa1)), ones));
-        c2[i][0] = _mm256_add_epi32(c2[i][0], _mm256_madd_epi16(_mm256_add_epi16(
-            _mm256_maddubs_epi16(lo0, xe0), _mm256_maddubs_epi16(hi0, xe1)), ones));
-        c2[i][1] = _mm256_add_epi32(c2[i][1], _mm256_madd_epi16(_mm256_add_epi16(
-            _mm256_maddubs_epi16(lo1, xe0), _mm256_maddubs_epi16(hi1, xe1)), ones));
-      }
-    }
-    const int64_t o = (p * pb.G + g) * NR;
+    const int64_t o = (p * G + g) * NR;
     for (int h = 0; h < 2; ++h) {
+      __m256i c1[R], c2[R];  // int16 sums of the group's blocks (kShort), else int32 sums
+      for (int i = 0; i < R; ++i) c1[i] = c2[i] = _mm256_setzero_si256();
+      for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+        const uint8_t* blk = panel + b * BLOCK_BYTES;
+        if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_BLOCKS * BLOCK_BYTES), _MM_HINT_T0);
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * h));  // columns 8h..8h+7
+        const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        for (int i = 0; i < R; ++i) {
+          const int64_t off = (m0 + i) * K + b * BLOCK_K;
+          int32_t w[4];
+          std::memcpy(&w[0], x1 + off, 4);
+          std::memcpy(&w[1], x1 + off + 4, 4);
+          std::memcpy(&w[2], x2 + off, 4);
+          std::memcpy(&w[3], x2 + off + 4, 4);
+          const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(w[0])),
+                                              _mm256_maddubs_epi16(hi, _mm256_set1_epi32(w[1])));
+          const __m256i p2 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(w[2])),
+                                              _mm256_maddubs_epi16(hi, _mm256_set1_epi32(w[3])));
+          if constexpr (kShort) {
+            c1[i] = _mm256_add_epi16(c1[i], p1);
+            c2[i] = _mm256_add_epi16(c2[i], p2);
+          } else {
+            c1[i] = _mm256_add_epi32(c1[i], _mm256_madd_epi16(p1, ones));
+            c2[i] = _mm256_add_epi32(c2[i], _mm256_madd_epi16(p2, ones));
+          }
+        }
+      }
+      if constexpr (kShort) {
+        for (int i = 0; i < R; ++i) {
+          c1[i] = _mm256_madd_epi16(c1[i], ones);
+          c2[i] = _mm256_madd_epi16(c2[i], ones);
+        }
+      }
       const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb.scales + o + 8 * h)));
       const __m256 n = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb.mins + o + 8 * h)));
       for (int i = 0; i < R; ++i) {
-        const int64_t ro = (m0 + i) * pb.G + g;
-        const float dx = pb.a->d[ro];
-        __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(c1[i][h]), _mm256_set1_ps(dx));
-        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c2[i][h]), _mm256_set1_ps(dx / RESIDUAL_STEPS), t);
+        const int64_t ro = (m0 + i) * G + g;
+        const float dx = xd[ro];
+        __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(c1[i]), _mm256_set1_ps(dx));
+        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c2[i]), _mm256_set1_ps(dx / RESIDUAL_STEPS), t);
         float* a = acc + i * NR + 8 * h;
-        _mm256_storeu_ps(a, _mm256_fmadd_ps(t, s, _mm256_fmadd_ps(n, _mm256_set1_ps(pb.a->s[ro]),
-                                                                   _mm256_loadu_ps(a))));
+        _mm256_storeu_ps(a, _mm256_fmadd_ps(t, s, _mm256_fmadd_ps(n, _mm256_set1_ps(xs[ro]), _mm256_loadu_ps(a))));
       }
     }
   }
@@ -255,18 +279,17 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void tile_vnni51
 }
 
 using TileFn = void (*)(const Problem&, int64_t, int64_t, float*);
-// Index rows - 1 of a tile of at most MR rows; AVX2 tiles hold two rows, so 3 and 4 run as 2 + 1 and 2 + 2.
-const TileFn kAvx2Tiles[2] = {tile_avx2<1>, tile_avx2<2>};
+// Index rows - 1 of a tile of at most MR rows.
+const TileFn kAvx2Tiles[MR] = {tile_avx2<1, false>, tile_avx2<2, false>, tile_avx2<3, false>, tile_avx2<4, false>};
+const TileFn kAvx2ShortTiles[MR] = {tile_avx2<1, true>, tile_avx2<2, true>, tile_avx2<3, true>, tile_avx2<4, true>};
 const TileFn kVnni512Tiles[MR] = {tile_vnni512<1>, tile_vnni512<2>, tile_vnni512<3>, tile_vnni512<4>};
 #endif
 
 void run_tile(Path path, const Problem& pb, int64_t p, int64_t m0, int rows, float* acc) {
 #if defined(PAGEDLLM_X86)
   if (path == Path::kVnni512) return kVnni512Tiles[rows - 1](pb, p, m0, acc);
-  if (path == Path::kAvx2) {
-    for (int i = 0; i < rows; i += 2) kAvx2Tiles[std::min(2, rows - i) - 1](pb, p, m0 + i, acc + i * NR);
-    return;
-  }
+  if (path == Path::kAvx2)
+    return (pb.group <= SHORT_GROUP_BLOCKS * BLOCK_K ? kAvx2ShortTiles : kAvx2Tiles)[rows - 1](pb, p, m0, acc);
 #endif
   tile_generic(pb, p, m0, rows, acc);
 }
