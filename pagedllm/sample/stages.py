@@ -218,6 +218,7 @@ class AllowedTokensStage(SlotRowState):
 
     name = "allowed_token_ids"
     draw_fusion = None
+
     def add_row(self, row: AddedRow, update: BatchUpdate) -> bool:
         if row.params.allowed_token_ids is None:
             return False
@@ -248,6 +249,7 @@ class LogitBiasStage(SlotRowState):
 
     name = "logit_bias"
     draw_fusion = None
+
     def add_row(self, row: AddedRow, update: BatchUpdate) -> bool:
         bias = [(t, v) for t, v in (row.params.logit_bias or {}).items() if t < update.vocab_size]
         if not bias:

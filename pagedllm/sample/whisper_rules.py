@@ -149,6 +149,7 @@ class WhisperRulesStage(SlotRowState):
 
     name = "whisper_rules"
     draw_fusion = None
+
     def add_row(self, row: AddedRow, update: BatchUpdate) -> bool:
         return row.params.allowed_token_ids is None
 

@@ -169,6 +169,8 @@ def uniform_query_len(meta: AttentionMetadata) -> int | None:
     """The number of tokens every request of the step runs, or None when they differ."""
     if meta.num_decodes == meta.num_reqs:
         return 1
+    if meta.num_decodes:  # one-token requests beside longer ones
+        return None
     qsl = meta.query_start_loc_cpu
     q = qsl[1] - qsl[0]
     return q if all(qsl[i + 1] - qsl[i] == q for i in range(1, meta.num_reqs)) else None

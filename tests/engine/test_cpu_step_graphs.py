@@ -147,6 +147,7 @@ def test_a_uniform_multi_token_step_records_and_replays_like_its_eager_forward(k
     assert graphs.input_ids[3:].tolist() == [0, 0, 0] and graphs.seq_lens.tolist() == [10, 3]
     mixed = AttentionMetadata.for_step([2, 3], [10, 10], [[1], [2]], 16)
     assert uniform_query_len(mixed) is None and not graphs.can_run(mixed)
+    assert uniform_query_len(AttentionMetadata.for_step([1, 3], [10, 10], [[1], [2]], 16)) is None
     assert not graphs.can_run(AttentionMetadata.for_step([1], [10], [[1]], 16))
 
 
