@@ -32,6 +32,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x[M,K] quantized per group to int8 @ (scale * q4 + min)^T (+ bias), W in dot8 blocks [P, K/8, 64]",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("group"),
         py::arg("out_features"), py::arg("bias") = py::none(), py::arg("out") = py::none(), py::arg("isa") = 0);
+  m.def("q8_dot_supported", &q8_dot_supported, "Whether this CPU runs q8_dot_gemm fast (AVX-512 VNNI)");
+  m.def("q8_dot_gemm", step_graph::recorded<6>("q8_dot_gemm", &q8_dot_gemm),
+        "x[M,K] quantized per group to int8 @ (scale * q8)^T (+ bias), W + 128 in dot4 blocks [P, K/4, 64]",
+        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("group"), py::arg("out_features"),
+        py::arg("bias") = py::none(), py::arg("out") = py::none(), py::arg("isa") = 0);
   m.def("f8_gemm", step_graph::recorded<6>("f8_gemm", &f8_gemm), "x[M,K] @ (scale * fp8 e4m3 W)^T (+ bias), W bytes in panels [P, K, 16]",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("group"), py::arg("out_features"),
         py::arg("bias") = py::none(), py::arg("out") = py::none(), py::arg("isa") = 0);
@@ -60,6 +65,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<step_graph::StepGraph, std::shared_ptr<step_graph::StepGraph>>(m, "StepGraph")
       .def("replay", &step_graph::StepGraph::replay, py::call_guard<py::gil_scoped_release>(),
            "Run the recorded kernel calls again, in order, on the same tensors")
+      .def("profile", &step_graph::StepGraph::profile, py::arg("reps"), py::call_guard<py::gil_scoped_release>(),
+           "Replay reps times timing each op: [(kernel name, seconds over all reps)] in the recorded order")
       .def_property_readonly("num_ops", [](const step_graph::StepGraph& g) { return g.ops.size(); })
       .def_readonly("broken", &step_graph::StepGraph::broken,
                     "Why the recording cannot be replayed (empty when it can)");

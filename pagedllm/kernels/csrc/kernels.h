@@ -46,6 +46,13 @@ torch::Tensor q4_dot_gemm(const torch::Tensor& x, const torch::Tensor& qweight, 
                           const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& out,
                           int64_t isa);
 
+// q8_dot_gemm.cpp: 8-bit weights in the "dot4" layout [P, K/4, 64] (q + 128) times x quantized per group to
+// int8; AVX-512 VNNI (q8_dot_supported()) or the portable loop (isa 3)
+bool q8_dot_supported();
+torch::Tensor q8_dot_gemm(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
+                          int64_t group, int64_t out_features, const std::optional<torch::Tensor>& bias,
+                          const std::optional<torch::Tensor>& out, int64_t isa);
+
 // w8a8_gemm.cpp (AVX-512 VNNI only; w8a8_supported() says whether this CPU has it)
 bool w8a8_supported();
 torch::Tensor w8a8_gemm(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,

@@ -5,11 +5,7 @@
 // Here the products are summed in int32 by byte dot products: AVX-512 VNNI's vpdpbusd (64 u8 x s8
 // multiply-adds per instruction) or AVX2's vpmaddubsw + vpmaddwd.
 //
-// x is split per (row, weight group) into two int8 terms, x ~= dx * x1 + (dx / 254) * x2, with
-// dx = max|x| / 127: x1 as llama.cpp's Q8 blocks, x2 the rounding residual of x1 (|x - dx * x1| <= dx / 2, so x2
-// fits in int8 too). One int8 term alone moved the default model's perplexity by 2% (0.7% even with the error
-// centred on the weights' range); two leave x with ~16-bit precision, and the second costs one more dot
-// product per 4 weights, not another unpacking of the weights. Per group g and column n:
+// x is split per (row, weight group) into two int8 terms (dot_gemm.h). Per group g and column n:
 //   y[m, n] += scale[n, g] * (dx * sum_k q x1 + dx / 254 * sum_k q x2) + min[n, g] * sum_k x[m, k]
 // with the group sum of x exact (float).
 //
@@ -24,6 +20,7 @@
 // ISA dispatch at run time per call (isa as in cpu_features.h: 0 = best, 1 = AVX2, 2 = AVX-512, 3 = portable);
 // AVX-512 runs the VNNI tiles where the CPU has VNNI and the AVX2 tiles otherwise.
 #include "cpu_features.h"
+#include "dot_gemm.h"
 #include "gemm_args.h"
 #include "kernels.h"
 
@@ -42,11 +39,12 @@
 
 namespace {
 
-constexpr int64_t NR = 16;         // output columns per panel
+using dot_gemm::Activations;
+using dot_gemm::MR;
+using dot_gemm::NR;
+using dot_gemm::RESIDUAL_STEPS;
 constexpr int64_t BLOCK_K = 8;     // k per 64-byte block
 constexpr int64_t BLOCK_BYTES = 64;
-constexpr int MR = 4;              // rows per tile
-constexpr float RESIDUAL_STEPS = 254.f;  // x2's step is dx / 254: |residual| <= dx / 2 -> |x2| <= 127
 // Software prefetch distances. A decode step's matmuls are small (0.2-1.1 MB each) and stream from memory,
 // so the hardware prefetcher, restarting at every call, leaves one stream per core latency-bound: 96 blocks
 // (6 KiB) ahead took the default model's 120 decode matmuls from 2.1 to 1.65 ms (AVX-512, 2 cores).
@@ -60,44 +58,6 @@ Path resolve_path(int64_t isa_request) {
   const int isa = resolve_isa(isa_request);
   if (isa == ISA_GENERIC) return Path::kGeneric;
   return isa == ISA_AVX512 && cpu_has_vnni512() ? Path::kVnni512 : Path::kAvx2;
-}
-
-// x split per (row, group): x1, x2 int8 [M, K]; dx = max|x| / 127 and xs = sum(x), float [M, G].
-struct Activations {
-  std::vector<int8_t> x1, x2;
-  std::vector<float> d, s;
-};
-
-void quantize_activations(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t group, Activations& a) {
-  const int64_t G = K / group;
-  a.x1.resize(static_cast<size_t>(M * K));
-  a.x2.resize(static_cast<size_t>(M * K));
-  a.d.resize(static_cast<size_t>(M * G));
-  a.s.resize(static_cast<size_t>(M * G));
-  at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      for (int64_t g = 0; g < G; ++g) {
-        const float* r = x + m * ldx + g * group;
-        float amax = 0.f, sum = 0.f;
-        for (int64_t k = 0; k < group; ++k) {
-          amax = std::max(amax, std::fabs(r[k]));
-          sum += r[k];
-        }
-        const float d = amax / 127.f;
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        int8_t* q1 = a.x1.data() + m * K + g * group;
-        int8_t* q2 = a.x2.data() + m * K + g * group;
-        for (int64_t k = 0; k < group; ++k) {
-          const float v = r[k] * inv;  // in units of dx
-          const float l1 = std::nearbyint(v);
-          q1[k] = static_cast<int8_t>(l1);
-          q2[k] = static_cast<int8_t>(std::clamp(std::nearbyint((v - l1) * RESIDUAL_STEPS), -127.f, 127.f));
-        }
-        a.d[m * G + g] = d;
-        a.s[m * G + g] = sum;
-      }
-    }
-  });
 }
 
 struct Problem {
@@ -321,37 +281,11 @@ torch::Tensor q4_dot_gemm(const torch::Tensor& x, const torch::Tensor& qweight, 
   if (M == 0) return y;
 
   Activations act;
-  quantize_activations(xc.data_ptr<float>(), xc.stride(0), M, K, group, act);
+  dot_gemm::quantize_activations(xc.data_ptr<float>(), xc.stride(0), M, K, group, act);
   const Problem pb{qweight.data_ptr<uint8_t>(), (K / BLOCK_K) * BLOCK_BYTES,
                    reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
                    reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()), &act, K, G, group};
-  float* yp = y.data_ptr<float>();
-  const int64_t ldy = y.stride(0);
-  // Panels per thread: at least ~256k multiply-adds, so small matmuls stay on one thread.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, M * K * NR));
-  // Row blocks of int8 x (two terms) of ~128 KiB stay in L2 across this thread's panels; a panel (K * 8 bytes) stays in
-  // L1 across a block's row tiles.
-  const int64_t mblock = std::max<int64_t>(MR, (64 * 1024) / K / MR * MR);
-  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
-    float tmp[MR * NR];
-    for (int64_t mb = 0; mb < M; mb += mblock)
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * NR, cols = std::min(NR, N - n0);
-      const int64_t me = std::min(M, mb + mblock);
-      for (int64_t m = mb; m < me; m += MR) {
-        const int rows = static_cast<int>(std::min<int64_t>(MR, me - m));
-        run_tile(path, pb, p, m, rows, tmp);
-        for (int i = 0; i < rows; ++i) {
-          float* yr = yp + (m + i) * ldy + n0;
-          const float* t = tmp + i * NR;
-          if (b != nullptr) {
-            for (int64_t j = 0; j < cols; ++j) yr[j] = t[j] + b[n0 + j];
-          } else {
-            std::memcpy(yr, t, sizeof(float) * cols);
-          }
-        }
-      }
-    }
-  });
+  dot_gemm::for_each_tile(M, N, K, b, y.data_ptr<float>(), y.stride(0),
+                          [&](int64_t p, int64_t m, int rows, float* acc) { run_tile(path, pb, p, m, rows, acc); });
   return y;
 }

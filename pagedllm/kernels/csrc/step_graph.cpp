@@ -20,6 +20,7 @@ std::shared_ptr<StepGraph> end() {
   TORCH_CHECK(t.recording, "no step graph is recording on this thread");
   auto graph = std::make_shared<StepGraph>();
   graph->ops = std::move(t.ops);
+  graph->names = std::move(t.names);
   graph->broken = std::move(t.broken);
   t = Tape{};
   return graph;

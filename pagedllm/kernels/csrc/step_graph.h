@@ -10,6 +10,7 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -24,6 +25,7 @@ struct Tape {
   bool recording = false;
   int depth = 0;  // > 0 while a bound kernel runs: the torch ops it issues itself are part of it
   std::vector<std::function<void()>> ops;
+  std::vector<const char*> names;  // the kernel of each op (string literals of the bindings)
   std::string broken;  // why the recording cannot be replayed (empty when it can)
 };
 
@@ -32,9 +34,24 @@ Tape& tape();
 // What end_step_graph returns: the recorded calls, replayed in order.
 struct StepGraph {
   std::vector<std::function<void()>> ops;
+  std::vector<const char*> names;
   std::string broken;
   void replay() const {
     for (const auto& op : ops) op();
+  }
+  // Replays `reps` times timing every op: (kernel name, seconds summed over the reps) per op, in order. The ops
+  // run in their recorded order, so each sees the caches a real replay leaves it.
+  std::vector<std::pair<std::string, double>> profile(int64_t reps) const {
+    std::vector<double> seconds(ops.size(), 0.0);
+    for (int64_t r = 0; r < reps; ++r)
+      for (size_t i = 0; i < ops.size(); ++i) {
+        const auto t0 = std::chrono::steady_clock::now();
+        ops[i]();
+        seconds[i] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      }
+    std::vector<std::pair<std::string, double>> out;
+    for (size_t i = 0; i < ops.size(); ++i) out.emplace_back(names[i], seconds[i]);
+    return out;
   }
 };
 
@@ -62,6 +79,7 @@ auto recorded(const char* name, R (*fn)(Args...)) {
         fn(std::forward<Args>(args)...);
       }
       t.ops.push_back(std::move(replay));
+      t.names.push_back(name);
     } else {
       R result = [&] {
         Depth scope(t);
@@ -73,6 +91,7 @@ auto recorded(const char* name, R (*fn)(Args...)) {
         t.broken = std::string(name) + " returns a tensor that a replay would not refill";
       }
       t.ops.push_back(std::move(replay));
+      t.names.push_back(name);
       return result;
     }
   };

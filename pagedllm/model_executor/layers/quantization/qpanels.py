@@ -6,6 +6,9 @@ float scales, in panels of 16 output rows ``[P = ceil(N / 16), ..., 16]`` zero-p
 - ``Int8Panels`` (``q8_gemm``): w = scale * q, q int8 [P, K, 16];
 - ``W8A8Panels``: the same weight, and from ``W8A8_MIN_ROWS`` rows on a CPU with VNNI the activations
   quantized per row to int8 too (``w8a8_gemm``);
+- ``Int8Dot4Panels`` (``q8_dot_gemm``, kernels/csrc/q8_dot_gemm.cpp): the same w = scale * q, q + 128 in 64-byte
+  blocks of 4 k x 16 columns [P, K/4, 64], x quantized per group to int8 and multiplied by AVX-512 VNNI byte dot
+  products (CPUs with VNNI; the autotuner chooses it over ``Int8Panels`` where it measures faster);
 - ``Q4Dot8Panels`` (``q4_dot_gemm``, kernels/csrc/q4_dot_gemm.cpp): w = scale * q + min, q in 0..15 in
   64-byte blocks of 8 k x 16 columns [P, K/8, 64]; x is quantized per group to int8 and multiplied by byte dot
   products, about twice the speed of widening the weights to float. The default wherever the group is a
@@ -33,7 +36,7 @@ from pagedllm.platforms import platform_of
 PANEL = 16
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
 W8A8_MIN_ROWS = 16  # below this the weight-only kernel (weight-bound) is as fast and exact in x
-W8A8_ISAS = (0, 2)  # auto, avx512: the VNNI kernel has no AVX2 path
+W8A8_ISAS = (0, 2)  # auto, avx512: the VNNI kernels (w8a8, q8 dot4) have no AVX2 path
 
 
 def _panels(t: torch.Tensor) -> torch.Tensor:
@@ -123,6 +126,39 @@ class Int8Panels(QPanels):
 
     def _levels(self) -> torch.Tensor:
         return self.qweight.float()
+
+
+class Int8Dot4Panels(QPanels):
+    """``qweight`` uint8 [P, K/4, 64]: block b holds k = 4b..4b+3 of 16 columns, byte 4j + t the level of
+    k = 4b + t of column j plus 128; ``scales`` float16 where that is exact (GGUF's Q8_0), else float32."""
+
+    layout = "dot4"
+
+    @classmethod
+    def pack(cls, q: torch.Tensor, scales: torch.Tensor) -> Int8Dot4Panels:
+        """q int8 [N, K], scales float [N, K / group] (group a multiple of 4)."""
+        n, k = q.shape
+        group = k // scales.shape[1]
+        if group % 4:
+            raise ValueError(f"the dot4 layout needs a group that is a multiple of 4, got {group}")
+        p = _panels(q.to(torch.int16) + 128)  # [P, K, 16], levels 1..255
+        # [P, K, 16] -> [P, b, t, j] with k = 4b + t -> bytes [P, b, j, t].
+        packed = p.view(p.shape[0], k // 4, 4, PANEL).transpose(2, 3).reshape(p.shape[0], k // 4, 64)
+        s = _panels(scales.float())
+        half = s.half()
+        return cls(packed.to(torch.uint8).contiguous(), half if bool((half.float() == s).all()) else s, None, group,
+                   n, k)
+
+    def _bind_kernel(self, kernels: Any, isa: int) -> CpuMatmul:
+        if isa not in W8A8_ISAS or not kernels.q8_dot_supported():
+            isa = 3  # no VNNI: the portable loop (same results, slow; the autotuner never picks it there)
+        dot4, qw, s, g, n = kernels.q8_dot_gemm, self.qweight, self.scales, self.group, self.out_features
+        return lambda x, bias, out: dot4(x, qw, s, g, n, bias, out, isa)
+
+    def _levels(self) -> torch.Tensor:
+        p, blocks, _ = self.qweight.shape
+        u = self.qweight.view(p, blocks, PANEL, 4).transpose(2, 3)  # [P, b, t, j]
+        return u.reshape(p, blocks * 4, PANEL).float() - 128
 
 
 class W8A8Panels(Int8Panels):
