@@ -60,10 +60,12 @@ def _int8_activation_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor
     m, k = x.shape
     xf = x.float().view(m, k // group, group)
     amax = xf.abs().amax(-1)  # [M, G]
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))  # float32, as the kernel rounds
-    v = xf * inv.unsqueeze(-1)
-    x1 = torch.round(v)
-    x2 = torch.round((v - x1) * 254).clamp(-127, 127)
+    # one float32 division, as the kernel (127 / amax would be reciprocal(amax) * 127: two roundings)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))
+    x1 = torch.round(xf * inv.unsqueeze(-1))
+    # the residual of the unrounded product, rounded once to float32 (the kernel's fused multiply-add)
+    res = (xf.double() * inv.double().unsqueeze(-1) - x1.double()).float()
+    x2 = torch.round(res * 254).clamp(-127, 127)
     dx = (amax / 127).double()
     qg = q.double().view(-1, k // group, group)
     d1 = torch.einsum("mgk,ngk->mng", x1.double(), qg)  # [M, N, G]

@@ -14,6 +14,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace dot_gemm {
 
 constexpr int64_t NR = 16;               // output columns per panel
@@ -28,7 +32,140 @@ struct Activations {
   std::vector<int32_t> s1, s2;
 };
 
-inline void quantize_activations(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t group, Activations& a) {
+// One group of one row: x1, x2, and (dx, sum x, sum x1, sum x2). Every path rounds as the portable one does
+// (nearbyint: to nearest, ties to even) and gives the same x1 and x2; the float sum may differ in its last bits.
+// The residual is taken from the unrounded x * inv by a fused multiply-add in every path, so no compiler's
+// choice to contract (or not) x * inv - x1 changes x2.
+inline float residual(float x, float inv, float l1) { return std::fma(x, inv, -l1) * RESIDUAL_STEPS; }
+struct GroupStats {
+  float d, sum;
+  int32_t s1, s2;
+};
+
+inline GroupStats split_group_generic(const float* r, int64_t group, int8_t* q1, int8_t* q2) {
+  float amax = 0.f, sum = 0.f;
+  for (int64_t k = 0; k < group; ++k) {
+    amax = std::max(amax, std::fabs(r[k]));
+    sum += r[k];
+  }
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t s1 = 0, s2 = 0;
+  for (int64_t k = 0; k < group; ++k) {
+    const float l1 = std::nearbyint(r[k] * inv);  // in units of dx
+    q1[k] = static_cast<int8_t>(l1);
+    q2[k] = static_cast<int8_t>(std::clamp(std::nearbyint(residual(r[k], inv, l1)), -127.f, 127.f));
+    s1 += q1[k];
+    s2 += q2[k];
+  }
+  return {amax / 127.f, sum, s1, s2};
+}
+
+#if defined(__x86_64__)
+// 16 k at a time: the scalar loop took ~3 us of a 1536-wide decode row on an Intel Xeon, a third of the matmul's time.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline GroupStats split_group_avx512(
+    const float* r, int64_t group, int8_t* q1, int8_t* q2) {
+  const int64_t vec = group / 16 * 16;
+  __m512 vmax = _mm512_setzero_ps(), vsum = _mm512_setzero_ps();
+  for (int64_t k = 0; k < vec; k += 16) {
+    const __m512 v = _mm512_loadu_ps(r + k);
+    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+    vsum = _mm512_add_ps(vsum, v);
+  }
+  float amax = _mm512_reduce_max_ps(vmax), sum = _mm512_reduce_add_ps(vsum);
+  for (int64_t k = vec; k < group; ++k) {
+    amax = std::max(amax, std::fabs(r[k]));
+    sum += r[k];
+  }
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  const __m512 vinv = _mm512_set1_ps(inv), steps = _mm512_set1_ps(RESIDUAL_STEPS);
+  const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  __m512i c1 = _mm512_setzero_si512(), c2 = _mm512_setzero_si512();
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (int64_t k = 0; k < vec; k += 16) {
+    const __m512 x = _mm512_loadu_ps(r + k);
+    const __m512 l1 = _mm512_roundscale_ps(_mm512_mul_ps(x, vinv), kNearest);
+    const __m512 res = _mm512_mul_ps(_mm512_fmsub_ps(x, vinv, l1), steps);
+    const __m512 l2 = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(res, kNearest)));
+    const __m512i i1 = _mm512_cvtps_epi32(l1), i2 = _mm512_cvtps_epi32(l2);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q1 + k), _mm512_cvtepi32_epi8(i1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q2 + k), _mm512_cvtepi32_epi8(i2));
+    c1 = _mm512_add_epi32(c1, i1);
+    c2 = _mm512_add_epi32(c2, i2);
+  }
+  int32_t s1 = _mm512_reduce_add_epi32(c1), s2 = _mm512_reduce_add_epi32(c2);
+  for (int64_t k = vec; k < group; ++k) {
+    const float l1 = std::nearbyint(r[k] * inv);
+    q1[k] = static_cast<int8_t>(l1);
+    q2[k] = static_cast<int8_t>(std::clamp(std::nearbyint(residual(r[k], inv, l1)), -127.f, 127.f));
+    s1 += q1[k];
+    s2 += q2[k];
+  }
+  return {amax / 127.f, sum, s1, s2};
+}
+
+// The same 8 k at a time, for the AVX2 tiles.
+__attribute__((target("avx2,fma"))) inline GroupStats split_group_avx2(const float* r, int64_t group, int8_t* q1,
+                                                                       int8_t* q2) {
+  const int64_t vec = group / 8 * 8;
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 vmax = _mm256_setzero_ps(), vsum = _mm256_setzero_ps();
+  for (int64_t k = 0; k < vec; k += 8) {
+    const __m256 v = _mm256_loadu_ps(r + k);
+    vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, v));
+    vsum = _mm256_add_ps(vsum, v);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  float amax = 0.f;
+  for (float v : lanes) amax = std::max(amax, v);
+  _mm256_store_ps(lanes, vsum);
+  float sum = 0.f;
+  for (float v : lanes) sum += v;
+  for (int64_t k = vec; k < group; ++k) {
+    amax = std::max(amax, std::fabs(r[k]));
+    sum += r[k];
+  }
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  const __m256 vinv = _mm256_set1_ps(inv), steps = _mm256_set1_ps(RESIDUAL_STEPS);
+  const __m256 lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  __m256i c1 = _mm256_setzero_si256(), c2 = _mm256_setzero_si256();
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (int64_t k = 0; k < vec; k += 8) {
+    const __m256 x = _mm256_loadu_ps(r + k);
+    const __m256 l1 = _mm256_round_ps(_mm256_mul_ps(x, vinv), kNearest);
+    const __m256 res = _mm256_mul_ps(_mm256_fmsub_ps(x, vinv, l1), steps);
+    const __m256 l2 = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_round_ps(res, kNearest)));
+    const __m256i i1 = _mm256_cvtps_epi32(l1), i2 = _mm256_cvtps_epi32(l2);
+    // 8 int32 in -127..127 -> 8 int8 (the packs never saturate).
+    const __m128i w1 = _mm_packs_epi32(_mm256_castsi256_si128(i1), _mm256_extracti128_si256(i1, 1));
+    const __m128i w2 = _mm_packs_epi32(_mm256_castsi256_si128(i2), _mm256_extracti128_si256(i2, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q1 + k), _mm_packs_epi16(w1, w1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q2 + k), _mm_packs_epi16(w2, w2));
+    c1 = _mm256_add_epi32(c1, i1);
+    c2 = _mm256_add_epi32(c2, i2);
+  }
+  alignas(32) int32_t ints[8];
+  int32_t s1 = 0, s2 = 0;
+  _mm256_store_si256(reinterpret_cast<__m256i*>(ints), c1);
+  for (int32_t v : ints) s1 += v;
+  _mm256_store_si256(reinterpret_cast<__m256i*>(ints), c2);
+  for (int32_t v : ints) s2 += v;
+  for (int64_t k = vec; k < group; ++k) {
+    const float l1 = std::nearbyint(r[k] * inv);
+    q1[k] = static_cast<int8_t>(l1);
+    q2[k] = static_cast<int8_t>(std::clamp(std::nearbyint(residual(r[k], inv, l1)), -127.f, 127.f));
+    s1 += q1[k];
+    s2 += q2[k];
+  }
+  return {amax / 127.f, sum, s1, s2};
+}
+#endif
+
+// How quantize_activations splits a group: the portable loop, or 8 / 16 k at a time (the caller's tiles' ISA).
+enum class Split { kScalar, kAvx2, kAvx512 };
+
+inline void quantize_activations(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t group, Activations& a,
+                                 Split split) {
   const int64_t G = K / group;
   a.x1.resize(static_cast<size_t>(M * K));
   a.x2.resize(static_cast<size_t>(M * K));
@@ -40,28 +177,19 @@ inline void quantize_activations(const float* x, int64_t ldx, int64_t M, int64_t
     for (int64_t m = m0; m < m1; ++m) {
       for (int64_t g = 0; g < G; ++g) {
         const float* r = x + m * ldx + g * group;
-        float amax = 0.f, sum = 0.f;
-        for (int64_t k = 0; k < group; ++k) {
-          amax = std::max(amax, std::fabs(r[k]));
-          sum += r[k];
-        }
-        const float d = amax / 127.f;
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
         int8_t* q1 = a.x1.data() + m * K + g * group;
         int8_t* q2 = a.x2.data() + m * K + g * group;
-        int32_t s1 = 0, s2 = 0;
-        for (int64_t k = 0; k < group; ++k) {
-          const float v = r[k] * inv;  // in units of dx
-          const float l1 = std::nearbyint(v);
-          q1[k] = static_cast<int8_t>(l1);
-          q2[k] = static_cast<int8_t>(std::clamp(std::nearbyint((v - l1) * RESIDUAL_STEPS), -127.f, 127.f));
-          s1 += q1[k];
-          s2 += q2[k];
-        }
-        a.d[m * G + g] = d;
-        a.s[m * G + g] = sum;
-        a.s1[m * G + g] = s1;
-        a.s2[m * G + g] = s2;
+#if defined(__x86_64__)
+        const GroupStats st = split == Split::kAvx512 ? split_group_avx512(r, group, q1, q2)
+                              : split == Split::kAvx2 ? split_group_avx2(r, group, q1, q2)
+                                                      : split_group_generic(r, group, q1, q2);
+#else
+        const GroupStats st = split_group_generic(r, group, q1, q2);
+#endif
+        a.d[m * G + g] = st.d;
+        a.s[m * G + g] = st.sum;
+        a.s1[m * G + g] = st.s1;
+        a.s2[m * G + g] = st.s2;
       }
     }
   });

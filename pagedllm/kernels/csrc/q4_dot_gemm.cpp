@@ -281,7 +281,10 @@ torch::Tensor q4_dot_gemm(const torch::Tensor& x, const torch::Tensor& qweight, 
   if (M == 0) return y;
 
   Activations act;
-  dot_gemm::quantize_activations(xc.data_ptr<float>(), xc.stride(0), M, K, group, act);
+  dot_gemm::quantize_activations(xc.data_ptr<float>(), xc.stride(0), M, K, group, act,
+                                path == Path::kVnni512 ? dot_gemm::Split::kAvx512
+                                : path == Path::kAvx2  ? dot_gemm::Split::kAvx2
+                                                       : dot_gemm::Split::kScalar);
   const Problem pb{qweight.data_ptr<uint8_t>(), (K / BLOCK_K) * BLOCK_BYTES,
                    reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
                    reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()), &act, K, G, group};

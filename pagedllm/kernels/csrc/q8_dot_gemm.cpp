@@ -184,7 +184,8 @@ torch::Tensor q8_dot_gemm(const torch::Tensor& x, const torch::Tensor& qweight, 
   if (M == 0) return y;
 
   Activations act;
-  dot_gemm::quantize_activations(xc.data_ptr<float>(), xc.stride(0), M, K, group, act);
+  dot_gemm::quantize_activations(xc.data_ptr<float>(), xc.stride(0), M, K, group, act,
+                                vnni ? dot_gemm::Split::kAvx512 : dot_gemm::Split::kScalar);
   const Problem pb{qweight.data_ptr<uint8_t>(), (K / BLOCK_K) * BLOCK_BYTES, scales.data_ptr(), half, &act, K, G,
                    group};
   dot_gemm::for_each_tile(M, N, K, b, y.data_ptr<float>(), y.stride(0),
