@@ -85,6 +85,29 @@ def test_kernel_reads_bf16_cache() -> None:
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
 
 
+def test_bf16_query_and_output_equal_the_float32_path_rounded() -> None:
+    """A bf16 model's query goes in as bf16 and its output comes back in bf16: the same numbers as widening the
+    query, attending in float32 and rounding the output to bf16 (what the backend did with two casts)."""
+    kernels = load_cpu_kernels()
+    assert kernels is not None
+    meta, cache, query = _case(7, 9, 3, 64, 16, chunk_len=3, seed=5, cache_dtype=torch.bfloat16)
+    rows = torch.arange(meta.num_reqs, dtype=torch.int32)
+    q16 = query.bfloat16()
+    expected = torch.zeros_like(query)
+    kernels.paged_attention(q16.float(), cache[0], cache[1], meta.block_tables, meta.seq_lens,
+                            meta.query_start_loc, expected, 0.125, rows)
+    got = torch.zeros_like(q16)
+    kernels.paged_attention(q16, cache[0], cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc, got,
+                            0.125, rows)
+    assert torch.equal(got, expected.bfloat16())
+    with pytest.raises(RuntimeError, match="both"):
+        kernels.paged_attention(q16, cache[0], cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                expected, 0.125, rows)
+    with pytest.raises(RuntimeError, match="bfloat16 cache"):
+        kernels.paged_attention(q16, cache[0].float(), cache[1].float(), meta.block_tables, meta.seq_lens,
+                                meta.query_start_loc, got, 0.125, rows)
+
+
 def test_kernel_only_touches_listed_requests() -> None:
     kernels = load_cpu_kernels()
     assert kernels is not None

@@ -121,12 +121,15 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         # K/V back from the cache while it is hot); longer ones go to SDPA's blocked matmuls.
         kernel_rows, sdpa_fresh = plan.kernel_split(FRESH_PROMPT_KERNEL_MAX_LEN)
         if kernel_rows is not None:
-            q32 = query if query.dtype == torch.float32 else query.float()
-            out32 = out if query.dtype == torch.float32 else torch.empty_like(q32)
-            kernels.paged_attention(q32, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens,
-                                    meta.query_start_loc, out32, scale, kernel_rows)
-            if out32 is not out:
-                out.copy_(out32)  # rows left to SDPA are overwritten below
+            # float32, or bf16 with a bf16 cache (the kernel widens each token's query itself); any other
+            # query goes through float32 copies.
+            native = query.dtype == torch.float32 or query.dtype == kv_cache.dtype == torch.bfloat16
+            q_in = query if native else query.float()
+            out_k = out if native else torch.empty_like(q_in)
+            kernels.paged_attention(q_in, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens,
+                                    meta.query_start_loc, out_k, scale, kernel_rows)
+            if out_k is not out:
+                out.copy_(out_k)  # rows left to SDPA are overwritten below
     else:
         sdpa_fresh = plan.fresh_groups
         if plan.with_context:
