@@ -86,8 +86,9 @@ def test_kernel_reads_bf16_cache() -> None:
 
 
 def test_bf16_query_and_output_equal_the_float32_path_rounded() -> None:
-    """A bf16 model's query goes in as bf16 and its output comes back in bf16: the same numbers as widening the
-    query, attending in float32 and rounding the output to bf16 (what the backend did with two casts)."""
+    """A bf16 model's query goes in as bf16 and its output comes back in bf16: the numbers of widening the query,
+    attending in float32 and rounding the output to bf16 (what the backend did with two casts), to within one bf16
+    step where AVX512-BF16 dot products sum the scores in another order."""
     kernels = load_cpu_kernels()
     assert kernels is not None
     meta, cache, query = _case(7, 9, 3, 64, 16, chunk_len=3, seed=5, cache_dtype=torch.bfloat16)
@@ -99,7 +100,8 @@ def test_bf16_query_and_output_equal_the_float32_path_rounded() -> None:
     got = torch.zeros_like(q16)
     kernels.paged_attention(q16, cache[0], cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc, got,
                             0.125, rows)
-    assert torch.equal(got, expected.bfloat16())
+    torch.testing.assert_close(got.float(), expected.bfloat16().float(), rtol=2 ** -7, atol=1e-4)
+    assert (got == expected.bfloat16()).float().mean() > 0.99
     with pytest.raises(RuntimeError, match="both"):
         kernels.paged_attention(q16, cache[0], cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                 expected, 0.125, rows)
