@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.host_to_device import tensor_on
-from pagedllm.sample.draw import inverse_cdf, row_uniforms
+from pagedllm.sample.draw import greedy_tokens, inverse_cdf, row_uniforms
 
 
 @dataclass
@@ -86,7 +86,7 @@ def rejection_sample_batch(processed_logits: torch.Tensor, runs: list[DraftRun])
     greedy = tensor_on([r.greedy for r in runs], torch.bool, device)
     valid = torch.arange(width, device=device).unsqueeze(0) < num_drafts.unsqueeze(1)  # [R, K]
 
-    argmax = processed_logits.argmax(dim=1) if any(r.greedy for r in runs) else None
+    argmax = greedy_tokens(processed_logits) if any(r.greedy for r in runs) else None
     # Row-wise, so each request's rows come out as their own softmax would.
     probs = processed_logits.softmax(dim=1) if any(not r.greedy for r in runs) else None
     # [R, K]: greedy rows keep a draft equal to the target's argmax, random rows by the p/q test below.

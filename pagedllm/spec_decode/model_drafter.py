@@ -24,7 +24,7 @@ from torch import nn
 from pagedllm.attention.forward_context import forward_context
 from pagedllm.attention.metadata import build_attention_metadata
 from pagedllm.host_to_device import index_rows, tensor_on
-from pagedllm.sample.draw import inverse_cdf, row_uniforms
+from pagedllm.sample.draw import greedy_tokens, inverse_cdf, row_uniforms
 from pagedllm.sampling_params import SAMPLING_EPS
 from pagedllm.spec_decode.proposer import DraftJob, Proposals, Proposer
 
@@ -88,7 +88,7 @@ class ModelDrafter(Proposer):
         """
         greedy_rows = [i for i, j in enumerate(jobs) if j.temperature < SAMPLING_EPS]
         if len(greedy_rows) == len(jobs):
-            return logits.argmax(dim=1), None
+            return greedy_tokens(logits), None
         temperature = tensor_on([max(j.temperature, SAMPLING_EPS) for j in jobs], torch.float32, self.device)
         probs = (logits.float() / temperature.unsqueeze(1)).softmax(dim=1)
         random_rows = [i for i, j in enumerate(jobs) if j.temperature >= SAMPLING_EPS]
@@ -97,7 +97,7 @@ class ModelDrafter(Proposer):
         tokens = inverse_cdf(probs, u)
         if greedy_rows:
             greedy = tensor_on([j.temperature < SAMPLING_EPS for j in jobs], torch.bool, self.device)
-            tokens = torch.where(greedy, logits.argmax(dim=1), tokens)
+            tokens = torch.where(greedy, greedy_tokens(logits), tokens)
         return tokens, probs
 
     @torch.inference_mode()

@@ -69,3 +69,22 @@ def test_sample_from_logits_rejects_bad_input(kernels) -> None:
         kernels.sample_from_logits(torch.randn(2, 5, dtype=torch.float64), torch.ones(2), torch.rand(2))
     with pytest.raises(RuntimeError, match="one value per row"):
         kernels.sample_from_logits(torch.randn(2, 5), torch.ones(3), torch.rand(2))
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 31, 32, 33, 1000, 49152])  # inside, at and across 32-token words
+def test_argmax_rows_equals_torch_argmax_ties_and_masked_rows_included(kernels, vocab: int) -> None:
+    torch.manual_seed(vocab + 1)
+    logits = torch.randn(9, vocab)
+    logits[1] = 0.5  # every token tied: the first index
+    if vocab > 3:
+        top = logits[2].max() + 1
+        logits[2, vocab - 1] = top
+        logits[2, 3] = top  # a tie across words: the first index
+    logits[3] = float("-inf")  # every token masked: 0, as argmax
+    logits[4, -1] = 1e9  # the last token (the tail of the last word)
+    got = kernels.argmax_rows(logits)
+    assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(dim=1))
+    strided = torch.randn(4, vocab + 7)[:, :vocab]  # rows a stride apart
+    assert torch.equal(kernels.argmax_rows(strided), strided.argmax(dim=1))
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        kernels.argmax_rows(torch.randn(vocab + 1, 9).t())  # columns a row apart

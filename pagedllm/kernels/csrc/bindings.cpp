@@ -47,6 +47,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out") = py::none());
   m.def("sample_from_logits", step_graph::recorded<-1>("sample_from_logits", &sample_from_logits), "Inverse-CDF sample of softmax(logits / temperature) per row",
         py::arg("logits"), py::arg("temperature"), py::arg("uniform"));
+  m.def("argmax_rows", step_graph::recorded<-1>("argmax_rows", &argmax_rows),
+        "Per row the first index of the largest logit (torch.argmax's tie rule)");
   m.def("sample_masked", step_graph::recorded<-1>("sample_masked", &sample_masked), "Per row argmax or inverse-CDF draw over the tokens a bitmask allows",
         py::arg("logits"), py::arg("temperature"), py::arg("uniform"), py::arg("greedy"), py::arg("bitmask"),
         py::arg("mask_row"));

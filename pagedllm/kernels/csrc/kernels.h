@@ -68,6 +68,8 @@ torch::Tensor bf16_gemm(const torch::Tensor& x, const torch::Tensor& packed, int
 // sampling.cpp
 torch::Tensor sample_from_logits(const torch::Tensor& logits, const torch::Tensor& temperature,
                                  const torch::Tensor& uniform);
+// Per row: the first index of the largest logit (torch.argmax's rule), [B] int64.
+torch::Tensor argmax_rows(const torch::Tensor& logits);
 // Per row: argmax (greedy[b]) or the inverse-CDF draw, over the tokens allowed by bitmask row mask_row[b]
 // (every token when mask_row[b] < 0). bitmask [M, ceil(V/32)] int32, greedy [B] bool, mask_row [B] int64.
 torch::Tensor sample_masked(const torch::Tensor& logits, const torch::Tensor& temperature,

@@ -11,6 +11,7 @@
 //   out          [T, H, D]
 // Query token j of request r sits at position seq_len - q_len + j and attends keys 0..that position.
 #include "kernels.h"
+#include "row_max.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -78,25 +79,6 @@ inline void accumulate_chunks(const float* p, int64_t stride, const KV* rows, in
     for (int c = 0; c < CH; ++c) _mm512_storeu_ps(acc + g * D + d0 + 16 * c, a[g][c]);
 }
 #endif
-
-// max of x[0..n). Written out: GCC left `omp simd reduction(max)` scalar, a fifth of a bf16 decode layer's time.
-inline float row_max(const float* x, int64_t n) {
-  float m = -std::numeric_limits<float>::infinity();
-  int64_t t = 0;
-#if defined(__AVX512F__)
-  __m512 v = _mm512_set1_ps(m);
-  for (; t + 16 <= n; t += 16) v = _mm512_max_ps(v, _mm512_loadu_ps(x + t));
-  m = _mm512_reduce_max_ps(v);
-#elif defined(__AVX2__)
-  __m256 v = _mm256_set1_ps(m);
-  for (; t + 8 <= n; t += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(x + t));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, v);
-  for (float l : lanes) m = std::max(m, l);
-#endif
-  for (; t < n; ++t) m = std::max(m, x[t]);
-  return m;
-}
 
 // Issue prefetches for a whole KV block (block_size rows of all KV heads, contiguous): the next block
 // sits at an unrelated address, so the hardware prefetcher cannot guess it.
