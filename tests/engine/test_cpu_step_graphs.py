@@ -39,6 +39,20 @@ def test_a_kernel_only_forward_records_and_replays_new_inputs(kernels) -> None:
     assert torch.equal(graphs.outputs[3], kernels.rms_norm(table[[7, 2, 19]], w, 1e-6))
 
 
+def test_profile_times_each_recorded_call_and_computes_what_replay_does(kernels) -> None:
+    """StepGraph.profile (how docs/performance.md splits a real step by kernel): one (kernel, seconds) per recorded
+    call, in order, and the same outputs as a replay."""
+    table = torch.randn(20, 8)
+    w = torch.randn(8)
+    graphs = _runner(lambda ids, pos: kernels.rms_norm(kernels.embedding_rows(table, ids), w, 1e-6), kernels)
+    assert graphs.capture()
+    graphs.input_ids[:3] = torch.tensor([4, 11, 0])
+    timed = graphs.graphs[3].profile(5)
+    assert [name for name, _ in timed] == ["embedding_rows", "rms_norm"]
+    assert all(seconds > 0 for _, seconds in timed)
+    assert torch.equal(graphs.outputs[3], kernels.rms_norm(table[[4, 11, 0]], w, 1e-6))
+
+
 def test_a_torch_op_outside_the_kernels_refuses_the_capture(kernels, caplog) -> None:
     table = torch.randn(20, 8)
     graphs = _runner(lambda ids, pos: kernels.embedding_rows(table, ids) * 2, kernels)
