@@ -42,6 +42,9 @@
 namespace {
 
 constexpr int64_t NR = 16;  // output columns per panel
+// int8 tiles prefetch 4 KiB ahead (a line every 4 k): one decode row streams the weight from memory, and the
+// hardware prefetcher alone left the tied LM head of the default model at about half the memory bandwidth.
+constexpr int64_t Q8_PREFETCH_BYTES = 4096;
 // Everything one call's tiles need. Tiles compute R rows x 16 columns of one panel into tmp[R][16]
 // (scaled, without bias); the caller adds bias and stores the panel's valid columns.
 struct Problem {
@@ -137,6 +140,7 @@ __attribute__((target("avx2,fma"))) void q8_tile_avx2(const Problem& pb, int64_t
     const int64_t k1 = (g + 1) * pb.group;
 #pragma GCC unroll 4
     for (int64_t k = g * pb.group; k < k1; ++k) {
+      if ((k & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(panel + k * NR + Q8_PREFETCH_BYTES), _MM_HINT_T0);
       const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + k * NR));
       const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
       const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
@@ -257,6 +261,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void q8_tile_avx512(const P
     const int64_t k1 = (g + 1) * pb.group;
 #pragma GCC unroll 4
     for (int64_t k = g * pb.group; k < k1; ++k) {
+      if ((k & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(panel + k * NR + Q8_PREFETCH_BYTES), _MM_HINT_T0);
       const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + k * NR));
       const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
       for (int i = 0; i < R; ++i) c[i] = _mm512_fmadd_ps(_mm512_set1_ps(xr[i * pb.ldx + k]), w, c[i]);
