@@ -42,21 +42,34 @@ struct GroupStats {
   int32_t s1, s2;
 };
 
-inline GroupStats split_group_generic(const float* r, int64_t group, int8_t* q1, int8_t* q2) {
-  float amax = 0.f, sum = 0.f;
-  for (int64_t k = 0; k < group; ++k) {
+// max|x| and sum x over r[from, to), added to amax and sum (the scalar part of every path).
+inline void scan_range(const float* r, int64_t from, int64_t to, float& amax, float& sum) {
+  for (int64_t k = from; k < to; ++k) {
     amax = std::max(amax, std::fabs(r[k]));
     sum += r[k];
   }
-  const float inv = amax > 0.f ? 127.f / amax : 0.f;
-  int32_t s1 = 0, s2 = 0;
-  for (int64_t k = 0; k < group; ++k) {
+}
+
+inline float inverse_step(float amax) { return amax > 0.f ? 127.f / amax : 0.f; }  // 1 / dx
+
+// x1, x2 of r[from, to), their sums added to s1 and s2 (the scalar part of every path).
+inline void split_range(const float* r, int64_t from, int64_t to, float inv, int8_t* q1, int8_t* q2, int32_t& s1,
+                        int32_t& s2) {
+  for (int64_t k = from; k < to; ++k) {
     const float l1 = std::nearbyint(r[k] * inv);  // in units of dx
     q1[k] = static_cast<int8_t>(l1);
     q2[k] = static_cast<int8_t>(std::clamp(std::nearbyint(residual(r[k], inv, l1)), -127.f, 127.f));
     s1 += q1[k];
     s2 += q2[k];
   }
+}
+
+inline GroupStats split_group_generic(const float* r, int64_t group, int8_t* q1, int8_t* q2) {
+  float amax = 0.f, sum = 0.f;
+  scan_range(r, 0, group, amax, sum);
+  const float inv = inverse_step(amax);
+  int32_t s1 = 0, s2 = 0;
+  split_range(r, 0, group, inv, q1, q2, s1, s2);
   return {amax / 127.f, sum, s1, s2};
 }
 
@@ -72,11 +85,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline GroupStats split_gro
     vsum = _mm512_add_ps(vsum, v);
   }
   float amax = _mm512_reduce_max_ps(vmax), sum = _mm512_reduce_add_ps(vsum);
-  for (int64_t k = vec; k < group; ++k) {
-    amax = std::max(amax, std::fabs(r[k]));
-    sum += r[k];
-  }
-  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  scan_range(r, vec, group, amax, sum);
+  const float inv = inverse_step(amax);
   const __m512 vinv = _mm512_set1_ps(inv), steps = _mm512_set1_ps(RESIDUAL_STEPS);
   const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
   __m512i c1 = _mm512_setzero_si512(), c2 = _mm512_setzero_si512();
@@ -93,13 +103,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline GroupStats split_gro
     c2 = _mm512_add_epi32(c2, i2);
   }
   int32_t s1 = _mm512_reduce_add_epi32(c1), s2 = _mm512_reduce_add_epi32(c2);
-  for (int64_t k = vec; k < group; ++k) {
-    const float l1 = std::nearbyint(r[k] * inv);
-    q1[k] = static_cast<int8_t>(l1);
-    q2[k] = static_cast<int8_t>(std::clamp(std::nearbyint(residual(r[k], inv, l1)), -127.f, 127.f));
-    s1 += q1[k];
-    s2 += q2[k];
-  }
+  split_range(r, vec, group, inv, q1, q2, s1, s2);
   return {amax / 127.f, sum, s1, s2};
 }
 
@@ -121,11 +125,8 @@ __attribute__((target("avx2,fma"))) inline GroupStats split_group_avx2(const flo
   _mm256_store_ps(lanes, vsum);
   float sum = 0.f;
   for (float v : lanes) sum += v;
-  for (int64_t k = vec; k < group; ++k) {
-    amax = std::max(amax, std::fabs(r[k]));
-    sum += r[k];
-  }
-  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  scan_range(r, vec, group, amax, sum);
+  const float inv = inverse_step(amax);
   const __m256 vinv = _mm256_set1_ps(inv), steps = _mm256_set1_ps(RESIDUAL_STEPS);
   const __m256 lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
   __m256i c1 = _mm256_setzero_si256(), c2 = _mm256_setzero_si256();
@@ -150,13 +151,7 @@ __attribute__((target("avx2,fma"))) inline GroupStats split_group_avx2(const flo
   for (int32_t v : ints) s1 += v;
   _mm256_store_si256(reinterpret_cast<__m256i*>(ints), c2);
   for (int32_t v : ints) s2 += v;
-  for (int64_t k = vec; k < group; ++k) {
-    const float l1 = std::nearbyint(r[k] * inv);
-    q1[k] = static_cast<int8_t>(l1);
-    q2[k] = static_cast<int8_t>(std::clamp(std::nearbyint(residual(r[k], inv, l1)), -127.f, 127.f));
-    s1 += q1[k];
-    s2 += q2[k];
-  }
+  split_range(r, vec, group, inv, q1, q2, s1, s2);
   return {amax / 127.f, sum, s1, s2};
 }
 #endif

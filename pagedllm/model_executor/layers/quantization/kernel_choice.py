@@ -36,6 +36,7 @@ from pagedllm.model_executor.layers.quantization.qpanels import (
     Q4Dot8Panels,
     Q4PairsPanels,
     QPanels,
+    fp16_exact,
 )
 from pagedllm.platforms import platform_of
 from pagedllm.utils import format_bytes
@@ -51,17 +52,13 @@ def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
     return t.transpose(1, 2).reshape(p * PANEL, c)[:n]
 
 
-def _fp16_exact(t: torch.Tensor) -> bool:
-    return bool((t.half().float() == t.float()).all())
-
-
 def other_layout(weight: QPanels) -> QPanels | None:
     """The same 4-bit weight in the other panel layout (dot8 <-> pairs), or None where there is none: dot8
     needs a group that is a multiple of 8 and keeps float16 scales and mins, so only exact ones convert."""
     if not isinstance(weight, Q4Dot8Panels | Q4PairsPanels):
         return None
     target = Q4PairsPanels if isinstance(weight, Q4Dot8Panels) else Q4Dot8Panels
-    if target is Q4Dot8Panels and (weight.group % 8 or not (_fp16_exact(weight.scales) and _fp16_exact(weight.mins))):
+    if target is Q4Dot8Panels and (weight.group % 8 or not (fp16_exact(weight.scales) and fp16_exact(weight.mins))):
         return None
     n = weight.out_features
     q = _rows(weight._levels(), n).to(torch.uint8)
@@ -85,7 +82,7 @@ def candidates(weight: PackedWeight) -> dict[str, Callable[[], tuple[PackedWeigh
         return {}
     layouts: dict[str, Callable[[], PackedWeight | None]] = {weight.layout: lambda: weight}
     if isinstance(weight, Q4Dot8Panels) or (isinstance(weight, Q4PairsPanels) and weight.group % 8 == 0 and
-                                            _fp16_exact(weight.scales) and _fp16_exact(weight.mins)):
+                                            fp16_exact(weight.scales) and fp16_exact(weight.mins)):
         cache: list[QPanels | None] = []
 
         def alt() -> QPanels | None:

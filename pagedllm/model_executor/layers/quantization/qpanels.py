@@ -39,6 +39,11 @@ W8A8_MIN_ROWS = 16  # below this the weight-only kernel (weight-bound) is as fas
 W8A8_ISAS = (0, 2)  # auto, avx512: the VNNI kernels (w8a8, q8 dot4) have no AVX2 path
 
 
+def fp16_exact(t: torch.Tensor) -> bool:
+    """Whether every value of ``t`` is a float16 value (GGUF's block scales are), so a float16 copy loses nothing."""
+    return bool((t.half().float() == t.float()).all())
+
+
 def _panels(t: torch.Tensor) -> torch.Tensor:
     """[N, C] -> [ceil(N / 16), C, 16], zero-padded past N."""
     n, c = t.shape
@@ -145,9 +150,7 @@ class Int8Dot4Panels(QPanels):
         # [P, K, 16] -> [P, b, t, j] with k = 4b + t -> bytes [P, b, j, t].
         packed = p.view(p.shape[0], k // 4, 4, PANEL).transpose(2, 3).reshape(p.shape[0], k // 4, 64)
         s = _panels(scales.float())
-        half = s.half()
-        return cls(packed.to(torch.uint8).contiguous(), half if bool((half.float() == s).all()) else s, None, group,
-                   n, k)
+        return cls(packed.to(torch.uint8).contiguous(), s.half() if fp16_exact(s) else s, None, group, n, k)
 
     def _bind_kernel(self, kernels: Any, isa: int) -> CpuMatmul:
         if isa not in W8A8_ISAS or not kernels.q8_dot_supported():
