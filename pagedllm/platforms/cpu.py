@@ -53,6 +53,12 @@ class CpuPlatform(Platform):
     def rotary_kernels(self, dtype: torch.dtype, table_dtype: torch.dtype) -> Any | None:
         return self.elementwise_kernels(dtype) if table_dtype == dtype else None
 
+    def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+        # The C++ kernels read float32 or bf16 K/V under float32 or bf16 queries, and write_kv rounds float32
+        # K/V into a bf16 cache; the portable path casts what it gathers.
+        both = (torch.float32, torch.bfloat16)
+        return (model_dtype, *(d for d in both if d != model_dtype)) if model_dtype in both else (model_dtype,)
+
     def onednn_bf16(self) -> bool:
         from pagedllm.model_executor.layers.quantization.unquantized import onednn_bf16_available
 

@@ -106,6 +106,10 @@ class Platform:
         """xgrammar's in-place bitmask apply for logits of ``dtype`` here, or None (torch ops then)."""
         return None
 
+    def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+        """The dtypes the KV cache may keep here under a model of ``model_dtype`` (its own always)."""
+        return (model_dtype,)
+
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A zeroed tensor for the KV cache."""
         return torch.zeros(shape, dtype=dtype, device=device)

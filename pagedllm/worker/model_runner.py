@@ -84,12 +84,14 @@ class CachedRequestState:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, block_size: int,
-                 vocab_size: int, eos_token_ids: list[int], pooling: Any = None) -> None:
+                 vocab_size: int, eos_token_ids: list[int], pooling: Any = None,
+                 kv_dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.pooling = pooling  # a PoolingRunner when the engine runs a pooling model (no sampling)
         self.device = device
         self.platform = platform_for(device)
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype  # the KV cache's (--kv-cache-dtype)
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -144,7 +146,7 @@ class ModelRunner:
                     num_layers = sum(1 for g in self.kv_cache_groups()[0] if g == group)
                 elif group:
                     num_layers = 0
-                total += 2 * num_layers * self.block_size * num_kv_heads * head_size * torch.finfo(self.dtype).bits // 8
+                total += 2 * num_layers * self.block_size * num_kv_heads * head_size * self.kv_dtype.itemsize
         return total
 
     def init_kv_cache(self, num_blocks: int, sliding_group_num_blocks: int = 0) -> None:
@@ -153,14 +155,14 @@ class ModelRunner:
         num_layers, num_kv_heads, head_size = self.kv_cache_spec()
         groups = self.kv_cache_groups()[0]
         group_blocks = (num_blocks, sliding_group_num_blocks or num_blocks)
-        self.kv_caches = [_zeros((2, group_blocks[g], self.block_size, num_kv_heads, head_size), self.dtype,
+        self.kv_caches = [_zeros((2, group_blocks[g], self.block_size, num_kv_heads, head_size), self.kv_dtype,
                                  self.device) for g in groups]
         bind_kv_caches(self.model, self.kv_caches, groups)
         self._step_readers = None  # the layers' groups may have changed
         if self.draft_model is not None:
             num_layers, num_kv_heads, head_size = _kv_spec(self.draft_model)
             shape = (2, num_blocks, self.block_size, num_kv_heads, head_size)
-            self.draft_kv_caches = [_zeros(shape, self.dtype, self.device) for _ in range(num_layers)]
+            self.draft_kv_caches = [_zeros(shape, self.kv_dtype, self.device) for _ in range(num_layers)]
             bind_kv_caches(self.draft_model, self.draft_kv_caches)
 
     def release_kv_cache(self) -> None:

@@ -56,6 +56,11 @@ class Worker:
             self.tp = get_tp()
         mc = config.model
         self.dtype = torch_dtype(mc.dtype)
+        self.kv_dtype = torch_dtype(config.cache.kv_cache_dtype)
+        if self.kv_dtype not in self.platform.kv_cache_dtypes(self.dtype):
+            allowed = ", ".join(str(d).removeprefix("torch.") for d in self.platform.kv_cache_dtypes(self.dtype))
+            raise ValueError(f"kv_cache_dtype: {config.cache.kv_cache_dtype} is not available for a {mc.dtype} "
+                             f"model on {self.platform.name}; use auto or one of {allowed}")
         torch.manual_seed(mc.seed)
         model = load_model(mc, self.device)
         self.attention_backend = self.platform.attention_backend(config.device.attention_backend)
@@ -70,7 +75,7 @@ class Worker:
             pooling = PoolingRunner(Pooler(mc.pooler_config.pooling_type, bool(mc.pooler_config.normalize)),
                                     mc.is_encoder_only)
         self.runner = ModelRunner(model, self.device, self.dtype, config.cache.block_size, mc.vocab_size,
-                                  mc.eos_token_ids, pooling=pooling)
+                                  mc.eos_token_ids, pooling=pooling, kv_dtype=self.kv_dtype)
         config.cache.sliding_window = self.runner.kv_sliding_window()
         config.cache.sliding_group_window = self.runner.kv_cache_groups()[1]
         if mc.is_encoder_decoder:
@@ -202,7 +207,7 @@ class Worker:
                      else self.runner.bytes_per_block(0))
         size = format_bytes(num_blocks * per_block)
         logger.info("KV cache: %d blocks of %d tokens (%s, %s), %d tokens; max concurrency %.1fx at %d tokens "
-                    "per request", num_blocks, cache.block_size, size, self.config.model.dtype, tokens,
+                    "per request", num_blocks, cache.block_size, size, cache.kv_cache_dtype, tokens,
                     tokens / max_len, max_len)
         cross = cache.cross_group()
         if cross is not None:

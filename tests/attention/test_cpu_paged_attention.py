@@ -129,7 +129,8 @@ def test_kernel_only_touches_listed_requests() -> None:
             assert torch.all(got[rows] == 7.0)
 
 
-def test_backend_routes_fresh_prompts_by_length(monkeypatch) -> None:
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])  # bf16: --kv-cache-dtype, float32 model
+def test_backend_routes_fresh_prompts_by_length(monkeypatch, cache_dtype: torch.dtype) -> None:
     """A mixed step (decodes, a chunk with context, short and long fresh prompts) through the backend:
     the kernel path (short fresh prompts in the kernel, long ones in SDPA) equals the portable path."""
     import pagedllm.attention.backends.torch_sdpa as backend
@@ -152,7 +153,7 @@ def test_backend_routes_fresh_prompts_by_length(monkeypatch) -> None:
     tokens = sum(query_lens)
     query = torch.randn(tokens, num_heads, head_dim)
     key, value = torch.randn(tokens, num_kv_heads, head_dim), torch.randn(tokens, num_kv_heads, head_dim)
-    cache = torch.randn(2, 200, block_size, num_kv_heads, head_dim)  # earlier context of the first four
+    cache = torch.randn(2, 200, block_size, num_kv_heads, head_dim).to(cache_dtype)  # the first four's context
 
     rows, sdpa_fresh = backend.step_plan(meta).kernel_split(40)
     assert rows.tolist() == [0, 1, 2, 3, 4, 5] and sdpa_fresh == {41: [6], 70: [7]}
@@ -161,3 +162,45 @@ def test_backend_routes_fresh_prompts_by_length(monkeypatch) -> None:
                                        build_attention_metadata(query_lens, seq_lens, tables, block_size),
                                        head_dim ** -0.5)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_kernel_write_kv_rounds_float32_rows_into_a_bf16_cache() -> None:
+    """--kv-cache-dtype bfloat16 under a float32 model: the C++ store rounds to nearest even exactly as torch's
+    cast (and the portable store) does, from strided rows (slices of the fused qkv output)."""
+    from pagedllm.attention.backends.paged_kv import write_kv
+
+    kernels = load_cpu_kernels()
+    torch.manual_seed(0)
+    qkv = torch.randn(37, 3 * 192) * 3
+    key, value = qkv[:, 192:384].view(37, 3, 64), qkv[:, 384:].view(37, 3, 64)
+    slots = torch.randperm(8 * 16)[:37]
+    cache = torch.zeros(2, 8, 16, 3, 64, dtype=torch.bfloat16)
+    kernels.write_kv(key, value, cache[0], cache[1], slots)
+    flat = cache.view(2, -1, 3, 64)
+    assert torch.equal(flat[0][slots], key.to(torch.bfloat16)) and torch.equal(flat[1][slots], value.to(torch.bfloat16))
+    portable = torch.zeros_like(cache)
+    write_kv(portable, key, value, slots)
+    assert torch.equal(portable, cache)
+    with pytest.raises(RuntimeError, match="must match the cache"):
+        kernels.write_kv(key.to(torch.bfloat16), value.to(torch.bfloat16), cache[0].float(), cache[1].float(), slots)
+
+
+def test_long_fresh_prompt_attends_to_its_kv_as_the_cache_keeps_it(monkeypatch) -> None:
+    """A fresh prompt past the kernel's length goes to SDPA over the step's own K/V: with a bf16 cache it must see
+    them rounded as stored, as a later chunk of the same prompt (read from the cache) would."""
+    import torch.nn.functional as F
+
+    import pagedllm.attention.backends.torch_sdpa as backend
+
+    monkeypatch.setattr(backend, "FRESH_PROMPT_KERNEL_MAX_LEN", 8)
+    torch.manual_seed(1)
+    q_len, num_heads, num_kv_heads, head_dim = 40, 4, 2, 32
+    meta = build_attention_metadata([q_len], [q_len], [[1, 2, 3]], 16)
+    query = torch.randn(q_len, num_heads, head_dim)
+    key, value = torch.randn(q_len, num_kv_heads, head_dim), torch.randn(q_len, num_kv_heads, head_dim)
+    cache = torch.zeros(2, 4, 16, num_kv_heads, head_dim, dtype=torch.bfloat16)
+    got = backend.paged_attention(query, key, value, cache, meta, 0.2, load_cpu_kernels())
+    rounded = [t.to(torch.bfloat16).float().transpose(0, 1)[None] for t in (key, value)]
+    want = F.scaled_dot_product_attention(query.transpose(0, 1)[None], *rounded, is_causal=True, scale=0.2,
+                                          enable_gqa=True)[0].transpose(0, 1)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)

@@ -15,22 +15,24 @@ from pagedllm.worker.encoder_decoder import EncoderDecoderRunner
 BLOCK, POSITIONS, HEADS, DIM = 16, 100, 4, 16
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])  # bf16: --kv-cache-dtype, float32 model
 @pytest.mark.parametrize("use_kernels", [False, True])
-def test_cross_attention_equals_unmasked_attention(use_kernels: bool) -> None:
+def test_cross_attention_equals_unmasked_attention(use_kernels: bool, cache_dtype: torch.dtype) -> None:
     kernels = load_cpu_kernels() if use_kernels else None
     if use_kernels and kernels is None:
         pytest.skip("C++ CPU kernels unavailable")
     torch.manual_seed(0)
     num_blocks = 40
-    cache = torch.zeros(2, num_blocks, BLOCK, HEADS, DIM)
+    cache = torch.zeros(2, num_blocks, BLOCK, HEADS, DIM, dtype=cache_dtype)
     runner = EncoderDecoderRunner(torch.nn.Identity(), 1, POSITIONS, BLOCK, torch.device("cpu"))
     tables = [[3, 9, 1, 12, 5, 7, 30], [20, 21, 2, 4, 6, 8, 10], [11, 13, 14, 15, 16, 17, 18]]  # 7 blocks = 112
     encoder_kv = []
     for table in tables:  # each request's encoder K/V written at its slots, as write_cross_kv does
-        k, v = torch.randn(POSITIONS, HEADS, DIM), torch.randn(POSITIONS, HEADS, DIM)
+        # As the cache keeps them: the reference attends to what every path reads back.
+        k, v = (torch.randn(POSITIONS, HEADS, DIM).to(cache_dtype).float() for _ in range(2))
         slots = torch.from_numpy(runner.slot_mapping(table))
-        cache[0].view(-1, HEADS, DIM)[slots] = k
-        cache[1].view(-1, HEADS, DIM)[slots] = v
+        cache[0].view(-1, HEADS, DIM)[slots] = k.to(cache_dtype)
+        cache[1].view(-1, HEADS, DIM)[slots] = v.to(cache_dtype)
         encoder_kv.append((k, v))
     query_lens = [1, 1, 5]  # two decodes, one prompt of 5 tokens
     decoder = build_attention_metadata(query_lens, [7, 3, 5], [[0], [0], [0]], BLOCK)

@@ -15,17 +15,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention.backends.paged_kv import gather_tokens
 from pagedllm.attention.backends.torch_state import torch_state
 from pagedllm.attention.metadata import AttentionMetadata
-
-
-def _gather(cache: torch.Tensor, table: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """cache: [num_blocks, block_size, Hkv, D], table: [R, nb] -> [R, Hkv, num_tokens, D]."""
-    block_size = cache.shape[1]
-    nblocks = -(num_tokens // -block_size)
-    gathered = cache[table[:, :nblocks]]
-    r, _, _, hkv, d = gathered.shape
-    return gathered.view(r, nblocks * block_size, hkv, d)[:, :num_tokens].transpose(1, 2)
 
 
 def cross_layout(meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
@@ -69,14 +61,14 @@ def cross_attention(query: torch.Tensor, kv_cache: torch.Tensor | None, meta: At
     qsl, nd = meta.query_start_loc_cpu, meta.num_decodes
     if nd:  # decodes in one batched call: [nd, Hkv, G, D] queries over [nd, Hkv, L, D] keys
         length = max(meta.seq_lens_cpu[:nd])
-        k = _gather(kv_cache[0], meta.block_tables[:nd], length)
-        v = _gather(kv_cache[1], meta.block_tables[:nd], length)
+        k = gather_tokens(kv_cache[0], meta.block_tables[:nd], length, query.dtype)
+        v = gather_tokens(kv_cache[1], meta.block_tables[:nd], length, query.dtype)
         q = query[:nd].view(nd, num_kv_heads, group, head_dim)
         out[:nd] = F.scaled_dot_product_attention(q, k, v, scale=scale).reshape(nd, num_heads, head_dim)
     for i in range(nd, meta.num_reqs):
         start, end, length = qsl[i], qsl[i + 1], meta.seq_lens_cpu[i]
-        k = _gather(kv_cache[0], meta.block_tables[i:i + 1], length)
-        v = _gather(kv_cache[1], meta.block_tables[i:i + 1], length)
+        k = gather_tokens(kv_cache[0], meta.block_tables[i:i + 1], length, query.dtype)
+        v = gather_tokens(kv_cache[1], meta.block_tables[i:i + 1], length, query.dtype)
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
         o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=group > 1)
         out[start:end] = o[0].transpose(0, 1)

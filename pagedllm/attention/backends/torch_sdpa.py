@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.attention.backends.cross_attention import cross_attention, cross_layout
+from pagedllm.attention.backends.paged_kv import as_stored, gather_tokens, write_kv
 from pagedllm.attention.backends.torch_encoder import encoder_attention, prepare_encoder_state
 from pagedllm.attention.backends.torch_state import TORCH_STATE_KEY, TorchStepState, torch_state
 from pagedllm.attention.backends.torch_windowed import sliding_window_attention
@@ -75,27 +76,6 @@ def step_plan(meta: AttentionMetadata) -> AttentionPlan:
     return state.paged_plan
 
 
-def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store new K/V by slot.
-
-    kv_cache: [2, num_blocks, block_size, Hkv, D]; key/value: [T, Hkv, D]; slot_mapping: [T] int64.
-    """
-    num_kv_heads, head_dim = kv_cache.shape[-2:]
-    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
-    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))  # no-op casts unless the cache's dtype differs
-    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
-
-
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """cache: [num_blocks, block_size, Hkv, D], block_tables: [R, nb] -> [R, Hkv, num_tokens, D]."""
-    block_size = cache.shape[1]
-    nblocks = -(num_tokens // -block_size)
-    gathered = cache[block_tables[:, :nblocks]]  # [R, nb, bs, Hkv, D]
-    r, _, _, hkv, d = gathered.shape
-    return gathered.view(r, nblocks * block_size, hkv, d)[:, :num_tokens].transpose(1, 2)
-
-
 # Longest fresh prompt the CPU kernel attends; beyond it SDPA is faster. One layer of the default model,
 # 2 cores: 16 x 128 tokens 9.5 ms (kernel) vs 13.2 ms (SDPA); 4 x 512: 27.6 vs 24.3; 2 x 1024: 66 vs 31.
 FRESH_PROMPT_KERNEL_MAX_LEN = 256
@@ -134,6 +114,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         sdpa_fresh = plan.fresh_groups
         if plan.with_context:
             _attend_with_context(query, kv_cache, meta, plan.with_context, scale, out)
+    if sdpa_fresh:
+        key, value = as_stored(key, kv_cache.dtype), as_stored(value, kv_cache.dtype)
     for q_len, rows in sdpa_fresh.items():
         _attend_fresh(query, key, value, meta, q_len, rows, scale, out)
     return out
@@ -151,8 +133,8 @@ def _attend_with_context(query: torch.Tensor, kv_cache: torch.Tensor, meta: Atte
     if nd:
         seq_len = meta.max_decode_seq_len
         tables = meta.block_tables[:nd]
-        k = _gather(key_cache, tables, seq_len)  # [nd, Hkv, L, D]
-        v = _gather(value_cache, tables, seq_len)
+        k = gather_tokens(key_cache, tables, seq_len, query.dtype)  # [nd, Hkv, L, D]
+        v = gather_tokens(value_cache, tables, seq_len, query.dtype)
         # GQA without copying K/V: the query heads of one KV group become G query rows.
         q = query[:nd].view(nd, num_kv_heads, group, head_dim)
         mask = torch.arange(seq_len, device=query.device)[None, :] < meta.seq_lens[:nd, None]
@@ -165,8 +147,8 @@ def _attend_with_context(query: torch.Tensor, kv_cache: torch.Tensor, meta: Atte
         q_len = end - start
         q = query[start:end].transpose(0, 1)  # [H, q_len, D]
         table = meta.block_tables[i:i + 1]
-        k = _gather(key_cache, table, seq_len)[0]  # [Hkv, L, D]
-        v = _gather(value_cache, table, seq_len)[0]
+        k = gather_tokens(key_cache, table, seq_len, query.dtype)[0]  # [Hkv, L, D]
+        v = gather_tokens(value_cache, table, seq_len, query.dtype)[0]
         # Query j sits at position seq_len - q_len + j and sees keys up to and including itself.
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]

@@ -10,8 +10,9 @@ from pagedllm.attention.metadata import AttentionMetadata
 
 
 def _gather_window(cache: torch.Tensor, block_tables: torch.Tensor, first_block: torch.Tensor,
-                   num_blocks: int) -> torch.Tensor:
-    """K or V of ``num_blocks`` consecutive logical blocks per request, starting at ``first_block``.
+                   num_blocks: int, dtype: torch.dtype) -> torch.Tensor:
+    """K or V of ``num_blocks`` consecutive logical blocks per request, starting at ``first_block``, in ``dtype``
+    (the query's).
 
     cache: [num_blocks_total, bs, Hkv, D]; block_tables: [R, nb]; first_block: [R] int64 -> [R, Hkv, n*bs, D].
     Logical blocks past a table's end are clamped (their positions are masked out by the caller).
@@ -21,7 +22,7 @@ def _gather_window(cache: torch.Tensor, block_tables: torch.Tensor, first_block:
     blocks = block_tables.gather(1, idx.to(block_tables.dtype).long())  # [R, n]
     gathered = cache[blocks]  # [R, n, bs, Hkv, D]
     r, n, bs, hkv, d = gathered.shape
-    return gathered.view(r, n * bs, hkv, d).transpose(1, 2)
+    return gathered.view(r, n * bs, hkv, d).transpose(1, 2).to(dtype)
 
 
 def sliding_window_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, window: int,
@@ -44,8 +45,8 @@ def sliding_window_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: 
         seq = meta.seq_lens[:nd].long()
         first = (seq - window).clamp(min=0) // bs
         n = -(-window // bs) + 1
-        k = _gather_window(key_cache, meta.block_tables[:nd], first, n)  # [nd, Hkv, n*bs, D]
-        v = _gather_window(value_cache, meta.block_tables[:nd], first, n)
+        k = _gather_window(key_cache, meta.block_tables[:nd], first, n, query.dtype)  # [nd, Hkv, n*bs, D]
+        v = _gather_window(value_cache, meta.block_tables[:nd], first, n, query.dtype)
         pos = first[:, None] * bs + torch.arange(n * bs, device=dev)[None, :]
         mask = (pos < seq[:, None]) & (pos >= seq[:, None] - window)
         q = query[:nd].view(nd, num_kv_heads, group, head_dim)
@@ -57,8 +58,8 @@ def sliding_window_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: 
         first_pos = max(0, seq_len - q_len - window + 1)  # earliest key any of these queries sees
         first = first_pos // bs
         n = -(-seq_len // bs) - first
-        k = _gather_window(key_cache, meta.block_tables[i:i + 1], torch.tensor([first], device=dev), n)
-        v = _gather_window(value_cache, meta.block_tables[i:i + 1], torch.tensor([first], device=dev), n)
+        k = _gather_window(key_cache, meta.block_tables[i:i + 1], torch.tensor([first], device=dev), n, query.dtype)
+        v = _gather_window(value_cache, meta.block_tables[i:i + 1], torch.tensor([first], device=dev), n, query.dtype)
         kv_pos = first * bs + torch.arange(n * bs, device=dev)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=dev)
         mask = (kv_pos[None, :] <= q_pos[:, None]) & (kv_pos[None, :] > q_pos[:, None] - window)

@@ -24,7 +24,7 @@ from collections.abc import Collection
 import torch
 
 from pagedllm.attention.backends.base import AttentionBackend
-from pagedllm.attention.backends.torch_sdpa import write_kv
+from pagedllm.attention.backends.paged_kv import write_kv
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.spec import AttentionSpec
 from pagedllm.kernels.triton_ops import (

@@ -10,6 +10,7 @@
 //   query_start  [R + 1] int32             offsets of each request's tokens in the flat batch
 //   out          [T, H, D]
 // Query token j of request r sits at position seq_len - q_len + j and attends keys 0..that position.
+#include "bf16_rows.h"
 #include "kernels.h"
 #include "row_max.h"
 #include <ATen/Parallel.h>
@@ -446,11 +447,15 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
 }
 
 // Store this step's K/V: key/value [T, Hkv, D] (token rows may be strided, e.g. slices of the fused qkv
-// output) into caches [num_blocks * block_size, Hkv, D] at slot_mapping [T].
+// output) into caches [num_blocks * block_size, Hkv, D] at slot_mapping [T]. K/V of the cache's dtype are copied;
+// float32 K/V into a bfloat16 cache (--kv-cache-dtype bfloat16 under a float32 model) are rounded to nearest even.
 void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
               torch::Tensor& value_cache, const torch::Tensor& slot_mapping) {
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == value_cache.scalar_type(),
-              "K/V dtype must match the cache");
+  TORCH_CHECK(key.scalar_type() == value.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
+              "K and V must share a dtype, and so must their caches");
+  const bool rounds = key.scalar_type() == torch::kFloat32 && key_cache.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(rounds || key.scalar_type() == key_cache.scalar_type(),
+              "K/V dtype must match the cache (or be float32 into a bfloat16 cache)");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64, "slot_mapping must be int64");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   auto rows = [](const torch::Tensor& t) {  // each token's [Hkv, D] must be one contiguous run
@@ -458,7 +463,8 @@ void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
   };
   const torch::Tensor k = rows(key), v = rows(value);
   const int64_t T = k.size(0);
-  const int64_t row_bytes = k.size(1) * k.size(2) * k.element_size();
+  const int64_t row_elems = k.size(1) * k.size(2);
+  const int64_t row_bytes = row_elems * key_cache.element_size();  // one token's row in the cache
   const int64_t k_stride = k.stride(0) * k.element_size(), v_stride = v.stride(0) * v.element_size();
   const int64_t num_slots = key_cache.numel() * key_cache.element_size() / std::max<int64_t>(row_bytes, 1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
@@ -469,8 +475,15 @@ void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot out of range");
   at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      std::memcpy(kd + slots[t] * row_bytes, ks + t * k_stride, row_bytes);
-      std::memcpy(vd + slots[t] * row_bytes, vs + t * v_stride, row_bytes);
+      if (rounds) {
+        store_row(reinterpret_cast<at::BFloat16*>(kd + slots[t] * row_bytes),
+                  reinterpret_cast<const float*>(ks + t * k_stride), 1.f, row_elems);
+        store_row(reinterpret_cast<at::BFloat16*>(vd + slots[t] * row_bytes),
+                  reinterpret_cast<const float*>(vs + t * v_stride), 1.f, row_elems);
+      } else {
+        std::memcpy(kd + slots[t] * row_bytes, ks + t * k_stride, row_bytes);
+        std::memcpy(vd + slots[t] * row_bytes, vs + t * v_stride, row_bytes);
+      }
     }
   });
 }

@@ -6,6 +6,8 @@ import functools
 
 import torch
 
+from pagedllm.config import KV_CACHE_DTYPES
+
 _ALIASES = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
     "float32": "float32", "fp32": "float32", "float": "float32",
@@ -37,6 +39,15 @@ def resolve_dtype(dtype: str | None, device: str = "cpu") -> str:
     if name not in _ALIASES:
         raise ValueError(f"dtype: unknown dtype {dtype!r}; use one of auto, {', '.join(sorted(_ALIASES))}")
     return _ALIASES[name]
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str | None, model_dtype: str) -> str:
+    """The KV cache's dtype name: ``model_dtype`` (already resolved) for auto, else the one asked for."""
+    name = (kv_cache_dtype or "auto").lower().replace("torch.", "")
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: {kv_cache_dtype!r} is not supported; use one of "
+                         f"{', '.join(KV_CACHE_DTYPES)}")
+    return model_dtype if name == "auto" else _ALIASES[name]
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention.backends.torch_sdpa import write_kv
+from pagedllm.attention.backends.paged_kv import write_kv
 from pagedllm.attention.forward_context import forward_context
 from pagedllm.attention.layer import Attention
 from pagedllm.attention.metadata import build_attention_metadata
