@@ -34,8 +34,8 @@ logger = init_logger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ["bindings.cpp", "paged_attention.cpp", "packed_gemm.cpp", "sampling.cpp", "fused_ops.cpp",
-            "quant_gemm.cpp", "w8a8_gemm.cpp", "q4_dot_gemm.cpp", "q8_dot_gemm.cpp", "encoder_attention.cpp",
-            "encoder_ops.cpp", "bf16_gemm.cpp", "step_graph.cpp"]
+            "quant_gemm.cpp", "w8a8_gemm.cpp", "q4_dot_gemm.cpp", "q8_dot_gemm.cpp", "amx_dot_gemm.cpp",
+            "encoder_attention.cpp", "encoder_ops.cpp", "bf16_gemm.cpp", "step_graph.cpp"]
 
 
 @functools.cache

@@ -1,4 +1,5 @@
 // The Python module: one extension holds every CPU kernel, so there is one build to cache.
+#include "amx_dot.h"
 #include "kernels.h"
 #include "step_graph.h"
 
@@ -32,6 +33,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x[M,K] quantized per group to int8 @ (scale * q4 + min)^T (+ bias), W in dot8 blocks [P, K/8, 64]",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("group"),
         py::arg("out_features"), py::arg("bias") = py::none(), py::arg("out") = py::none(), py::arg("isa") = 0);
+  m.def("amx_dot_supported", &amx_dot::supported, "Whether q4_dot_gemm / q8_dot_gemm run on AMX tiles (isa 4) here");
   m.def("q8_dot_supported", &q8_dot_supported, "Whether this CPU runs q8_dot_gemm fast (AVX-512 VNNI)");
   m.def("q8_dot_gemm", step_graph::recorded<6>("q8_dot_gemm", &q8_dot_gemm),
         "x[M,K] quantized per group to int8 @ (scale * q8)^T (+ bias), W + 128 in dot4 blocks [P, K/4, 64]",

@@ -5,6 +5,9 @@
 #include <torch/extension.h>
 
 constexpr int ISA_AUTO = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_GENERIC = 3;
+// The byte-dot-product matmuls (q4_dot_gemm, q8_dot_gemm) also take 4: AMX tiles (amx_dot.h), never chosen by auto
+// (the autotuner times it per row count: it wins for many rows only).
+constexpr int ISA_AMX = 4;
 
 inline bool cpu_has_avx2() {
 #if defined(__x86_64__)

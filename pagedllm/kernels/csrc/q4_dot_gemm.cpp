@@ -19,6 +19,7 @@
 //
 // ISA dispatch at run time per call (isa as in cpu_features.h: 0 = best, 1 = AVX2, 2 = AVX-512, 3 = portable);
 // AVX-512 runs the VNNI tiles where the CPU has VNNI and the AVX2 tiles otherwise.
+#include "amx_dot.h"
 #include "cpu_features.h"
 #include "dot_gemm.h"
 #include "gemm_args.h"
@@ -273,7 +274,9 @@ torch::Tensor q4_dot_gemm(const torch::Tensor& x, const torch::Tensor& qweight, 
               "scales must be contiguous float16 [P, K/group, 16]");
   TORCH_CHECK(mins.is_contiguous() && mins.scalar_type() == torch::kHalf && mins.numel() == P * G * NR,
               "mins must be contiguous float16 [P, K/group, 16]");
-  const Path path = resolve_path(isa);
+  const bool amx = isa == ISA_AMX;
+  TORCH_CHECK(!amx || amx_dot::supported(), "q4_dot_gemm: isa 4 (AMX) on a CPU without AMX tiles");
+  const Path path = amx ? Path::kVnni512 : resolve_path(isa);  // AMX splits x as the AVX-512 tiles do
   const torch::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   torch::Tensor bc;
   const float* b = gemm_bias(bias, N, bc);
@@ -288,6 +291,11 @@ torch::Tensor q4_dot_gemm(const torch::Tensor& x, const torch::Tensor& qweight, 
   const Problem pb{qweight.data_ptr<uint8_t>(), (K / BLOCK_K) * BLOCK_BYTES,
                    reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
                    reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()), &act, K, G, group};
+  if (amx) {
+    amx_dot::gemm(act, M, N, K, group, {pb.w, pb.panel_bytes, true, pb.scales, true, pb.mins}, b, y.data_ptr<float>(),
+                  y.stride(0));
+    return y;
+  }
   dot_gemm::for_each_tile(M, N, K, b, y.data_ptr<float>(), y.stride(0),
                           [&](int64_t p, int64_t m, int rows, float* acc) { run_tile(path, pb, p, m, rows, acc); });
   return y;

@@ -15,6 +15,7 @@
 //
 // Only AVX-512 VNNI runs this fast (isa 0 or 2 on a CPU with VNNI); the portable loop (isa 3) serves tests and
 // other CPUs, where the autotuner (kernel_choice.py) keeps the widening kernel.
+#include "amx_dot.h"
 #include "cpu_features.h"
 #include "dot_gemm.h"
 #include "gemm_args.h"
@@ -173,7 +174,9 @@ torch::Tensor q8_dot_gemm(const torch::Tensor& x, const torch::Tensor& qweight, 
   const bool half = scales.scalar_type() == torch::kHalf;
   TORCH_CHECK(scales.is_contiguous() && (half || scales.scalar_type() == torch::kFloat32) &&
               scales.numel() == P * G * NR, "scales must be contiguous float16 or float32 [P, K/group, 16]");
-  const int resolved = resolve_isa(isa);
+  const bool amx = isa == ISA_AMX;
+  TORCH_CHECK(!amx || amx_dot::supported(), "q8_dot_gemm: isa 4 (AMX) on a CPU without AMX tiles");
+  const int resolved = amx ? ISA_AVX512 : resolve_isa(isa);  // AMX splits x as the AVX-512 tiles do
   const bool vnni = resolved == ISA_AVX512 && cpu_has_vnni512();
   TORCH_CHECK(vnni || resolved == ISA_GENERIC, "q8_dot_gemm runs on AVX-512 VNNI (isa 0 or 2) or the portable ",
               "path (isa 3); asked for isa ", isa, (cpu_has_vnni512() ? "" : " on a CPU without AVX-512 VNNI"));
@@ -188,6 +191,11 @@ torch::Tensor q8_dot_gemm(const torch::Tensor& x, const torch::Tensor& qweight, 
                                 vnni ? dot_gemm::Split::kAvx512 : dot_gemm::Split::kScalar);
   const Problem pb{qweight.data_ptr<uint8_t>(), (K / BLOCK_K) * BLOCK_BYTES, scales.data_ptr(), half, &act, K, G,
                    group};
+  if (amx) {
+    amx_dot::gemm(act, M, N, K, group, {pb.w, pb.panel_bytes, false, pb.scales, half, nullptr}, b,
+                  y.data_ptr<float>(), y.stride(0));
+    return y;
+  }
   dot_gemm::for_each_tile(M, N, K, b, y.data_ptr<float>(), y.stride(0),
                           [&](int64_t p, int64_t m, int rows, float* acc) {
 #if defined(PAGEDLLM_X86)

@@ -29,6 +29,8 @@ from pagedllm.kernels.cpu import cpu_isa, kernels_name, sources_digest
 from pagedllm.logger import init_logger
 from pagedllm.model_executor.layers.quantization.packed_weight import PackedWeight
 from pagedllm.model_executor.layers.quantization.qpanels import (
+    AMX_ISA,
+    AMX_LAYOUTS,
     PANEL,
     W8A8_ISAS,
     Int8Dot4Panels,
@@ -43,7 +45,7 @@ from pagedllm.utils import format_bytes
 
 logger = init_logger(__name__)
 
-ISA_NAMES = {1: "avx2", 2: "avx512", 3: "generic"}
+ISA_NAMES = {1: "avx2", 2: "avx512", 3: "generic", AMX_ISA: "amx"}
 
 
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -96,10 +98,13 @@ def candidates(weight: PackedWeight) -> dict[str, Callable[[], tuple[PackedWeigh
         layouts["dot4"] = lambda: Int8Dot4Panels.pack(_rows(weight.qweight, weight.out_features),
                                                       _rows(weight.scales, weight.out_features))
         vnni_only.add("dot4")
+    isas = _isas(kernels)
     out: dict[str, Callable[[], tuple[PackedWeight, int]]] = {}
     for layout, make in layouts.items():
-        for isa in _isas(kernels):
-            if layout in vnni_only and isa not in W8A8_ISAS:
+        # AMX tiles for the byte-dot-product layouts, timed like any other candidate (they win for many rows).
+        amx = [AMX_ISA] if layout in AMX_LAYOUTS and not cpu_isa() and kernels.amx_dot_supported() else []
+        for isa in isas + amx:
+            if layout in vnni_only and isa not in W8A8_ISAS + (AMX_ISA,):
                 continue
             out[f"{layout}/{ISA_NAMES[isa]}"] = lambda make=make, isa=isa: (make(), isa)
     return out

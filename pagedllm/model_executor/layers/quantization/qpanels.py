@@ -9,6 +9,8 @@ float scales, in panels of 16 output rows ``[P = ceil(N / 16), ..., 16]`` zero-p
 - ``Int8Dot4Panels`` (``q8_dot_gemm``, kernels/csrc/q8_dot_gemm.cpp): the same w = scale * q, q + 128 in 64-byte
   blocks of 4 k x 16 columns [P, K/4, 64], x quantized per group to int8 and multiplied by AVX-512 VNNI byte dot
   products (CPUs with VNNI; the autotuner chooses it over ``Int8Panels`` where it measures faster);
+  ``dot8`` and ``dot4`` weights also run on AMX tiles (isa ``AMX_ISA``, kernels/csrc/amx_dot.h) with the same
+  results, which the autotuner times per row count where the CPU has them (they win for many rows);
 - ``Q4Dot8Panels`` (``q4_dot_gemm``, kernels/csrc/q4_dot_gemm.cpp): w = scale * q + min, q in 0..15 in
   64-byte blocks of 8 k x 16 columns [P, K/8, 64]; x is quantized per group to int8 and multiplied by byte dot
   products, about twice the speed of widening the weights to float. The default wherever the group is a
@@ -37,6 +39,8 @@ PANEL = 16
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
 W8A8_MIN_ROWS = 16  # below this the weight-only kernel (weight-bound) is as fast and exact in x
 W8A8_ISAS = (0, 2)  # auto, avx512: the VNNI kernels (w8a8, q8 dot4) have no AVX2 path
+AMX_ISA = 4  # the byte-dot-product layouts' AMX tiles (kernels/csrc/amx_dot.h): only where amx_dot_supported()
+AMX_LAYOUTS = ("dot8", "dot4")
 
 
 def fp16_exact(t: torch.Tensor) -> bool:
@@ -153,7 +157,8 @@ class Int8Dot4Panels(QPanels):
         return cls(packed.to(torch.uint8).contiguous(), s.half() if fp16_exact(s) else s, None, group, n, k)
 
     def _bind_kernel(self, kernels: Any, isa: int) -> CpuMatmul:
-        if isa not in W8A8_ISAS or not kernels.q8_dot_supported():
+        amx = isa == AMX_ISA and kernels.amx_dot_supported()
+        if not amx and (isa not in W8A8_ISAS or not kernels.q8_dot_supported()):
             isa = 3  # no VNNI: the portable loop (same results, slow; the autotuner never picks it there)
         dot4, qw, s, g, n = kernels.q8_dot_gemm, self.qweight, self.scales, self.group, self.out_features
         return lambda x, bias, out: dot4(x, qw, s, g, n, bias, out, isa)
@@ -200,6 +205,8 @@ class Q4Dot8Panels(QPanels):
                    _panels(mins.float()).to(torch.float16), group, n, k)
 
     def _bind_kernel(self, kernels: Any, isa: int) -> CpuMatmul:
+        if isa == AMX_ISA and not kernels.amx_dot_supported():
+            isa = 0  # a table from a machine with AMX tiles: this one's best
         dot8, qw, s, mins = kernels.q4_dot_gemm, self.qweight, self.scales, self.mins
         g, n = self.group, self.out_features
         return lambda x, bias, out: dot8(x, qw, s, mins, g, n, bias, out, isa)

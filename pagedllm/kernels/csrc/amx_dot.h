@@ -1,0 +1,29 @@
+// The byte-dot-product matmuls (q4_dot_gemm.cpp, q8_dot_gemm.cpp) on AMX tiles, for many rows: the same int8
+// activation terms (dot_gemm.h) times the same panels, summed by tdpbsud (16 x 16 x 64 multiply-adds an
+// instruction) instead of vpdpbusd (64). Each group's int32 sums are scaled exactly as the VNNI tiles scale
+// theirs, so both give the same floats (a choice between them changes speed only).
+#pragma once
+#include "dot_gemm.h"
+
+#include <cstdint>
+
+namespace amx_dot {
+
+// Whether this CPU has AMX-INT8 and the kernel granted this process the tile state (asked for once).
+bool supported();
+
+// One weight in panels of 16 output columns (P = ceil(N / 16), panel p at w + p * panel_bytes).
+struct Weights {
+  const uint8_t* w;
+  int64_t panel_bytes;
+  bool nibbles;          // true: 4-bit "dot8" blocks (8 k per 64 bytes, levels 0..15); false: "dot4" (q + 128)
+  const void* scales;    // [P, G, 16] float16 bits, or float when !half_scales
+  bool half_scales;
+  const uint16_t* mins;  // [P, G, 16] float16 bits (4-bit weights), else nullptr
+};
+
+// y[M, N] (+ bias) = x @ w^T with x given as its two int8 terms (group a multiple of 4 dividing K; 8 for nibbles).
+void gemm(const dot_gemm::Activations& a, int64_t M, int64_t N, int64_t K, int64_t group, const Weights& wt,
+          const float* bias, float* y, int64_t ldy);
+
+}  // namespace amx_dot
