@@ -322,12 +322,18 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache, const torch
   struct Task {
     int64_t req, h_begin, j_begin, j_end, cost;
   };
+  // Few query rows in all (one request verifying 4 drafts: 5 rows, 3 KV heads) are cut finer, so that every
+  // thread gets work: three 5-row tasks on two threads left one thread idle half the time.
+  int64_t total_rows = 0;
+  for (int64_t i = 0; i < num_reqs; ++i) total_rows += qs[ri[i] + 1] - qs[ri[i]];
+  const int64_t wanted_tasks = 4 * at::get_num_threads();
+  const int64_t rows_per_task = std::clamp<int64_t>(total_rows * tasks_per_req / wanted_tasks, 1, QUERY_ROWS_PER_TASK);
   std::vector<Task> tasks;
   tasks.reserve(static_cast<size_t>(num_reqs * tasks_per_req));
   for (int64_t i = 0; i < num_reqs; ++i) {
     const int64_t r = ri[i], q_len = qs[r + 1] - qs[r];
-    for (int64_t j0 = 0; j0 < q_len; j0 += QUERY_ROWS_PER_TASK) {
-      const int64_t j1 = std::min(q_len, j0 + QUERY_ROWS_PER_TASK);
+    for (int64_t j0 = 0; j0 < q_len; j0 += rows_per_task) {
+      const int64_t j1 = std::min(q_len, j0 + rows_per_task);
       for (int64_t t = 0; t < tasks_per_req; ++t)
         tasks.push_back({r, t * heads_per_task, j0, j1, (j1 - j0) * static_cast<int64_t>(sl[r])});
     }
