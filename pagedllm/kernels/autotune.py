@@ -35,12 +35,10 @@ logger = init_logger(__name__)
 
 MODES = AUTOTUNE_MODES
 #: Rows each bucket is timed at; a call with M rows runs the choice of the bucket whose range holds M:
-#: 1-2 -> 1, 3-4 -> 4, 5-8 -> 6, 9-32 -> 16, 33-128 -> 64, 129+ -> 256. 5-8 is a bucket of its own: a step
-#: verifying 4 drafts has 5 rows, where 4-row tiles (best at 4) run a tile and a remainder (on an Intel Xeon the
-#: default model's 4-bit layers took 0.173 ms at 5 rows on VNNI tiles against 0.153 on AMX; 0.133 / 0.153 at 4).
-BUCKET_ROWS = (1, 4, 6, 16, 64, 256)
-_UPPER_EDGES = (2, 4, 8, 32, 128)  # largest M of each bucket but the last
-TABLE_VERSION = 2
+#: 1-2 -> 1, 3-8 -> 4, 9-32 -> 16, 33-128 -> 64, 129+ -> 256.
+BUCKET_ROWS = (1, 4, 16, 64, 256)
+_UPPER_EDGES = (2, 8, 32, 128)  # largest M of each bucket but the last
+TABLE_VERSION = 1
 
 Kernel = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
 
