@@ -108,7 +108,8 @@ class EngineArgs:
                            help="dtype of the cached keys and values; auto = the model's dtype. bfloat16 under a "
                                 "float32 model (a GGUF file on the CPU) halves the KV cache's memory and the bytes "
                                 "each decode step reads, rounding K/V once as they are stored (what llama.cpp's "
-                                "f16 cache does). CPU: auto, float32, bfloat16; CUDA: auto only.")
+                                "f16 cache does). CPU: float32 or bfloat16 under either model dtype; elsewhere the "
+                                "model's own.")
         group.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                            help="GPU only: fraction of the GPU's memory this engine may use (weights, activations "
                                 "of the largest step, CUDA graphs and the KV cache, which gets the rest). "

@@ -70,7 +70,7 @@ struct alignas(64) TileConfig {
 TileConfig tile_config(int64_t mr, int64_t kc) {
   TileConfig cfg;
   for (int t = 0; t < 2; ++t) cfg.rows[t] = static_cast<uint8_t>(mr), cfg.colsb[t] = static_cast<uint16_t>(kc);
-  for (int t = 2; t < 4; ++t) cfg.rows[t] = static_cast<uint8_t>(kc / 4), cfg.colsb[t] = ROW_BYTES;
+  cfg.rows[2] = static_cast<uint8_t>(kc / 4), cfg.colsb[2] = ROW_BYTES;  // tile 3 stays unconfigured: unused
   for (int t = 4; t < 8; ++t) cfg.rows[t] = static_cast<uint8_t>(mr), cfg.colsb[t] = ROW_BYTES;
   return cfg;
 }
