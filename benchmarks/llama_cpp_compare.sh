@@ -8,7 +8,8 @@
 #     -DCMAKE_BUILD_TYPE=Release && cmake --build build -j2 --target llama-bench      # ~10 minutes
 # then: LLAMA_BENCH=/path/to/build/bin/llama-bench benchmarks/llama_cpp_compare.sh
 # Output: $OUT/llama_cpp_tg.json (llama-bench's JSON), $OUT/pagedllm_gguf_latency.json, and a summary line.
-# Extra pagedllm flags go in PAGEDLLM_FLAGS (e.g. "--quantization gguf" where it is not the default).
+# Extra pagedllm flags go in PAGEDLLM_FLAGS (e.g. "--kv-cache-dtype bfloat16", like for like with llama.cpp's f16
+# KV cache; "--quantization gguf" where it is not the default).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results}
