@@ -164,7 +164,7 @@ def test_backend_routes_fresh_prompts_by_length(monkeypatch, cache_dtype: torch.
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
 
 
-def test_kernel_write_kv_rounds_float32_rows_into_a_bf16_cache() -> None:
+def test_kernel_write_kv_converts_between_float32_and_bf16() -> None:
     """--kv-cache-dtype bfloat16 under a float32 model: the C++ store rounds to nearest even exactly as torch's
     cast (and the portable store) does, from strided rows (slices of the fused qkv output)."""
     from pagedllm.attention.backends.paged_kv import write_kv
@@ -181,8 +181,13 @@ def test_kernel_write_kv_rounds_float32_rows_into_a_bf16_cache() -> None:
     portable = torch.zeros_like(cache)
     write_kv(portable, key, value, slots)
     assert torch.equal(portable, cache)
+    # and the other way (--kv-cache-dtype float32 under a bf16 model): bf16 rows widened exactly
+    wide = torch.zeros(2, 8, 16, 3, 64)
+    kernels.write_kv(key.to(torch.bfloat16), value.to(torch.bfloat16), wide[0], wide[1], slots)
+    assert torch.equal(wide.view(2, -1, 3, 64)[0][slots], key.to(torch.bfloat16).float())
+    assert torch.equal(wide.view(2, -1, 3, 64)[1][slots], value.to(torch.bfloat16).float())
     with pytest.raises(RuntimeError, match="must match the cache"):
-        kernels.write_kv(key.to(torch.bfloat16), value.to(torch.bfloat16), cache[0].float(), cache[1].float(), slots)
+        kernels.write_kv(key.half(), value.half(), cache[0], cache[1], slots)
 
 
 def test_long_fresh_prompt_attends_to_its_kv_as_the_cache_keeps_it(monkeypatch) -> None:

@@ -114,3 +114,20 @@ def test_logprobs_stay_close_to_the_float32_cache(bf16: LLM, llm: LLM) -> None:
         (tok, lp), = ((t, p.logprob) for t, p in a.items() if t in b)  # the prompt's own token
         diffs.append(abs(lp - b[tok].logprob))
     assert max(diffs) < 0.1 and sum(diffs) / len(diffs) < 0.02
+
+
+@pytest.mark.slow
+def test_a_bf16_model_keeps_a_float32_cache_on_request() -> None:
+    """The other way round: bf16 K/V widened exactly into float32 blocks (twice the bytes), attended by the float32
+    kernel instead of bf16 dot products: the same model's logprobs within rounding of its bf16 cache's."""
+    kw = dict(dtype="bfloat16", quantization="none", kv_cache_memory="32MiB", max_model_len=512)
+    wide, narrow = LLM(kv_cache_dtype="float32", **kw), LLM(**kw)
+    runner = wide.engine.core.worker.runner
+    assert runner.kv_caches[0].dtype == torch.float32
+    assert runner.bytes_per_block() == 2 * narrow.engine.core.worker.runner.bytes_per_block()
+    params = SamplingParams(max_tokens=4, prompt_logprobs=0, temperature=0.0)
+    prompt = PROMPTS[7] * 6
+    a, b = (llm.generate(prompt, params, use_tqdm=False)[0] for llm in (wide, narrow))
+    diffs = [abs(next(p.logprob for t, p in x.items() if t in y) - next(p.logprob for t, p in y.items() if t in x))
+             for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True)]
+    assert sum(diffs) / len(diffs) < 0.05 and max(diffs) < 0.3

@@ -152,6 +152,8 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c,fma"))) 
     if (wt.nibbles) {
       unpack_nibbles(rows, K, unpacked.data());
       rows = unpacked.data();
+      // GCC's _tile_loadd declares no memory read: the unpacked rows must be stored before the tiles load them.
+      asm volatile("" ::: "memory");
     }
     const int64_t n0 = p * NR, cols = std::min(NR, N - n0);
     for (int64_t m0 = 0; m0 < M; m0 += TILE_M) {

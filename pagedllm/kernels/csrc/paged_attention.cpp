@@ -454,14 +454,16 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
 
 // Store this step's K/V: key/value [T, Hkv, D] (token rows may be strided, e.g. slices of the fused qkv
 // output) into caches [num_blocks * block_size, Hkv, D] at slot_mapping [T]. K/V of the cache's dtype are copied;
-// float32 K/V into a bfloat16 cache (--kv-cache-dtype bfloat16 under a float32 model) are rounded to nearest even.
+// float32 K/V into a bfloat16 cache (--kv-cache-dtype bfloat16 under a float32 model) are rounded to nearest even,
+// bfloat16 K/V into a float32 cache (--kv-cache-dtype float32 under a bf16 model) widened (exactly).
 void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
               torch::Tensor& value_cache, const torch::Tensor& slot_mapping) {
   TORCH_CHECK(key.scalar_type() == value.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
               "K and V must share a dtype, and so must their caches");
   const bool rounds = key.scalar_type() == torch::kFloat32 && key_cache.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(rounds || key.scalar_type() == key_cache.scalar_type(),
-              "K/V dtype must match the cache (or be float32 into a bfloat16 cache)");
+  const bool widens = key.scalar_type() == torch::kBFloat16 && key_cache.scalar_type() == torch::kFloat32;
+  TORCH_CHECK(rounds || widens || key.scalar_type() == key_cache.scalar_type(),
+              "K/V dtype must match the cache (or be float32 and bfloat16, either way)");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64, "slot_mapping must be int64");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   auto rows = [](const torch::Tensor& t) {  // each token's [Hkv, D] must be one contiguous run
@@ -486,6 +488,11 @@ void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
                   reinterpret_cast<const float*>(ks + t * k_stride), 1.f, row_elems);
         store_row(reinterpret_cast<at::BFloat16*>(vd + slots[t] * row_bytes),
                   reinterpret_cast<const float*>(vs + t * v_stride), 1.f, row_elems);
+      } else if (widens) {
+        load_row(reinterpret_cast<float*>(kd + slots[t] * row_bytes),
+                 reinterpret_cast<const at::BFloat16*>(ks + t * k_stride), row_elems);
+        load_row(reinterpret_cast<float*>(vd + slots[t] * row_bytes),
+                 reinterpret_cast<const at::BFloat16*>(vs + t * v_stride), row_elems);
       } else {
         std::memcpy(kd + slots[t] * row_bytes, ks + t * k_stride, row_bytes);
         std::memcpy(vd + slots[t] * row_bytes, vs + t * v_stride, row_bytes);

@@ -157,8 +157,9 @@ class Int8Dot4Panels(QPanels):
         return cls(packed.to(torch.uint8).contiguous(), s.half() if fp16_exact(s) else s, None, group, n, k)
 
     def _bind_kernel(self, kernels: Any, isa: int) -> CpuMatmul:
-        amx = isa == AMX_ISA and kernels.amx_dot_supported()
-        if not amx and (isa not in W8A8_ISAS or not kernels.q8_dot_supported()):
+        if isa == AMX_ISA and not kernels.amx_dot_supported():
+            isa = 0  # a table from a machine with AMX tiles: this one's best
+        if isa != AMX_ISA and (isa not in W8A8_ISAS or not kernels.q8_dot_supported()):
             isa = 3  # no VNNI: the portable loop (same results, slow; the autotuner never picks it there)
         dot4, qw, s, g, n = kernels.q8_dot_gemm, self.qweight, self.scales, self.group, self.out_features
         return lambda x, bias, out: dot4(x, qw, s, g, n, bias, out, isa)
