@@ -92,3 +92,14 @@ def test_the_autotuner_offers_amx_exactly_for_the_byte_dot_layouts_where_it_runs
     amx = {name for name in names if name.endswith("/amx")}
     want = {"dot8/amx"} | ({"dot4/amx"} if KERNELS.q8_dot_supported() else set())
     assert amx == (want if AMX else set())
+
+
+def test_a_forced_amx_choice_binds_this_cpus_best_where_there_are_no_tiles() -> None:
+    from types import SimpleNamespace
+
+    from pagedllm.model_executor.layers.quantization.qpanels import _present_isa
+
+    without = SimpleNamespace(amx_dot_supported=lambda: False)
+    with_tiles = SimpleNamespace(amx_dot_supported=lambda: True)
+    assert _present_isa(without, AMX_ISA) == 0 and _present_isa(with_tiles, AMX_ISA) == AMX_ISA
+    assert _present_isa(without, 2) == 2

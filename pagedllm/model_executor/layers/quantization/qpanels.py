@@ -43,6 +43,11 @@ AMX_ISA = 4  # the byte-dot-product layouts' AMX tiles (kernels/csrc/amx_dot.h):
 AMX_LAYOUTS = ("dot8", "dot4")
 
 
+def _present_isa(kernels: Any, isa: int) -> int:
+    """``isa``, or this CPU's best (0) for AMX tiles it does not have (a table forced from another machine)."""
+    return 0 if isa == AMX_ISA and not kernels.amx_dot_supported() else isa
+
+
 def fp16_exact(t: torch.Tensor) -> bool:
     """Whether every value of ``t`` is a float16 value (GGUF's block scales are), so a float16 copy loses nothing."""
     return bool((t.half().float() == t.float()).all())
@@ -157,8 +162,7 @@ class Int8Dot4Panels(QPanels):
         return cls(packed.to(torch.uint8).contiguous(), s.half() if fp16_exact(s) else s, None, group, n, k)
 
     def _bind_kernel(self, kernels: Any, isa: int) -> CpuMatmul:
-        if isa == AMX_ISA and not kernels.amx_dot_supported():
-            isa = 0  # a table from a machine with AMX tiles: this one's best
+        isa = _present_isa(kernels, isa)
         if isa != AMX_ISA and (isa not in W8A8_ISAS or not kernels.q8_dot_supported()):
             isa = 3  # no VNNI: the portable loop (same results, slow; the autotuner never picks it there)
         dot4, qw, s, g, n = kernels.q8_dot_gemm, self.qweight, self.scales, self.group, self.out_features
@@ -206,8 +210,7 @@ class Q4Dot8Panels(QPanels):
                    _panels(mins.float()).to(torch.float16), group, n, k)
 
     def _bind_kernel(self, kernels: Any, isa: int) -> CpuMatmul:
-        if isa == AMX_ISA and not kernels.amx_dot_supported():
-            isa = 0  # a table from a machine with AMX tiles: this one's best
+        isa = _present_isa(kernels, isa)
         dot8, qw, s, mins = kernels.q4_dot_gemm, self.qweight, self.scales, self.mins
         g, n = self.group, self.out_features
         return lambda x, bias, out: dot8(x, qw, s, mins, g, n, bias, out, isa)
