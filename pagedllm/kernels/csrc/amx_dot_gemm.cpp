@@ -42,7 +42,6 @@ namespace {
 
 using dot_gemm::Activations;
 using dot_gemm::NR;
-using dot_gemm::RESIDUAL_STEPS;
 constexpr int64_t TILE_M = 16;    // rows per tile pass
 constexpr int64_t ROW_BYTES = 64;  // one B tile row: 4 k of 16 columns
 constexpr int32_t OFFSET = 128;    // dot4 levels are q + 128
@@ -93,7 +92,8 @@ __attribute__((target("avx512f,avx512bw"))) void unpack_nibbles(const uint8_t* p
 }
 
 // f[i] += group g of panel p for rows m0 + i < m0 + mr, from its stored sums c1 = x1 . w, c2 = x2 . w [16][16]
-// int32: the VNNI tiles' arithmetic (q4_dot_gemm.cpp, q8_dot_gemm.cpp), operation for operation.
+// int32, offsets and min term as the VNNI tiles (q4_dot_gemm.cpp, q8_dot_gemm.cpp) take them, scaled by the same
+// dot_gemm::add_scaled_sums.
 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma"), always_inline)) inline void scale_group(
     const Activations& a, const Weights& wt, int64_t p, int64_t g, int64_t G, int64_t m0, int64_t mr,
     const int32_t* c1, const int32_t* c2, __m512 (&f)[TILE_M]) {
@@ -114,11 +114,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma"), always_inline)) inl
       d1 = _mm512_sub_epi32(d1, _mm512_set1_epi32(OFFSET * a.s1[ro]));
       d2 = _mm512_sub_epi32(d2, _mm512_set1_epi32(OFFSET * a.s2[ro]));
     }
-    const float dx = a.d[ro];
-    __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(d1), _mm512_set1_ps(dx));
-    t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d2), _mm512_set1_ps(dx / RESIDUAL_STEPS), t);
-    f[i] = wt.mins != nullptr ? _mm512_fmadd_ps(t, s, _mm512_fmadd_ps(n, _mm512_set1_ps(a.s[ro]), f[i]))
-                              : _mm512_fmadd_ps(t, s, f[i]);
+    const __m512 prev = wt.mins != nullptr ? _mm512_fmadd_ps(n, _mm512_set1_ps(a.s[ro]), f[i]) : f[i];
+    f[i] = dot_gemm::add_scaled_sums(prev, d1, d2, a.d[ro], s);
   }
 }
 

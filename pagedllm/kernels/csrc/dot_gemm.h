@@ -156,6 +156,18 @@ __attribute__((target("avx2,fma"))) inline GroupStats split_group_avx2(const flo
 }
 #endif
 
+#if defined(__x86_64__)
+// f + s * (dx * d1 + dx / 254 * d2): one group's contribution to 16 outputs from its integer sums d1 = x1 . w and
+// d2 = x2 . w (weight offsets already taken out), s the group's 16 weight scales. The VNNI tiles and the AMX
+// tiles (amx_dot_gemm.cpp) both scale through here, which is why they give the same floats.
+__attribute__((target("avx512f"), always_inline)) inline __m512 add_scaled_sums(__m512 f, __m512i d1, __m512i d2,
+                                                                                float dx, __m512 s) {
+  __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(d1), _mm512_set1_ps(dx));
+  t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d2), _mm512_set1_ps(dx / RESIDUAL_STEPS), t);
+  return _mm512_fmadd_ps(t, s, f);
+}
+#endif
+
 // How quantize_activations splits a group: the portable loop, or 8 / 16 k at a time (the caller's tiles' ISA).
 enum class Split { kScalar, kAvx2, kAvx512 };
 

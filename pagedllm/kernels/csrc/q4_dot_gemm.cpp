@@ -230,10 +230,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void tile_vnni51
     const __m512 n = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb.mins + o)));
     for (int i = 0; i < R; ++i) {
       const int64_t ro = (m0 + i) * pb.G + g;
-      const float dx = pb.a->d[ro];
-      __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(c1[i], h1[i])), _mm512_set1_ps(dx));
-      t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(c2[i], h2[i])), _mm512_set1_ps(dx / RESIDUAL_STEPS), t);
-      f[i] = _mm512_fmadd_ps(t, s, _mm512_fmadd_ps(n, _mm512_set1_ps(pb.a->s[ro]), f[i]));
+      f[i] = dot_gemm::add_scaled_sums(_mm512_fmadd_ps(n, _mm512_set1_ps(pb.a->s[ro]), f[i]),
+                                       _mm512_add_epi32(c1[i], h1[i]), _mm512_add_epi32(c2[i], h2[i]), pb.a->d[ro], s);
     }
   }
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(acc + i * NR, f[i]);

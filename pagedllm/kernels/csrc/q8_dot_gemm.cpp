@@ -135,12 +135,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void tile_vnni51
     }
     for (int i = 0; i < R; ++i) {
       const int64_t ro = (m0 + i) * pb.G + g;
-      const float dx = pb.a->d[ro];
       const __m512i d1 = _mm512_sub_epi32(_mm512_add_epi32(a1[i], b1[i]), _mm512_set1_epi32(OFFSET * pb.a->s1[ro]));
       const __m512i d2 = _mm512_sub_epi32(_mm512_add_epi32(a2[i], b2[i]), _mm512_set1_epi32(OFFSET * pb.a->s2[ro]));
-      __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(d1), _mm512_set1_ps(dx));
-      t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d2), _mm512_set1_ps(dx / RESIDUAL_STEPS), t);
-      f[i] = _mm512_fmadd_ps(t, s, f[i]);
+      f[i] = dot_gemm::add_scaled_sums(f[i], d1, d2, pb.a->d[ro], s);
     }
   }
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(acc + i * NR, f[i]);
