@@ -138,8 +138,16 @@ class StatsRecorder:
             m.generation_tokens.inc(new)
             if tracked.last_token_time is None:
                 m.prompt_tokens.inc(len(out.prompt_token_ids))
-                if out.metrics is not None and out.metrics.first_token_time is not None:
-                    m.time_to_first_token.observe(out.metrics.first_token_time - out.metrics.arrival_time)
+                first_token_time = out.metrics.first_token_time if out.metrics is not None else None
+                if first_token_time is not None:
+                    m.time_to_first_token.observe(first_token_time - out.metrics.arrival_time)
+                # A streamed first output can carry more than each choice's first token (steps that ran
+                # while the consumer was busy): the rest are inter-token gaps, spread since the first token.
+                later = new - sum(1 for c in out.outputs if c.token_ids)
+                if later > 0 and tracked.kind != OutputKind.FINAL_ONLY:
+                    gap = max(now - first_token_time, 0.0) / later if first_token_time is not None else 0.0
+                    for _ in range(later):
+                        m.inter_token_latency.observe(gap)
             elif tracked.kind != OutputKind.FINAL_ONLY:
                 gap = (now - tracked.last_token_time) / new
                 for _ in range(new):
