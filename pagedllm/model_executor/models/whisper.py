@@ -40,6 +40,34 @@ ENCODER_LAYER_IDX_BASE = 1 << 16
 LAYER_NORM_EPS = 1e-5
 
 
+class TimeMajorConv1d(nn.Conv1d):
+    """``nn.Conv1d`` (its parameters and names) run as one matmul on time-major input, each output step's
+    ``kernel_size`` input frames gathered by ``unfold``. On Whisper's shapes ~3x faster than oneDNN's bf16
+    convolution (which first copies its input into another layout) and ~1.5x in float32; the output comes out
+    [time, channels], the layout the encoder layers read."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.groups != 1 or self.dilation != (1,) or self.padding_mode != "zeros":
+            raise ValueError("TimeMajorConv1d: only groups=1, dilation=1, zero padding")
+        self.taps: torch.Tensor | None = None  # [out, kernel_size * in], tap-major rows of the weight
+
+    def process_weights_after_loading(self) -> None:
+        self.taps = self._taps()
+
+    def _taps(self) -> torch.Tensor:
+        out_channels, in_channels, k = self.weight.shape
+        return self.weight.detach().permute(0, 2, 1).reshape(out_channels, k * in_channels).contiguous()
+
+    def forward_time_major(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [n, T, C_in] -> [n, T_out, C_out]."""
+        (pad,), (stride,), (k,) = self.padding, self.stride, self.kernel_size
+        frames = F.pad(x, (0, 0, pad, pad)).unfold(1, k, stride)  # [n, T_out, C_in, k]
+        n, steps = frames.shape[:2]
+        taps = self.taps if self.taps is not None else self._taps()  # a model built without the loader
+        return F.linear(frames.transpose(2, 3).reshape(n * steps, -1), taps, self.bias).view(n, steps, -1)
+
+
 class WhisperMLP(DirectCall, nn.Module):
     def __init__(self, d_model: int, ffn_dim: int, act: str, dtype: torch.dtype, prefix: str) -> None:
         super().__init__()
@@ -125,21 +153,22 @@ class WhisperEncoder(DirectCall, nn.Module):
         super().__init__()
         d = cfg.d_model
         self.num_positions = int(cfg.max_source_positions)
-        self.conv1 = nn.Conv1d(cfg.num_mel_bins, d, kernel_size=3, padding=1, dtype=dtype)
-        self.conv2 = nn.Conv1d(d, d, kernel_size=3, stride=2, padding=1, dtype=dtype)
+        self.conv1 = TimeMajorConv1d(cfg.num_mel_bins, d, kernel_size=3, padding=1, dtype=dtype)
+        self.conv2 = TimeMajorConv1d(d, d, kernel_size=3, stride=2, padding=1, dtype=dtype)
         self.embed_positions = nn.Embedding(self.num_positions, d, dtype=dtype)
         self.layers = nn.ModuleList(WhisperEncoderLayer(cfg, i, dtype) for i in range(cfg.encoder_layers))
         self.layer_norm = LayerNorm(d, LAYER_NORM_EPS, dtype)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """features: [n, n_mels, 2 * P] log-mel -> [n * P, d] encoder states (P = 1500 positions each)."""
-        x = F.gelu(self.conv1(features))
-        x = F.gelu(self.conv2(x))  # [n, d, P]
+        x = F.gelu(self.conv1.forward_time_major(features.transpose(1, 2)))
+        x = F.gelu(self.conv2.forward_time_major(x))  # [n, P, d]
         n = x.shape[0]
-        if x.shape[2] != self.num_positions:
-            raise ValueError(f"audio_features: {features.shape[2]} frames give {x.shape[2]} encoder positions; "
+        if x.shape[1] != self.num_positions:
+            raise ValueError(f"audio_features: {features.shape[2]} frames give {x.shape[1]} encoder positions; "
                              f"Whisper takes {2 * self.num_positions} frames (30 s)")
-        x = (x.transpose(1, 2) + self.embed_positions.weight).reshape(n * self.num_positions, -1)
+        # Row-major [n * P, d] from here: the layers' adds and norms run ~4x slower on a transposed stream.
+        x = (x + self.embed_positions.weight).view(n * self.num_positions, -1)
         lens = [self.num_positions] * n
         meta = build_attention_metadata(lens, lens, np.zeros((n, 1), dtype=np.int32), 1, x.device)
         with forward_context(meta):  # n whole sequences, bidirectional: the encoder attention path
