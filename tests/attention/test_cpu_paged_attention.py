@@ -132,7 +132,8 @@ def test_kernel_only_touches_listed_requests() -> None:
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])  # bf16: --kv-cache-dtype, float32 model
 def test_backend_routes_fresh_prompts_by_length(monkeypatch, cache_dtype: torch.dtype) -> None:
     """A mixed step (decodes, a chunk with context, short and long fresh prompts) through the backend:
-    the kernel path (short fresh prompts in the kernel, long ones in SDPA) equals the portable path."""
+    the kernel path (short fresh prompts in the kernel, long ones in SDPA; then the chunk in SDPA too) equals
+    the portable path."""
     import pagedllm.attention.backends.torch_sdpa as backend
 
     assert load_cpu_kernels() is not None
@@ -155,8 +156,13 @@ def test_backend_routes_fresh_prompts_by_length(monkeypatch, cache_dtype: torch.
     key, value = torch.randn(tokens, num_kv_heads, head_dim), torch.randn(tokens, num_kv_heads, head_dim)
     cache = torch.randn(2, 200, block_size, num_kv_heads, head_dim).to(cache_dtype)  # the first four's context
 
-    rows, sdpa_fresh = backend.step_plan(meta).kernel_split(40)
-    assert rows.tolist() == [0, 1, 2, 3, 4, 5] and sdpa_fresh == {41: [6], 70: [7]}
+    split = backend.step_plan(meta).kernel_split(40, backend.CONTEXT_CHUNK_KERNEL_MAX_LEN)
+    assert split.kernel_rows.tolist() == [0, 1, 2, 3, 4, 5] and split.sdpa_fresh == {41: [6], 70: [7]}
+    assert split.sdpa_chunks == []
+    # A chunk with context longer than the kernel's limit goes to SDPA over its gathered K/V.
+    split = backend.step_plan(meta).kernel_split(40, 8)
+    assert split.kernel_rows.tolist() == [0, 1, 2, 4, 5] and split.sdpa_chunks == [3]
+    monkeypatch.setattr(backend, "CONTEXT_CHUNK_KERNEL_MAX_LEN", 8)
     got = backend.paged_attention(query, key, value, cache.clone(), meta, head_dim ** -0.5, load_cpu_kernels())
     expected = backend.paged_attention(query, key, value, cache.clone(),
                                        build_attention_metadata(query_lens, seq_lens, tables, block_size),

@@ -1,9 +1,8 @@
 """Paged attention: torch SDPA for fresh prompts, and for requests with earlier context either the C++
-CPU kernel (reads K/V through block tables in place) or the portable path (SDPA over K/V gathered
-through the block tables). The portable path is the reference and serves CUDA. Sliding-window layers go
-through ``torch_windowed``, encoder layers through ``torch_encoder``, cross-attention layers through
-``cross_attention``; ``TorchPagedAttentionBackend`` routes
-by the layer's spec.
+CPU kernel (reads K/V through block tables in place; decodes and short chunks) or SDPA over K/V gathered
+through the block tables (the portable path, and long chunks on the CPU). The portable path is the reference
+and serves CUDA. Sliding-window layers go through ``torch_windowed``, encoder layers through ``torch_encoder``,
+cross-attention layers through ``cross_attention``; ``TorchPagedAttentionBackend`` routes by the layer's spec.
 """
 
 from __future__ import annotations
@@ -26,36 +25,53 @@ from pagedllm.attention.spec import AttentionSpec
 
 
 @dataclass
+class KernelSplit:
+    """A step's requests between the CPU kernel and SDPA: ``kernel_rows`` (int32, or None if none), the fresh
+    prompts left to SDPA by query length, and the requests with context whose chunks SDPA attends."""
+
+    kernel_rows: torch.Tensor | None
+    sdpa_fresh: dict[int, list[int]]
+    sdpa_chunks: list[int]
+
+
+@dataclass
 class AttentionPlan:
     """How the torch and CPU backends split the batch, worked out once per step and shared by all layers.
 
     ``fresh_groups``: query length -> requests with no earlier context (a whole prompt in one step);
-    ``with_context``: every other request (decodes, later prefill chunks, prefix-cache hits).
+    ``with_context``: every other request (decodes, later prefill chunks, prefix-cache hits), and
+    ``query_lens`` of every request.
     """
 
     fresh_groups: dict[int, list[int]]
     with_context: list[int]
     with_context_tensor: torch.Tensor  # [n] int32
-    _kernel_splits: dict[int, tuple[torch.Tensor | None, dict[int, list[int]]]] = field(default_factory=dict)
+    query_lens: list[int]
+    _kernel_splits: dict[tuple[int, int], KernelSplit] = field(default_factory=dict)
 
-    def kernel_split(self, max_fresh_len: int) -> tuple[torch.Tensor | None, dict[int, list[int]]]:
-        """For a backend whose kernel also takes fresh prompts of up to ``max_fresh_len`` tokens:
-        (the kernel's requests as an int32 tensor, or None if none; the fresh groups left for SDPA).
-        Memoized, since every layer asks the same."""
-        if max_fresh_len not in self._kernel_splits:
-            rows = list(self.with_context)
+    def kernel_split(self, max_fresh_len: int, max_chunk_len: int) -> KernelSplit:
+        """For a backend whose kernel takes fresh prompts of up to ``max_fresh_len`` tokens and chunks with
+        context of up to ``max_chunk_len``: who goes where. Memoized, since every layer asks the same."""
+        key = (max_fresh_len, max_chunk_len)
+        if key not in self._kernel_splits:
+            rows = [i for i in self.with_context if self.query_lens[i] <= max_chunk_len]
+            chunks = [i for i in self.with_context if self.query_lens[i] > max_chunk_len]
+            kept = len(rows) == len(self.with_context)
             rest: dict[int, list[int]] = {}
             for q_len, group in self.fresh_groups.items():
                 if q_len <= max_fresh_len:
                     rows.extend(group)
+                    kept = False
                 else:
                     rest[q_len] = group
-            if len(rows) == len(self.with_context):
-                tensor = self.with_context_tensor if rows else None
+            if not rows:
+                tensor = None
+            elif kept:
+                tensor = self.with_context_tensor
             else:
                 tensor = torch.tensor(sorted(rows), dtype=torch.int32, device=self.with_context_tensor.device)
-            self._kernel_splits[max_fresh_len] = (tensor, rest)
-        return self._kernel_splits[max_fresh_len]
+            self._kernel_splits[key] = KernelSplit(tensor, rest, chunks)
+        return self._kernel_splits[key]
 
 
 def step_plan(meta: AttentionMetadata) -> AttentionPlan:
@@ -65,20 +81,26 @@ def step_plan(meta: AttentionMetadata) -> AttentionPlan:
         qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         fresh: dict[int, list[int]] = {}
         other: list[int] = []
-        for i in range(meta.num_reqs):
-            q_len = qsl[i + 1] - qsl[i]
+        query_lens = [qsl[i + 1] - qsl[i] for i in range(meta.num_reqs)]
+        for i, q_len in enumerate(query_lens):
             if q_len > 1 and seq_lens[i] == q_len:
                 fresh.setdefault(q_len, []).append(i)
             else:
                 other.append(i)
         state.paged_plan = AttentionPlan(fresh, other, torch.tensor(other, dtype=torch.int32,
-                                                                    device=meta.seq_lens.device))
+                                                                    device=meta.seq_lens.device), query_lens)
     return state.paged_plan
 
 
 # Longest fresh prompt the CPU kernel attends; beyond it SDPA is faster. One layer of the default model,
 # 2 cores: 16 x 128 tokens 9.5 ms (kernel) vs 13.2 ms (SDPA); 4 x 512: 27.6 vs 24.3; 2 x 1024: 66 vs 31.
 FRESH_PROMPT_KERNEL_MAX_LEN = 256
+# Longest chunk with earlier context (a later prefill chunk, a prefix-cache hit's rest) the kernel attends;
+# longer ones go to SDPA over K/V gathered from the cache, whose blocked matmuls reuse each key across query
+# rows. One request, one layer of the default model (Intel Xeon, 2 cores), kernel vs SDPA: float32 64 tokens
+# over 1,024 1.2 vs 0.9 ms, 128 over 512 1.0 vs 0.8, 952 over 3,000 60 vs 27; bf16 128 over 512 1.1 vs 0.4,
+# 952 over 3,000 45 vs 12.5; at 8-16 tokens the kernel is faster.
+CONTEXT_CHUNK_KERNEL_MAX_LEN = 128
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -97,9 +119,12 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # query may be a strided view
     plan = step_plan(meta)
     if kernels is not None:
-        # The kernel also takes fresh prompts of up to FRESH_PROMPT_KERNEL_MAX_LEN tokens (reading their
-        # K/V back from the cache while it is hot); longer ones go to SDPA's blocked matmuls.
-        kernel_rows, sdpa_fresh = plan.kernel_split(FRESH_PROMPT_KERNEL_MAX_LEN)
+        # The kernel takes decodes and short chunks, and fresh prompts of up to FRESH_PROMPT_KERNEL_MAX_LEN
+        # tokens (reading their K/V back from the cache while it is hot); longer ones go to SDPA's blocked matmuls.
+        split = plan.kernel_split(FRESH_PROMPT_KERNEL_MAX_LEN, CONTEXT_CHUNK_KERNEL_MAX_LEN)
+        kernel_rows, sdpa_fresh = split.kernel_rows, split.sdpa_fresh
+        if split.sdpa_chunks:
+            _attend_chunks(query, kv_cache, meta, split.sdpa_chunks, scale, out)
         if kernel_rows is not None:
             # float32, or bf16 with a bf16 cache (the kernel widens each token's query itself); any other
             # query goes through float32 copies.
@@ -123,37 +148,50 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 def _attend_with_context(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                          rows: list[int], scale: float, out: torch.Tensor) -> None:
-    """Portable path: decodes batched over K/V gathered through block tables, other chunks one by one."""
+    """Portable path: the step's decodes batched, the other requests in ``rows`` one by one."""
+    if meta.num_decodes:
+        _attend_decodes(query, kv_cache, meta, scale, out)
+    chunks = [i for i in rows if i >= meta.num_decodes]
+    if chunks:
+        _attend_chunks(query, kv_cache, meta, chunks, scale, out)
+
+
+def _attend_decodes(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    out: torch.Tensor) -> None:
+    """Portable path: the step's decodes (its first ``num_decodes`` requests) in one SDPA call over K/V gathered
+    through their block tables."""
     _, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[-2]
-    group = num_heads // num_kv_heads
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
-    qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     nd = meta.num_decodes
-    if nd:
-        seq_len = meta.max_decode_seq_len
-        tables = meta.block_tables[:nd]
-        k = gather_tokens(key_cache, tables, seq_len, query.dtype)  # [nd, Hkv, L, D]
-        v = gather_tokens(value_cache, tables, seq_len, query.dtype)
-        # GQA without copying K/V: the query heads of one KV group become G query rows.
-        q = query[:nd].view(nd, num_kv_heads, group, head_dim)
-        mask = torch.arange(seq_len, device=query.device)[None, :] < meta.seq_lens[:nd, None]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
-        out[:nd] = o.reshape(nd, num_heads, head_dim)
+    seq_len = meta.max_decode_seq_len
+    tables = meta.block_tables[:nd]
+    k = gather_tokens(kv_cache[0], tables, seq_len, query.dtype)  # [nd, Hkv, L, D]
+    v = gather_tokens(kv_cache[1], tables, seq_len, query.dtype)
+    # GQA without copying K/V: the query heads of one KV group become G query rows.
+    q = query[:nd].view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    mask = torch.arange(seq_len, device=query.device)[None, :] < meta.seq_lens[:nd, None]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    out[:nd] = o.reshape(nd, num_heads, head_dim)
+
+
+def _attend_chunks(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, rows: list[int],
+                   scale: float, out: torch.Tensor) -> None:
+    """Requests ``rows`` with earlier context (none a decode), one SDPA call each over K/V gathered through
+    its block table: the portable path's, and the CPU backend's for long chunks."""
+    num_heads, num_kv_heads = query.shape[1], kv_cache.shape[-2]
+    qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     for i in rows:
-        if i < nd:
-            continue
         start, end, seq_len = qsl[i], qsl[i + 1], seq_lens[i]
-        q_len = end - start
-        q = query[start:end].transpose(0, 1)  # [H, q_len, D]
+        q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]: 4-D (see _attend_fresh)
         table = meta.block_tables[i:i + 1]
-        k = gather_tokens(key_cache, table, seq_len, query.dtype)[0]  # [Hkv, L, D]
-        v = gather_tokens(value_cache, table, seq_len, query.dtype)[0]
+        k = gather_tokens(kv_cache[0], table, seq_len, query.dtype)  # [1, Hkv, L, D]
+        v = gather_tokens(kv_cache[1], table, seq_len, query.dtype)
         # Query j sits at position seq_len - q_len + j and sees keys up to and including itself.
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        q_pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)
         mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
-        out[start:end] = o.transpose(0, 1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                           enable_gqa=num_heads != num_kv_heads)
+        out[start:end] = o[0].transpose(0, 1)
 
 
 def _attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata,
