@@ -51,6 +51,15 @@ class Attention(DirectCall, nn.Module):
             self.kv_cache, get_attn_metadata(self.kv_group), self.spec, self.scale)
         return out.view(t, self.num_heads * self.head_size)
 
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store K/V computed outside a forward (cross-attention's, from the encoder) into this layer's cache.
+        key/value: [T, Hkv*D] or [T, Hkv, D] (token rows may be strided); slot_mapping: [T] int64."""
+        if self.kv_cache is None:
+            raise RuntimeError(f"no KV cache bound to attention layer {self.layer_idx}")
+        t = key.shape[0]
+        self.backend.write_kv(self.kv_cache, key.view(t, self.num_kv_heads, self.head_size),
+                              value.view(t, self.num_kv_heads, self.head_size), slot_mapping)
+
     def write_kv_with_rotary(self, qkv: torch.Tensor, rope: Any) -> bool:
         """Rotate q/k inside ``qkv`` [T, (H + 2*Hkv) * D] and write this step's K/V into the cache in one
         kernel, when the backend allows it (CUDA, Triton); False: nothing done, rotate and attend as usual."""

@@ -45,3 +45,28 @@ def test_cross_attention_equals_unmasked_attention(use_kernels: bool, cache_dtyp
         expected = F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1), scale=DIM ** -0.5)
         torch.testing.assert_close(out[start:start + q_len], expected.transpose(0, 1), atol=1e-5, rtol=1e-5)
         start += q_len
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_layer_write_kv_stores_strided_rows_like_the_portable_store(cache_dtype: torch.dtype) -> None:
+    """``Attention.write_kv`` (cross-attention K/V from the encoder, slices of one fused projection) through the CPU
+    backend's C++ store equals the portable index_copy store, float32 K/V into either cache dtype."""
+    from pagedllm.attention.backends.cpu_paged import CpuPagedAttentionBackend
+    from pagedllm.attention.backends.torch_sdpa import TorchPagedAttentionBackend
+    from pagedllm.attention.layer import Attention
+    from pagedllm.attention.spec import AttentionSpec
+
+    if load_cpu_kernels() is None:
+        pytest.skip("C++ CPU kernels unavailable")
+    torch.manual_seed(0)
+    kv = torch.randn(POSITIONS, 2 * HEADS * DIM)  # [N, k | v]
+    slots = torch.randperm(40 * BLOCK)[:POSITIONS]
+    caches = []
+    for backend in (CpuPagedAttentionBackend(), TorchPagedAttentionBackend()):
+        layer = Attention(HEADS, DIM, DIM ** -0.5, layer_idx=0, spec=AttentionSpec.cross(), backend=backend)
+        layer.kv_cache = torch.zeros(2, 40, BLOCK, HEADS, DIM, dtype=cache_dtype)
+        layer.write_kv(kv[:, :HEADS * DIM], kv[:, HEADS * DIM:], slots)
+        caches.append(layer.kv_cache)
+    assert torch.equal(caches[0], caches[1])
+    flat = caches[0].view(2, -1, HEADS, DIM)
+    assert torch.equal(flat[1, slots].float(), kv[:, HEADS * DIM:].view(-1, HEADS, DIM).to(cache_dtype).float())

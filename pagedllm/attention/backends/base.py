@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.attention.backends.paged_kv import write_kv
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.spec import AttentionSpec
 
@@ -50,6 +51,12 @@ class AttentionBackend(ABC):
         before any request reads it; it is None for encoder layers, which keep no cache. key/value None
         (only where ``takes_kv_from_rotary`` said yes): the step's K/V is in the cache already.
         """
+
+    def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Store K/V computed outside a forward (an encoder's output for cross-attention) by slot.
+        key/value: [T, Hkv, D] (token rows may be strided); slot_mapping: [T] int64."""
+        write_kv(kv_cache, key, value, slot_mapping)
 
     def takes_kv_from_rotary(self, qkv: torch.Tensor) -> bool:
         """Whether, for tensors like ``qkv``, this backend lets the rotary kernel write the step's K/V into the

@@ -23,6 +23,10 @@ class DeviceAttentionBackend(AttentionBackend):
     def takes_kv_from_rotary(self, qkv: torch.Tensor) -> bool:
         return platform_of(qkv).attention_backend().takes_kv_from_rotary(qkv)
 
+    def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        platform_of(key).attention_backend().write_kv(kv_cache, key, value, slot_mapping)
+
     def prepare_step(self, meta: AttentionMetadata, specs: Collection[AttentionSpec]) -> None:
         platform_of(meta.seq_lens).attention_backend().prepare_step(meta, specs)
 

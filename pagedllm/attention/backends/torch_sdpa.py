@@ -234,6 +234,14 @@ class TorchPagedAttentionBackend(AttentionBackend):
         """The C++ kernels for this step's tensors (the CPU backend's), or None: the portable path."""
         return None
 
+    def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        kernels = self._kernels(key)
+        if kernels is not None:
+            kernels.write_kv(key, value, kv_cache[0], kv_cache[1], slot_mapping)
+        else:
+            write_kv(kv_cache, key, value, slot_mapping)
+
     def build_state(self, meta: AttentionMetadata, specs: Collection[AttentionSpec]) -> TorchStepState:
         """The pieces the layers of ``specs`` will ask for: the paged plan (causal layers, and sliding ones
         this step is not longer than), the encoder's offsets or buckets, the kernel's cross-attention layout."""

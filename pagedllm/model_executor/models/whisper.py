@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention.backends.paged_kv import write_kv
 from pagedllm.attention.forward_context import forward_context
 from pagedllm.attention.layer import Attention
 from pagedllm.attention.metadata import build_attention_metadata
@@ -105,9 +104,7 @@ class WhisperCrossAttention(DirectCall, nn.Module):
         """encoder_hidden: [N, d] -> this layer's K/V at ``slot_mapping`` [N] int64 of its cache."""
         kv = self.kv_proj(encoder_hidden)
         d = kv.shape[1] // 2
-        k = kv[:, :d].reshape(-1, self.num_heads, self.head_dim)
-        v = kv[:, d:].reshape(-1, self.num_heads, self.head_dim)
-        write_kv(self.attn.kv_cache, k, v, slot_mapping)
+        self.attn.write_kv(kv[:, :d], kv[:, d:], slot_mapping)
 
 
 class WhisperEncoderLayer(DirectCall, nn.Module):
