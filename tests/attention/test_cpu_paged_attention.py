@@ -58,6 +58,57 @@ def test_kernel_matches_portable_path(num_reqs: int, num_heads: int, num_kv_head
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
 
 
+def _long_context_case(query_lens: list[int], seq_lens: list[int], block_size: int, cache_dtype: torch.dtype,
+                       num_heads: int = 9, num_kv_heads: int = 3, head_dim: int = 64):
+    rng = random.Random(1)
+    torch.manual_seed(1)
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
+    ids = list(range(1, num_blocks))
+    rng.shuffle(ids)
+    tables = []
+    for s in seq_lens:
+        n = -(-s // block_size)
+        tables.append(ids[:n])
+        ids = ids[n:]
+    meta = build_attention_metadata(query_lens, seq_lens, tables, block_size)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(cache_dtype)
+    return meta, cache, torch.randn(sum(query_lens), num_heads, head_dim)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_long_contexts_in_partitions_match_portable_path(cache_dtype: torch.dtype, block_size: int) -> None:
+    """Contexts longer than a partition (256 keys) are attended in partitions combined afterwards: decodes of
+    1, 2 and 5 partitions, and a chunk whose earlier tokens see fewer partitions than its last."""
+    kernels = load_cpu_kernels()
+    query_lens = [1, 1, 1, 40]
+    seq_lens = [700, 257, 1201, 290]  # the chunk's tokens see 251 .. 290 keys: one or two partitions
+    meta, cache, query = _long_context_case(query_lens, seq_lens, block_size, cache_dtype)
+    scale = 64 ** -0.5
+    expected = torch.zeros_like(query)
+    _attend_with_context(query, cache, meta, list(range(meta.num_reqs)), scale, expected)
+    got = torch.zeros_like(query)
+    kernels.paged_attention(query, cache[0], cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                            got, scale, torch.arange(meta.num_reqs, dtype=torch.int32))
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_a_long_request_attends_the_same_alone_or_batched() -> None:
+    """Partitions depend on a request's own context only: its output is bit-identical whether it runs alone (a
+    task per KV head) or among many requests (a task per request)."""
+    kernels = load_cpu_kernels()
+    query_lens = [1] * 24
+    seq_lens = [900] + [20 + 37 * i for i in range(23)]
+    meta, cache, query = _long_context_case(query_lens, seq_lens, 16, torch.float32)
+    batched = torch.zeros_like(query)
+    kernels.paged_attention(query, cache[0], cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                            batched, 0.125, torch.arange(24, dtype=torch.int32))
+    alone = torch.zeros_like(query)
+    kernels.paged_attention(query, cache[0], cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                            alone, 0.125, torch.zeros(1, dtype=torch.int32))
+    assert torch.equal(alone[0], batched[0])
+
+
 @pytest.mark.parametrize("num_reqs", [2, 10])  # a task per KV head, or per request
 def test_long_chunks_split_into_tasks_of_query_rows(num_reqs: int) -> None:
     """Chunks of 70 and 33 tokens after earlier context span several 32-row tasks (and a 1-row tail)."""

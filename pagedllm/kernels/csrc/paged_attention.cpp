@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -32,6 +33,8 @@
 namespace {
 
 constexpr int64_t QUERY_ROWS_PER_TASK = 32;
+// Keys per partition of a long context (see run).
+constexpr int64_t PARTITION_KEYS = 256;
 
 template <typename T>
 inline float to_float(T v) { return static_cast<float>(v); }
@@ -323,11 +326,16 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache, const torch
   const int64_t task_elems = heads_per_task * D;  // of each token row in a block
 
   // Tasks differ in cost by orders of magnitude (a 1-token decode next to a whole prompt), so instead of
-  // a static split the threads pull tasks from a shared counter, longest first (cost ~ rows x seq_len). A long
+  // a static split the threads pull tasks from a shared counter, longest first (cost ~ rows x keys). A long
   // query (a prompt chunk) is cut into tasks of QUERY_ROWS_PER_TASK tokens: its tokens attend independently, and
   // as one task a 952-token chunk over 3,000 tokens of context kept one thread busy for a whole step.
+  // A context longer than PARTITION_KEYS keys is cut into partitions of that many, attended as tasks of their own
+  // and combined afterwards by their softmax maxima and sums (flash-decoding): one decode over 3 KV heads on 2
+  // threads otherwise leaves a thread idle a third of the time. The cut depends only on the request's context, never
+  // on the batch, so a request's output is the same alone or batched; a context of at most PARTITION_KEYS keys is one
+  // partition, attended as a whole.
   struct Task {
-    int64_t req, h_begin, j_begin, j_end, cost;
+    int64_t idx, h_begin, j_begin, j_end, part, cost;
   };
   // Few query rows in all (one request verifying 4 drafts: 5 rows, 3 KV heads) are cut finer, so that every
   // thread gets work: three 5-row tasks on two threads left one thread idle half the time.
@@ -335,34 +343,59 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache, const torch
   for (int64_t i = 0; i < num_reqs; ++i) total_rows += qs[ri[i] + 1] - qs[ri[i]];
   const int64_t wanted_tasks = 4 * at::get_num_threads();
   const int64_t rows_per_task = std::clamp<int64_t>(total_rows * tasks_per_req / wanted_tasks, 1, QUERY_ROWS_PER_TASK);
+  const int64_t part_blocks = std::max<int64_t>(1, PARTITION_KEYS / block_size);
+  // Per listed request: its partitions, and where its rows' partial results start (split requests only).
+  std::vector<int64_t> parts(static_cast<size_t>(num_reqs)), partial_base(static_cast<size_t>(num_reqs), 0);
+  int64_t num_partials = 0;  // (row, partition) pairs of split requests
   std::vector<Task> tasks;
   tasks.reserve(static_cast<size_t>(num_reqs * tasks_per_req));
   for (int64_t i = 0; i < num_reqs; ++i) {
-    const int64_t r = ri[i], q_len = qs[r + 1] - qs[r];
+    const int64_t r = ri[i], q_len = qs[r + 1] - qs[r], seq_len = sl[r];
+    const int64_t np = ((seq_len + block_size - 1) / block_size + part_blocks - 1) / part_blocks;
+    parts[i] = np;
+    if (np > 1) {
+      partial_base[i] = num_partials;
+      num_partials += q_len * np;
+    }
     for (int64_t j0 = 0; j0 < q_len; j0 += rows_per_task) {
       const int64_t j1 = std::min(q_len, j0 + rows_per_task);
-      for (int64_t t = 0; t < tasks_per_req; ++t)
-        tasks.push_back({r, t * heads_per_task, j0, j1, (j1 - j0) * static_cast<int64_t>(sl[r])});
+      for (int64_t p = 0; p < np; ++p) {
+        const int64_t keys = std::min(part_blocks * block_size, seq_len - p * part_blocks * block_size);
+        for (int64_t t = 0; t < tasks_per_req; ++t)
+          tasks.push_back({i, t * heads_per_task, j0, j1, p, (j1 - j0) * keys});
+      }
     }
   }
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  // A split request's partial results: per (row, partition, query head) its max score, sum and D weighted sums.
+  const int64_t stat = D + 2;
+  std::unique_ptr<float[]> partials(new float[static_cast<size_t>(std::max<int64_t>(num_partials * H * stat, 1))]);
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> scores, acc, q_float;
     for (int64_t pulled = next.fetch_add(1); pulled < num_tasks; pulled = next.fetch_add(1)) {
       const Task& task = tasks[pulled];
-      const int64_t r = task.req;
+      const int64_t i = task.idx, r = ri[i], np = parts[i];
       const int64_t h_begin = task.h_begin, h_end = h_begin + heads_per_task;
       const int64_t seq_len = sl[r];
       const int64_t q_begin = qs[r], q_len = qs[r + 1] - qs[r];
       const int32_t* table = bt + r * max_blocks;
       const int64_t HG = (h_end - h_begin) * G;  // query heads of this task
-      scores.resize(static_cast<size_t>(HG * seq_len));
+      const int64_t b0 = task.part * part_blocks;  // this partition's blocks: b0 .. b0 + part_blocks
       acc.resize(static_cast<size_t>(HG * D));
       for (int64_t j = task.j_begin; j < task.j_end; ++j) {
         const int64_t ctx = seq_len - q_len + j + 1;  // keys visible to this query token
         const int64_t nblocks = (ctx + block_size - 1) / block_size;
+        float* partial = np > 1 ? partials.get() + ((partial_base[i] + j * np + task.part) * H + h_begin * G) * stat
+                                : nullptr;  // [HG, stat] of this row and partition
+        if (b0 >= nblocks) {  // an earlier token of a chunk: no keys in this partition
+          for (int64_t g = 0; g < HG; ++g) partial[g * stat + 1] = 0.f;
+          continue;
+        }
+        const int64_t b1 = std::min(nblocks, b0 + part_blocks);
+        const int64_t k0 = b0 * block_size, nk = std::min(b1 * block_size, ctx) - k0;  // this partition's keys
+        scores.resize(static_cast<size_t>(HG * nk));
         // Query heads h_begin*G .. h_end*G of this token, contiguous: [HG, D].
         const Q* q_row_ptr = q_ptr + (q_begin + j) * q_row + h_begin * G * D;
         const float* q = nullptr;
@@ -373,56 +406,106 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache, const torch
           for (int64_t e = 0; e < HG * D; ++e) q_float[e] = static_cast<float>(q_row_ptr[e]);
           q = q_float.data();
         }
-        // Pass 1: scaled scores [HG, ctx], block by block; the G query heads of a KV head share each K row.
-        for (int64_t b = 0; b < nblocks; ++b) {
+        // Pass 1: scaled scores [HG, nk], block by block; the G query heads of a KV head share each K row.
+        for (int64_t b = b0; b < b1; ++b) {
           const int64_t n = std::min(block_size, ctx - b * block_size);
-          if (b + 1 < nblocks)
+          if (b + 1 < b1)
             prefetch_block(k_ptr + table[b + 1] * blk_stride + h_begin * D, tok_stride, block_size, task_elems);
           const KV* blk = k_ptr + table[b] * blk_stride;
           for (int64_t h = h_begin; h < h_end; ++h) {
-            float* sh = scores.data() + (h - h_begin) * G * ctx + b * block_size;
+            float* sh = scores.data() + (h - h_begin) * G * nk + (b - b0) * block_size;
 #if defined(__AVX512BF16__)
             if constexpr (std::is_same_v<Q, at::BFloat16> && std::is_same_v<KV, at::BFloat16>) {
               if (bf16_dots) {
                 score_heads_bf16(q_row_ptr + (h - h_begin) * G * D, G, D, blk + h * D, tok_stride, n, fscale, sh,
-                                 ctx);
+                                 nk);
                 continue;
               }
             }
 #endif
-            score_heads(q + (h - h_begin) * G * D, G, D, blk + h * D, tok_stride, n, fscale, sh, ctx);
+            score_heads(q + (h - h_begin) * G * D, G, D, blk + h * D, tok_stride, n, fscale, sh, nk);
           }
         }
         // Softmax numerators in place; the normalisation is applied to the output.
-        float inv_sum[512];
+        float max_of[512], sum_of[512];
         TORCH_CHECK(HG <= 512, "at most 512 query heads");
         for (int64_t g = 0; g < HG; ++g) {
-          float* sg = scores.data() + g * ctx;
-          const float max_s = row_max(sg, ctx);
+          float* sg = scores.data() + g * nk;
+          const float max_s = row_max(sg, nk);
           float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < ctx; ++t) {
+          for (int64_t t = 0; t < nk; ++t) {
             sg[t] = expf(sg[t] - max_s);  // vectorized by libmvec under -ffast-math
             sum += sg[t];
           }
-          inv_sum[g] = 1.f / sum;
+          max_of[g] = max_s;
+          sum_of[g] = sum;
         }
         // Pass 2: weighted sum of V rows, block by block.
         std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t b = 0; b < nblocks; ++b) {
+        for (int64_t b = b0; b < b1; ++b) {
           const int64_t n = std::min(block_size, ctx - b * block_size);
-          if (b + 1 < nblocks)
+          if (b + 1 < b1)
             prefetch_block(v_ptr + table[b + 1] * blk_stride + h_begin * D, tok_stride, block_size, task_elems);
           const KV* blk = v_ptr + table[b] * blk_stride;
           for (int64_t h = h_begin; h < h_end; ++h)
-            accumulate_heads(scores.data() + (h - h_begin) * G * ctx + b * block_size, ctx, G, blk + h * D,
+            accumulate_heads(scores.data() + (h - h_begin) * G * nk + (b - b0) * block_size, nk, G, blk + h * D,
                              tok_stride, n, D, acc.data() + (h - h_begin) * G * D);
+        }
+        if (partial != nullptr) {  // combined below, with the row's other partitions
+          for (int64_t g = 0; g < HG; ++g) {
+            partial[g * stat] = max_of[g];
+            partial[g * stat + 1] = sum_of[g];
+            std::memcpy(partial + g * stat + 2, acc.data() + g * D, sizeof(float) * D);
+          }
+          continue;
         }
         Q* o = o_ptr + ((q_begin + j) * H + h_begin * G) * D;
         for (int64_t g = 0; g < HG; ++g) {
+          const float inv_sum = 1.f / sum_of[g];
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) o[g * D + d] = static_cast<Q>(acc[g * D + d] * inv_sum[g]);  // bf16: RNE
+          for (int64_t d = 0; d < D; ++d) o[g * D + d] = static_cast<Q>(acc[g * D + d] * inv_sum);  // bf16: RNE
         }
+      }
+    }
+  });
+  if (num_partials == 0) return;
+  // Combine each split row's partitions, per query head: rescale each by exp(its max - the row's max).
+  std::vector<int64_t> split_reqs;
+  for (int64_t i = 0; i < num_reqs; ++i)
+    if (parts[i] > 1) split_reqs.push_back(i);
+  std::vector<int64_t> row_start(split_reqs.size() + 1, 0);  // rows of the split requests, in order
+  for (size_t s = 0; s < split_reqs.size(); ++s) {
+    const int64_t r = ri[split_reqs[s]];
+    row_start[s + 1] = row_start[s] + qs[r + 1] - qs[r];
+  }
+  at::parallel_for(0, row_start.back(), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sum_d(static_cast<size_t>(D));
+    for (int64_t row = begin; row < end; ++row) {
+      const size_t s = static_cast<size_t>(std::upper_bound(row_start.begin(), row_start.end(), row) -
+                                           row_start.begin() - 1);
+      const int64_t i = split_reqs[s], r = ri[i], np = parts[i], j = row - row_start[s];
+      const float* base = partials.get() + (partial_base[i] + j * np) * H * stat;  // [np, H, stat]
+      Q* o = o_ptr + (qs[r] + j) * H * D;
+      for (int64_t h = 0; h < H; ++h) {
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t p = 0; p < np; ++p) {
+          const float* e = base + (p * H + h) * stat;
+          if (e[1] > 0.f) m = std::max(m, e[0]);
+        }
+        float total = 0.f;
+        std::fill(sum_d.begin(), sum_d.end(), 0.f);
+        for (int64_t p = 0; p < np; ++p) {
+          const float* e = base + (p * H + h) * stat;
+          if (e[1] == 0.f) continue;
+          const float w = expf(e[0] - m);
+          total += e[1] * w;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) sum_d[d] += e[2 + d] * w;
+        }
+        const float inv = 1.f / total;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[h * D + d] = static_cast<Q>(sum_d[d] * inv);
       }
     }
   });
