@@ -93,6 +93,20 @@ def test_long_contexts_in_partitions_match_portable_path(cache_dtype: torch.dtyp
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
 
 
+def test_long_contexts_with_a_bf16_query() -> None:
+    """A bf16 model's query over partitioned contexts: its bf16 output within one bf16 step of the float32
+    portable path on the same (bf16) K/V."""
+    kernels = load_cpu_kernels()
+    meta, cache, query = _long_context_case([1, 1, 40], [700, 1201, 290], 16, torch.bfloat16)
+    q16 = query.bfloat16()
+    expected = torch.zeros_like(query)
+    _attend_with_context(q16.float(), cache.float(), meta, list(range(meta.num_reqs)), 0.125, expected)
+    got = torch.zeros_like(q16)
+    kernels.paged_attention(q16, cache[0], cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc, got,
+                            0.125, torch.arange(meta.num_reqs, dtype=torch.int32))
+    torch.testing.assert_close(got.float(), expected, rtol=2 ** -7, atol=2e-3)
+
+
 def test_a_long_request_attends_the_same_alone_or_batched() -> None:
     """Partitions depend on a request's own context only: its output is bit-identical whether it runs alone (a
     task per KV head) or among many requests (a task per request)."""
