@@ -280,3 +280,33 @@ def test_long_fresh_prompt_attends_to_its_kv_as_the_cache_keeps_it(monkeypatch) 
     want = F.scaled_dot_product_attention(query.transpose(0, 1)[None], *rounded, is_causal=True, scale=0.2,
                                           enable_gqa=True)[0].transpose(0, 1)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_bf16_queries_leave_shorter_prompts_and_chunks_to_sdpa(monkeypatch) -> None:
+    """With native bf16 a bf16 query's shorter fresh prompts and chunks go to SDPA (its bf16 matmuls), and a mixed
+    bf16 step through the backend stays within bf16 rounding of the portable path."""
+    import pagedllm.attention.backends.torch_sdpa as backend
+    from pagedllm.platforms.cpu import CpuPlatform
+
+    q32 = torch.zeros(1, 9, 64)
+    monkeypatch.setattr(CpuPlatform, "onednn_bf16", lambda self: False)
+    assert backend.kernel_limits(q32.bfloat16()) == (backend.FRESH_PROMPT_KERNEL_MAX_LEN,
+                                                     backend.CONTEXT_CHUNK_KERNEL_MAX_LEN)
+    monkeypatch.setattr(CpuPlatform, "onednn_bf16", lambda self: True)
+    assert backend.kernel_limits(q32) == (backend.FRESH_PROMPT_KERNEL_MAX_LEN, backend.CONTEXT_CHUNK_KERNEL_MAX_LEN)
+    limits = backend.kernel_limits(q32.bfloat16())
+    assert limits == (backend.BF16_FRESH_PROMPT_KERNEL_MAX_LEN, backend.BF16_CONTEXT_CHUNK_KERNEL_MAX_LEN)
+    assert limits[0] < backend.FRESH_PROMPT_KERNEL_MAX_LEN and limits[1] < backend.CONTEXT_CHUNK_KERNEL_MAX_LEN
+
+    query_lens = [1, 1, 9, 40, 12, 70]
+    seq_lens = [30, 300, 50, 80, 12, 70]  # decodes, chunks of 9 (kernel) and 40 (SDPA), fresh prompts of 12 and 70
+    meta, cache, query = _long_context_case(query_lens, seq_lens, 16, torch.bfloat16)
+    tokens = sum(query_lens)
+    key, value = (torch.randn(tokens, 3, 64).bfloat16() for _ in range(2))
+    split = backend.step_plan(meta).kernel_split(*limits)
+    assert split.kernel_rows.tolist() == [0, 1, 2, 4] and split.sdpa_chunks == [3] and split.sdpa_fresh == {70: [5]}
+    got = backend.paged_attention(query.bfloat16(), key, value, cache.clone(), meta, 0.125, load_cpu_kernels())
+    expected = backend.paged_attention(query.bfloat16().float(), key.float(), value.float(), cache.float(),
+                                       build_attention_metadata(query_lens, seq_lens, meta.block_tables.tolist(), 16),
+                                       0.125)
+    torch.testing.assert_close(got.float(), expected, rtol=2 ** -7, atol=4e-3)

@@ -22,6 +22,7 @@ from pagedllm.attention.backends.torch_state import TORCH_STATE_KEY, TorchStepSt
 from pagedllm.attention.backends.torch_windowed import sliding_window_attention
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.spec import AttentionSpec
+from pagedllm.platforms import platform_of
 
 
 @dataclass
@@ -101,6 +102,19 @@ FRESH_PROMPT_KERNEL_MAX_LEN = 256
 # over 1,024 1.2 vs 0.9 ms, 128 over 512 1.0 vs 0.8, 952 over 3,000 60 vs 27; bf16 128 over 512 1.1 vs 0.4,
 # 952 over 3,000 45 vs 12.5; at 8-16 tokens the kernel is faster.
 CONTEXT_CHUNK_KERNEL_MAX_LEN = 128
+# The limits for a bf16 query on a CPU with native bf16 (oneDNN's: AMX or AVX512-BF16), where SDPA's blocked bf16
+# matmuls win from shorter queries. One layer of the default model (Intel Xeon with AMX, 2 cores), kernel vs SDPA:
+# one fresh prompt of 64 tokens 0.07 vs 0.06 ms (the SDPA path's host work makes that even), 128 0.23 vs 0.10,
+# 16 prompts x 128 3.4 vs 1.35; a chunk of 32 tokens over 1,024 keys 0.7 vs 0.5, of 64 1.4 vs 0.6.
+BF16_FRESH_PROMPT_KERNEL_MAX_LEN = 64
+BF16_CONTEXT_CHUNK_KERNEL_MAX_LEN = 32
+
+
+def kernel_limits(query: torch.Tensor) -> tuple[int, int]:
+    """(longest fresh prompt, longest chunk with context) the CPU kernel attends for queries like ``query``."""
+    if query.dtype == torch.bfloat16 and platform_of(query).onednn_bf16():
+        return BF16_FRESH_PROMPT_KERNEL_MAX_LEN, BF16_CONTEXT_CHUNK_KERNEL_MAX_LEN
+    return FRESH_PROMPT_KERNEL_MAX_LEN, CONTEXT_CHUNK_KERNEL_MAX_LEN
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -119,9 +133,9 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # query may be a strided view
     plan = step_plan(meta)
     if kernels is not None:
-        # The kernel takes decodes and short chunks, and fresh prompts of up to FRESH_PROMPT_KERNEL_MAX_LEN
-        # tokens (reading their K/V back from the cache while it is hot); longer ones go to SDPA's blocked matmuls.
-        split = plan.kernel_split(FRESH_PROMPT_KERNEL_MAX_LEN, CONTEXT_CHUNK_KERNEL_MAX_LEN)
+        # The kernel takes decodes, short chunks and short fresh prompts (reading their K/V back from the cache
+        # while it is hot); longer ones go to SDPA's blocked matmuls.
+        split = plan.kernel_split(*kernel_limits(query))
         kernel_rows, sdpa_fresh = split.kernel_rows, split.sdpa_fresh
         if split.sdpa_chunks:
             _attend_chunks(query, kv_cache, meta, split.sdpa_chunks, scale, out)
