@@ -1,10 +1,9 @@
 """The CPU backend: ``TorchPagedAttentionBackend`` with the C++ kernels where they apply. The paged kernel
 serves decodes and chunks with earlier context of up to ``CONTEXT_CHUNK_KERNEL_MAX_LEN`` tokens (later prefill
 chunks, prefix hits) and fresh prompts of up to ``FRESH_PROMPT_KERNEL_MAX_LEN`` (shorter limits for bf16 queries:
-``kernel_limits``), reading K/V through the block
-tables in place, and stores every K/V (``write_kv``); the encoder kernel attends each (sequence, head) of an
-encoder layer in place. What they do not take (longer chunks and prompts, the sliding window's long steps) goes
-through the portable torch path."""
+``kernel_limits``), reading K/V through the block tables in place, and stores every K/V (``write_kv``); the
+encoder kernel attends each (sequence, head) of an encoder layer in place. What they do not take (longer chunks
+and prompts, the sliding window's long steps) goes through the portable torch path."""
 
 from __future__ import annotations
 
