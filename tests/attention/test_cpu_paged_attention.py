@@ -12,6 +12,28 @@ from pagedllm.attention.metadata import build_attention_metadata
 from pagedllm.kernels.cpu import load_cpu_kernels
 
 
+def _scattered_tables(seq_lens: list[int], block_size: int, rng: random.Random, num_ids: int) -> list[list[int]]:
+    """Block tables over ids 1 .. num_ids - 1 in shuffled order: non-contiguous, out-of-order physical blocks."""
+    ids = list(range(1, num_ids))
+    rng.shuffle(ids)
+    tables = []
+    for s in seq_lens:
+        n = -(-s // block_size)
+        tables.append(ids[:n])
+        ids = ids[n:]
+    return tables
+
+
+def _batch(query_lens: list[int], seq_lens: list[int], block_size: int, cache_dtype: torch.dtype, rng: random.Random,
+           num_heads: int = 9, num_kv_heads: int = 3, head_dim: int = 64):
+    """(metadata, random caches [2, blocks, block_size, Hkv, D], random query [T, H, D]) for a step of these lengths."""
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
+    meta = build_attention_metadata(query_lens, seq_lens, _scattered_tables(seq_lens, block_size, rng, num_blocks),
+                                    block_size)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(cache_dtype)
+    return meta, cache, torch.randn(sum(query_lens), num_heads, head_dim)
+
+
 def _case(num_reqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
           chunk_len: int, seed: int, cache_dtype: torch.dtype = torch.float32):
     """Random caches and a decodes-first batch: half decodes, half chunks of chunk_len with context."""
@@ -19,18 +41,7 @@ def _case(num_reqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block
     torch.manual_seed(seed)
     query_lens = [1] * (num_reqs - num_reqs // 2) + [chunk_len] * (num_reqs // 2)
     seq_lens = [q + rng.randrange(0, 70) for q in query_lens]
-    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
-    ids = list(range(1, num_blocks))
-    rng.shuffle(ids)  # non-contiguous, out-of-order physical blocks
-    tables = []
-    for s in seq_lens:
-        n = -(-s // block_size)
-        tables.append(ids[:n])
-        ids = ids[n:]
-    meta = build_attention_metadata(query_lens, seq_lens, tables, block_size)
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(cache_dtype)
-    query = torch.randn(sum(query_lens), num_heads, head_dim)
-    return meta, cache, query
+    return _batch(query_lens, seq_lens, block_size, cache_dtype, rng, num_heads, num_kv_heads, head_dim)
 
 
 @pytest.mark.parametrize("num_reqs", [2, 24])  # few: a task per KV head; many: a task per request
@@ -58,21 +69,9 @@ def test_kernel_matches_portable_path(num_reqs: int, num_heads: int, num_kv_head
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
 
 
-def _long_context_case(query_lens: list[int], seq_lens: list[int], block_size: int, cache_dtype: torch.dtype,
-                       num_heads: int = 9, num_kv_heads: int = 3, head_dim: int = 64):
-    rng = random.Random(1)
+def _long_context_case(query_lens: list[int], seq_lens: list[int], block_size: int, cache_dtype: torch.dtype):
     torch.manual_seed(1)
-    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
-    ids = list(range(1, num_blocks))
-    rng.shuffle(ids)
-    tables = []
-    for s in seq_lens:
-        n = -(-s // block_size)
-        tables.append(ids[:n])
-        ids = ids[n:]
-    meta = build_attention_metadata(query_lens, seq_lens, tables, block_size)
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(cache_dtype)
-    return meta, cache, torch.randn(sum(query_lens), num_heads, head_dim)
+    return _batch(query_lens, seq_lens, block_size, cache_dtype, random.Random(1))
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
@@ -208,13 +207,7 @@ def test_backend_routes_fresh_prompts_by_length(monkeypatch, cache_dtype: torch.
     monkeypatch.setattr(backend, "FRESH_PROMPT_KERNEL_MAX_LEN", 40)
     query_lens = [1, 1, 1, 9, 5, 40, 41, 70]
     seq_lens = [30, 17, 64, 50, 5, 40, 41, 70]  # the last four are fresh prompts (seq_len == q_len)
-    ids = list(range(1, 200))
-    rng.shuffle(ids)
-    tables = []
-    for s in seq_lens:
-        n = -(-s // block_size)
-        tables.append(ids[:n])
-        ids = ids[n:]
+    tables = _scattered_tables(seq_lens, block_size, rng, 200)
     meta = build_attention_metadata(query_lens, seq_lens, tables, block_size)
     tokens = sum(query_lens)
     query = torch.randn(tokens, num_heads, head_dim)

@@ -49,6 +49,7 @@ class AttentionPlan:
     with_context_tensor: torch.Tensor  # [n] int32
     query_lens: list[int]
     _kernel_splits: dict[tuple[int, int], KernelSplit] = field(default_factory=dict)
+    _chunk_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def kernel_split(self, max_fresh_len: int, max_chunk_len: int) -> KernelSplit:
         """For a backend whose kernel takes fresh prompts of up to ``max_fresh_len`` tokens and chunks with
@@ -73,6 +74,16 @@ class AttentionPlan:
                 tensor = torch.tensor(sorted(rows), dtype=torch.int32, device=self.with_context_tensor.device)
             self._kernel_splits[key] = KernelSplit(tensor, rest, chunks)
         return self._kernel_splits[key]
+
+    def chunk_mask(self, i: int, meta: AttentionMetadata) -> torch.Tensor:
+        """[q_len, seq_len] bool for request i with context: its query j sits at position seq_len - q_len + j and
+        sees keys up to and including itself. Built once per step: every layer asks."""
+        mask = self._chunk_masks.get(i)
+        if mask is None:
+            seq_len, device = meta.seq_lens_cpu[i], meta.seq_lens.device
+            q_pos = torch.arange(seq_len - self.query_lens[i], seq_len, device=device)
+            mask = self._chunk_masks[i] = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+        return mask
 
 
 def step_plan(meta: AttentionMetadata) -> AttentionPlan:
@@ -194,16 +205,14 @@ def _attend_chunks(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionM
     its block table: the portable path's, and the CPU backend's for long chunks."""
     num_heads, num_kv_heads = query.shape[1], kv_cache.shape[-2]
     qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    plan = step_plan(meta)
     for i in rows:
         start, end, seq_len = qsl[i], qsl[i + 1], seq_lens[i]
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]: 4-D (see _attend_fresh)
         table = meta.block_tables[i:i + 1]
         k = gather_tokens(kv_cache[0], table, seq_len, query.dtype)  # [1, Hkv, L, D]
         v = gather_tokens(kv_cache[1], table, seq_len, query.dtype)
-        # Query j sits at position seq_len - q_len + j and sees keys up to and including itself.
-        q_pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)
-        mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.chunk_mask(i, meta), scale=scale,
                                            enable_gqa=num_heads != num_kv_heads)
         out[start:end] = o[0].transpose(0, 1)
 
