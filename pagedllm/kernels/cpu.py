@@ -35,7 +35,8 @@ logger = init_logger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ["bindings.cpp", "paged_attention.cpp", "packed_gemm.cpp", "sampling.cpp", "fused_ops.cpp",
             "quant_gemm.cpp", "w8a8_gemm.cpp", "q4_dot_gemm.cpp", "q8_dot_gemm.cpp", "amx_dot_gemm.cpp",
-            "encoder_attention.cpp", "encoder_ops.cpp", "bf16_gemm.cpp", "step_graph.cpp"]
+            "encoder_attention.cpp", "encoder_ops.cpp", "bf16_gemm.cpp", "step_graph.cpp", "isa_kernels.cpp",
+            "isa_generic.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "isa_vnni512.cpp"]
 
 
 @functools.cache
@@ -71,9 +72,9 @@ def kernels_name() -> str:
 def sources_digest() -> str:
     """A hash of the kernels' sources: what a measurement of them (the autotune table) holds for."""
     digest = hashlib.sha256()
-    for path in sorted(_CSRC.iterdir()):
+    for path in sorted(_CSRC.rglob("*")):
         if path.suffix in (".cpp", ".h"):
-            digest.update(path.name.encode() + path.read_bytes())
+            digest.update(str(path.relative_to(_CSRC)).encode() + path.read_bytes())
     return digest.hexdigest()[:16]
 
 

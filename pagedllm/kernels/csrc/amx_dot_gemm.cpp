@@ -91,9 +91,18 @@ __attribute__((target("avx512f,avx512bw"))) void unpack_nibbles(const uint8_t* p
   }
 }
 
+// f + s * (dx * d1 + dx / 254 * d2): one group's contribution to 16 outputs from its integer sums d1 = x1 . w and
+// d2 = x2 . w (weight offsets already taken out), s the group's 16 weight scales: simd/dot_tiles.h's
+// add_scaled_sums, the same operations in the same order, which is why AMX and the VNNI tiles give the same floats.
+__attribute__((target("avx512f"), always_inline)) inline __m512 add_scaled_sums(__m512 f, __m512i d1, __m512i d2,
+                                                                                float dx, __m512 s) {
+  __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(d1), _mm512_set1_ps(dx));
+  t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d2), _mm512_set1_ps(dx / dot_gemm::RESIDUAL_STEPS), t);
+  return _mm512_fmadd_ps(t, s, f);
+}
+
 // f[i] += group g of panel p for rows m0 + i < m0 + mr, from its stored sums c1 = x1 . w, c2 = x2 . w [16][16]
-// int32, offsets and min term as the VNNI tiles (q4_dot_gemm.cpp, q8_dot_gemm.cpp) take them, scaled by the same
-// dot_gemm::add_scaled_sums.
+// int32, offsets and min term as the VNNI tiles (simd/dot_tiles.h) take them, scaled as they scale them.
 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma"), always_inline)) inline void scale_group(
     const Activations& a, const Weights& wt, int64_t p, int64_t g, int64_t G, int64_t m0, int64_t mr,
     const int32_t* c1, const int32_t* c2, __m512 (&f)[TILE_M]) {
@@ -115,7 +124,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma"), always_inline)) inl
       d2 = _mm512_sub_epi32(d2, _mm512_set1_epi32(OFFSET * a.s2[ro]));
     }
     const __m512 prev = wt.mins != nullptr ? _mm512_fmadd_ps(n, _mm512_set1_ps(a.s[ro]), f[i]) : f[i];
-    f[i] = dot_gemm::add_scaled_sums(prev, d1, d2, a.d[ro], s);
+    f[i] = add_scaled_sums(prev, d1, d2, a.d[ro], s);
   }
 }
 
@@ -212,7 +221,7 @@ void gemm(const Activations& a, int64_t M, int64_t N, int64_t K, int64_t group, 
   TORCH_CHECK(supported(), "AMX tiles are not available on this CPU (or the kernel refused the tile state)");
 #if defined(PAGEDLLM_AMX)
   const int64_t P = (N + NR - 1) / NR;
-  // As dot_gemm::for_each_tile: at least ~256k multiply-adds a task, so small matmuls stay on one thread.
+  // As tile_loop.h's dot_tile_loop: at least ~256k multiply-adds a task, so small matmuls stay on one thread.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, M * K * NR));
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) { run_panels(a, M, N, K, group, wt, bias, y, ldy, p0, p1); });
 #endif
