@@ -26,6 +26,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--num-kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=True,
+                        help="Caches on transparent huge pages, as an engine with a KV connector has them.")
     parser.add_argument("--repeats", type=int, default=20, help="Timed transfers (after one warm-up).")
     parser.add_argument("--output-json", default=None, help="Write the results here as JSON.")
     return parser
@@ -34,7 +36,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def _layout(args: argparse.Namespace) -> dict[str, Any]:
     num_blocks = cdiv(args.prompt_len, args.block_size) * 2 + 1
     return {"layers": args.num_layers, "shape": (2, num_blocks, args.block_size, args.num_kv_heads, args.head_dim),
-            "dtype": args.dtype, "block_size": args.block_size}
+            "dtype": args.dtype, "block_size": args.block_size, "huge_pages": args.huge_pages}
 
 
 def _connector(role: str, layout: dict[str, Any]):
@@ -45,9 +47,15 @@ def _connector(role: str, layout: dict[str, Any]):
     from pagedllm.distributed.kv_transfer.nixl import NixlConnector
 
     config = parse_kv_transfer_config({"kv_connector": "NixlConnector", "kv_role": role})
+    from pagedllm.worker.cpu_memory import zeroed_host_tensor
+
     conn = NixlConnector(config, KVConnectorRole.WORKER, layout["block_size"])
     dtype = getattr(torch, layout["dtype"])
-    conn.register_kv_caches([torch.rand(layout["shape"]).to(dtype) for _ in range(layout["layers"])])
+    caches = []
+    for _ in range(layout["layers"]):  # as the engine allocates them
+        cache = zeroed_host_tensor(layout["shape"], dtype, huge_pages=layout["huge_pages"])
+        caches.append(cache.copy_(torch.rand(layout["shape"])))
+    conn.register_kv_caches(caches)
     return conn
 
 

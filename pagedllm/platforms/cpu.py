@@ -11,8 +11,11 @@ import torch
 
 from pagedllm import envs
 from pagedllm.kernels.cpu import load_cpu_kernels
+from pagedllm.logger import init_logger
 from pagedllm.platforms.interface import Platform
 from pagedllm.utils import physical_cpu_cores
+
+logger = init_logger(__name__)
 
 
 class CpuPlatform(Platform):
@@ -73,6 +76,13 @@ class CpuPlatform(Platform):
 
         # Its own lazily-backed mapping: untouched blocks cost no resident memory.
         return zeroed_host_tensor(shape, dtype)
+
+    def prepare_kv_for_transfer(self, kv_caches: list[torch.Tensor]) -> None:
+        from pagedllm.worker.cpu_memory import advise_huge_pages
+
+        # Another instance reads these blocks with process_vm_readv, which costs ~2x less on huge pages.
+        advised = sum(advise_huge_pages(cache) for cache in kv_caches)
+        logger.info("KV cache on transparent huge pages for transfers: %d of %d layers", advised, len(kv_caches))
 
 
 @functools.cache

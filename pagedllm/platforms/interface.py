@@ -114,6 +114,9 @@ class Platform:
         """A zeroed tensor for the KV cache."""
         return torch.zeros(shape, dtype=dtype, device=device)
 
+    def prepare_kv_for_transfer(self, kv_caches: list[torch.Tensor]) -> None:
+        """Before a KV connector registers the cache: whatever makes other processes' reads of it cheaper."""
+
     def to_device(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
         """``t`` on ``device`` (of this platform)."""
         return t.to(device)

@@ -253,6 +253,7 @@ class Worker:
         if getattr(runner, "draft_model", None) is not None:
             raise ValueError("kv_transfer_config: a draft model's KV cache is not transferred; use the ngram "
                              "method or no speculation")
+        self.platform.prepare_kv_for_transfer(runner.kv_caches)
         connector.register_kv_caches(runner.kv_caches)
         self.kv_connector = connector
 

@@ -145,3 +145,53 @@ def test_consecutive_blocks_merge_into_one_region() -> None:
     assert block_runs([4, 5, 6, 9, 10], [1, 2, 3, 4, 5]) == [(4, 1, 3), (9, 4, 2)]
     assert block_runs([1, 2], [7, 3]) == [(1, 7, 1), (2, 3, 1)]
     assert block_runs([], []) == []
+
+
+def test_an_idle_connector_leaves_the_cores_to_the_model() -> None:
+    """NIXL's progress thread spins with no pause by default: one whole core per idle connector (5.0 s of CPU in
+    5 s). Paused between passes, two idle connectors (a producer and a consumer after a transfer) use a few
+    percent of one."""
+    import resource
+
+    prod, cons = _worker("kv_producer"), _worker("kv_consumer")
+    try:
+        _step(cons, NixlMetadata(recv={"p-1": _spec(prod, [1, 2], [3, 4])}))
+        _until(cons, lambda o: "p-1" in o.finished_recving)  # handshake and READ done: both agents are wired up
+        before, started = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+        time.sleep(2.0)
+        after, wall = resource.getrusage(resource.RUSAGE_SELF), time.monotonic() - started
+        cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+        assert cpu < 0.2 * wall, f"{cpu:.2f} s of CPU in {wall:.2f} s idle"
+    finally:
+        cons.shutdown()
+        prod.shutdown()
+
+
+def test_huge_page_advice_covers_the_caches_whole_pages() -> None:
+    """The KV cache a connector registers is advised onto transparent huge pages (cheaper process_vm_readv)."""
+    from pagedllm.worker.cpu_memory import HUGE_PAGE, advise_huge_pages, zeroed_host_tensor
+
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        thp = f.read()
+    if "[never]" in thp:
+        pytest.skip("transparent huge pages are off in this kernel")
+    cache = zeroed_host_tensor((2, 64, 16, 8, 64), torch.float32, huge_pages=True)  # 8 MiB, 2 MiB-aligned
+    assert cache.data_ptr() % HUGE_PAGE == 0
+    assert advise_huge_pages(cache)
+    assert not advise_huge_pages(torch.zeros(16))  # no whole huge page inside: nothing to advise
+    cache.fill_(1.0)  # fault the pages in: with THP they come as huge pages
+    assert _anon_huge_kb(cache.data_ptr()) >= 4096
+
+
+def _anon_huge_kb(address: int) -> int:
+    """AnonHugePages of the mapping holding ``address``, from /proc/self/smaps."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    return 0

@@ -53,6 +53,12 @@ logger = init_logger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 5.0
 TRANSFER_TIMEOUT_S = 30.0
+# NIXL's Python agent runs its progress thread with no pause between passes (nixl_agent sets pthrDelay = 0): an
+# idle connector spins one core (measured: 5.0 s of CPU in 5 s idle), on a CPU instance a core taken from the
+# model. The thread is needed (a READ completes, and a peer's wire-up is answered, only while the UCX worker
+# progresses), so host-memory caches keep it with this pause, microseconds; a DRAM READ itself is copied when it
+# is posted (UCX's cma transport: process_vm_readv), so only its completion waits for the next pass.
+HOST_PROGRESS_PAUSE_US = 200
 _REMOTE_KEYS = ("remote_block_ids", "remote_engine_id", "remote_host", "remote_port", "remote_request_id")
 
 
@@ -191,7 +197,6 @@ class NixlConnector(KVConnectorBase_V1):
     # ---- worker half ---------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[Any]) -> None:
         import zmq
-        from nixl_cu12._api import nixl_agent, nixl_agent_config
 
         from pagedllm.platforms import platform_of
 
@@ -205,7 +210,7 @@ class NixlConnector(KVConnectorBase_V1):
         for cache in self.kv_caches:
             if not cache.is_contiguous() or cache.shape != first.shape:
                 raise ValueError("kv_transfer_config: NixlConnector needs one contiguous cache tensor per layer")
-        self.agent = nixl_agent(self.config.engine_id, nixl_agent_config(backends=["UCX"]))
+        self.agent = _nixl_agent(self.config.engine_id, HOST_PROGRESS_PAUSE_US if self.mem_type == "DRAM" else None)
         regions = [(c.data_ptr(), c.numel() * c.element_size(), self.device_id, "") for c in self.kv_caches]
         self._registered = self.agent.register_memory(regions, self.mem_type)
         self.base_addrs = [c.data_ptr() for c in self.kv_caches]
@@ -451,3 +456,29 @@ def _block_descs(base_addrs: list[int], num_blocks: int, block_bytes: int, runs:
     addrs = (bases + (halves + starts[None, None, :]) * block_bytes).ravel()
     lengths = np.broadcast_to(sizes[None, None, :], (len(base_addrs), 2, len(runs))).ravel()
     return np.stack([addrs, lengths, np.full_like(addrs, device_id)], axis=1)
+
+
+def _nixl_agent(name: str, progress_pause_us: int | None) -> Any:
+    """A NIXL agent over UCX; ``progress_pause_us``: the pause of its progress thread between passes (None: NIXL's
+    own, none). The Python wrapper offers no setting for it, so its config class is swapped for one that keeps
+    the pause while the wrapper builds the agent."""
+    from nixl_cu12 import _api
+
+    if progress_pause_us is None:
+        return _api.nixl_agent(name, _api.nixl_agent_config(backends=["UCX"]))
+    bindings = _api.nixlBind
+    base = bindings.nixlAgentConfig
+
+    class PausedProgress(base):
+        def __setattr__(self, key: str, value: Any) -> None:
+            super().__setattr__(key, progress_pause_us if key == "pthrDelay" else value)
+
+    with _AGENT_BUILD:
+        bindings.nixlAgentConfig = PausedProgress
+        try:
+            return _api.nixl_agent(name, _api.nixl_agent_config(backends=["UCX"]))
+        finally:
+            bindings.nixlAgentConfig = base
+
+
+_AGENT_BUILD = threading.Lock()  # one agent built at a time while the config class is swapped
