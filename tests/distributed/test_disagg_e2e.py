@@ -8,7 +8,9 @@ One set of servers for the module (the last test stops the prefill instance)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 import time
 
 import httpx
@@ -149,6 +151,38 @@ def test_client_disconnect_mid_stream_frees_every_block(cluster) -> None:
                     break  # leave after the first token
     _idle(prefill, decode)
     assert httpx.get(decode.url + "/health").status_code == 200
+
+
+def test_client_gone_while_the_blocks_are_arriving_frees_every_block(cluster, reference) -> None:
+    """A decode request aborted while it waits for its KV: the producer's side channel answers nothing (a socket
+    that accepts and stays silent), so the request sits in WAITING_FOR_REMOTE_KVS with its blocks allocated when
+    the client hangs up. Every block comes back on both sides, the abort is no failed transfer, and the decode
+    instance then serves the same prompt correctly."""
+    prefill, decode, _ = cluster
+    failures = metric(decode.url, "pagedllm:kv_transfer_failures_total")
+    # A salt of its own: neither instance has these blocks cached from the tests before.
+    params = _post(prefill.url, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 1, "cache_salt": "hang-up",
+                                                    "kv_transfer_params": {"do_remote_decode": True}})
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        stalled = {**params["kv_transfer_params"], "remote_port": silent.getsockname()[1]}
+
+        async def hang_up() -> None:
+            async with httpx.AsyncClient(timeout=60) as client:
+                task = asyncio.create_task(client.post(decode.url + "/v1/completions", json={
+                    "model": "test-model", "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                    "cache_salt": "hang-up", "kv_transfer_params": stalled}))
+                await asyncio.to_thread(wait_for, lambda: _kv_usage(decode.url) > 0, 20,
+                                        "the decode instance holding blocks for the arriving KV")
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+        asyncio.run(hang_up())
+        _idle(prefill, decode)
+    assert metric(decode.url, "pagedllm:kv_transfer_failures_total") == failures
+    out = _post(decode.url, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": MAX_TOKENS})
+    assert out["choices"][0]["text"] == reference[("cmpl", PROMPTS[1])]
+    _idle(decode)
 
 
 def test_unread_blocks_are_freed_after_the_timeout(cluster) -> None:

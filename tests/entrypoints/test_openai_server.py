@@ -204,6 +204,28 @@ def test_client_disconnect_frees_kv(server, client, model_name):
     assert again.choices[0].text
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_client_gone_before_a_non_streamed_answer_aborts_it(server, model_name, path):
+    """A non-streamed request's only output is its last, so the server watches for the client leaving from the
+    start: the request is aborted, not generated to its 1,000 tokens for nobody."""
+    gen = "vllm:generation_tokens_total"
+    before = metric(metrics(server), gen)
+    body = {"model": model_name, "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+    body.update({"prompt": PROMPT} if path == "/v1/completions" else
+                {"messages": [{"role": "user", "content": PROMPT}]})
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}{path}", json=body, timeout=httpx.Timeout(60, read=1.0))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = metrics(server)
+        if metric(m, "vllm:num_requests_running") == 0 and metric(m, "vllm:kv_cache_usage_perc") == 0:
+            break
+        time.sleep(0.1)
+    assert metric(m, "vllm:num_requests_running") == 0
+    assert metric(m, "vllm:kv_cache_usage_perc") == 0
+    assert metric(m, gen) - before < 600, "the request ran on after its client left"
+
+
 def test_metrics_counters_move(server, client, model_name):
     before = metrics(server)
     resp = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=5, temperature=0)

@@ -118,24 +118,33 @@ class ServingChat(OpenAIServing):
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
         merged = merge_streams([self.engine.generate({"prompt_token_ids": token_ids}, params, request_id,
                                                      kind=kind, cache_salt=req.cache_salt)])
-        try:
-            first = await merged.__anext__()
-        except ValueError as e:
-            raise OpenAIError(str(e), param=param_of(str(e))) from None
 
-        async def rest() -> AsyncIterator[RequestOutput]:
+        async def outputs() -> AsyncIterator[RequestOutput]:
+            """The request's outputs, the first awaited here so that a refused request is a 400."""
             try:
-                yield first[1]
-                async for _, item in merged:
-                    yield item
-            finally:
-                await merged.aclose()
+                first = await merged.__anext__()
+            except ValueError as e:
+                raise OpenAIError(str(e), param=param_of(str(e))) from None
+
+            async def rest() -> AsyncIterator[RequestOutput]:
+                try:
+                    yield first[1]
+                    async for _, item in merged:
+                        yield item
+                finally:
+                    await merged.aclose()
+
+            return rest()
 
         if req.stream:
-            return StreamingResponse(self._stream(req, plan, len(token_ids), rest(), request_id, model, created),
-                                     media_type="text/event-stream")
-        result = await until_disconnect(raw_request, self._collect(req, plan, len(token_ids), rest(), request_id,
-                                                                   model, created))
+            return StreamingResponse(self._stream(req, plan, len(token_ids), await outputs(), request_id, model,
+                                                  created), media_type="text/event-stream")
+
+        async def collect() -> ChatCompletionResponse:
+            # A non-streamed request's first output is its last: watch for the client leaving from the start.
+            return await self._collect(req, plan, len(token_ids), await outputs(), request_id, model, created)
+
+        result = await until_disconnect(raw_request, collect())
         return JSONResponse(result.model_dump()) if result is not None else None
 
     def _logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]],

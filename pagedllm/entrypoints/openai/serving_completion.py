@@ -74,12 +74,16 @@ class ServingCompletion(OpenAIServing):
         streams = [self.engine.generate({"prompt_token_ids": p.token_ids}, params, f"{request_id}-{i}",
                                         kind=kind, cache_salt=req.cache_salt, arrival_time=time.time())
                    for i, p in enumerate(prompts)]
-        outputs = await start_streams(streams)
         if req.stream:
+            outputs = await start_streams(streams)
             return StreamingResponse(self._stream(req, prompts, outputs, request_id, model, created),
                                      media_type="text/event-stream")
-        result = await until_disconnect(raw_request, self._collect(req, prompts, outputs, request_id, model,
-                                                                   created))
+
+        async def collect() -> CompletionResponse:
+            # A non-streamed request's first output is its last: watch for the client leaving from the start.
+            return await self._collect(req, prompts, await start_streams(streams), request_id, model, created)
+
+        result = await until_disconnect(raw_request, collect())
         return JSONResponse(result.model_dump()) if result is not None else None
 
     # ---- logprobs -----------------------------------------------------------------------------------------

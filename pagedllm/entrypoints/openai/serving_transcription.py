@@ -135,11 +135,15 @@ class ServingTranscription:
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
         streams = [self.engine.generate(r.prompt, r.params, f"{request_id}-{i}", kind=kind)
                    for i, r in enumerate(requests)]
-        outputs = await start_streams(streams)
         if req.stream:
-            return StreamingResponse(self._stream(req, options, chunks, duration, outputs, start),
+            return StreamingResponse(self._stream(req, options, chunks, duration, await start_streams(streams), start),
                                      media_type="text/event-stream")
-        body = await until_disconnect(raw, self._collect(options, chunks, duration, outputs, start))
+
+        async def collect() -> Any:
+            # A non-streamed request's first output is its last: watch for the client leaving from the start.
+            return await self._collect(options, chunks, duration, await start_streams(streams), start)
+
+        body = await until_disconnect(raw, collect())
         if body is None:
             return None
         if isinstance(body, dict):
