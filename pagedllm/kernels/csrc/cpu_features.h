@@ -1,6 +1,6 @@
-// Run-time CPU feature checks and the `isa` argument shared by the quantized matmul kernels
-// (quant_gemm.cpp, q4_dot_gemm.cpp, w8a8_gemm.cpp): 0 = best available, 1 = AVX2+FMA(+F16C),
-// 2 = AVX-512F/BW/VL, 3 = portable C++. One build serves both CPU kinds; tests force every path.
+// Run-time CPU feature checks and the `isa` argument of the quantized matmul kernels (resolved into a set of
+// tiles by isa::kernels_for, isa_kernels.cpp): 0 = best available, 1 = AVX2+FMA(+F16C), 2 = AVX-512F/BW/VL,
+// 3 = portable C++. One build serves every CPU kind; tests force every path.
 #pragma once
 #include <torch/extension.h>
 
