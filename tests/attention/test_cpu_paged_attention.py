@@ -60,13 +60,18 @@ def test_kernel_matches_portable_path(num_reqs: int, num_heads: int, num_kv_head
     kernels = load_cpu_kernels()
     assert kernels is not None, "the C++ CPU kernel must build on the test machine"
     meta, cache, query = _case(num_reqs, num_heads, num_kv_heads, head_dim, block_size, chunk_len=7, seed=num_reqs)
-    scale = head_dim ** -0.5
+    got, expected = _kernel_and_portable(kernels, query, cache, meta, head_dim ** -0.5)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
+def _kernel_and_portable(kernels, query, cache, meta, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every request of ``meta`` attended by the C++ kernel and by the portable path."""
     expected = torch.zeros_like(query)
     _attend_with_context(query, cache, meta, list(range(meta.num_reqs)), scale, expected)
     got = torch.zeros_like(query)
     kernels.paged_attention(query, cache[0], cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
                             got, scale, torch.arange(meta.num_reqs, dtype=torch.int32))
-    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+    return got, expected
 
 
 def _long_context_case(query_lens: list[int], seq_lens: list[int], block_size: int, cache_dtype: torch.dtype):
@@ -83,12 +88,7 @@ def test_long_contexts_in_partitions_match_portable_path(cache_dtype: torch.dtyp
     query_lens = [1, 1, 1, 40]
     seq_lens = [700, 257, 1201, 290]  # the chunk's tokens see 251 .. 290 keys: one or two partitions
     meta, cache, query = _long_context_case(query_lens, seq_lens, block_size, cache_dtype)
-    scale = 64 ** -0.5
-    expected = torch.zeros_like(query)
-    _attend_with_context(query, cache, meta, list(range(meta.num_reqs)), scale, expected)
-    got = torch.zeros_like(query)
-    kernels.paged_attention(query, cache[0], cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                            got, scale, torch.arange(meta.num_reqs, dtype=torch.int32))
+    got, expected = _kernel_and_portable(kernels, query, cache, meta, 64 ** -0.5)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
 
 

@@ -181,6 +181,17 @@ def test_concurrent_streams_match_solo(server, client, model_name):
     assert time.monotonic() - start < 60
 
 
+def _metrics_once_idle(server, timeout: float) -> dict[tuple[str, tuple], float]:
+    """The server's metrics once no request runs and no KV block is used, or the last ones after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(server)
+        idle = metric(m, "vllm:kv_cache_usage_perc") == 0 and metric(m, "vllm:num_requests_running") == 0
+        if idle or time.monotonic() >= deadline:
+            return m
+        time.sleep(0.1)
+
+
 def test_client_disconnect_frees_kv(server, client, model_name):
     with httpx.Client(timeout=60) as http, http.stream(
             "POST", f"{server.url}/v1/completions",
@@ -191,12 +202,7 @@ def test_client_disconnect_frees_kv(server, client, model_name):
         got = [next(lines) for _ in range(6)]
         assert any(line.startswith("data: ") for line in got)
         assert metric(metrics(server), "vllm:kv_cache_usage_perc") > 0
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        m = metrics(server)
-        if metric(m, "vllm:kv_cache_usage_perc") == 0 and metric(m, "vllm:num_requests_running") == 0:
-            break
-        time.sleep(0.1)
+    m = _metrics_once_idle(server, 10)
     assert metric(m, "vllm:kv_cache_usage_perc") == 0
     assert metric(m, "vllm:num_requests_running") == 0
     # And it still serves.
@@ -215,12 +221,7 @@ def test_client_gone_before_a_non_streamed_answer_aborts_it(server, model_name, 
                 {"messages": [{"role": "user", "content": PROMPT}]})
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}{path}", json=body, timeout=httpx.Timeout(60, read=1.0))
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        m = metrics(server)
-        if metric(m, "vllm:num_requests_running") == 0 and metric(m, "vllm:kv_cache_usage_perc") == 0:
-            break
-        time.sleep(0.1)
+    m = _metrics_once_idle(server, 30)
     assert metric(m, "vllm:num_requests_running") == 0
     assert metric(m, "vllm:kv_cache_usage_perc") == 0
     assert metric(m, gen) - before < 600, "the request ran on after its client left"

@@ -5,11 +5,11 @@
 
 namespace isa {
 namespace {
-const Kernels kGeneric{ISA_GENERIC, "generic", &kScalarWiden, &kScalarDot};
+const Kernels kGeneric{"generic", &kScalarWiden, &kScalarDot};
 #if defined(__x86_64__)
-const Kernels kAvx2{ISA_AVX2, "avx2", &kAvx2Widen, &kAvx2Dot};
-const Kernels kAvx512Vnni{ISA_AVX512, "avx512-vnni", &kAvx512Widen, &kVnni512Dot};
-const Kernels kAvx512{ISA_AVX512, "avx512", &kAvx512Widen, &kAvx2Dot};  // no VNNI: AVX2's byte products
+const Kernels kAvx2{"avx2", &kAvx2Widen, &kAvx2Dot};
+const Kernels kAvx512Vnni{"avx512-vnni", &kAvx512Widen, &kVnni512Dot};
+const Kernels kAvx512{"avx512", &kAvx512Widen, &kAvx2Dot};  // no VNNI: AVX2's byte products
 #endif
 }  // namespace
 

@@ -80,7 +80,6 @@ struct DotKernels {
 
 // A resolved instruction set: its name and its tiles.
 struct Kernels {
-  int isa;  // cpu_features.h's code: ISA_AVX2, ISA_AVX512 or ISA_GENERIC
   const char* name;
   const WidenKernels* widen;
   const DotKernels* dot;

@@ -61,33 +61,47 @@ typename V::F add_scaled_sums(typename V::F f, typename V::I d1, typename V::I d
   return V::fmadd(t, s, f);
 }
 
+// A tile's float results across groups: with one column part (AVX-512) they stay in registers; with two (AVX2:
+// 2R sums and 2 weight registers already fill its 16) they add into acc in memory after each group.
+template <class V, int R>
+struct GroupResults {
+  static constexpr bool kInRegisters = NR / V::kLanes == 1;
+  typename V::F f[R];
+  float* acc;
+  explicit GroupResults(float* out) : acc(out) {
+    for (int i = 0; i < R; ++i) f[i] = V::fzero();
+    if constexpr (!kInRegisters)
+      for (int i = 0; i < R * static_cast<int>(NR); ++i) acc[i] = 0.f;
+  }
+  typename V::F get(int i, int h) const { return kInRegisters ? f[i] : V::fload(acc + i * NR + h * V::kLanes); }
+  void set(int i, int h, typename V::F v) {
+    if constexpr (kInRegisters) f[i] = v;
+    else V::fstore(acc + i * NR + h * V::kLanes, v);
+  }
+  void finish() {
+    if constexpr (kInRegisters)
+      for (int i = 0; i < R; ++i) V::fstore(acc + i * NR, f[i]);
+  }
+};
+
 // 4-bit weights, "dot8" layout [P, K/8, 64]: byte 4j + t of block b holds q[8b + t, j] in its low nibble and
-// q[8b + 4 + t, j] in its high nibble; float16 scales and mins [P, G, 16]. R rows x 16 columns into acc. One
-// column part at a time over a group: with one part (AVX-512) the float results stay in registers across groups;
-// with two (AVX2: 2R sums and 2 weight registers fill its 16) they add into acc in memory after each group.
-// The fields of pb are read into locals once: the compiler cannot tell that the stores to acc leave them be.
+// q[8b + 4 + t, j] in its high nibble; float16 scales and mins [P, G, 16]. R rows x 16 columns into acc, one
+// column part at a time over a group (GroupResults). The tile reads a local copy of pb: the compiler cannot tell
+// that the stores to acc leave pb's fields be, and reloaded them after each one.
 template <class V, int R, bool kShort>
-void q4_dot_tile(const DotProblem& pb, int64_t p, int64_t m0, float* acc) {
+void q4_dot_tile(const DotProblem& problem, int64_t p, int64_t m0, float* acc) {
   constexpr int kParts = NR / V::kLanes;
-  constexpr bool kInRegisters = kParts == 1;
   constexpr int64_t kBlockK = 8, kBlockBytes = 64;
   using Vec = typename V::F;
+  const DotProblem pb = problem;
   const uint8_t* panel = pb.w + p * pb.panel_bytes;
   const uint16_t* scales = static_cast<const uint16_t*>(pb.scales);
-  const uint16_t* mins = pb.mins;
-  const int8_t* x1 = pb.x1;
-  const int8_t* x2 = pb.x2;
-  const float* xd = pb.d;
-  const float* xs = pb.s;
-  const int64_t K = pb.K, G = pb.G, blocks_per_group = pb.group / kBlockK;
-  Vec f[R];
-  for (int i = 0; i < R; ++i) f[i] = V::fzero();
-  if constexpr (!kInRegisters)
-    for (int i = 0; i < R * static_cast<int>(NR); ++i) acc[i] = 0.f;
+  const int64_t G = pb.G, blocks_per_group = pb.group / kBlockK;
+  GroupResults<V, R> out(acc);
   for (int64_t g = 0; g < G; ++g) {
     const int64_t o = (p * G + g) * NR;
     __builtin_prefetch(scales + o + Q4_PREFETCH_GROUPS * NR, 0, 3);  // prefetches never fault past the end
-    __builtin_prefetch(mins + o + Q4_PREFETCH_GROUPS * NR, 0, 3);
+    __builtin_prefetch(pb.mins + o + Q4_PREFETCH_GROUPS * NR, 0, 3);
     for (int h = 0; h < kParts; ++h) {
       typename V::NibbleSums c1[R], c2[R];
       for (int i = 0; i < R; ++i) c1[i] = c2[i] = V::nibble_zero();
@@ -97,25 +111,23 @@ void q4_dot_tile(const DotProblem& pb, int64_t p, int64_t m0, float* acc) {
         const typename V::B v = V::bload(blk + 4 * V::kLanes * h);
         const typename V::B lo = V::low_nibbles(v), hi = V::high_nibbles(v);
         for (int i = 0; i < R; ++i) {
-          const int64_t off = (m0 + i) * K + b * kBlockK;
-          V::template nibble_add<kShort>(c1[i], lo, hi, V::bset1(x_word(x1, off)), V::bset1(x_word(x1, off + 4)));
-          V::template nibble_add<kShort>(c2[i], lo, hi, V::bset1(x_word(x2, off)), V::bset1(x_word(x2, off + 4)));
+          const int64_t off = (m0 + i) * pb.K + b * kBlockK;
+          V::template nibble_add<kShort>(c1[i], lo, hi, V::bset1(x_word(pb.x1, off)),
+                                         V::bset1(x_word(pb.x1, off + 4)));
+          V::template nibble_add<kShort>(c2[i], lo, hi, V::bset1(x_word(pb.x2, off)),
+                                         V::bset1(x_word(pb.x2, off + 4)));
         }
       }
-      const Vec s = V::from_f16(scales + o + h * V::kLanes), n = V::from_f16(mins + o + h * V::kLanes);
+      const Vec s = V::from_f16(scales + o + h * V::kLanes), n = V::from_f16(pb.mins + o + h * V::kLanes);
       for (int i = 0; i < R; ++i) {
         const int64_t ro = (m0 + i) * G + g;
-        float* a = acc + i * NR + h * V::kLanes;
-        const Vec prev = V::fmadd(n, V::fset1(xs[ro]), kInRegisters ? f[i] : V::fload(a));
-        const Vec next = add_scaled_sums<V>(prev, V::template nibble_total<kShort>(c1[i]),
-                                            V::template nibble_total<kShort>(c2[i]), xd[ro], s);
-        if constexpr (kInRegisters) f[i] = next;
-        else V::fstore(a, next);
+        const Vec prev = V::fmadd(n, V::fset1(pb.s[ro]), out.get(i, h));
+        out.set(i, h, add_scaled_sums<V>(prev, V::template nibble_total<kShort>(c1[i]),
+                                         V::template nibble_total<kShort>(c2[i]), pb.d[ro], s));
       }
     }
   }
-  if constexpr (kInRegisters)
-    for (int i = 0; i < R; ++i) V::fstore(acc + i * NR, f[i]);
+  out.finish();
 }
 
 // 8-bit weights, "dot4" layout [P, K/4, 64]: byte 4j + t of block b holds q[4b + t, j] + 128; the offset comes out
@@ -123,23 +135,15 @@ void q4_dot_tile(const DotProblem& pb, int64_t p, int64_t m0, float* acc) {
 // product's latency (~5 cycles) would otherwise chain every product of a row. Results across groups as in
 // q4_dot_tile.
 template <class V, int R, bool kHalf>
-void q8_dot_tile(const DotProblem& pb, int64_t p, int64_t m0, float* acc) {
+void q8_dot_tile(const DotProblem& problem, int64_t p, int64_t m0, float* acc) {
   constexpr int kParts = NR / V::kLanes;
-  constexpr bool kInRegisters = kParts == 1;
   constexpr int64_t kBlockK = 4, kBlockBytes = 64;
   using Vec = typename V::F;
   using Int = typename V::I;
+  const DotProblem pb = problem;  // a local copy, as in q4_dot_tile
   const uint8_t* panel = pb.w + p * pb.panel_bytes;
-  const int8_t* x1 = pb.x1;
-  const int8_t* x2 = pb.x2;
-  const float* xd = pb.d;
-  const int32_t* xs1 = pb.s1;
-  const int32_t* xs2 = pb.s2;
-  const int64_t K = pb.K, G = pb.G, blocks_per_group = pb.group / kBlockK;
-  Vec f[R];
-  for (int i = 0; i < R; ++i) f[i] = V::fzero();
-  if constexpr (!kInRegisters)
-    for (int i = 0; i < R * static_cast<int>(NR); ++i) acc[i] = 0.f;
+  const int64_t G = pb.G, blocks_per_group = pb.group / kBlockK;
+  GroupResults<V, R> out(acc);
   for (int64_t g = 0; g < G; ++g) {
     const int64_t o = (p * G + g) * NR, bend = (g + 1) * blocks_per_group;
     for (int h = 0; h < kParts; ++h) {
@@ -151,36 +155,32 @@ void q8_dot_tile(const DotProblem& pb, int64_t p, int64_t m0, float* acc) {
         const typename V::B w0 = V::bload(panel + b * kBlockBytes + 4 * V::kLanes * h);
         const typename V::B w1 = V::bload(panel + (b + 1) * kBlockBytes + 4 * V::kLanes * h);
         for (int i = 0; i < R; ++i) {
-          const int64_t off = (m0 + i) * K + b * kBlockK;
-          a1[i] = V::dot_u8s8(a1[i], w0, V::bset1(x_word(x1, off)));
-          a2[i] = V::dot_u8s8(a2[i], w0, V::bset1(x_word(x2, off)));
-          b1[i] = V::dot_u8s8(b1[i], w1, V::bset1(x_word(x1, off + 4)));
-          b2[i] = V::dot_u8s8(b2[i], w1, V::bset1(x_word(x2, off + 4)));
+          const int64_t off = (m0 + i) * pb.K + b * kBlockK;
+          a1[i] = V::dot_u8s8(a1[i], w0, V::bset1(x_word(pb.x1, off)));
+          a2[i] = V::dot_u8s8(a2[i], w0, V::bset1(x_word(pb.x2, off)));
+          b1[i] = V::dot_u8s8(b1[i], w1, V::bset1(x_word(pb.x1, off + 4)));
+          b2[i] = V::dot_u8s8(b2[i], w1, V::bset1(x_word(pb.x2, off + 4)));
         }
       }
       if (b < bend) {  // an odd number of blocks per group
         const typename V::B w0 = V::bload(panel + b * kBlockBytes + 4 * V::kLanes * h);
         for (int i = 0; i < R; ++i) {
-          const int64_t off = (m0 + i) * K + b * kBlockK;
-          a1[i] = V::dot_u8s8(a1[i], w0, V::bset1(x_word(x1, off)));
-          a2[i] = V::dot_u8s8(a2[i], w0, V::bset1(x_word(x2, off)));
+          const int64_t off = (m0 + i) * pb.K + b * kBlockK;
+          a1[i] = V::dot_u8s8(a1[i], w0, V::bset1(x_word(pb.x1, off)));
+          a2[i] = V::dot_u8s8(a2[i], w0, V::bset1(x_word(pb.x2, off)));
         }
       }
       const Vec s = kHalf ? V::from_f16(static_cast<const uint16_t*>(pb.scales) + o + h * V::kLanes)
                           : V::fload(static_cast<const float*>(pb.scales) + o + h * V::kLanes);
       for (int i = 0; i < R; ++i) {
         const int64_t ro = (m0 + i) * G + g;
-        const Int d1 = V::isub(V::iadd(a1[i], b1[i]), V::iset1(Q8_OFFSET * xs1[ro]));
-        const Int d2 = V::isub(V::iadd(a2[i], b2[i]), V::iset1(Q8_OFFSET * xs2[ro]));
-        float* a = acc + i * NR + h * V::kLanes;
-        const Vec next = add_scaled_sums<V>(kInRegisters ? f[i] : V::fload(a), d1, d2, xd[ro], s);
-        if constexpr (kInRegisters) f[i] = next;
-        else V::fstore(a, next);
+        const Int d1 = V::isub(V::iadd(a1[i], b1[i]), V::iset1(Q8_OFFSET * pb.s1[ro]));
+        const Int d2 = V::isub(V::iadd(a2[i], b2[i]), V::iset1(Q8_OFFSET * pb.s2[ro]));
+        out.set(i, h, add_scaled_sums<V>(out.get(i, h), d1, d2, pb.d[ro], s));
       }
     }
   }
-  if constexpr (kInRegisters)
-    for (int i = 0; i < R; ++i) V::fstore(acc + i * NR, f[i]);
+  out.finish();
 }
 
 // W8A8: R rows of x (u8, +128) times one panel regrouped into k-quads [Kp/4, 16, 4] into tmp [R][16]; colsum128
