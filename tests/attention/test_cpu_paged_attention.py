@@ -149,29 +149,71 @@ def test_kernel_reads_bf16_cache() -> None:
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
 
 
-def test_bf16_query_and_output_equal_the_float32_path_rounded() -> None:
-    """A bf16 model's query goes in as bf16 and its output comes back in bf16: the numbers of widening the query,
-    attending in float32 and rounding the output to bf16 (what the backend did with two casts), to within one bf16
-    step where AVX512-BF16 dot products sum the scores in another order."""
+def _bf16_reference(query: torch.Tensor, cache: torch.Tensor, meta, scale: float) -> torch.Tensor:
+    """Attention as the kernel does it for a bf16 query and cache: float32 scores and softmax numerators, the
+    numerators rounded to bf16 for the sum over V (as PyTorch's flash attention rounds P), the output to bf16."""
+    out = torch.zeros_like(query)
+    block_size, num_kv_heads = cache.shape[2], cache.shape[3]
+    group = query.shape[1] // num_kv_heads
+    qsl, seq_lens = list(meta.query_start_loc_cpu), meta.seq_lens.tolist()
+    for r in range(meta.num_reqs):
+        q_len, seq_len = qsl[r + 1] - qsl[r], seq_lens[r]
+        slots = [meta.block_tables[r, t // block_size].item() * block_size + t % block_size for t in range(seq_len)]
+        k = cache[0].flatten(0, 1)[slots].float().repeat_interleave(group, 1).transpose(0, 1)  # [H, seq, D]
+        v = cache[1].flatten(0, 1)[slots].float().repeat_interleave(group, 1).transpose(0, 1)
+        for j in range(q_len):
+            ctx = seq_len - q_len + j + 1
+            s = (query[qsl[r] + j].float()[:, None, :] @ k[:, :ctx].transpose(1, 2))[:, 0] * scale  # [H, ctx]
+            e = torch.exp(s - s.max(-1, keepdim=True).values)
+            o = (e.bfloat16().float()[:, None, :] @ v[:, :ctx])[:, 0] / e.sum(-1, keepdim=True)
+            out[qsl[r] + j] = o.to(query.dtype)
+    return out
+
+
+@pytest.mark.parametrize("allow_amx", [True, False])
+def test_bf16_query_and_output_match_the_bf16_reference(allow_amx: bool) -> None:
+    """A bf16 model's query goes in as bf16 and its output comes back in bf16: the numbers of _bf16_reference to
+    within one bf16 step (dot products summed in another order), nearly all equal; odd context lengths pair the
+    last key with zeros. allow_amx=False keeps the scores on AVX-512 dot products where AMX would take them."""
     kernels = load_cpu_kernels()
     assert kernels is not None
     meta, cache, query = _case(7, 9, 3, 64, 16, chunk_len=3, seed=5, cache_dtype=torch.bfloat16)
+    assert any(n % 2 for n in meta.seq_lens.tolist()) and any(n % 2 == 0 for n in meta.seq_lens.tolist())
     rows = torch.arange(meta.num_reqs, dtype=torch.int32)
     q16 = query.bfloat16()
-    expected = torch.zeros_like(query)
-    kernels.paged_attention(q16.float(), cache[0], cache[1], meta.block_tables, meta.seq_lens,
-                            meta.query_start_loc, expected, 0.125, rows)
+    expected = _bf16_reference(q16, cache, meta, 0.125)
     got = torch.zeros_like(q16)
     kernels.paged_attention(q16, cache[0], cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc, got,
-                            0.125, rows)
-    torch.testing.assert_close(got.float(), expected.bfloat16().float(), rtol=2 ** -7, atol=1e-4)
-    assert (got == expected.bfloat16()).float().mean() > 0.99
+                            0.125, rows, allow_amx=allow_amx)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2 ** -7, atol=1e-4)
+    assert (got == expected).float().mean() > 0.99
     with pytest.raises(RuntimeError, match="both"):
         kernels.paged_attention(q16, cache[0], cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                expected, 0.125, rows)
+                                torch.zeros_like(query), 0.125, rows)
     with pytest.raises(RuntimeError, match="bfloat16 cache"):
         kernels.paged_attention(q16, cache[0].float(), cache[1].float(), meta.block_tables, meta.seq_lens,
                                 meta.query_start_loc, got, 0.125, rows)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 32), (4, 1, 96), (16, 1, 64)])
+def test_amx_scores_equal_the_avx512_dot_products(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """Where the CPU grants AMX-BF16 tiles, a bf16 query's scores come from tdpbf16ps: the same outputs as the
+    AVX-512 dot products to within one bf16 step, over decodes, chunks, tile tails and partitioned contexts."""
+    kernels = load_cpu_kernels()
+    if not kernels.amx_bf16_supported():
+        pytest.skip("this CPU has no AMX-BF16 (or the kernel refused the tile state): the AMX scores cannot run")
+    torch.manual_seed(3)
+    meta, cache, query = _batch([1, 1, 1, 1, 5, 17], [37, 300, 16, 1, 64, 533], 16, torch.bfloat16,
+                                random.Random(3), num_heads, num_kv_heads, head_dim)
+    q16, rows = query.bfloat16(), torch.arange(meta.num_reqs, dtype=torch.int32)
+    outs = []
+    for allow_amx in (True, False):
+        out = torch.zeros_like(q16)
+        kernels.paged_attention(q16, cache[0], cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                out, head_dim ** -0.5, rows, allow_amx=allow_amx)
+        outs.append(out)
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), rtol=2 ** -7, atol=1e-4)
+    assert (outs[0] == outs[1]).float().mean() > 0.99
 
 
 def test_kernel_only_touches_listed_requests() -> None:

@@ -20,6 +20,7 @@
 // a step inside real steps verifying 4 drafts, the weights streaming from memory; the autotuner's bucket of 3-8 rows,
 // timed at 4, keeps VNNI.
 #include "amx_dot.h"
+#include "amx_tiles.h"
 
 #include "cpu_features.h"
 
@@ -29,12 +30,8 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__linux__)
-#include <cpuid.h>
+#if defined(PAGEDLLM_AMX)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define PAGEDLLM_AMX 1
 #endif
 
 namespace amx_dot {
@@ -47,24 +44,7 @@ constexpr int64_t ROW_BYTES = 64;  // one B tile row: 4 k of 16 columns
 constexpr int32_t OFFSET = 128;    // dot4 levels are q + 128
 
 #if defined(PAGEDLLM_AMX)
-bool request_tiles() {
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  if (!(d & (1u << 24)) || !(d & (1u << 25))) return false;  // AMX-TILE, AMX-INT8
-  // Linux hands out the tile state (8 KiB of registers per thread) only to processes that ask.
-  constexpr int ARCH_GET_XCOMP_PERM = 0x1022, ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-  if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return false;
-  unsigned long granted = 0;
-  if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &granted) != 0) return false;
-  return (granted & (1ul << XFEATURE_XTILEDATA)) != 0;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using amx_tiles::TileConfig;
 
 TileConfig tile_config(int64_t mr, int64_t kc) {
   TileConfig cfg;
@@ -166,8 +146,7 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c,fma"))) 
       const int64_t mr = std::min(TILE_M, M - m0);
       if (mr != configured) {
         const TileConfig cfg = tile_config(mr, kc);
-        // Not _tile_loadconfig: GCC 12's tells the compiler it reads 8 bytes, so the rest of cfg may be unwritten.
-        asm volatile("ldtilecfg %0" ::"m"(cfg));
+        PAGEDLLM_LOAD_TILE_CONFIG(cfg);
         configured = mr;
       }
       __m512 f[TILE_M];
@@ -207,14 +186,7 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c,fma"))) 
 
 }  // namespace
 
-bool supported() {
-#if defined(PAGEDLLM_AMX)
-  static const bool granted = cpu_has_avx512() && request_tiles();
-  return granted;
-#else
-  return false;
-#endif
-}
+bool supported() { return amx_tiles::int8_supported(); }
 
 void gemm(const Activations& a, int64_t M, int64_t N, int64_t K, int64_t group, const Weights& wt,
           const float* bias, float* y, int64_t ldy) {

@@ -1,11 +1,15 @@
 // The Python module: one extension holds every CPU kernel, so there is one build to cache.
 #include "amx_dot.h"
+#include "amx_tiles.h"
 #include "kernels.h"
 #include "step_graph.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", step_graph::recorded<-1>("write_kv", &write_kv), "Store K/V rows at their cache slots");
-  m.def("paged_attention", step_graph::recorded<-1>("paged_attention", &paged_attention), "Paged attention reading K/V through block tables");
+  m.def("paged_attention", step_graph::recorded<-1>("paged_attention", &paged_attention),
+        "Paged attention reading K/V through block tables", py::arg("query"), py::arg("key_cache"),
+        py::arg("value_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start"), py::arg("out"),
+        py::arg("scale"), py::arg("req_indices"), py::arg("allow_amx") = true);
   m.def("encoder_attention", step_graph::recorded<-1>("encoder_attention", &encoder_attention),
         "Bidirectional attention within each sequence of a flat batch, K/V read in place -> [T, H, D]",
         py::arg("query"), py::arg("key"), py::arg("value"), py::arg("query_start"), py::arg("scale"));
@@ -33,6 +37,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x[M,K] quantized per group to int8 @ (scale * q4 + min)^T (+ bias), W in dot8 blocks [P, K/8, 64]",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("group"),
         py::arg("out_features"), py::arg("bias") = py::none(), py::arg("out") = py::none(), py::arg("isa") = 0);
+  m.def("amx_bf16_supported", &amx_tiles::bf16_supported,
+        "Whether this CPU has AMX-BF16 and the kernel granted the tile state (paged_attention's bf16 scores use it)");
   m.def("amx_dot_supported", &amx_dot::supported, "Whether q4_dot_gemm / q8_dot_gemm run on AMX tiles (isa 4) here");
   m.def("q8_dot_supported", &q8_dot_supported, "Whether this CPU runs q8_dot_gemm fast (AVX-512 VNNI)");
   m.def("q8_dot_gemm", step_graph::recorded<6>("q8_dot_gemm", &q8_dot_gemm),

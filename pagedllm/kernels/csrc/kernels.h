@@ -9,7 +9,7 @@
 void paged_attention(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                      const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                      const torch::Tensor& query_start, torch::Tensor& out, double scale,
-                     const torch::Tensor& req_indices);
+                     const torch::Tensor& req_indices, bool allow_amx);
 void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
               torch::Tensor& value_cache, const torch::Tensor& slot_mapping);
 
