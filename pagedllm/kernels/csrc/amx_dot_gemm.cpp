@@ -22,8 +22,6 @@
 #include "amx_dot.h"
 #include "amx_tiles.h"
 
-#include "cpu_features.h"
-
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -54,6 +54,6 @@ void release() {}
 #endif
 
 bool int8_supported() { return (amx_bits() & AMX_INT8) && tile_state_granted(); }
-bool bf16_supported() { return (amx_bits() & AMX_BF16) && tile_state_granted() && cpu_has_avx512(); }
+bool bf16_supported() { return (amx_bits() & AMX_BF16) && tile_state_granted(); }
 
 }  // namespace amx_tiles

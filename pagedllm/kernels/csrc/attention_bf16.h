@@ -3,8 +3,8 @@
 // - Scores on AMX tiles. The scores of one KV head's G query heads against 16 keys are C [16 keys, G] = A . B with
 //   A the 16 key rows straight from the cache (32 dims a tile, the cache's row stride) and B the query as tdpbf16ps
 //   wants it (pairs of dims: [16 pairs, G, 2]), packed once per token. One tdpbf16ps does the 16 x G x 32
-//   multiply-adds that take 48 vdpbf16ps plus 48 reduction trees on AVX-512; C comes back key-major and is
-//   gathered into the head-major score rows.
+//   multiply-adds of 16 G vdpbf16ps, and no reduction tree per key and head follows; C comes back key-major and
+//   is gathered into the head-major score rows.
 // - The weighted sum of V rows by vdpbf16ps over pairs of keys: the probabilities rounded to bf16 (as PyTorch's
 //   flash attention does before its P . V matmul) and two V rows interleaved by unpacklo/hi, so each instruction
 //   adds two keys' products in 16 float lanes without widening V. The interleave permutes the dims within each
