@@ -82,7 +82,8 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) inline void score_rows_amx(
 // out[0 .. n) = bf16(p[0 .. n)), rounded to nearest even, and out[n] = 0 when n is odd (the partner of the last key).
 inline void round_to_bf16(const float* p, int64_t n, uint16_t* out) {
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + i)));
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + i)));
   if (i < n) {
     const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
     _mm256_mask_storeu_epi16(out + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, p + i)));

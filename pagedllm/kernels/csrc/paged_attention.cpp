@@ -85,45 +85,50 @@ inline void accumulate_chunks(const float* p, int64_t stride, const KV* rows, in
 }
 #endif
 
-// Issue prefetches for a task's part of a KV block: `row_elems` elements at each of `n` token rows `row_stride`
-// apart (all KV heads: the whole block, contiguous). The next block sits at an unrelated address, so the hardware
-// prefetcher cannot guess it; a task of one KV head prefetches only its rows (the whole block, for each of 8 heads,
-// made a 1-query cross-attention over 1,500 positions 4x slower).
-template <typename KV>
-inline void prefetch_block(const KV* first, int64_t row_stride, int64_t n, int64_t row_elems) {
-  if (row_elems == row_stride) row_elems *= n, n = 1;  // contiguous rows: one span
-  const int64_t bytes = row_elems * static_cast<int64_t>(sizeof(KV));
-  for (int64_t t = 0; t < n; ++t) {
-    const char* p = reinterpret_cast<const char*>(first + t * row_stride);
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
-  }
-}
+// Where a prefetch puts its line.
+enum class Into { L1, L2 };
 
-// One line into L2. Not __builtin_prefetch: GCC 12 deletes a loop nest whose only statements are those (every
-// prefetch of prefetch_task was gone from the build); an asm volatile statement is kept.
-inline void prefetch_l2(const char* p) {
+// One line into L1 or L2. Inline asm rather than __builtin_prefetch: GCC 12 deletes a loop nest whose only
+// statements are __builtin_prefetch calls (every prefetch of prefetch_task was gone from the build).
+template <Into level>
+inline void prefetch_line(const char* p) {
 #if defined(__x86_64__)
-  asm volatile("prefetcht1 %0" ::"m"(*p));
+  if constexpr (level == Into::L1) {
+    asm volatile("prefetcht0 %0" ::"m"(*p));
+  } else {
+    asm volatile("prefetcht1 %0" ::"m"(*p));
+  }
 #else
-  __builtin_prefetch(p, 0, 2);
+  __builtin_prefetch(p, 0, level == Into::L1 ? 3 : 2);
 #endif
 }
 
-// Prefetch into L2 the K and V rows a task will read: blocks b_begin .. b_end of its block table, `row_elems` at
-// each of the `n` token rows of a block (all KV heads: the whole block). Issued for a thread's next task when it
-// starts one, so that task's blocks stream in while this one computes: a decode step over 200 requests read its
-// K/V at 12.4 GB/s with only the next block prefetched, 14.7 GB/s with this (bf16, Intel Xeon, 2 threads).
+// Issue prefetches for a task's part of a KV block: `row_elems` elements at each of `n` token rows `row_stride`
+// apart (all KV heads: the whole block, contiguous), from `first` and each of `others` (the same rows of another
+// cache, line by line in turn). The next block sits at an unrelated address, so the hardware prefetcher cannot
+// guess it; a task of one KV head prefetches only its rows (the whole block, for each of 8 heads, made a 1-query
+// cross-attention over 1,500 positions 4x slower).
+template <Into level = Into::L1, typename KV, typename... Same>
+inline void prefetch_block(int64_t row_stride, int64_t n, int64_t row_elems, const KV* first, const Same*... others) {
+  if (row_elems == row_stride) row_elems *= n, n = 1;  // contiguous rows: one span
+  const int64_t bytes = row_elems * static_cast<int64_t>(sizeof(KV));
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t off = 0; off < bytes; off += 64) {
+      prefetch_line<level>(reinterpret_cast<const char*>(first + t * row_stride) + off);
+      (prefetch_line<level>(reinterpret_cast<const char*>(others + t * row_stride) + off), ...);
+    }
+}
+
+// Prefetch into L2 the K and V rows a task will read: blocks b_begin .. b_end of its block table (each as
+// prefetch_block). Issued for a thread's next task when it starts one, so that task's blocks stream in while this
+// one computes: a decode step over 200 requests read its K/V at 12.4 GB/s with only the next block prefetched,
+// 14.7 GB/s with this (bf16, Intel Xeon, 2 threads).
 template <typename KV>
 inline void prefetch_task(const KV* k_cache, const KV* v_cache, const int32_t* table, int64_t b_begin, int64_t b_end,
                           int64_t blk_stride, int64_t row_stride, int64_t n, int64_t row_elems) {
-  if (row_elems == row_stride) row_elems *= n, n = 1;  // contiguous rows: one span
-  const int64_t bytes = row_elems * static_cast<int64_t>(sizeof(KV));
   for (int64_t b = b_begin; b < b_end; ++b)
-    for (int64_t t = 0; t < n; ++t) {
-      const char* k = reinterpret_cast<const char*>(k_cache + table[b] * blk_stride + t * row_stride);
-      const char* v = reinterpret_cast<const char*>(v_cache + table[b] * blk_stride + t * row_stride);
-      for (int64_t off = 0; off < bytes; off += 64) prefetch_l2(k + off), prefetch_l2(v + off);
-    }
+    prefetch_block<Into::L2>(row_stride, n, row_elems, k_cache + table[b] * blk_stride,
+                             v_cache + table[b] * blk_stride);
 }
 
 // scores[g * stride + i] = scale * dot(q_g, rows[i]) for GT query heads and n rows (rows `row_stride` apart).
@@ -465,7 +470,7 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache, const torch
         for (int64_t b = b0; b < b1; ++b) {
           const int64_t n = std::min(block_size, ctx - b * block_size);
           if (b + 1 < b1)
-            prefetch_block(k_ptr + table[b + 1] * blk_stride + h_begin * D, tok_stride, block_size, task_elems);
+            prefetch_block(tok_stride, block_size, task_elems, k_ptr + table[b + 1] * blk_stride + h_begin * D);
           const KV* blk = k_ptr + table[b] * blk_stride;
           for (int64_t h = h_begin; h < h_end; ++h) {
             float* sh = scores.data() + (h - h_begin) * G * nk + (b - b0) * block_size;
@@ -518,7 +523,7 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache, const torch
         for (int64_t b = b0; b < b1; ++b) {
           const int64_t n = std::min(block_size, ctx - b * block_size);
           if (b + 1 < b1)
-            prefetch_block(v_ptr + table[b + 1] * blk_stride + h_begin * D, tok_stride, block_size, task_elems);
+            prefetch_block(tok_stride, block_size, task_elems, v_ptr + table[b + 1] * blk_stride + h_begin * D);
           const KV* blk = v_ptr + table[b] * blk_stride;
           for (int64_t h = h_begin; h < h_end; ++h) {
 #if defined(__AVX512BF16__)
