@@ -82,6 +82,8 @@ class CacheConfig:
     # The K/V rows' dtype (--kv-cache-dtype), resolved: the model's, or bfloat16 under a float32 model (half
     # the bytes each attention step reads; K/V rounded once as they are stored).
     kv_cache_dtype: str = "auto"
+    # CPU: every page of the cache written once at start-up, on huge pages where allowed (--kv-cache-prefault).
+    kv_cache_prefault: bool = True
     enable_prefix_caching: bool = True
     prefix_caching_hash_seed: int | None = None  # None: a random seed per process
     # builtin: Python's hash() (per process); sha256: equal in every process for one seed (core/block_hash.py)

@@ -1,5 +1,5 @@
 """The CPU: the C++ kernels (float32; the encoder's also bfloat16), oneDNN's bf16 matmul where the CPU has
-native bf16, xgrammar's C++ bitmask loop, lazily-backed KV memory."""
+native bf16, xgrammar's C++ bitmask loop, KV memory written whole at start-up (or mapped lazily)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ logger = init_logger(__name__)
 class CpuPlatform(Platform):
     name = "cpu"
     reuses_logits_buffer = True
+    maps_kv_lazily = True
 
     def _make_attention_backend(self, name: str) -> Any:
         from pagedllm.attention.backends.cpu_paged import CpuPagedAttentionBackend
@@ -71,11 +72,12 @@ class CpuPlatform(Platform):
         # xgrammar's C++ loop: ~4x faster than unpacking the bits with torch ops on a CPU.
         return _xgrammar_apply() if dtype == torch.float32 else None
 
-    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+              prefault: bool = False) -> torch.Tensor:
         from pagedllm.worker.cpu_memory import zeroed_host_tensor
 
-        # Its own lazily-backed mapping: untouched blocks cost no resident memory.
-        return zeroed_host_tensor(shape, dtype)
+        # Its own mapping: written whole now on huge pages (prefault), or backed lazily as blocks are used.
+        return zeroed_host_tensor(shape, dtype, prefault=prefault)
 
     def prepare_kv_for_transfer(self, kv_caches: list[torch.Tensor]) -> None:
         from pagedllm.worker.cpu_memory import advise_huge_pages

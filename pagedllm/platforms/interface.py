@@ -25,6 +25,8 @@ class Platform:
     packs_quantized_by_rows = False
     #: The runner keeps one logits buffer across steps (a fresh vocab-sized tensor per step costs page faults).
     reuses_logits_buffer = False
+    #: The KV cache's pages are mapped on first write unless pre-faulted (``zeros(..., prefault=True)``).
+    maps_kv_lazily = False
     #: torch.distributed backend of the tensor-parallel group (``distributed/parallel_state.py``).
     distributed_backend = "gloo"
 
@@ -110,8 +112,9 @@ class Platform:
         """The dtypes the KV cache may keep here under a model of ``model_dtype`` (its own always)."""
         return (model_dtype,)
 
-    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A zeroed tensor for the KV cache."""
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+              prefault: bool = False) -> torch.Tensor:
+        """A zeroed tensor for the KV cache; ``prefault``: resident from now on, where memory is mapped lazily."""
         return torch.zeros(shape, dtype=dtype, device=device)
 
     def prepare_kv_for_transfer(self, kv_caches: list[torch.Tensor]) -> None:

@@ -36,12 +36,12 @@ LOGITS_BUFFER_ROWS = 256
 PROMPT_LOGPROBS_ROWS = 256
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed tensor; on CPU on its own lazily-backed mapping, so untouched blocks cost no resident memory.
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, prefault: bool) -> torch.Tensor:
+    """A zeroed tensor; on CPU on its own mapping, written whole now (prefault) or backed as blocks are used.
 
     Zeros (not empty) matter: padded positions are masked, but NaN garbage would still poison SDPA.
     """
-    return platform_for(device).zeros(shape, dtype, device)
+    return platform_for(device).zeros(shape, dtype, device, prefault)
 
 
 def _grammar_rows(sched: SchedulerOutput, sample_states: list[CachedRequestState]
@@ -149,20 +149,21 @@ class ModelRunner:
                 total += 2 * num_layers * self.block_size * num_kv_heads * head_size * self.kv_dtype.itemsize
         return total
 
-    def init_kv_cache(self, num_blocks: int, sliding_group_num_blocks: int = 0) -> None:
+    def init_kv_cache(self, num_blocks: int, sliding_group_num_blocks: int = 0, prefault: bool = False) -> None:
         """Allocate per layer [2, num_blocks, block_size, Hkv, D] and bind it to the attention layers; the
-        layers of a hybrid model's sliding group get ``sliding_group_num_blocks`` blocks (0: num_blocks)."""
+        layers of a hybrid model's sliding group get ``sliding_group_num_blocks`` blocks (0: num_blocks).
+        ``prefault``: every page resident now (CPU; --kv-cache-prefault)."""
         num_layers, num_kv_heads, head_size = self.kv_cache_spec()
         groups = self.kv_cache_groups()[0]
         group_blocks = (num_blocks, sliding_group_num_blocks or num_blocks)
         self.kv_caches = [_zeros((2, group_blocks[g], self.block_size, num_kv_heads, head_size), self.kv_dtype,
-                                 self.device) for g in groups]
+                                 self.device, prefault) for g in groups]
         bind_kv_caches(self.model, self.kv_caches, groups)
         self._step_readers = None  # the layers' groups may have changed
         if self.draft_model is not None:
             num_layers, num_kv_heads, head_size = _kv_spec(self.draft_model)
             shape = (2, num_blocks, self.block_size, num_kv_heads, head_size)
-            self.draft_kv_caches = [_zeros(shape, self.kv_dtype, self.device) for _ in range(num_layers)]
+            self.draft_kv_caches = [_zeros(shape, self.kv_dtype, self.device, prefault) for _ in range(num_layers)]
             bind_kv_caches(self.draft_model, self.draft_kv_caches)
 
     def release_kv_cache(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -199,7 +200,10 @@ class Worker:
                         "per step)", self.config.model.architecture, self.config.scheduler.max_num_batched_tokens)
             return
         cache = self.config.cache
-        self.runner.init_kv_cache(num_blocks, cache.sliding_group_num_blocks or cache.cross_group_num_blocks)
+        start = time.perf_counter()
+        self.runner.init_kv_cache(num_blocks, cache.sliding_group_num_blocks or cache.cross_group_num_blocks,
+                                  prefault=cache.kv_cache_prefault)
+        elapsed = time.perf_counter() - start
         tokens = (num_blocks - 1) * cache.block_size
         max_len = self.config.scheduler.max_model_len
         group = cache.sliding_group()
@@ -209,6 +213,10 @@ class Worker:
         logger.info("KV cache: %d blocks of %d tokens (%s, %s), %d tokens; max concurrency %.1fx at %d tokens "
                     "per request", num_blocks, cache.block_size, size, cache.kv_cache_dtype, tokens,
                     tokens / max_len, max_len)
+        if self.platform.maps_kv_lazily:
+            logger.info("KV cache: %s", f"resident from start-up, written in {elapsed:.2f} s (--no-kv-cache-prefault "
+                        "maps pages as blocks are first used)" if cache.kv_cache_prefault else
+                        "pages mapped as blocks are first used (--no-kv-cache-prefault)")
         cross = cache.cross_group()
         if cross is not None:
             logger.info("KV cache: the cross-attention layers keep their own %d blocks (%s): %d requests' encoder "
