@@ -41,7 +41,7 @@ class EngineArgs:
     block_size: int = 16
     kv_cache_memory: str | int | None = None  # None: 2 GiB on CPUs, --gpu-memory-utilization on GPUs
     kv_cache_dtype: str = "auto"
-    kv_cache_prefault: bool = True
+    kv_cache_prefault: bool | None = None  # None: PAGEDLLM_KV_CACHE_PREFAULT (default on)
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     attention_backend: str = "auto"
@@ -114,9 +114,10 @@ class EngineArgs:
         group.add_argument("--kv-cache-prefault", action=argparse.BooleanOptionalAction,
                            default=d.kv_cache_prefault,
                            help="CPU only: write every page of the KV cache once at start-up, on transparent huge "
-                                "pages where the kernel allows them (on by default). Its memory is then resident "
-                                "before the first request, as a GPU's is, and no step pays the first write's page "
-                                "faults (a third of a 200-request run's time on a VM, measured). "
+                                "pages where the kernel allows them (default: PAGEDLLM_KV_CACHE_PREFAULT, on). Its "
+                                "memory is then resident before the first request, as a GPU's is, and no step pays "
+                                "the first write's page faults (up to a third of a fresh 200-request run on a VM, "
+                                "measured), at a start-up cost of 0.1-4 s per GiB by the machine. "
                                 "--no-kv-cache-prefault maps pages as blocks are first used: resident memory then "
                                 "follows the blocks in use.")
         group.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
@@ -268,7 +269,8 @@ class EngineArgs:
         kv_memory = None if self.kv_cache_memory in (None, "", "auto") else parse_size(self.kv_cache_memory)
         cache = CacheConfig(block_size=self.block_size, kv_cache_memory=kv_memory,
                             kv_cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, model.dtype),
-                            kv_cache_prefault=self.kv_cache_prefault,
+                            kv_cache_prefault=(envs.PAGEDLLM_KV_CACHE_PREFAULT if self.kv_cache_prefault is None
+                                               else self.kv_cache_prefault),
                             gpu_memory_utilization=float(self.gpu_memory_utilization),
                             enable_prefix_caching=self.enable_prefix_caching,
                             prefix_caching_hash_seed=self.prefix_caching_hash_seed,

@@ -83,6 +83,9 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in [
            "Default of `--cpu-kernel-autotune`: `on` times the quantized CPU matmuls' candidate kernels per "
            "shape and row count once per machine (the table is saved), `force` measures again, `off` keeps the "
            "default kernel."),
+    EnvVar("PAGEDLLM_KV_CACHE_PREFAULT", True, _flag,
+           "Default of `--kv-cache-prefault`: write the CPU KV cache's pages at start-up (1) or map them as blocks "
+           "are first used (0)."),
     EnvVar("PAGEDLLM_CPU_KERNEL_AUTOTUNE_TABLE", None, _text,
            "A kernel-choice table (JSON, as saved in the cache folder) to use instead of measuring: forces "
            "its choices (tests, comparisons); never written."),

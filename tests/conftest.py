@@ -12,6 +12,11 @@ if os.environ.get("PAGEDLLM_TEST_DEVICE", "cpu") == "cpu":
 # fake timers or a forced table (tests/quantization/test_kernel_autotune.py, test_kernel_autotune_engine.py).
 os.environ.setdefault("PAGEDLLM_CPU_KERNEL_AUTOTUNE", "off")
 
+# Writing a 2 GiB KV cache whole takes up to 8 s on a VM whose host backs guest memory on first touch, and a
+# hundred tests start engines with the default budget: they map it lazily (same outputs, tested with both in
+# tests/engine/test_kv_cache_prefault.py, which sets the flag explicitly).
+os.environ.setdefault("PAGEDLLM_KV_CACHE_PREFAULT", "0")
+
 
 def pytest_unconfigure(config) -> None:  # noqa: ANN001 - pytest's hook signature
     """A run must end: if the interpreter is still exiting a minute after the last test (a thread or socket that

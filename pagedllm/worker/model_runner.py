@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from pagedllm.attention.forward_context import forward_context
 from pagedllm.attention.layer import StepReaders, attention_layers, bind_kv_caches, prepare_step_states, step_readers
@@ -156,8 +157,11 @@ class ModelRunner:
         num_layers, num_kv_heads, head_size = self.kv_cache_spec()
         groups = self.kv_cache_groups()[0]
         group_blocks = (num_blocks, sliding_group_num_blocks or num_blocks)
+        # Shown only when writing the pages takes long (seconds per GiB where the host backs memory on first touch).
+        layers = tqdm(groups, desc="Writing the KV cache", unit="layer", delay=2, leave=False, disable=not prefault,
+                      dynamic_ncols=True)
         self.kv_caches = [_zeros((2, group_blocks[g], self.block_size, num_kv_heads, head_size), self.kv_dtype,
-                                 self.device, prefault) for g in groups]
+                                 self.device, prefault) for g in layers]
         bind_kv_caches(self.model, self.kv_caches, groups)
         self._step_readers = None  # the layers' groups may have changed
         if self.draft_model is not None:

@@ -43,12 +43,17 @@ def test_a_prefaulted_tensor_is_resident_and_zero() -> None:
     assert eager.shape == shape and not eager.any()
 
 
-def test_the_flag_reaches_the_cache_config(tmp_path) -> None:
+def test_the_flag_reaches_the_cache_config(tmp_path, monkeypatch) -> None:
     model = make_tiny_llama(tmp_path / "m")
+    monkeypatch.delenv("PAGEDLLM_KV_CACHE_PREFAULT", raising=False)  # tests/conftest.py sets it to 0
     assert EngineArgs(model=model).create_engine_config().cache.kv_cache_prefault
+    assert EngineArgs(model=model, kv_cache_prefault=True).create_engine_config().cache.kv_cache_prefault
+    monkeypatch.setenv("PAGEDLLM_KV_CACHE_PREFAULT", "0")
+    assert not EngineArgs(model=model).create_engine_config().cache.kv_cache_prefault
     assert not EngineArgs(model=model, kv_cache_prefault=False).create_engine_config().cache.kv_cache_prefault
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     assert parser.parse_args(["--no-kv-cache-prefault"]).kv_cache_prefault is False
+    assert parser.parse_args([]).kv_cache_prefault is None  # the environment's default then
 
 
 def test_an_engine_holds_its_kv_cache_from_start_up_and_generates_the_same(tmp_path) -> None:
