@@ -11,6 +11,7 @@
 //   32: the accumulators stay permuted until unpermute_pairs restores the order once per token.
 #pragma once
 #include "amx_tiles.h"
+#include "head_tiles.h"
 
 #include <c10/util/BFloat16.h>
 
@@ -132,18 +133,13 @@ inline void accumulate_pair_rows(const uint32_t* pp, int64_t pstride, const at::
   }
 }
 
-// accumulate_pair_rows over the G query heads of one KV head, in tiles of at most 3.
+// accumulate_pair_rows over the G query heads of one KV head, in tiles (head_tiles.h).
 inline void accumulate_heads_pairs(const uint16_t* p, int64_t stride, int64_t G, const at::BFloat16* rows,
                                    int64_t row_stride, int64_t n, int64_t D, float* acc) {
-  for (int64_t g0 = 0; g0 < G; g0 += 3) {
-    const uint32_t* pp = reinterpret_cast<const uint32_t*>(p + g0 * stride);
-    float* ag = acc + g0 * D;
-    switch (std::min<int64_t>(3, G - g0)) {
-      case 3: accumulate_pair_rows<3>(pp, stride / 2, rows, row_stride, n, D, ag); break;
-      case 2: accumulate_pair_rows<2>(pp, stride / 2, rows, row_stride, n, D, ag); break;
-      default: accumulate_pair_rows<1>(pp, stride / 2, rows, row_stride, n, D, ag); break;
-    }
-  }
+  head_tiles::for_each(G, [&](auto T, int64_t g0) PAGEDLLM_INLINE_TILE {
+    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(p + g0 * stride);
+    accumulate_pair_rows<decltype(T)::value>(pairs, stride / 2, rows, row_stride, n, D, acc + g0 * D);
+  });
 }
 
 // Each 32 dims of acc [rows, D] back in order: unpacklo left dims 8l .. 8l + 3 of 128-bit lane l in lanes 4l .. 4l + 3

@@ -12,6 +12,7 @@
 // Query token j of request r sits at position seq_len - q_len + j and attends keys 0..that position.
 #include "attention_bf16.h"
 #include "bf16_rows.h"
+#include "head_tiles.h"
 #include "kernels.h"
 #include "row_max.h"
 #include <ATen/Parallel.h>
@@ -284,45 +285,27 @@ inline void score_rows_bf16(const at::BFloat16* q, int64_t D, const at::BFloat16
 
 inline void score_heads_bf16(const at::BFloat16* q, int64_t G, int64_t D, const at::BFloat16* rows,
                              int64_t row_stride, int64_t n, float scale, float* scores, int64_t stride) {
-  for (int64_t g0 = 0; g0 < G; g0 += 3) {
-    const at::BFloat16* qg = q + g0 * D;
-    float* sg = scores + g0 * stride;
-    switch (std::min<int64_t>(3, G - g0)) {
-      case 3: score_rows_bf16<3>(qg, D, rows, row_stride, n, scale, sg, stride); break;
-      case 2: score_rows_bf16<2>(qg, D, rows, row_stride, n, scale, sg, stride); break;
-      default: score_rows_bf16<1>(qg, D, rows, row_stride, n, scale, sg, stride); break;
-    }
-  }
+  head_tiles::for_each(G, [&](auto T, int64_t g0) PAGEDLLM_INLINE_TILE {
+    score_rows_bf16<decltype(T)::value>(q + g0 * D, D, rows, row_stride, n, scale, scores + g0 * stride, stride);
+  });
 }
 #endif
 
-// Dispatch over query-head tiles of at most 3 (what fits the 16 AVX2 registers).
+// Over the query-head tiles (head_tiles.h).
 template <typename KV>
 inline void score_heads(const float* q, int64_t G, int64_t D, const KV* rows, int64_t row_stride, int64_t n,
                         float scale, float* scores, int64_t stride) {
-  for (int64_t g0 = 0; g0 < G; g0 += 3) {
-    const float* qg = q + g0 * D;
-    float* sg = scores + g0 * stride;
-    switch (std::min<int64_t>(3, G - g0)) {
-      case 3: score_rows<3>(qg, D, rows, row_stride, n, scale, sg, stride); break;
-      case 2: score_rows<2>(qg, D, rows, row_stride, n, scale, sg, stride); break;
-      default: score_rows<1>(qg, D, rows, row_stride, n, scale, sg, stride); break;
-    }
-  }
+  head_tiles::for_each(G, [&](auto T, int64_t g0) PAGEDLLM_INLINE_TILE {
+    score_rows<decltype(T)::value>(q + g0 * D, D, rows, row_stride, n, scale, scores + g0 * stride, stride);
+  });
 }
 
 template <typename KV>
 inline void accumulate_heads(const float* p, int64_t stride, int64_t G, const KV* rows, int64_t row_stride,
                              int64_t n, int64_t D, float* acc) {
-  for (int64_t g0 = 0; g0 < G; g0 += 3) {
-    const float* pg = p + g0 * stride;
-    float* ag = acc + g0 * D;
-    switch (std::min<int64_t>(3, G - g0)) {
-      case 3: accumulate_rows<3>(pg, stride, rows, row_stride, n, D, ag); break;
-      case 2: accumulate_rows<2>(pg, stride, rows, row_stride, n, D, ag); break;
-      default: accumulate_rows<1>(pg, stride, rows, row_stride, n, D, ag); break;
-    }
-  }
+  head_tiles::for_each(G, [&](auto T, int64_t g0) PAGEDLLM_INLINE_TILE {
+    accumulate_rows<decltype(T)::value>(p + g0 * stride, stride, rows, row_stride, n, D, acc + g0 * D);
+  });
 }
 
 template <typename KV, typename Q>
