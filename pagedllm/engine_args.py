@@ -117,7 +117,7 @@ class EngineArgs:
                                 "pages where the kernel allows them (default: PAGEDLLM_KV_CACHE_PREFAULT, on). Its "
                                 "memory is then resident before the first request, as a GPU's is, and no step pays "
                                 "the first write's page faults (up to a third of a fresh 200-request run on a VM, "
-                                "measured), at a start-up cost of 0.1-4 s per GiB by the machine. "
+                                "measured), at a start-up cost of 0.1-8 s per GiB by the machine. "
                                 "--no-kv-cache-prefault maps pages as blocks are first used: resident memory then "
                                 "follows the blocks in use.")
         group.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,

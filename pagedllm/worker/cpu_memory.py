@@ -22,13 +22,14 @@ def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: b
     """A zero-filled CPU tensor on its own anonymous mapping.
 
     Pages become resident when first written: lazily by default, so an unused KV block costs no memory (peak
-    RSS follows the blocks in use). ``prefault`` writes every page now, on huge pages: the first write of a
-    page is a fault that costs the step touching it (~17 us per 4 KiB page on a KVM guest, measured: 0.6 s
-    per 136 MiB layer, against 12 ms on 2 MiB pages), so a KV cache mapped lazily spends a third of a fresh
-    200-request run in page faults. ``huge_pages`` asks for transparent huge pages (where the kernel allows
-    them), the tensor starting on a 2 MiB boundary; lazily mapped, they round resident memory up by up to
-    2 MiB per layer half, and a lazily mapped KV cache has them only when another process reads it
-    (``advise_huge_pages``, under a KV connector).
+    RSS follows the blocks in use). ``prefault`` writes every page now, on huge pages (fewer TLB misses for
+    the attention's scattered block reads, cheaper ``process_vm_readv`` for a KV connector). A page's first
+    write is a fault paid by the step touching it, and on a KVM guest whose host backs memory on first touch
+    it is dear: 0.1-7.7 s per GiB measured on one machine by the host's state, with 4 KiB and 2 MiB pages
+    alike, so a lazily mapped KV cache spent a third of a fresh 200-request run in faults. ``huge_pages``
+    asks for transparent huge pages (where the kernel allows them), the tensor starting on a 2 MiB boundary;
+    lazily mapped, they round resident memory up by up to 2 MiB per layer half, and a lazily mapped KV cache
+    has them only when another process reads it (``advise_huge_pages``, under a KV connector).
     """
     nbytes = math.prod(shape) * dtype.itemsize
     # Huge pages back only whole, aligned 2 MiB pages of a mapping: start the tensor on one.
