@@ -125,6 +125,10 @@ class OutputProcessor:
                 continue
             parent = self.parents[parent_id]
             child = parent.children[out.req_id]
+            if child.finish_reason is not None:
+                # Finished by a stop string earlier in this batch (outputs of several engine steps can arrive
+                # together): the engine's later tokens for it are past the stop and must not count it twice.
+                continue
             touched[parent_id] = parent
             if out.kv_transfer_params is not None:
                 parent.kv_transfer_params = out.kv_transfer_params

@@ -153,8 +153,8 @@ async def until_disconnect(request: Request, coro: Any) -> Any:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         if not task.done():
-            task.cancel()
+            task.cancel()  # its streams abort as it unwinds
         watcher.cancel()
-    if task.cancelled():
-        return None
+    if not task.done() or task.cancelled():
+        return None  # the client left first (a cancelled task is not done until it has unwound)
     return task.result()
