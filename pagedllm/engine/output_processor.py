@@ -135,7 +135,7 @@ class OutputProcessor:
             if out.prompt_logprobs and parent.prompt_logprobs is not None and child.index == 0:
                 parent.prompt_logprobs.extend(self._to_logprobs(out.prompt_logprobs))
             if not out.new_token_ids:
-                if out.finish_reason is not None and child.finish_reason is None:
+                if out.finish_reason is not None:
                     child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
                     parent.num_finished += 1
                 continue
