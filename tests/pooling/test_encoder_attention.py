@@ -124,3 +124,25 @@ def test_chunked_sequences_are_refused():
     q = torch.randn(12, 2, 8)
     with pytest.raises(ValueError, match="whole in one step"):
         encoder_attention(q, q, q, meta, 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_equal_lengths_attend_in_place(dtype, kv_heads):
+    """Sequences of one length (Whisper's 1,500-position clips) make one unpadded bucket that is attended as views of
+    a fused projection's rows: the same output as the gathered path and as each sequence alone."""
+    torch.manual_seed(2)
+    heads, dim, lengths = 4, 16, [40, 40, 40]
+    qsl = _offsets(lengths)
+    qkv = torch.randn(qsl[-1], (heads + 2 * kv_heads) * dim, dtype=dtype)
+    q, k, v = (t.view(qsl[-1], -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
+    plan = plan_encoder_attention(qsl)
+    assert plan.in_place and not plan_encoder_attention(_offsets([40, 39])).in_place
+    out = bucketed_attention(q, k, v, plan)
+    gathered = plan_encoder_attention(qsl)
+    gathered.buckets[0].key_mask = torch.ones(3, 1, 1, 40, dtype=torch.bool)  # forces the gather path, same math
+    assert not gathered.in_place
+    ref = bucketed_attention(q, k, v, gathered)
+    torch.testing.assert_close(out, ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
+    torch.testing.assert_close(out.float(), _reference(q.float(), k.float(), v.float(), qsl),
+                               atol=3e-2 if dtype == torch.bfloat16 else 1e-5, rtol=2e-2)

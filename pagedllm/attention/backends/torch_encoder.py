@@ -46,6 +46,12 @@ class EncoderAttentionPlan:
     token_to_slot: torch.Tensor  # [T] int64
     num_padded_tokens: int
 
+    @property
+    def in_place(self) -> bool:
+        """One bucket with nothing padded: its gather is the identity (the sequences tile the step in order), so
+        the projections' rows are attended as views, with no gather or scatter (Whisper's 1,500-position clips)."""
+        return len(self.buckets) == 1 and self.buckets[0].key_mask is None
+
 
 def bucket_length(length: int) -> int:
     """The padded length a sequence of ``length`` tokens is attended at."""
@@ -98,6 +104,11 @@ def bucketed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     """query: [T, H, D]; key/value: [T, Hkv, D] (views into a fused projection are fine) -> [T, H * D]."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = key.shape[1]
+    if plan.in_place:
+        n, length = plan.buckets[0].num_seqs, plan.buckets[0].length
+        q, k, v = (t.view(n, length, t.shape[1], head_dim).transpose(1, 2) for t in (query, key, value))
+        o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=num_heads != num_kv_heads)
+        return o.transpose(1, 2).reshape(-1, num_heads * head_dim)
     padded = torch.empty(plan.num_padded_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
     offset = 0
     for b in plan.buckets:
