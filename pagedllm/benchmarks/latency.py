@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from pagedllm.benchmarks.datasets import random_requests
 from pagedllm.benchmarks.grounded import grounded_requests
 from pagedllm.engine_args import EngineArgs
+from pagedllm.utils import gc_heap_frozen
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 
@@ -84,13 +85,14 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         # Batch TTFT: when the last request of the batch got its first token.
         return latency, max(ttfts) if ttfts else float("nan")
 
-    for _ in tqdm(range(args.num_iters_warmup), desc="Warm-up", disable=args.disable_tqdm):
-        run_once()
     latencies, ttfts = [], []
-    for _ in tqdm(range(args.num_iters), desc="Profiling", disable=args.disable_tqdm):
-        latency, ttft = run_once()
-        latencies.append(latency)
-        ttfts.append(ttft)
+    with gc_heap_frozen():  # as in a served engine's core process
+        for _ in tqdm(range(args.num_iters_warmup), desc="Warm-up", disable=args.disable_tqdm):
+            run_once()
+        for _ in tqdm(range(args.num_iters), desc="Profiling", disable=args.disable_tqdm):
+            latency, ttft = run_once()
+            latencies.append(latency)
+            ttfts.append(ttft)
     result = summarize(latencies, ttfts, args.output_len)
     stats = llm.engine.core.scheduler.spec_stats
     result.update(speculative_config=engine_args.speculative_config, dataset=getattr(args, "dataset", "random"),

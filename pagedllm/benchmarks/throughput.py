@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from pagedllm.benchmarks.datasets import SampledRequest, add_dataset_args, random_requests
 from pagedllm.benchmarks.grounded import grounded_requests
 from pagedllm.engine_args import EngineArgs
+from pagedllm.utils import gc_heap_frozen
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -176,7 +177,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
         llm = LLM(**dataclasses.asdict(engine_args))
         requests = make_requests(llm.get_tokenizer())
-        result = run_pagedllm(requests, llm, args.warmup, use_tqdm)
+        with gc_heap_frozen():  # as in a served engine's core process
+            result = run_pagedllm(requests, llm, args.warmup, use_tqdm)
     result.update(
         backend=args.backend, model=engine_args.model, num_prompts=args.num_prompts,
         input_len=args.input_len, output_len=args.output_len, prefix_len=args.prefix_len, seed=args.seed,

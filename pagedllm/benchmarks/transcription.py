@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.engine_args import EngineArgs
+from pagedllm.utils import gc_heap_frozen
 
 MODES = ("sequential", "concurrent")
 
@@ -102,12 +103,13 @@ def main(args: argparse.Namespace) -> int:
         result: dict[str, Any] = {"model": mc.model, "dtype": mc.dtype, "clips": [p.name for p in paths],
                                   "num_clips": len(paths), "audio_seconds": audio_s}
         for mode in modes:
-            start = time.perf_counter()
-            if mode == "sequential":
-                transcripts = [transcribe_bytes(llm, transcriber, b, options) for b in blobs]
-            else:
-                transcripts = _concurrent(llm, transcriber, blobs, options)
-            elapsed = time.perf_counter() - start
+            with gc_heap_frozen():  # as in a served engine's core process
+                start = time.perf_counter()
+                if mode == "sequential":
+                    transcripts = [transcribe_bytes(llm, transcriber, b, options) for b in blobs]
+                else:
+                    transcripts = _concurrent(llm, transcriber, blobs, options)
+                elapsed = time.perf_counter() - start
             result[mode] = {"elapsed_s": elapsed, "clips_per_s": len(blobs) / elapsed,
                             "real_time_factor": elapsed / audio_s, "texts": [t.text for t in transcripts]}
             print(f"{mode}: {len(blobs)} clips ({audio_s:.1f} s of audio) in {elapsed:.2f} s: "

@@ -40,6 +40,7 @@ from pagedllm.engine.core_messages import (
 from pagedllm.engine.encoder_inputs import unpack_encoder_input
 from pagedllm.engine.engine_snapshot import SnapshotPublisher
 from pagedllm.logger import init_logger
+from pagedllm.utils import freeze_gc_heap
 
 logger = init_logger(__name__)
 
@@ -69,6 +70,8 @@ class EngineCoreProc:
         self.output = output_socket
         self.core = EngineCore(config, engine_index)
         self.core.attach_structured_outputs(load_tokenizer(config.model))  # matchers need the vocabulary
+        logger.debug("engine %d: %d start-up objects frozen out of the garbage collector", engine_index,
+                     freeze_gc_heap())  # this process holds this one engine until it exits
         self.snapshots = SnapshotPublisher()
         self._stopping = False
         self._idle_kv_usage: float | None = None  # KV usage last reported while only transfers were pending

@@ -53,6 +53,7 @@ from pagedllm.entrypoints.openai.serving_transcription import (
 from pagedllm.logger import init_logger
 from pagedllm.metrics.audio import AudioMetrics
 from pagedllm.metrics.prometheus import PrometheusMetrics
+from pagedllm.utils import freeze_gc_heap
 
 logger = init_logger(__name__)
 
@@ -376,6 +377,7 @@ def run_server(args: argparse.Namespace) -> None:
         if options.enable_frontend:
             logger.info("Playground (chat + live KV cache map) at http://%s:%d/ (turn off with --disable-frontend)",
                         display_host, args.port)
+        freeze_gc_heap()  # this process's start-up state lives as long as the server
         server = _draining_server(uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
             timeout_graceful_shutdown=args.shutdown_timeout if args.shutdown_timeout > 0 else None,
