@@ -34,6 +34,8 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qsl: list[int]
     out = []
     for i in range(len(qsl) - 1):
         s, e = qsl[i], qsl[i + 1]
+        if s == e:
+            continue
         o = F.scaled_dot_product_attention(*(t[s:e].transpose(0, 1) for t in (q, k, v)),
                                            enable_gqa=q.shape[1] != k.shape[1])
         out.append(o.transpose(0, 1).reshape(e - s, -1))
@@ -146,3 +148,71 @@ def test_equal_lengths_attend_in_place(dtype, kv_heads):
     torch.testing.assert_close(out, ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
     torch.testing.assert_close(out.float(), _reference(q.float(), k.float(), v.float(), qsl),
                                atol=3e-2 if dtype == torch.bfloat16 else 1e-5, rtol=2e-2)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,lengths", [
+    (8, 8, 64, [1500]),  # Whisper base's encoder
+    (6, 2, 64, [1, 0, 17, 33, 100, 31, 32]),  # every tail of the 16-key and 32-row tiles, an empty sequence
+    (12, 12, 32, [5, 64, 129]),  # one tile of dims
+])
+def test_amx_kernel_matches_generic_kernel(heads, kv_heads, dim, lengths):
+    """bf16 on AMX tiles (a polynomial exp, probabilities rounded to bf16) is as close to a float32 reference as
+    torch's flash attention in bf16, and near the generic kernel, which keeps the probabilities in float32; q/k/v read
+    in place from a fused projection."""
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C++ CPU kernels on this machine (no compiler)")
+    torch.manual_seed(4)
+    qsl = _offsets(lengths)
+    qkv = (2 * torch.randn(qsl[-1], (heads + 2 * kv_heads) * dim)).bfloat16()
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k, v = q.view(-1, heads, dim), k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim)
+    assert not kernels.encoder_attention_on_amx(q.float()) and not kernels.encoder_attention_on_amx(q[..., :16])
+    if not kernels.encoder_attention_on_amx(q):
+        pytest.skip("this CPU has no AMX-BF16 tiles (or the kernel did not grant them): the AMX path cannot run")
+    offsets = torch.tensor(qsl, dtype=torch.int32)
+    amx = kernels.encoder_attention(q, k, v, offsets, dim ** -0.5).float().view(qsl[-1], -1)
+    generic = kernels.encoder_attention(q, k, v, offsets, dim ** -0.5, allow_amx=False).float().view(qsl[-1], -1)
+    ref = _reference(q.float(), k.float(), v.float(), qsl)
+    amx_err, generic_err = (amx - ref).abs(), (generic - ref).abs()
+    assert amx_err.max() <= 2 * generic_err.max() + 1e-2
+    assert amx_err.mean() <= 1.3 * generic_err.mean()
+    if len(lengths) == 1:  # one sequence: SDPA's flash kernel in place, as the engine ran it before
+        flash = F.scaled_dot_product_attention(*(t.view(1, *t.shape).transpose(1, 2) for t in (q, k, v)),
+                                               scale=dim ** -0.5).transpose(1, 2).reshape(qsl[-1], -1).float()
+        assert amx_err.mean() <= 1.1 * (flash - ref).abs().mean()
+
+
+class _KernelSpy:
+    """Stands in for the C++ kernels: says whether the AMX path takes a query, records how it was called."""
+
+    def __init__(self, amx: bool):
+        self.amx, self.calls = amx, []
+
+    def encoder_attention_on_amx(self, query: torch.Tensor) -> bool:
+        return self.amx and query.dtype == torch.bfloat16
+
+    def encoder_attention(self, query, key, value, query_start, scale, allow_amx):
+        self.calls.append(allow_amx)
+        return torch.zeros_like(query)
+
+
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_routing_between_amx_kernel_generic_kernel_and_buckets(monkeypatch, switch):
+    """Long bf16 steps go to the AMX kernel where the CPU has it (unless PAGEDLLM_ENCODER_ATTENTION_AMX=0), else to
+    SDPA's buckets; short steps to the generic kernel, with AMX only when the switch allows it."""
+    monkeypatch.setenv("PAGEDLLM_ENCODER_ATTENTION_AMX", switch)
+    long_meta = build_attention_metadata([600], [600], [[]], 16)
+    short_meta = build_attention_metadata([40], [40], [[]], 16)
+    q_long, q_short = torch.randn(600, 2, 32).bfloat16(), torch.randn(40, 2, 32).bfloat16()
+    spy = _KernelSpy(amx=True)
+    out = encoder_attention(q_long, q_long, q_long, long_meta, 1.0, spy)
+    if switch == "1":
+        assert spy.calls == [True] and not out.any()
+    else:  # SDPA's buckets: a real attention output, not the spy's zeros
+        assert spy.calls == [] and out.any()
+    encoder_attention(q_short, q_short, q_short, short_meta, 1.0, spy)
+    encoder_attention(q_short.float(), q_short.float(), q_short.float(), short_meta, 1.0, spy)
+    assert spy.calls[-2:] == [switch == "1", False]
+    no_amx = _KernelSpy(amx=False)
+    assert encoder_attention(q_long, q_long, q_long, long_meta, 1.0, no_amx).any() and no_amx.calls == []

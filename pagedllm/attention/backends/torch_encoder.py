@@ -18,15 +18,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pagedllm import envs
 from pagedllm.attention.backends.torch_state import torch_state
 from pagedllm.attention.metadata import AttentionMetadata
 
 ENCODER_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 BUCKET_STEP = 16  # sequences up to MIN_POW2_BUCKET tokens are bucketed by multiples of this
 MIN_POW2_BUCKET = 128  # longer ones by powers of two (few buckets even with long-tail lengths)
-# Longest sequence the C++ encoder kernel attends; SDPA's blocked matmuls win beyond it. Whisper's 1500-position
-# encoder, 4 x tiny.en on 2 shared cores: 9.5-11.8 s through SDPA vs 13-14 s through the kernel. BERT's
-# prompts (<= 512) keep the kernel.
+# Longest sequence the C++ encoder kernel's generic path attends; SDPA's blocked matmuls win beyond it (its AMX path
+# takes bf16 of any length). Whisper's 1500-position encoder, 4 x tiny.en on 2 shared cores: 9.5-11.8 s through
+# SDPA vs 13-14 s through the generic kernel. BERT's prompts (<= 512) keep the kernel.
 ENCODER_KERNEL_MAX_LEN = 512
 
 
@@ -128,12 +129,16 @@ def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       scale: float, kernels: Any | None = None) -> torch.Tensor:
     """The backends' encoder path. query: [T, H, D]; key/value: [T, Hkv, D] -> [T, H, D].
 
-    With the C++ CPU kernels (``kernels``; float32 or bfloat16) and sequences of at most ``ENCODER_KERNEL_MAX_LEN``
-    tokens each (sequence, head) is attended in place, with no gather, padding or mask
-    (``kernels/csrc/encoder_attention.cpp``); otherwise the length buckets above.
+    With the C++ CPU kernels (``kernels``) each (sequence, head) is attended in place, with no gather, padding or
+    mask: a bf16 query of any length on AMX tiles where the CPU has them (``kernels/csrc/encoder_attention_amx.cpp``,
+    2.5-6x the generic kernel and ~1.7x torch's flash attention on Whisper's 1,500 positions), float32 and bf16 of
+    at most ``ENCODER_KERNEL_MAX_LEN`` tokens in the generic kernel (``encoder_attention.cpp``); otherwise the length
+    buckets above.
     """
-    if query.dtype in ENCODER_KERNEL_DTYPES and _kernel_takes_step(meta, kernels):
-        return kernels.encoder_attention(query, key, value, _query_start_cpu(meta), scale)
+    if kernels is not None and query.dtype in ENCODER_KERNEL_DTYPES:
+        on_amx = envs.PAGEDLLM_ENCODER_ATTENTION_AMX and kernels.encoder_attention_on_amx(query)
+        if on_amx or meta.max_query_len <= ENCODER_KERNEL_MAX_LEN:
+            return kernels.encoder_attention(query, key, value, _query_start_cpu(meta), scale, allow_amx=on_amx)
     return bucketed_attention(query, key, value, encoder_plan(meta), scale).view(query.shape)
 
 
@@ -146,15 +151,11 @@ def _query_start_cpu(meta: AttentionMetadata) -> torch.Tensor:
     return state.encoder_query_start
 
 
-def _kernel_takes_step(meta: AttentionMetadata, kernels: Any | None) -> bool:
-    """Whether the C++ encoder kernel attends this step (for a query in one of ``ENCODER_KERNEL_DTYPES``)."""
-    return kernels is not None and meta.max_query_len <= ENCODER_KERNEL_MAX_LEN
-
-
 def prepare_encoder_state(meta: AttentionMetadata, kernels: Any | None) -> None:
-    """Before the forward: what ``encoder_attention`` will ask for on this step, the kernel's offsets or the
-    buckets (a layer whose dtype the kernel does not serve builds the buckets itself)."""
-    if _kernel_takes_step(meta, kernels):
+    """Before the forward: what ``encoder_attention`` will ask for on this step, the kernels' offsets or the
+    buckets. A long step the kernels take only in some dtypes (AMX: bf16) builds its buckets at the first layer
+    that needs them."""
+    if kernels is not None:
         _query_start_cpu(meta)
     else:
         encoder_plan(meta)

@@ -158,7 +158,7 @@ void run(const torch::Tensor& query, const torch::Tensor& key, const torch::Tens
 }  // namespace
 
 torch::Tensor encoder_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
-                                const torch::Tensor& query_start, double scale) {
+                                const torch::Tensor& query_start, double scale, bool allow_amx) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, "query/key/value must be [T, heads, D]");
   TORCH_CHECK(query.scalar_type() == key.scalar_type() && key.scalar_type() == value.scalar_type(),
               "query, key and value must share a dtype");
@@ -176,6 +176,10 @@ torch::Tensor encoder_attention(const torch::Tensor& query, const torch::Tensor&
   for (int64_t i = 0; i < num_seqs; ++i) TORCH_CHECK(qs[i] <= qs[i + 1], "query_start must be non-decreasing");
   torch::Tensor out = torch::empty({query.size(0), query.size(1), query.size(2)}, query.options());
   const float fscale = static_cast<float>(scale);
+  if (allow_amx && encoder_attention_amx_takes(query)) {
+    encoder_attention_amx(query, key, value, out, qs, num_seqs, fscale);
+    return out;
+  }
   if (query.scalar_type() == torch::kFloat32) {
     run<float>(query, key, value, out, qs, num_seqs, fscale);
   } else if (query.scalar_type() == torch::kBFloat16) {
