@@ -71,6 +71,11 @@ class Platform:
         """A module with ``rms_norm_`` and ``rotary_`` for tensors of ``dtype``, or None."""
         return None
 
+    def layer_norm_kernels(self, dtype: torch.dtype) -> Any | None:
+        """A module with ``layer_norm`` and ``layer_norm_`` (the residual add fused) for tensors of ``dtype``, or
+        None."""
+        return None
+
     def fused_norm_keeps_offset_exact(self, dtype: torch.dtype) -> bool:
         """Whether the fused RMSNorm gives Gemma's ``1 + w`` scale as the reference does (in float32) for
         activations of ``dtype``: it takes the scale in that dtype, which is exact in float32 only."""

@@ -290,3 +290,29 @@ def test_bf16_layers_take_the_fused_kernels_except_gemma_offset() -> None:
     assert torch.equal(res, summed)
     _bf16_matches(out, (summed.float() * torch.rsqrt(summed.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(
         torch.bfloat16), share=0.95)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,c", [(1, 512), (7, 384), (1500, 512), (3, 45)])  # lane tails: 45 = 32 + 13
+def test_layer_norm_with_and_without_residual_matches_torch(kernels, dtype: torch.dtype, t: int, c: int) -> None:
+    """residual = x + residual rounded as torch's add; x = LayerNorm(residual), one rounding as torch's (bf16: equal
+    but for one ulp where float32 statistics differ in their last bit)."""
+    torch.manual_seed(t + c)
+    x, r = (3 * torch.randn(t, c)).to(dtype), (10 * torch.randn(t, c)).to(dtype)
+    w, b = (torch.randn(c) * 0.5 + 1).to(dtype), (torch.randn(c) * 0.1).to(dtype)
+    ref_r = x + r
+    ref = F.layer_norm(ref_r, (c,), w, b, 1e-5)
+    xi, ri = x.clone(), r.clone()
+    kernels.layer_norm_(xi, ri, w, b, 1e-5)
+    assert torch.equal(ri, ref_r)
+    plain = kernels.layer_norm(ref_r, w, b, 1e-5)
+    assert torch.equal(plain, xi)
+    if dtype == torch.float32:
+        torch.testing.assert_close(xi, ref, atol=1e-5, rtol=1e-5)
+    else:
+        ulp = (xi.float() - ref.float()).abs() / ref.float().abs().clamp_min(1e-3)
+        assert float(ulp.max()) <= 2 ** -7 and float((xi != ref).float().mean()) < 1e-3
+    out = torch.empty(t, c, dtype=dtype)
+    assert kernels.layer_norm(ref_r, w, b, 1e-5, out) is not None and torch.equal(out, plain)
+    with pytest.raises(RuntimeError, match="weight and bias"):
+        kernels.layer_norm(ref_r, w[:-1], b, 1e-5)

@@ -131,7 +131,7 @@ def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
     With the C++ CPU kernels (``kernels``) each (sequence, head) is attended in place, with no gather, padding or
     mask: a bf16 query of any length on AMX tiles where the CPU has them (``kernels/csrc/encoder_attention_amx.cpp``,
-    2.5-6x the generic kernel and ~1.7x torch's flash attention on Whisper's 1,500 positions), float32 and bf16 of
+    2.3-6x the generic kernel and ~1.6x torch's flash attention on Whisper's 1,500 positions), float32 and bf16 of
     at most ``ENCODER_KERNEL_MAX_LEN`` tokens in the generic kernel (``encoder_attention.cpp``); otherwise the length
     buckets above.
     """

@@ -67,6 +67,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", step_graph::recorded<-1>("rotary_", &rotary_), "In place rotate-half rotary embedding on the first num_heads heads of each row");
   m.def("rms_norm", step_graph::recorded<3>("rms_norm", &rms_norm), "rms_norm(x) * weight into out (new if none)",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("out") = py::none());
+  m.def("layer_norm_", step_graph::recorded<-1>("layer_norm_", &layer_norm_),
+        "In place: residual += x (if given); x = layer_norm(residual or x) * weight + bias");
+  m.def("layer_norm", step_graph::recorded<4>("layer_norm", &layer_norm),
+        "layer_norm(x) * weight + bias into out (new if none)", py::arg("x"), py::arg("weight"), py::arg("bias"),
+        py::arg("eps"), py::arg("out") = py::none());
   m.def("silu_and_mul", step_graph::recorded<1>("silu_and_mul", &silu_and_mul),
         "silu(gate) * up for gate_up = [gate | up], into out (new if none)", py::arg("gate_up"),
         py::arg("out") = py::none());

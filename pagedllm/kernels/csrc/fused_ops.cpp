@@ -35,6 +35,22 @@ struct Elem<c10::BFloat16> {  // plain integer ops on the bits, so the loops vec
   static float round(float v) { return __builtin_bit_cast(float, rounded_bits(v) & 0xFFFF0000u); }
 };
 
+// sum over c < n of f(c) in 32 float lanes (four AVX2 or two AVX-512 accumulators): an `omp simd` reduction keeps
+// one vector accumulator, whose add latency then bounds a row's sum.
+template <typename F>
+inline float lane_sum(int64_t n, F&& f) {
+  float acc[32] = {};
+  int64_t c = 0;
+  for (; c + 32 <= n; c += 32) {
+#pragma omp simd
+    for (int l = 0; l < 32; ++l) acc[l] += f(c + l);
+  }
+  float total = 0.f;
+  for (; c < n; ++c) total += f(c);
+  for (int l = 0; l < 32; ++l) total += acc[l];
+  return total;
+}
+
 void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16,
               name, " must be float32 or bfloat16");
@@ -76,6 +92,39 @@ void rms_norm_rows(const T* src, int64_t src_stride, T* dst, int64_t dst_stride,
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(C) + eps);
 #pragma omp simd
       for (int64_t c = 0; c < C; ++c) E::store(row + c, E::load(w + c) * E::round(E::load(in + c) * inv));
+    }
+  });
+}
+
+// Row t of dst = layer_norm(src row t) * w + b, as torch's LayerNorm: mean and variance in float32, then
+// (x * rstd - mean * rstd) * w + b in float32, rounded once. With res, first res = src + res and dst = res (the
+// in-place form: src is dst); without, src is only read.
+template <typename T>
+void layer_norm_rows(const T* src, int64_t src_stride, T* dst, int64_t dst_stride, T* res, int64_t res_stride,
+                     const T* w, const T* b, int64_t rows, int64_t C, float eps) {
+  using E = Elem<T>;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* in = src + t * src_stride;
+      T* row = dst + t * dst_stride;
+      if (res) {
+        T* r = res + t * res_stride;
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) {
+          const float v = E::round(E::load(in + c) + E::load(r + c));
+          E::store(r + c, v);
+          E::store(row + c, v);
+        }
+        in = row;
+      }
+      const float mean = lane_sum(C, [&](int64_t c) { return E::load(in + c); }) / static_cast<float>(C);
+      const float var = lane_sum(C, [&](int64_t c) {
+        const float d = E::load(in + c) - mean;
+        return d * d;
+      }) / static_cast<float>(C);
+      const float rstd = 1.f / std::sqrt(var + eps), shift = -mean * rstd;
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) E::store(row + c, (E::load(in + c) * rstd + shift) * E::load(w + c) + E::load(b + c));
     }
   });
 }
@@ -145,6 +194,61 @@ void rms_norm_(torch::Tensor& x, const std::optional<torch::Tensor>& residual, c
                                  has_res ? residual->data_ptr<c10::BFloat16>() : nullptr, res_stride,
                                  weight.data_ptr<c10::BFloat16>(), T, C, feps);
   }
+}
+
+// x [T, C], residual [T, C] or none, weight and bias [C]. In place: with a residual, residual = x + residual and
+// x = layer_norm(residual) * weight + bias; without, x = layer_norm(x) * weight + bias.
+void layer_norm_(torch::Tensor& x, const std::optional<torch::Tensor>& residual, const torch::Tensor& weight,
+                 const torch::Tensor& bias, double eps) {
+  check_rows(x, "x");
+  check_same_dtype(weight, x, "weight");
+  check_same_dtype(bias, x, "bias");
+  const int64_t T = x.size(0), C = x.size(1);
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == C && bias.is_contiguous() && bias.numel() == C,
+              "weight and bias must be contiguous [C]");
+  const bool has_res = residual.has_value() && residual->defined();
+  if (has_res) {
+    check_rows(*residual, "residual");
+    check_same_dtype(*residual, x, "residual");
+    TORCH_CHECK(residual->size(0) == T && residual->size(1) == C, "residual must match x");
+  }
+  const float feps = static_cast<float>(eps);
+  const int64_t res_stride = has_res ? residual->stride(0) : 0;
+  if (x.scalar_type() == torch::kFloat32) {
+    float* xp = x.data_ptr<float>();
+    layer_norm_rows<float>(xp, x.stride(0), xp, x.stride(0), has_res ? residual->data_ptr<float>() : nullptr,
+                           res_stride, weight.data_ptr<float>(), bias.data_ptr<float>(), T, C, feps);
+  } else {
+    c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+    layer_norm_rows<c10::BFloat16>(xp, x.stride(0), xp, x.stride(0),
+                                   has_res ? residual->data_ptr<c10::BFloat16>() : nullptr, res_stride,
+                                   weight.data_ptr<c10::BFloat16>(), bias.data_ptr<c10::BFloat16>(), T, C, feps);
+  }
+}
+
+// x [T, C] -> layer_norm(x) * weight + bias [T, C] in out (allocated when none), x left as it is.
+torch::Tensor layer_norm(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, double eps,
+                         const std::optional<torch::Tensor>& out) {
+  check_rows(x, "x");
+  check_same_dtype(weight, x, "weight");
+  check_same_dtype(bias, x, "bias");
+  const int64_t T = x.size(0), C = x.size(1);
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == C && bias.is_contiguous() && bias.numel() == C,
+              "weight and bias must be contiguous [C]");
+  torch::Tensor y = out.has_value() ? *out : torch::empty({T, C}, x.options());
+  check_rows(y, "out");
+  check_same_dtype(y, x, "out");
+  TORCH_CHECK(y.size(0) == T && y.size(1) == C, "out must be [T, C] like x");
+  const float feps = static_cast<float>(eps);
+  if (x.scalar_type() == torch::kFloat32) {
+    layer_norm_rows<float>(x.data_ptr<float>(), x.stride(0), y.data_ptr<float>(), y.stride(0), nullptr, 0,
+                           weight.data_ptr<float>(), bias.data_ptr<float>(), T, C, feps);
+  } else {
+    layer_norm_rows<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), x.stride(0), y.data_ptr<c10::BFloat16>(),
+                                   y.stride(0), nullptr, 0, weight.data_ptr<c10::BFloat16>(),
+                                   bias.data_ptr<c10::BFloat16>(), T, C, feps);
+  }
+  return y;
 }
 
 // x [T, C] -> rms_norm(x) * weight [T, C] in out (allocated when none), x left as it is.

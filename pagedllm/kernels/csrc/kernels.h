@@ -87,6 +87,10 @@ void rotary_(torch::Tensor& qk, const torch::Tensor& positions, const torch::Ten
              int64_t head_dim);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
                        const std::optional<torch::Tensor>& out);
+void layer_norm_(torch::Tensor& x, const std::optional<torch::Tensor>& residual, const torch::Tensor& weight,
+                 const torch::Tensor& bias, double eps);
+torch::Tensor layer_norm(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, double eps,
+                         const std::optional<torch::Tensor>& out);
 torch::Tensor silu_and_mul(const torch::Tensor& gate_up, const std::optional<torch::Tensor>& out);
 torch::Tensor embedding_rows(const torch::Tensor& table, const torch::Tensor& ids,
                              const std::optional<torch::Tensor>& out);

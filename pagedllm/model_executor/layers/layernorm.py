@@ -71,7 +71,17 @@ class LayerNorm(DirectCall, nn.LayerNorm):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, hidden]; with ``residual``: (norm(x + residual), x + residual)."""
+        """x: [T, hidden]; with ``residual``: (norm(x + residual), x + residual).
+
+        On CPU in float32 or bfloat16 one pass computes it (statistics in float32, one rounding, as torch's), writing
+        the results into ``x`` and ``residual`` (callers hand over both); without a residual ``x`` is left as it is.
+        """
+        kernels = platform_of(x).layer_norm_kernels(x.dtype)
+        if kernels is not None and x.dim() == 2 and self.weight.dtype == self.bias.dtype == x.dtype:
+            if residual is None:
+                return kernels.layer_norm(x, self.weight, self.bias, self.eps)
+            kernels.layer_norm_(x, residual, self.weight, self.bias, self.eps)
+            return x, residual
         if residual is None:
             return super().forward(x)
         residual = x + residual

@@ -119,9 +119,15 @@ class WhisperEncoderLayer(DirectCall, nn.Module):
         self.final_layer_norm = LayerNorm(d, LAYER_NORM_EPS, dtype)
         self.mlp = WhisperMLP(d, cfg.encoder_ffn_dim, cfg.activation_function, dtype, prefix)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.self_attn_layer_norm(x), None)
-        return x + self.mlp(self.final_layer_norm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output (the embeddings, with ``residual`` None) -> (this layer's MLP output,
+        the residual stream before it): each add is fused into the norm after it (``LayerNorm(x, residual)``)."""
+        if residual is None:
+            h, residual = self.self_attn_layer_norm(x), x
+        else:
+            h, residual = self.self_attn_layer_norm(x, residual)
+        h, residual = self.final_layer_norm(self.self_attn(h, None), residual)
+        return self.mlp(h), residual
 
 
 class WhisperDecoderLayer(DirectCall, nn.Module):
@@ -168,10 +174,11 @@ class WhisperEncoder(DirectCall, nn.Module):
         x = (x + self.embed_positions.weight).view(n * self.num_positions, -1)
         lens = [self.num_positions] * n
         meta = build_attention_metadata(lens, lens, np.zeros((n, 1), dtype=np.int32), 1, x.device)
+        residual = None
         with forward_context(meta):  # n whole sequences, bidirectional: the encoder attention path
             for layer in self.layers:
-                x = layer(x)
-        return self.layer_norm(x)
+                x, residual = layer(x, residual)
+        return self.layer_norm(x, residual)[0]
 
 
 class WhisperDecoder(DirectCall, nn.Module):
