@@ -185,3 +185,24 @@ def test_failed_request_is_counted_not_fatal() -> None:
     results, _ = asyncio.run(bench_serve.run_benchmark(
         "http://test/v1/completions", [{"prompt": [1]}], [1], [0.0], transport=transport, use_tqdm=False))
     assert not results[0].success and "503" in results[0].error
+
+
+# ----------------------------------------------------------------------------------------- transcription
+@pytest.mark.slow
+def test_bench_transcription_tiny_en(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Both modes over two spoken clips: rates and transcripts in the JSON, concurrent equal to sequential."""
+    import shutil
+
+    if shutil.which("espeak-ng") is None:
+        pytest.skip("espeak-ng is not installed (apt-get install espeak-ng): no clips to transcribe")
+    out = tmp_path / "asr.json"
+    rc = main(["bench", "transcription", "--model", "whisper-tiny.en", "--num-clips", "2", "--clips-dir",
+               str(tmp_path / "clips"), "--kv-cache-memory", "256MiB", "--output-json", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["num_clips"] == 2 and result["audio_seconds"] > 1
+    for mode in ("sequential", "concurrent"):
+        assert result[mode]["clips_per_s"] > 0 and len(result[mode]["texts"]) == 2
+        assert all(text.strip() for text in result[mode]["texts"])
+    assert result["concurrent_equals_sequential"] == 2
+    assert "concurrent transcripts equal to sequential: 2/2" in capsys.readouterr().out
