@@ -124,7 +124,8 @@ void layer_norm_rows(const T* src, int64_t src_stride, T* dst, int64_t dst_strid
       }) / static_cast<float>(C);
       const float rstd = 1.f / std::sqrt(var + eps), shift = -mean * rstd;
 #pragma omp simd
-      for (int64_t c = 0; c < C; ++c) E::store(row + c, (E::load(in + c) * rstd + shift) * E::load(w + c) + E::load(b + c));
+      for (int64_t c = 0; c < C; ++c)
+        E::store(row + c, (E::load(in + c) * rstd + shift) * E::load(w + c) + E::load(b + c));
     }
   });
 }
