@@ -61,6 +61,49 @@ void check_same_dtype(const torch::Tensor& t, const torch::Tensor& like, const c
   TORCH_CHECK(t.scalar_type() == like.scalar_type(), name, " must have the dtype of x (", like.scalar_type(), ")");
 }
 
+// Whether a residual is given; if one is, that it is [T, C] rows in x's dtype.
+bool check_residual(const std::optional<torch::Tensor>& residual, const torch::Tensor& x) {
+  if (!residual.has_value() || !residual->defined()) return false;
+  check_rows(*residual, "residual");
+  check_same_dtype(*residual, x, "residual");
+  TORCH_CHECK(residual->size(0) == x.size(0) && residual->size(1) == x.size(1), "residual must match x");
+  return true;
+}
+
+// LayerNorm's weight and bias: contiguous [C] in x's dtype.
+void check_weight_bias(const torch::Tensor& weight, const torch::Tensor& bias, const torch::Tensor& x) {
+  check_same_dtype(weight, x, "weight");
+  check_same_dtype(bias, x, "bias");
+  const int64_t C = x.size(1);
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == C && bias.is_contiguous() && bias.numel() == C,
+              "weight and bias must be contiguous [C]");
+}
+
+// out, checked to be [T, C] rows like x, or a new tensor when none is given.
+torch::Tensor out_like(const torch::Tensor& x, const std::optional<torch::Tensor>& out) {
+  torch::Tensor y = out.has_value() ? *out : torch::empty({x.size(0), x.size(1)}, x.options());
+  check_rows(y, "out");
+  check_same_dtype(y, x, "out");
+  TORCH_CHECK(y.size(0) == x.size(0) && y.size(1) == x.size(1), "out must be [T, C] like x");
+  return y;
+}
+
+// f(E{}) with E the element type of x: float or c10::BFloat16 (check_rows refuses the rest).
+template <typename F>
+void with_element_type(const torch::Tensor& x, F&& f) {
+  if (x.scalar_type() == torch::kFloat32) {
+    f(float{});
+  } else {
+    f(c10::BFloat16{});
+  }
+}
+
+// t's elements, or nullptr for an absent residual.
+template <typename E>
+E* maybe_data(const std::optional<torch::Tensor>& t, bool present) {
+  return present ? t->data_ptr<E>() : nullptr;
+}
+
 // Row t of dst = rms_norm(src row t) * w. With res, first res = src + res and dst = res (then src must be dst:
 // the in-place form); without, src is only read (dst may be another tensor).
 template <typename T>
@@ -175,26 +218,15 @@ void rms_norm_(torch::Tensor& x, const std::optional<torch::Tensor>& residual, c
   check_rows(x, "x");
   check_same_dtype(weight, x, "weight");
   TORCH_CHECK(weight.is_contiguous(), "weight must be contiguous");
-  const int64_t T = x.size(0), C = x.size(1);
-  TORCH_CHECK(weight.numel() == C, "weight must have ", C, " elements");
-  const bool has_res = residual.has_value() && residual->defined();
-  if (has_res) {
-    check_rows(*residual, "residual");
-    check_same_dtype(*residual, x, "residual");
-    TORCH_CHECK(residual->size(0) == T && residual->size(1) == C, "residual must match x");
-  }
-  const float feps = static_cast<float>(eps);
-  const int64_t res_stride = has_res ? residual->stride(0) : 0;
-  if (x.scalar_type() == torch::kFloat32) {
-    float* xp = x.data_ptr<float>();
-    rms_norm_rows<float>(xp, x.stride(0), xp, x.stride(0), has_res ? residual->data_ptr<float>() : nullptr,
-                         res_stride, weight.data_ptr<float>(), T, C, feps);
-  } else {
-    c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
-    rms_norm_rows<c10::BFloat16>(xp, x.stride(0), xp, x.stride(0),
-                                 has_res ? residual->data_ptr<c10::BFloat16>() : nullptr, res_stride,
-                                 weight.data_ptr<c10::BFloat16>(), T, C, feps);
-  }
+  TORCH_CHECK(weight.numel() == x.size(1), "weight must have ", x.size(1), " elements");
+  const bool has_res = check_residual(residual, x);
+  with_element_type(x, [&](auto e) {
+    using E = decltype(e);
+    E* xp = x.data_ptr<E>();
+    rms_norm_rows<E>(xp, x.stride(0), xp, x.stride(0), maybe_data<E>(residual, has_res),
+                     has_res ? residual->stride(0) : 0, weight.data_ptr<E>(), x.size(0), x.size(1),
+                     static_cast<float>(eps));
+  });
 }
 
 // x [T, C], residual [T, C] or none, weight and bias [C]. In place: with a residual, residual = x + residual and
@@ -202,53 +234,28 @@ void rms_norm_(torch::Tensor& x, const std::optional<torch::Tensor>& residual, c
 void layer_norm_(torch::Tensor& x, const std::optional<torch::Tensor>& residual, const torch::Tensor& weight,
                  const torch::Tensor& bias, double eps) {
   check_rows(x, "x");
-  check_same_dtype(weight, x, "weight");
-  check_same_dtype(bias, x, "bias");
-  const int64_t T = x.size(0), C = x.size(1);
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == C && bias.is_contiguous() && bias.numel() == C,
-              "weight and bias must be contiguous [C]");
-  const bool has_res = residual.has_value() && residual->defined();
-  if (has_res) {
-    check_rows(*residual, "residual");
-    check_same_dtype(*residual, x, "residual");
-    TORCH_CHECK(residual->size(0) == T && residual->size(1) == C, "residual must match x");
-  }
-  const float feps = static_cast<float>(eps);
-  const int64_t res_stride = has_res ? residual->stride(0) : 0;
-  if (x.scalar_type() == torch::kFloat32) {
-    float* xp = x.data_ptr<float>();
-    layer_norm_rows<float>(xp, x.stride(0), xp, x.stride(0), has_res ? residual->data_ptr<float>() : nullptr,
-                           res_stride, weight.data_ptr<float>(), bias.data_ptr<float>(), T, C, feps);
-  } else {
-    c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
-    layer_norm_rows<c10::BFloat16>(xp, x.stride(0), xp, x.stride(0),
-                                   has_res ? residual->data_ptr<c10::BFloat16>() : nullptr, res_stride,
-                                   weight.data_ptr<c10::BFloat16>(), bias.data_ptr<c10::BFloat16>(), T, C, feps);
-  }
+  check_weight_bias(weight, bias, x);
+  const bool has_res = check_residual(residual, x);
+  with_element_type(x, [&](auto e) {
+    using E = decltype(e);
+    E* xp = x.data_ptr<E>();
+    layer_norm_rows<E>(xp, x.stride(0), xp, x.stride(0), maybe_data<E>(residual, has_res),
+                       has_res ? residual->stride(0) : 0, weight.data_ptr<E>(), bias.data_ptr<E>(), x.size(0),
+                       x.size(1), static_cast<float>(eps));
+  });
 }
 
 // x [T, C] -> layer_norm(x) * weight + bias [T, C] in out (allocated when none), x left as it is.
 torch::Tensor layer_norm(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, double eps,
                          const std::optional<torch::Tensor>& out) {
   check_rows(x, "x");
-  check_same_dtype(weight, x, "weight");
-  check_same_dtype(bias, x, "bias");
-  const int64_t T = x.size(0), C = x.size(1);
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == C && bias.is_contiguous() && bias.numel() == C,
-              "weight and bias must be contiguous [C]");
-  torch::Tensor y = out.has_value() ? *out : torch::empty({T, C}, x.options());
-  check_rows(y, "out");
-  check_same_dtype(y, x, "out");
-  TORCH_CHECK(y.size(0) == T && y.size(1) == C, "out must be [T, C] like x");
-  const float feps = static_cast<float>(eps);
-  if (x.scalar_type() == torch::kFloat32) {
-    layer_norm_rows<float>(x.data_ptr<float>(), x.stride(0), y.data_ptr<float>(), y.stride(0), nullptr, 0,
-                           weight.data_ptr<float>(), bias.data_ptr<float>(), T, C, feps);
-  } else {
-    layer_norm_rows<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), x.stride(0), y.data_ptr<c10::BFloat16>(),
-                                   y.stride(0), nullptr, 0, weight.data_ptr<c10::BFloat16>(),
-                                   bias.data_ptr<c10::BFloat16>(), T, C, feps);
-  }
+  check_weight_bias(weight, bias, x);
+  torch::Tensor y = out_like(x, out);
+  with_element_type(x, [&](auto e) {
+    using E = decltype(e);
+    layer_norm_rows<E>(x.data_ptr<E>(), x.stride(0), y.data_ptr<E>(), y.stride(0), nullptr, 0,
+                       weight.data_ptr<E>(), bias.data_ptr<E>(), x.size(0), x.size(1), static_cast<float>(eps));
+  });
   return y;
 }
 
@@ -258,19 +265,12 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   check_rows(x, "x");
   check_same_dtype(weight, x, "weight");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight must be [C], contiguous");
-  const int64_t T = x.size(0), C = x.size(1);
-  torch::Tensor y = out.has_value() ? *out : torch::empty({T, C}, x.options());
-  check_rows(y, "out");
-  check_same_dtype(y, x, "out");
-  TORCH_CHECK(y.size(0) == T && y.size(1) == C, "out must be [T, C] like x");
-  const float feps = static_cast<float>(eps);
-  if (x.scalar_type() == torch::kFloat32) {
-    rms_norm_rows<float>(x.data_ptr<float>(), x.stride(0), y.data_ptr<float>(), y.stride(0), nullptr, 0,
-                         weight.data_ptr<float>(), T, C, feps);
-  } else {
-    rms_norm_rows<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), x.stride(0), y.data_ptr<c10::BFloat16>(),
-                                 y.stride(0), nullptr, 0, weight.data_ptr<c10::BFloat16>(), T, C, feps);
-  }
+  torch::Tensor y = out_like(x, out);
+  with_element_type(x, [&](auto e) {
+    using E = decltype(e);
+    rms_norm_rows<E>(x.data_ptr<E>(), x.stride(0), y.data_ptr<E>(), y.stride(0), nullptr, 0,
+                     weight.data_ptr<E>(), x.size(0), x.size(1), static_cast<float>(eps));
+  });
   return y;
 }
 
