@@ -52,11 +52,12 @@ class CpuPlatform(Platform):
         return self.cpu_kernels(dtype, (torch.float32, torch.bfloat16))
 
     def activation_kernels(self, dtype: torch.dtype) -> Any | None:
-        # float32 only: in bf16 torch's own SiLU-and-mul measured faster than a pass that rounds like it.
-        return self.cpu_kernels(dtype)
+        # bf16 too: one pass that rounds as torch's SiLU and multiply do (200 x 1,536 gated rows 117 vs 126 us,
+        # 2,048 rows 1.4 vs 3.8 ms on an AMD Zen 4: the prefill chunks gain most).
+        return self.cpu_kernels(dtype, (torch.float32, torch.bfloat16))
 
     def step_graph_kernels(self, dtype: torch.dtype) -> Any | None:
-        # float32 only: in bf16 some ops of a step are torch's own (SiLU-and-mul, the attention's casts).
+        # float32 only: in bf16 some ops of a step are torch's own (the attention's casts).
         return self.cpu_kernels(dtype)
 
     def rotary_kernels(self, dtype: torch.dtype, table_dtype: torch.dtype) -> Any | None:

@@ -262,9 +262,22 @@ def test_rotary_bf16_equals_the_torch_path(kernels) -> None:
         kernels.rotary_(qkv, positions, emb.cos_sin_cache.float(), heads, d)
 
 
+@pytest.mark.parametrize("t,i", [(1, 1536), (70, 20)])
+def test_silu_and_mul_bf16_rounds_where_the_torch_path_does(kernels, t: int, i: int) -> None:
+    torch.manual_seed(t)
+    gate_up = (torch.randn(t, 2 * i) * 4).to(torch.bfloat16)
+    gate, up = gate_up.chunk(2, dim=-1)
+    _bf16_matches(kernels.silu_and_mul(gate_up), F.silu(gate) * up)
+    out = torch.full((t, i), float("nan"), dtype=torch.bfloat16)
+    kernels.silu_and_mul(gate_up, out)
+    assert torch.equal(out, kernels.silu_and_mul(gate_up))
+    with pytest.raises(RuntimeError, match="out must be"):
+        kernels.silu_and_mul(gate_up, torch.empty(t, i))  # float32 out for bf16 input
+
+
 def test_bf16_layers_take_the_fused_kernels_except_gemma_offset() -> None:
-    """RMSNorm (plain w) and rotary in bf16 run the fused passes, SiLU-and-mul torch's own; Gemma's (1 + w) keeps
-    the reference's float32 scale (torch path), since (1 + w) rounded to bf16 would change its result."""
+    """RMSNorm (plain w), rotary and SiLU-and-mul in bf16 run the fused passes; Gemma's (1 + w) keeps the
+    reference's float32 scale (torch path), since (1 + w) rounded to bf16 would change its result."""
     from pagedllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
     from pagedllm.platforms import platform_of
 
@@ -272,10 +285,9 @@ def test_bf16_layers_take_the_fused_kernels_except_gemma_offset() -> None:
     assert platform_of(x).elementwise_kernels(torch.bfloat16) is not None
     assert platform_of(x).rotary_kernels(torch.bfloat16, torch.bfloat16) is not None
     assert platform_of(x).rotary_kernels(torch.bfloat16, torch.float32) is None
-    assert platform_of(x).activation_kernels(torch.bfloat16) is None
+    assert platform_of(x).activation_kernels(torch.bfloat16) is not None
     assert platform_of(x).activation_kernels(torch.float32) is not None
-    with pytest.raises(RuntimeError, match="gate_up must be float32"):
-        platform_of(x).elementwise_kernels(torch.bfloat16).silu_and_mul(torch.zeros(2, 8, dtype=torch.bfloat16))
+    assert platform_of(x).activation_kernels(torch.float16) is None
     gemma = GemmaRMSNorm(64, 1e-6, torch.bfloat16)
     with torch.no_grad():
         gemma.weight.normal_()

@@ -12,7 +12,7 @@ from pagedllm.platforms import platform_of
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [T, 2I] laid out [gate | up] -> silu(gate) * up, [T, I] (one fused pass where the platform has one:
-    CUDA, and the CPU in float32)."""
+    CUDA, and the CPU in float32 and bf16)."""
     kernels = platform_of(gate_up).activation_kernels(gate_up.dtype)
     if kernels is not None and gate_up.dim() == 2:
         return kernels.silu_and_mul(gate_up)
