@@ -196,8 +196,8 @@ void rotary_rows(T* base, int64_t stride, const int64_t* pos, const T* cs, int64
   });
 }
 
-// silu(gate) * up, row by row. bf16 rounds as torch's two ops do (silu rounded to bf16, then the product), so the
-// fused pass changes speed only; in float32 the product is exact for bf16 inputs either way.
+// silu(gate) * up, row by row. In bf16 the silu is rounded to bf16 before the product, as torch's two ops round
+// it, so the fused pass gives their values (but where the exp itself rounds the other way); float32 rounds nothing.
 template <typename T>
 void silu_and_mul_rows(const T* in, int64_t stride, T* op, int64_t rows, int64_t I) {
   using E = Elem<T>;

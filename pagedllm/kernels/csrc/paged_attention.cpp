@@ -122,9 +122,10 @@ inline void prefetch_block(int64_t row_stride, int64_t n, int64_t row_elems, con
 
 // Prefetches into L2 the K and V rows of a thread's next task (blocks b_begin .. b_end of its block table, each
 // as prefetch_block), a few blocks at a time while the current task computes (`issue`), the rest when it ends
-// (`finish`). All at once at the start of a task, the prefetches filled the miss queues and the thread waited for
-// the next task's memory before computing this one: a decode step over 200 requests read its K/V at 17 GB/s of a
-// 32 GB/s machine (bf16, AMD Zen 4, 2 threads); spread over the task, memory and compute overlap.
+// (`finish`). Issued all at once at the start of a task, they held the thread until the next task's lines were on
+// their way: a decode layer over 200 requests (~192 tokens each, bf16, AMD Zen 4, 2 threads) took 1.72-1.82 ms,
+// spread 1.60-1.63 ms (18 GB/s of K/V on a machine that reads 32 GB/s; its compute alone, with the K/V in cache,
+// is ~0.8 ms, so part of the memory time still does not overlap it).
 template <typename KV>
 struct TaskPrefetch {
   const KV* k_cache = nullptr;
