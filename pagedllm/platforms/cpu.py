@@ -48,13 +48,14 @@ class CpuPlatform(Platform):
 
     def layer_norm_kernels(self, dtype: torch.dtype) -> Any | None:
         # One pass for the residual add and the norm: torch's bf16 add and LayerNorm over Whisper's 1,500 x 512
-        # encoder rows took ~190 and ~235 us.
-        return self.elementwise_kernels(dtype)
+        # encoder rows took ~190 and ~235 us. The CPU kernels themselves (not elementwise_kernels, which tests
+        # swap for Triton's ops, which have no LayerNorm).
+        return self.cpu_kernels(dtype, (torch.float32, torch.bfloat16))
 
     def activation_kernels(self, dtype: torch.dtype) -> Any | None:
         # bf16 too: one pass that rounds as torch's SiLU and multiply do (200 x 1,536 gated rows 117 vs 126 us,
         # 2,048 rows 1.4 vs 1.7-3.8 ms on an AMD Zen 4).
-        return self.elementwise_kernels(dtype)
+        return self.cpu_kernels(dtype, (torch.float32, torch.bfloat16))
 
     def step_graph_kernels(self, dtype: torch.dtype) -> Any | None:
         # float32 only: in bf16 some ops of a step are torch's own (the oneDNN matmuls, the attention's casts).
