@@ -35,9 +35,9 @@ logger = init_logger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ["bindings.cpp", "paged_attention.cpp", "packed_gemm.cpp", "sampling.cpp", "fused_ops.cpp",
             "quant_gemm.cpp", "w8a8_gemm.cpp", "q4_dot_gemm.cpp", "q8_dot_gemm.cpp", "amx_dot_gemm.cpp",
-            "encoder_attention.cpp", "encoder_attention_amx.cpp", "encoder_ops.cpp", "bf16_gemm.cpp",
-            "step_graph.cpp", "isa_kernels.cpp", "isa_generic.cpp", "isa_avx2.cpp", "isa_avx512.cpp",
-            "isa_vnni512.cpp", "amx_tiles.cpp"]
+            "encoder_attention.cpp", "encoder_attention_amx.cpp", "encoder_attention_avx512bf16.cpp",
+            "encoder_ops.cpp", "bf16_gemm.cpp", "step_graph.cpp", "isa_kernels.cpp", "isa_generic.cpp",
+            "isa_avx2.cpp", "isa_avx512.cpp", "isa_vnni512.cpp", "amx_tiles.cpp"]
 
 
 @functools.cache

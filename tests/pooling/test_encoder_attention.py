@@ -150,15 +150,16 @@ def test_equal_lengths_attend_in_place(dtype, kv_heads):
                                atol=3e-2 if dtype == torch.bfloat16 else 1e-5, rtol=2e-2)
 
 
+@pytest.mark.parametrize("kernel", ["amx", "avx512_bf16"])
 @pytest.mark.parametrize("heads,kv_heads,dim,lengths", [
     (8, 8, 64, [1500]),  # Whisper base's encoder
-    (6, 2, 64, [1, 0, 17, 33, 100, 31, 32]),  # every tail of the 16-key and 32-row tiles, an empty sequence
-    (12, 12, 32, [5, 64, 129]),  # one tile of dims
+    (6, 2, 64, [1, 0, 17, 33, 100, 31, 32]),  # every tail of the 16-key and 32-row blocks, an empty sequence
+    (12, 12, 32, [5, 64, 129]),  # one chunk of 32 dims
 ])
-def test_amx_kernel_matches_generic_kernel(heads, kv_heads, dim, lengths):
-    """bf16 on AMX tiles (a polynomial exp, probabilities rounded to bf16) is as close to a float32 reference as
-    torch's flash attention in bf16, and near the generic kernel, which keeps the probabilities in float32; q/k/v read
-    in place from a fused projection."""
+def test_bf16_kernels_match_generic_kernel(kernel, heads, kv_heads, dim, lengths):
+    """bf16 on AMX tiles or AVX-512 BF16 dot products (a polynomial exp, probabilities rounded to bf16) is as close
+    to a float32 reference as torch's flash attention in bf16, and near the generic kernel, which keeps the
+    probabilities in float32; q/k/v read in place from a fused projection."""
     kernels = load_cpu_kernels()
     if kernels is None:
         pytest.skip("no C++ CPU kernels on this machine (no compiler)")
@@ -167,52 +168,73 @@ def test_amx_kernel_matches_generic_kernel(heads, kv_heads, dim, lengths):
     qkv = (2 * torch.randn(qsl[-1], (heads + 2 * kv_heads) * dim)).bfloat16()
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     q, k, v = q.view(-1, heads, dim), k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim)
-    assert not kernels.encoder_attention_on_amx(q.float()) and not kernels.encoder_attention_on_amx(q[..., :16])
-    if not kernels.encoder_attention_on_amx(q):
-        pytest.skip("this CPU has no AMX-BF16 tiles (or the kernel did not grant them): the AMX path cannot run")
+    assert kernels.encoder_attention_kernels(q.float()) == ["generic"]
+    assert kernels.encoder_attention_kernels(q[..., :16]) == ["generic"]
+    if kernel not in kernels.encoder_attention_kernels(q):
+        lacks = "AMX-BF16 tiles" if kernel == "amx" else "AVX-512 BF16"
+        pytest.skip(f"this CPU cannot run the {kernel} kernel (no {lacks})")
     offsets = torch.tensor(qsl, dtype=torch.int32)
-    amx = kernels.encoder_attention(q, k, v, offsets, dim ** -0.5).float().view(qsl[-1], -1)
-    generic = kernels.encoder_attention(q, k, v, offsets, dim ** -0.5, allow_amx=False).float().view(qsl[-1], -1)
+    out = kernels.encoder_attention(q, k, v, offsets, dim ** -0.5, kernel)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    out = out.float().view(qsl[-1], -1)
+    generic = kernels.encoder_attention(q, k, v, offsets, dim ** -0.5, "generic").float().view(qsl[-1], -1)
     ref = _reference(q.float(), k.float(), v.float(), qsl)
-    amx_err, generic_err = (amx - ref).abs(), (generic - ref).abs()
-    assert amx_err.max() <= 2 * generic_err.max() + 1e-2
-    assert amx_err.mean() <= 1.3 * generic_err.mean()
+    err, generic_err = (out - ref).abs(), (generic - ref).abs()
+    assert err.max() <= 2 * generic_err.max() + 1e-2
+    assert err.mean() <= 1.3 * generic_err.mean()
     if len(lengths) == 1:  # one sequence: SDPA's flash kernel in place, as the engine ran it before
         flash = F.scaled_dot_product_attention(*(t.view(1, *t.shape).transpose(1, 2) for t in (q, k, v)),
                                                scale=dim ** -0.5).transpose(1, 2).reshape(qsl[-1], -1).float()
-        assert amx_err.mean() <= 1.1 * (flash - ref).abs().mean()
+        assert err.mean() <= 1.1 * (flash - ref).abs().mean()
+
+
+def test_kernel_asked_by_name_must_be_able_to_run():
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C++ CPU kernels on this machine (no compiler)")
+    q = torch.randn(10, 2, 16)
+    offsets = torch.tensor([0, 10], dtype=torch.int32)
+    for name in ("amx", "avx512_bf16", "tiles"):  # float32 of head dim 16: only the generic kernel runs it
+        with pytest.raises(RuntimeError, match=f"kernel '{name}' cannot run this query here.*can run: generic"):
+            kernels.encoder_attention(q, q, q, offsets, 1.0, name)
+    torch.testing.assert_close(kernels.encoder_attention(q, q, q, offsets, 1.0, "generic"),
+                               kernels.encoder_attention(q, q, q, offsets, 1.0))
 
 
 class _KernelSpy:
-    """Stands in for the C++ kernels: says whether the AMX path takes a query, records how it was called."""
+    """Stands in for the C++ kernels: offers the bf16 kernels it is given, records which kernel each call names."""
 
-    def __init__(self, amx: bool):
-        self.amx, self.calls = amx, []
+    def __init__(self, *bf16_kernels: str):
+        self.bf16_kernels, self.calls = list(bf16_kernels), []
 
-    def encoder_attention_on_amx(self, query: torch.Tensor) -> bool:
-        return self.amx and query.dtype == torch.bfloat16
+    def encoder_attention_kernels(self, query: torch.Tensor) -> list[str]:
+        return (self.bf16_kernels if query.dtype == torch.bfloat16 else []) + ["generic"]
 
-    def encoder_attention(self, query, key, value, query_start, scale, allow_amx):
-        self.calls.append(allow_amx)
+    def encoder_attention(self, query, key, value, query_start, scale, kernel):
+        self.calls.append(kernel)
         return torch.zeros_like(query)
 
 
-@pytest.mark.parametrize("switch", ["1", "0"])
-def test_routing_between_amx_kernel_generic_kernel_and_buckets(monkeypatch, switch):
-    """Long bf16 steps go to the AMX kernel where the CPU has it (unless PAGEDLLM_ENCODER_ATTENTION_AMX=0), else to
-    SDPA's buckets; short steps to the generic kernel, with AMX only when the switch allows it."""
-    monkeypatch.setenv("PAGEDLLM_ENCODER_ATTENTION_AMX", switch)
+@pytest.mark.parametrize("choice,expected", [("auto", "amx"), ("amx", "amx"), ("avx512_bf16", "avx512_bf16"),
+                                             ("off", None)])
+def test_routing_between_bf16_kernels_generic_kernel_and_buckets(monkeypatch, choice, expected):
+    """Long bf16 steps go to the bf16 kernel PAGEDLLM_ENCODER_ATTENTION_BF16 picks among those the CPU has (auto:
+    the fastest), else to SDPA's buckets; short steps to the generic kernel where no bf16 kernel takes them."""
+    monkeypatch.setenv("PAGEDLLM_ENCODER_ATTENTION_BF16", choice)
     long_meta = build_attention_metadata([600], [600], [[]], 16)
     short_meta = build_attention_metadata([40], [40], [[]], 16)
     q_long, q_short = torch.randn(600, 2, 32).bfloat16(), torch.randn(40, 2, 32).bfloat16()
-    spy = _KernelSpy(amx=True)
+    spy = _KernelSpy("amx", "avx512_bf16")
     out = encoder_attention(q_long, q_long, q_long, long_meta, 1.0, spy)
-    if switch == "1":
-        assert spy.calls == [True] and not out.any()
+    if expected:
+        assert spy.calls == [expected] and not out.any()
     else:  # SDPA's buckets: a real attention output, not the spy's zeros
         assert spy.calls == [] and out.any()
     encoder_attention(q_short, q_short, q_short, short_meta, 1.0, spy)
     encoder_attention(q_short.float(), q_short.float(), q_short.float(), short_meta, 1.0, spy)
-    assert spy.calls[-2:] == [switch == "1", False]
-    no_amx = _KernelSpy(amx=False)
-    assert encoder_attention(q_long, q_long, q_long, long_meta, 1.0, no_amx).any() and no_amx.calls == []
+    assert spy.calls[-2:] == [expected or "generic", "generic"]
+    only_dot = _KernelSpy("avx512_bf16")  # an AMD Zen 4: no tiles
+    encoder_attention(q_long, q_long, q_long, long_meta, 1.0, only_dot)
+    assert only_dot.calls == ([] if choice in ("amx", "off") else ["avx512_bf16"])
+    neither = _KernelSpy()  # AVX2 only
+    assert encoder_attention(q_long, q_long, q_long, long_meta, 1.0, neither).any() and neither.calls == []

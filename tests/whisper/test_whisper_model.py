@@ -5,10 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from whisper_helpers import decoder_prompt, reference_generate, reference_model
+from whisper_helpers import decoder_prompt, make_tiny_whisper, reference_generate, reference_model
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.attention.backends import torch_encoder
 from pagedllm.config import ModelConfig
+from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.model_executor.loader import load_model, resolve_model_config
 
 # Each builds engines and runs transformers' reference generate: seconds each on 2 cores.
@@ -41,6 +43,38 @@ def test_encoder_output_matches_transformers(tiny_whisper_dir: str) -> None:
         expected = ref.model.encoder(features).last_hidden_state
         got = ours.encode(features).view(expected.shape)
     torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("choice", ["auto", "avx512_bf16", "off"])
+def test_bf16_encoder_is_as_close_to_float32_as_transformers_bf16(tmp_path, monkeypatch, choice: str) -> None:
+    """bf16 with one head of 64 dims: the encoder attention runs in the bf16 kernel this CPU has (AMX tiles or
+    AVX-512 BF16 dot products, PAGEDLLM_ENCODER_ATTENTION_BF16 choosing; torch's SDPA where it has neither or the
+    choice rules them out) and the encoder output errs from float32 transformers' no more than transformers' own
+    bf16 encoder does."""
+    monkeypatch.setenv("PAGEDLLM_ENCODER_ATTENTION_BF16", choice)
+    chosen = []
+    pick = torch_encoder.bf16_kernel
+    monkeypatch.setattr(torch_encoder, "bf16_kernel", lambda kernels, q: chosen.append(pick(kernels, q)) or chosen[-1])
+    folder = make_tiny_whisper(tmp_path / "one_head", seed=5, heads=1)
+    features = torch.from_numpy(np.stack([_features(4), _features(5)]))
+    configs = {dt: resolve_model_config(ModelConfig(model=folder, dtype=dt, device="cpu"))
+               for dt in ("float32", "bfloat16")}
+    with torch.inference_mode():
+        exact = reference_model(configs["float32"]).model.encoder(features).last_hidden_state
+        ref_bf16 = reference_model(configs["float32"]).to(torch.bfloat16).model.encoder(features.bfloat16())
+        ref_bf16 = ref_bf16.last_hidden_state
+        ours = load_model(configs["bfloat16"]).encode(features.bfloat16()).view(exact.shape)
+    assert ours.dtype == torch.bfloat16
+    kernels = load_cpu_kernels()
+    if kernels is None:  # no C++ kernels: SDPA, never asked
+        assert chosen == []
+    else:
+        able = kernels.encoder_attention_kernels(ours.view(-1, 1, 64))
+        expected = None if choice == "off" else next((k for k in able if choice in ("auto", k) and k != "generic"),
+                                                     None)
+        assert chosen == [expected, expected]  # each of the two layers
+    ours_err, ref_err = (ours.float() - exact).abs(), (ref_bf16.float() - exact).abs()
+    assert ours_err.mean() <= 1.25 * ref_err.mean() and ours_err.max() <= 2 * ref_err.max()
 
 
 def test_greedy_and_decoder_logits_match_transformers(tiny_llm: LLM, tiny_whisper_dir: str) -> None:

@@ -28,8 +28,9 @@ def _tiny_en_folder() -> str:
         pytest.skip(str(e))
 
 
-def make_tiny_whisper(path: str | os.PathLike, seed: int = 0) -> str:
-    """A random-weight Whisper (d 64, 2 + 2 layers, 4 heads) saved as an HF folder with tiny.en's tokenizer."""
+def make_tiny_whisper(path: str | os.PathLike, seed: int = 0, heads: int = 4) -> str:
+    """A random-weight Whisper (d 64, 2 + 2 layers, 4 heads unless told) saved as an HF folder with tiny.en's
+    tokenizer."""
     from transformers import WhisperConfig, WhisperForConditionalGeneration
 
     from pagedllm.model_executor.loader.ct2_whisper import ct2_whisper_config
@@ -37,8 +38,8 @@ def make_tiny_whisper(path: str | os.PathLike, seed: int = 0) -> str:
     folder = _tiny_en_folder()
     real = ct2_whisper_config(folder)
     config = WhisperConfig(
-        vocab_size=real.vocab_size, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=80,
+        vocab_size=real.vocab_size, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=heads,
+        decoder_attention_heads=heads, encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=80,
         max_source_positions=1500, max_target_positions=448, decoder_start_token_id=real.decoder_start_token_id,
         eos_token_id=real.eos_token_id, pad_token_id=real.eos_token_id, bos_token_id=real.eos_token_id,
         suppress_tokens=list(real.suppress_tokens), begin_suppress_tokens=list(real.begin_suppress_tokens),

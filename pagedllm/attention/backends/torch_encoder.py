@@ -130,16 +130,26 @@ def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """The backends' encoder path. query: [T, H, D]; key/value: [T, Hkv, D] -> [T, H, D].
 
     With the C++ CPU kernels (``kernels``) each (sequence, head) is attended in place, with no gather, padding or
-    mask: a bf16 query of any length on AMX tiles where the CPU has them (``kernels/csrc/encoder_attention_amx.cpp``,
-    2.3-6x the generic kernel and ~1.6x torch's flash attention on Whisper's 1,500 positions), float32 and bf16 of
-    at most ``ENCODER_KERNEL_MAX_LEN`` tokens in the generic kernel (``encoder_attention.cpp``); otherwise the length
-    buckets above.
+    mask: a bf16 query of any length in a bf16 kernel where the CPU has one (``bf16_kernel``: AMX tiles, ~1.6x
+    torch's flash attention on Whisper's 1,500 positions on an Intel Xeon; AVX-512 BF16 dot products, ~2.5x on an
+    AMD Zen 4), float32 and bf16 of at most ``ENCODER_KERNEL_MAX_LEN`` tokens in the generic kernel
+    (``encoder_attention.cpp``); otherwise the length buckets above.
     """
     if kernels is not None and query.dtype in ENCODER_KERNEL_DTYPES:
-        on_amx = envs.PAGEDLLM_ENCODER_ATTENTION_AMX and kernels.encoder_attention_on_amx(query)
-        if on_amx or meta.max_query_len <= ENCODER_KERNEL_MAX_LEN:
-            return kernels.encoder_attention(query, key, value, _query_start_cpu(meta), scale, allow_amx=on_amx)
+        kernel = bf16_kernel(kernels, query)
+        if kernel is not None or meta.max_query_len <= ENCODER_KERNEL_MAX_LEN:
+            return kernels.encoder_attention(query, key, value, _query_start_cpu(meta), scale, kernel or "generic")
     return bucketed_attention(query, key, value, encoder_plan(meta), scale).view(query.shape)
+
+
+def bf16_kernel(kernels: Any, query: torch.Tensor) -> str | None:
+    """The bf16 kernel that attends ``query`` here ("amx", "avx512_bf16"), or None: not bf16, a head dim the kernels
+    lack, a CPU with neither, or ``PAGEDLLM_ENCODER_ATTENTION_BF16`` ruling it out."""
+    choice = envs.PAGEDLLM_ENCODER_ATTENTION_BF16
+    if choice == "off" or query.dtype != torch.bfloat16:
+        return None
+    able = kernels.encoder_attention_kernels(query)  # fastest first
+    return next((k for k in able if k != "generic" and choice in ("auto", k)), None)
 
 
 def _query_start_cpu(meta: AttentionMetadata) -> torch.Tensor:

@@ -7,17 +7,21 @@
 //   query [T, H, D], key / value [T, Hkv, D]   rows may be strided (views into qkv); float32 or bfloat16
 //   query_start [R + 1] int32 (host)           token offsets of the R sequences in the flat batch
 //   out [T, H, D] contiguous, the query's dtype
-// Arithmetic is float32 whatever the dtype; loops are plain C++ that -O3 -march=native vectorises.
+// This generic kernel's arithmetic is float32 whatever the dtype; its loops are plain C++ that -O3 -march=native
+// vectorises. A bf16 query of head dim 32 or 64 may go instead to the bf16 kernels (encoder_attention_bf16.h: AMX
+// tiles or AVX-512 BF16 dot products), which take any length: `kernel` picks (encoder_attention_kernels lists them).
 #include "bf16_rows.h"
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/StringUtil.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 namespace {
@@ -157,8 +161,16 @@ void run(const torch::Tensor& query, const torch::Tensor& key, const torch::Tens
 
 }  // namespace
 
+std::vector<std::string> encoder_attention_kernels(const torch::Tensor& query) {
+  std::vector<std::string> names;
+  if (encoder_attention_amx_takes(query)) names.emplace_back("amx");
+  if (encoder_attention_avx512bf16_takes(query)) names.emplace_back("avx512_bf16");
+  if (query.scalar_type() == torch::kFloat32 || query.scalar_type() == torch::kBFloat16) names.emplace_back("generic");
+  return names;
+}
+
 torch::Tensor encoder_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
-                                const torch::Tensor& query_start, double scale, bool allow_amx) {
+                                const torch::Tensor& query_start, double scale, const std::string& kernel) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, "query/key/value must be [T, heads, D]");
   TORCH_CHECK(query.scalar_type() == key.scalar_type() && key.scalar_type() == value.scalar_type(),
               "query, key and value must share a dtype");
@@ -176,8 +188,17 @@ torch::Tensor encoder_attention(const torch::Tensor& query, const torch::Tensor&
   for (int64_t i = 0; i < num_seqs; ++i) TORCH_CHECK(qs[i] <= qs[i + 1], "query_start must be non-decreasing");
   torch::Tensor out = torch::empty({query.size(0), query.size(1), query.size(2)}, query.options());
   const float fscale = static_cast<float>(scale);
-  if (allow_amx && encoder_attention_amx_takes(query)) {
+  const std::vector<std::string> able = encoder_attention_kernels(query);
+  TORCH_CHECK(kernel == "auto" || std::find(able.begin(), able.end(), kernel) != able.end(), "encoder_attention: ",
+              "kernel '", kernel, "' cannot run this query here (", query.scalar_type(), ", head dim ", query.size(2),
+              "); this CPU can run: ", c10::Join(", ", able));
+  const std::string& chosen = kernel == "auto" && !able.empty() ? able.front() : kernel;
+  if (chosen == "amx") {
     encoder_attention_amx(query, key, value, out, qs, num_seqs, fscale);
+    return out;
+  }
+  if (chosen == "avx512_bf16") {
+    encoder_attention_avx512bf16(query, key, value, out, qs, num_seqs, fscale);
     return out;
   }
   if (query.scalar_type() == torch::kFloat32) {

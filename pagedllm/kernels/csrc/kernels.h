@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include <optional>
+#include <string>
 #include <vector>
 
 // paged_attention.cpp
@@ -13,13 +14,18 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
 void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
               torch::Tensor& value_cache, const torch::Tensor& slot_mapping);
 
-// encoder_attention.cpp: bidirectional attention within each sequence (query_start [R + 1] int32, host); bf16 on
-// AMX tiles (encoder_attention_amx.cpp) where encoder_attention_amx_takes the query, unless allow_amx is false
+// encoder_attention.cpp: bidirectional attention within each sequence (query_start [R + 1] int32, host). kernel:
+// "auto" (the first of encoder_attention_kernels: the fastest this CPU has for the query), or one of them by name:
+// "amx" (encoder_attention_amx.cpp), "avx512_bf16" (encoder_attention_avx512bf16.cpp), "generic"
 torch::Tensor encoder_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
-                                const torch::Tensor& query_start, double scale, bool allow_amx);
+                                const torch::Tensor& query_start, double scale, const std::string& kernel);
+std::vector<std::string> encoder_attention_kernels(const torch::Tensor& query);
 bool encoder_attention_amx_takes(const torch::Tensor& query);
 void encoder_attention_amx(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
                            torch::Tensor& out, const int32_t* query_start, int64_t num_seqs, float scale);
+bool encoder_attention_avx512bf16_takes(const torch::Tensor& query);
+void encoder_attention_avx512bf16(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
+                                  torch::Tensor& out, const int32_t* query_start, int64_t num_seqs, float scale);
 
 // encoder_ops.cpp: (layer_norm(x + residual) float32, its bfloat16 copy or itself); GELU in place
 std::tuple<torch::Tensor, torch::Tensor> add_layer_norm(const torch::Tensor& x, const torch::Tensor& residual,
