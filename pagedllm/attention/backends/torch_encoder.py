@@ -25,9 +25,10 @@ from pagedllm.attention.metadata import AttentionMetadata
 ENCODER_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 BUCKET_STEP = 16  # sequences up to MIN_POW2_BUCKET tokens are bucketed by multiples of this
 MIN_POW2_BUCKET = 128  # longer ones by powers of two (few buckets even with long-tail lengths)
-# Longest sequence the C++ encoder kernel's generic path attends; SDPA's blocked matmuls win beyond it (its AMX path
-# takes bf16 of any length). Whisper's 1500-position encoder, 4 x tiny.en on 2 shared cores: 9.5-11.8 s through
-# SDPA vs 13-14 s through the generic kernel. BERT's prompts (<= 512) keep the kernel.
+# Longest sequence the C++ encoder kernel's generic path attends; SDPA's blocked matmuls win beyond it (the bf16
+# kernels, AMX tiles or AVX-512 BF16 dot products, take any length). Whisper's 1500-position encoder, 4 x tiny.en
+# on 2 shared cores: 9.5-11.8 s through SDPA vs 13-14 s through the generic kernel. BERT's prompts (<= 512) keep
+# the kernel.
 ENCODER_KERNEL_MAX_LEN = 512
 
 
