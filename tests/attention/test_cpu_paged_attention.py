@@ -345,3 +345,49 @@ def test_bf16_queries_leave_shorter_prompts_and_chunks_to_sdpa(monkeypatch) -> N
                                        build_attention_metadata(query_lens, seq_lens, meta.block_tables.tolist(), 16),
                                        0.125)
     torch.testing.assert_close(got.float(), expected, rtol=2 ** -7, atol=4e-3)
+
+
+class _KernelsSpy:
+    """The C++ kernels, with the causal encoder_attention calls recorded (their sequence offsets)."""
+
+    def __init__(self, kernels):
+        self._kernels, self.causal_calls = kernels, []
+
+    def __getattr__(self, name):
+        return getattr(self._kernels, name)
+
+    def encoder_attention(self, query, key, value, query_start, scale, kernel="auto", causal=False):
+        if causal:
+            self.causal_calls.append((kernel, query_start.tolist()))
+        return self._kernels.encoder_attention(query, key, value, query_start, scale, kernel, causal)
+
+
+@pytest.mark.parametrize("choice", ["auto", "avx512_bf16", "off"])
+def test_bf16_fresh_prompts_go_to_the_causal_kernel_without_amx(monkeypatch, choice: str) -> None:
+    """bf16 fresh prompts past the paged kernel's length run in the causal bf16 kernel where the CPU has AVX-512 BF16
+    and no AMX tiles (or the switch forces it), one call per run of adjacent requests, within bf16 rounding of the
+    portable path; with AMX tiles, or the switch off, they stay in SDPA."""
+    import pagedllm.attention.backends.torch_sdpa as backend
+    from pagedllm.attention.backends.torch_encoder import causal_bf16_kernel
+
+    monkeypatch.setenv("PAGEDLLM_ENCODER_ATTENTION_BF16", choice)
+    kernels = _KernelsSpy(load_cpu_kernels())
+    query_lens = [1, 9, 70, 100, 40, 65, 12]
+    seq_lens = [30, 50, 70, 100, 80, 65, 12]  # fresh prompts of 70 and 100 (adjacent), 65 (alone) and 12 (paged kernel)
+    meta, cache, query = _long_context_case(query_lens, seq_lens, 16, torch.bfloat16)
+    tokens = sum(query_lens)
+    key, value = (torch.randn(tokens, 3, 64).bfloat16() for _ in range(2))
+    got = backend.paged_attention(query.bfloat16(), key, value, cache.clone(), meta, 0.125, kernels)
+    expected = backend.paged_attention(query.bfloat16().float(), key.float(), value.float(), cache.float(),
+                                       build_attention_metadata(query_lens, seq_lens, meta.block_tables.tolist(), 16),
+                                       0.125)
+    torch.testing.assert_close(got.float(), expected, rtol=2 ** -7, atol=4e-3)
+    able = kernels.encoder_attention_kernels(query.bfloat16(), True)
+    has_amx = "amx" in kernels.encoder_attention_kernels(query.bfloat16())
+    takes = "avx512_bf16" in able and (choice == "avx512_bf16" or (choice == "auto" and not has_amx))
+    assert causal_bf16_kernel(kernels, query.bfloat16()) == ("avx512_bf16" if takes else None)
+    assert causal_bf16_kernel(kernels, query) is None  # float32
+    if takes:
+        assert kernels.causal_calls == [("avx512_bf16", [0, 70, 170]), ("avx512_bf16", [0, 65])]
+    else:
+        assert kernels.causal_calls == []

@@ -188,6 +188,40 @@ def test_bf16_kernels_match_generic_kernel(kernel, heads, kv_heads, dim, lengths
         assert err.mean() <= 1.1 * (flash - ref).abs().mean()
 
 
+@pytest.mark.parametrize("kernel,dtype", [("avx512_bf16", torch.bfloat16), ("generic", torch.bfloat16),
+                                          ("generic", torch.float32)])
+@pytest.mark.parametrize("heads,kv_heads,dim,lengths", [
+    (9, 3, 64, [1, 0, 17, 33, 100, 31, 32, 64, 65]),  # a decoder's GQA; every tail of the 32-row / 32-key blocks
+    (12, 12, 32, [5, 129, 40]),
+])
+def test_causal_kernels_match_causal_sdpa(kernel, dtype, heads, kv_heads, dim, lengths):
+    """causal=True: row i of each sequence sees its keys 0 .. i only (a decoder's fresh prompts), as SDPA's
+    is_causal in float32 does, within the dtype's rounding; AMX has no causal passes and is never offered."""
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C++ CPU kernels on this machine (no compiler)")
+    torch.manual_seed(6)
+    qsl = _offsets(lengths)
+    qkv = (2 * torch.randn(qsl[-1], (heads + 2 * kv_heads) * dim)).to(dtype)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k, v = q.view(-1, heads, dim), k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim)
+    assert "amx" not in kernels.encoder_attention_kernels(q, True)
+    if kernel not in kernels.encoder_attention_kernels(q, True):
+        pytest.skip(f"this CPU cannot run the {kernel} kernel (no AVX-512 BF16)")
+    out = kernels.encoder_attention(q, k, v, torch.tensor(qsl, dtype=torch.int32), dim ** -0.5, kernel, True)
+    ref = []
+    for i in range(len(lengths)):
+        s, e = qsl[i], qsl[i + 1]
+        if s < e:
+            o = F.scaled_dot_product_attention(*(t[s:e].float().transpose(0, 1) for t in (q, k, v)), is_causal=True,
+                                               enable_gqa=heads != kv_heads)
+            ref.append(o.transpose(0, 1).reshape(e - s, -1))
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.float().view(qsl[-1], -1), torch.cat(ref), atol=tol, rtol=tol)
+    bidirectional = kernels.encoder_attention(q, k, v, torch.tensor(qsl, dtype=torch.int32), dim ** -0.5, kernel)
+    assert not torch.allclose(bidirectional.float(), out.float(), atol=tol)  # the mask did something
+
+
 def test_kernel_asked_by_name_must_be_able_to_run():
     kernels = load_cpu_kernels()
     if kernels is None:
@@ -199,6 +233,9 @@ def test_kernel_asked_by_name_must_be_able_to_run():
             kernels.encoder_attention(q, q, q, offsets, 1.0, name)
     torch.testing.assert_close(kernels.encoder_attention(q, q, q, offsets, 1.0, "generic"),
                                kernels.encoder_attention(q, q, q, offsets, 1.0))
+    bf16 = torch.randn(10, 2, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="kernel 'amx' cannot run this query here.*causal"):
+        kernels.encoder_attention(bf16, bf16, bf16, offsets, 1.0, "amx", True)
 
 
 class _KernelSpy:
@@ -207,8 +244,9 @@ class _KernelSpy:
     def __init__(self, *bf16_kernels: str):
         self.bf16_kernels, self.calls = list(bf16_kernels), []
 
-    def encoder_attention_kernels(self, query: torch.Tensor) -> list[str]:
-        return (self.bf16_kernels if query.dtype == torch.bfloat16 else []) + ["generic"]
+    def encoder_attention_kernels(self, query: torch.Tensor, causal: bool = False) -> list[str]:
+        offered = [k for k in self.bf16_kernels if not (causal and k == "amx")]
+        return (offered if query.dtype == torch.bfloat16 else []) + ["generic"]
 
     def encoder_attention(self, query, key, value, query_start, scale, kernel):
         self.calls.append(kernel)

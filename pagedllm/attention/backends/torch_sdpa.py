@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.attention.backends.cross_attention import cross_attention, cross_layout
 from pagedllm.attention.backends.paged_kv import as_stored, gather_tokens, write_kv
-from pagedllm.attention.backends.torch_encoder import encoder_attention, prepare_encoder_state
+from pagedllm.attention.backends.torch_encoder import causal_bf16_kernel, encoder_attention, prepare_encoder_state
 from pagedllm.attention.backends.torch_state import TORCH_STATE_KEY, TorchStepState, torch_state
 from pagedllm.attention.backends.torch_windowed import sliding_window_attention
 from pagedllm.attention.metadata import AttentionMetadata
@@ -166,9 +166,36 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             _attend_with_context(query, kv_cache, meta, plan.with_context, scale, out)
     if sdpa_fresh:
         key, value = as_stored(key, kv_cache.dtype), as_stored(value, kv_cache.dtype)
+        prompt_kernel = causal_bf16_kernel(kernels, query) if kernels is not None and key.dtype == query.dtype \
+            else None
+        if prompt_kernel is not None:
+            _attend_fresh_in_kernel(query, key, value, meta, sdpa_fresh, scale, out, kernels, prompt_kernel)
+            return out
     for q_len, rows in sdpa_fresh.items():
         _attend_fresh(query, key, value, meta, q_len, rows, scale, out)
     return out
+
+
+def _attend_fresh_in_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata,
+                            fresh: dict[int, list[int]], scale: float, out: torch.Tensor, kernels: Any,
+                            kernel: str) -> None:
+    """Fresh prompts of any lengths through the C++ causal attention kernel (``kernel``, see causal_bf16_kernel):
+    one call per run of requests adjacent in the flat batch, q/k/v read in place."""
+    qsl = meta.query_start_loc_cpu
+    rows = sorted(i for group in fresh.values() for i in group)
+    runs, current = [], [rows[0]]
+    for i in rows[1:]:
+        if i == current[-1] + 1:
+            current.append(i)
+        else:
+            runs.append(current)
+            current = [i]
+    runs.append(current)
+    for run in runs:
+        start, end = qsl[run[0]], qsl[run[-1] + 1]
+        offsets = torch.tensor([qsl[i] - start for i in run] + [end - start], dtype=torch.int32)
+        out[start:end] = kernels.encoder_attention(query[start:end], key[start:end], value[start:end], offsets, scale,
+                                                   kernel, True)
 
 
 def _attend_with_context(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,

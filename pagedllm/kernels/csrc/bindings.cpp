@@ -11,12 +11,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("value_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start"), py::arg("out"),
         py::arg("scale"), py::arg("req_indices"), py::arg("allow_amx") = true);
   m.def("encoder_attention", step_graph::recorded<-1>("encoder_attention", &encoder_attention),
-        "Bidirectional attention within each sequence of a flat batch, K/V read in place -> [T, H, D]",
+        "Attention within each sequence of a flat batch (bidirectional, or causal), K/V read in place -> [T, H, D]",
         py::arg("query"), py::arg("key"), py::arg("value"), py::arg("query_start"), py::arg("scale"),
-        py::arg("kernel") = "auto");
+        py::arg("kernel") = "auto", py::arg("causal") = false);
   m.def("encoder_attention_kernels", &encoder_attention_kernels,
         "The encoder_attention kernels that can run this query on this CPU, fastest first "
-        "(amx, avx512_bf16: bf16 of head dim 32 or 64; generic: float32 and bf16)");
+        "(amx: bf16 of head dim 32 or 64, not causal; avx512_bf16: bf16 of head dim 32 or 64; generic: float32 and bf16)",
+        py::arg("query"), py::arg("causal") = false);
   m.def("add_layer_norm", step_graph::recorded<-1>("add_layer_norm", &add_layer_norm),
         "(layer_norm(x + residual) in float32, its bfloat16 copy if want_bf16 else the same tensor)",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("bias"), py::arg("eps"),

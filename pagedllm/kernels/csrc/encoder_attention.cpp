@@ -1,7 +1,8 @@
 // Bidirectional attention for encoder models (BERT and kin): every token attends to every token of its own
 // sequence. Sequences are short (an embedding request is a sentence or a paragraph) and a step holds many, so
 // torch's SDPA spends more on gathering them into padded, masked batches than on the arithmetic: one task
-// here is one (sequence, head), read in place from the fused qkv projection's output, never padded.
+// here is one (sequence, head), read in place from the fused qkv projection's output, never padded. `causal` makes
+// row i of each sequence see only its keys 0 .. i (a decoder's fresh prompts, torch_sdpa.py).
 //
 // Shapes:
 //   query [T, H, D], key / value [T, Hkv, D]   rows may be strided (views into qkv); float32 or bfloat16
@@ -90,7 +91,7 @@ inline void value_block(const float* p, int64_t p_row, const float* v, int64_t D
 
 template <typename T>
 void run(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& out,
-         const int32_t* qs, int64_t num_seqs, float scale) {
+         const int32_t* qs, int64_t num_seqs, float scale, bool causal) {
   const int64_t H = query.size(1), D = query.size(2), Hkv = key.size(1);
   const int64_t group = H / Hkv;
   const int64_t Dp = round_up(D, KP);
@@ -140,7 +141,8 @@ void run(const torch::Tensor& query, const torch::Tensor& key, const torch::Tens
               std::fill(sp, sp + Lp, 0.f);
               continue;
             }
-            for (int64_t j = L; j < Lp; ++j) sp[j] = PAD_SCORE;  // padded keys: weight exp(MIN_EXP_ARG) ~ 0
+            // Padded keys (and, causal, the keys after the row's own position): weight exp(MIN_EXP_ARG) ~ 0.
+            for (int64_t j = causal ? i0 + r + 1 : L; j < Lp; ++j) sp[j] = PAD_SCORE;
             const float max_s = row_max(sp, Lp);
             float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -161,16 +163,17 @@ void run(const torch::Tensor& query, const torch::Tensor& key, const torch::Tens
 
 }  // namespace
 
-std::vector<std::string> encoder_attention_kernels(const torch::Tensor& query) {
+std::vector<std::string> encoder_attention_kernels(const torch::Tensor& query, bool causal) {
   std::vector<std::string> names;
-  if (encoder_attention_amx_takes(query)) names.emplace_back("amx");
+  if (!causal && encoder_attention_amx_takes(query)) names.emplace_back("amx");
   if (encoder_attention_avx512bf16_takes(query)) names.emplace_back("avx512_bf16");
   if (query.scalar_type() == torch::kFloat32 || query.scalar_type() == torch::kBFloat16) names.emplace_back("generic");
   return names;
 }
 
 torch::Tensor encoder_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
-                                const torch::Tensor& query_start, double scale, const std::string& kernel) {
+                                const torch::Tensor& query_start, double scale, const std::string& kernel,
+                                bool causal) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, "query/key/value must be [T, heads, D]");
   TORCH_CHECK(query.scalar_type() == key.scalar_type() && key.scalar_type() == value.scalar_type(),
               "query, key and value must share a dtype");
@@ -188,23 +191,24 @@ torch::Tensor encoder_attention(const torch::Tensor& query, const torch::Tensor&
   for (int64_t i = 0; i < num_seqs; ++i) TORCH_CHECK(qs[i] <= qs[i + 1], "query_start must be non-decreasing");
   torch::Tensor out = torch::empty({query.size(0), query.size(1), query.size(2)}, query.options());
   const float fscale = static_cast<float>(scale);
-  const std::vector<std::string> able = encoder_attention_kernels(query);
+  if (causal) TORCH_CHECK(query.size(0) == key.size(0), "causal attention needs one key per query row");
+  const std::vector<std::string> able = encoder_attention_kernels(query, causal);
   TORCH_CHECK(kernel == "auto" || std::find(able.begin(), able.end(), kernel) != able.end(), "encoder_attention: ",
               "kernel '", kernel, "' cannot run this query here (", query.scalar_type(), ", head dim ", query.size(2),
-              "); this CPU can run: ", c10::Join(", ", able));
+              causal ? ", causal" : "", "); this CPU can run: ", c10::Join(", ", able));
   const std::string& chosen = kernel == "auto" && !able.empty() ? able.front() : kernel;
   if (chosen == "amx") {
     encoder_attention_amx(query, key, value, out, qs, num_seqs, fscale);
     return out;
   }
   if (chosen == "avx512_bf16") {
-    encoder_attention_avx512bf16(query, key, value, out, qs, num_seqs, fscale);
+    encoder_attention_avx512bf16(query, key, value, out, qs, num_seqs, fscale, causal);
     return out;
   }
   if (query.scalar_type() == torch::kFloat32) {
-    run<float>(query, key, value, out, qs, num_seqs, fscale);
+    run<float>(query, key, value, out, qs, num_seqs, fscale, causal);
   } else if (query.scalar_type() == torch::kBFloat16) {
-    run<at::BFloat16>(query, key, value, out, qs, num_seqs, fscale);
+    run<at::BFloat16>(query, key, value, out, qs, num_seqs, fscale, causal);
   } else {
     TORCH_CHECK(false, "encoder_attention: dtype must be float32 or bfloat16");
   }

@@ -2,8 +2,8 @@
 // Zen 5): the two matmuls of encoder_attention_bf16.h's passes as vdpbf16ps, each adding two bf16 products into 16
 // float lanes. The packed K and V rows are exactly vdpbf16ps's second operand (16 lanes of bf16 pairs), so the
 // layouts of the AMX kernel serve unchanged; the query rows and the probabilities come in as broadcast pairs.
-// On torch's flash kernel these CPUs spend 32 ms a layer of Whisper base's encoder (AMD Zen 4, 2 threads), most of
-// it in its exp and its float32 conversions (docs/performance.md).
+// On torch's flash kernel these CPUs spend 32 ms a layer of Whisper base's encoder (AMD Zen 4, 2 threads), against
+// 12.9 here; causal (a decoder's fresh prompts) it also skips the keys past each block of rows (docs/performance.md).
 #include "encoder_attention_bf16.h"
 #include "kernels.h"
 
@@ -40,15 +40,15 @@ struct DotPasses {
   static void begin() {}
   static void end() {}
 
-  // Pass 1: S = Q K^T, SR rows x 32 keys at a time: per dim pair, two K rows (16 keys each) and SR broadcast
-  // query pairs.
+  // Pass 1: S = Q K^T over the task's Lk keys, SR rows x 32 keys at a time: per dim pair, two K rows (16 keys
+  // each) and SR broadcast query pairs.
   template <int CH>
   __attribute__((target("avx512f,avx512bf16"))) static void scores(const Task& t, float* s) {
-    const int64_t key_tiles = t.Lp / KT;
+    const int64_t key_tiles = t.Lp / KT, span_tiles = t.Lk / KT;
     for (int64_t r0 = 0; r0 < t.rows; r0 += SR) {
       const uint16_t* q[SR];
       for (int r = 0; r < SR; ++r) q[r] = t.q + (r0 + r) * (t.q_stride / 2);
-      for (int64_t kt = 0; kt < key_tiles; kt += 2) {  // Lp is a multiple of 32: key tiles come in pairs
+      for (int64_t kt = 0; kt < span_tiles; kt += 2) {  // Lk is a multiple of 32: key tiles come in pairs
         __m512 acc[SR][2];
         for (auto& row : acc) row[0] = row[1] = _mm512_setzero_ps();
         for (int c = 0; c < CH; ++c) {
@@ -64,8 +64,8 @@ struct DotPasses {
           }
         }
         for (int r = 0; r < SR; ++r) {
-          _mm512_storeu_ps(s + encoder_bf16::s_index(r0 + r, kt, t.Lp), acc[r][0]);
-          _mm512_storeu_ps(s + encoder_bf16::s_index(r0 + r, kt + 1, t.Lp), acc[r][1]);
+          _mm512_storeu_ps(s + encoder_bf16::s_index(r0 + r, kt, t.Lk), acc[r][0]);
+          _mm512_storeu_ps(s + encoder_bf16::s_index(r0 + r, kt + 1, t.Lk), acc[r][1]);
         }
       }
     }
@@ -76,7 +76,7 @@ struct DotPasses {
   template <int CH>
   __attribute__((target("avx512f,avx512bf16"))) static void values(const Task& t, const uint16_t* p, float* o) {
     constexpr int DT = 2 * CH, VR = 16 / DT, D = 32 * CH;
-    const int64_t chunks = t.Lp / KC;
+    const int64_t chunks = t.Lk / KC;
     for (int64_t r0 = 0; r0 < t.rows; r0 += VR) {
       __m512 acc[VR][DT];
       for (auto& row : acc)
@@ -84,7 +84,7 @@ struct DotPasses {
       for (int64_t kc = 0; kc < chunks; ++kc) {
         const uint32_t* v = t.vp + kc * DT * 256;
         const uint16_t* pr[VR];
-        for (int r = 0; r < VR; ++r) pr[r] = p + encoder_bf16::p_index(r0 + r, kc, t.Lp);
+        for (int r = 0; r < VR; ++r) pr[r] = p + encoder_bf16::p_index(r0 + r, kc, t.Lk);
         for (int j = 0; j < 16; ++j) {
           __m512bh b[DT];
           for (int d = 0; d < DT; ++d) b[d] = (__m512bh)_mm512_loadu_si512(v + d * 256 + 16 * j);
@@ -105,14 +105,14 @@ static_assert(QB % SR == 0 && QB % 8 == 0, "row blocks must tile a task's rows")
 }  // namespace
 
 void encoder_attention_avx512bf16(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
-                                  torch::Tensor& out, const int32_t* qs, int64_t num_seqs, float scale) {
+                                  torch::Tensor& out, const int32_t* qs, int64_t num_seqs, float scale, bool causal) {
   TORCH_CHECK(encoder_attention_avx512bf16_takes(query),
               "encoder_attention_avx512bf16: needs bf16, D of 32 or 64 and AVX-512 BF16");
-  encoder_bf16::run<DotPasses>(query, key, value, out, qs, num_seqs, scale);
+  encoder_bf16::run<DotPasses>(query, key, value, out, qs, num_seqs, scale, causal);
 }
 #else
 void encoder_attention_avx512bf16(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, torch::Tensor&,
-                                  const int32_t*, int64_t, float) {
+                                  const int32_t*, int64_t, float, bool) {
   TORCH_CHECK(false, "encoder_attention_avx512bf16: needs an x86-64 CPU");
 }
 #endif

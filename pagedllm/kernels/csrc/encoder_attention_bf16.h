@@ -15,8 +15,10 @@
 // Layouts (uint32 = two bf16; Lp is the length rounded up to 32 keys; padded keys have zero K and V and get
 // probability 0):
 //   packed K [D / 32][Lp / 16][16 dim pairs][16 keys]   packed V [Lp / 32][D / 16][16 key pairs][16 dims]
-//   S float [2 halves of 16 rows][Lp / 16][16 rows][16 keys]   P bf16 [2 halves][Lp / 32][16 rows][32 keys]
-// (S and P tile by tile: each tile's 1 KiB in one piece, which AMX's tile stores and loads run fastest on.)
+//   S float [2 halves of 16 rows][Lk / 16][16 rows][16 keys]   P bf16 [2 halves][Lk / 32][16 rows][32 keys]
+// (S and P tile by tile: each tile's 1 KiB in one piece, which AMX's tile stores and loads run fastest on). Lk, the
+// keys a task attends, is Lp; a causal task (a decoder's fresh prompt: row i sees keys 0 .. i) stops at its last
+// row, rounded up to 32, and its rows' probabilities past their own position are 0.
 //
 // Shapes as encoder_attention (encoder_attention.cpp): query [T, H, D], key / value [T, Hkv, D] bf16 with strided
 // rows, query_start [R + 1] int32 (host), out [T, H, D]. D is 32 or 64.
@@ -57,12 +59,13 @@ struct Task {
   int64_t rows;       // real query rows (<= QB); rows past it read zeros
   const uint32_t* kp;
   const uint32_t* vp;
-  int64_t L, Lp;
+  int64_t L, Lp;      // the sequence's length, and as packed (the stride of packed K's chunks of 32 dims)
+  int64_t Lk;         // keys this task attends (a multiple of KC <= Lp): the length of its rows of S and P
 };
 
 // Where row r's first score of key tile kt sits in S, and row r's first probability of key chunk kc in P.
-inline int64_t s_index(int64_t r, int64_t kt, int64_t Lp) { return (r / 16) * Lp * 16 + kt * 256 + (r % 16) * 16; }
-inline int64_t p_index(int64_t r, int64_t kc, int64_t Lp) { return (r / 16) * Lp * 16 + kc * 512 + (r % 16) * 32; }
+inline int64_t s_index(int64_t r, int64_t kt, int64_t Lk) { return (r / 16) * Lk * 16 + kt * 256 + (r % 16) * 16; }
+inline int64_t p_index(int64_t r, int64_t kc, int64_t Lk) { return (r / 16) * Lk * 16 + kc * 512 + (r % 16) * 32; }
 
 #if defined(__x86_64__)
 // In place: r[i] lane j <- r[j] lane i, for 16 rows of 16 32-bit lanes.
@@ -188,11 +191,12 @@ __attribute__((target("avx512f,avx512bf16,avx512bw"))) inline void store_scaled(
 //   static void begin(), end()                     once per thread around its tasks (AMX: configure, release)
 //   template <int CH> static void scores(const Task&, float* s)                 S = Q K^T (pass 1)
 //   template <int CH> static void values(const Task&, const uint16_t* p, float* o)   O [QB, D] = P V (pass 3)
-// CH is D / 32. Rows past task.rows may hold anything in S and O: they are never read.
+// CH is D / 32. Rows past task.rows may hold anything in S and O: they are never read. Passes that read only
+// Lp (not Lk) run only non-causal calls, where the two are equal.
 template <typename Passes, int CH>
 void run_tasks(const uint16_t* q_ptr, int64_t q_row, const uint16_t* k_ptr, int64_t k_row, const uint16_t* v_ptr,
                int64_t v_row, uint16_t* o_ptr, const int32_t* qs, int64_t num_seqs, int64_t H, int64_t Hkv,
-               float scale) {
+               float scale, bool causal) {
   constexpr int64_t D = 32 * CH;
   const int64_t group = H / Hkv;
   // Packed K/V of every (sequence, KV head), and the task list: (sequence, query head, block of QB rows).
@@ -231,8 +235,9 @@ void run_tasks(const uint16_t* q_ptr, int64_t q_row, const uint16_t* k_ptr, int6
     for (int64_t ti = t0; ti < t1; ++ti) {
       const int64_t seq = task_seq[ti], h = task_head[ti], i0 = task_row[ti], start = qs[seq];
       const int64_t L = qs[seq + 1] - start, slot = seq * Hkv + h / group;
+      const int64_t Lp = round_up(L, KC);
       Task t{q_ptr + (start + i0) * q_row + h * D, q_row * 2, std::min(QB, L - i0), kp + packed_at[slot],
-             vp + packed_at[slot], L, round_up(L, KC)};
+             vp + packed_at[slot], L, Lp, causal ? round_up(std::min(L, i0 + QB), KC) : Lp};
       if (t.rows < QB) {  // the last block: its rows past L would be read from the next sequence or past the end
         std::memset(q_tail, 0, QB * D * 2);
         for (int64_t r = 0; r < t.rows; ++r) std::memcpy(q_tail + r * D, t.q + r * q_row, D * 2);
@@ -241,11 +246,12 @@ void run_tasks(const uint16_t* q_ptr, int64_t q_row, const uint16_t* k_ptr, int6
       }
       Passes::template scores<CH>(t, s);
       for (int64_t r = 0; r < QB; ++r) {
-        uint16_t* pr = p + p_index(r, 0, t.Lp);
+        uint16_t* pr = p + p_index(r, 0, t.Lk);
         if (r < t.rows) {
-          inv_sum[r] = softmax_row(s + s_index(r, 0, t.Lp), 16 * KT, L, t.Lp, c, pr, 16 * KC);
+          const int64_t seen = causal ? i0 + r + 1 : L;  // keys this row attends
+          inv_sum[r] = softmax_row(s + s_index(r, 0, t.Lk), 16 * KT, seen, t.Lk, c, pr, 16 * KC);
         } else {
-          for (int64_t j = 0; j < t.Lp; j += KC, pr += 16 * KC) std::memset(pr, 0, KC * 2);
+          for (int64_t j = 0; j < t.Lk; j += KC, pr += 16 * KC) std::memset(pr, 0, KC * 2);
         }
       }
       Passes::template values<CH>(t, p, o);
@@ -259,16 +265,16 @@ void run_tasks(const uint16_t* q_ptr, int64_t q_row, const uint16_t* k_ptr, int6
 // Runs Passes over one call's tensors (checked by encoder_attention; D is 64 or 32).
 template <typename Passes>
 void run(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& out,
-         const int32_t* qs, int64_t num_seqs, float scale) {
+         const int32_t* qs, int64_t num_seqs, float scale, bool causal) {
   const auto u16 = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
   uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t H = query.size(1), Hkv = key.size(1);
   if (query.size(2) == 64) {
     run_tasks<Passes, 2>(u16(query), query.stride(0), u16(key), key.stride(0), u16(value), value.stride(0), o, qs,
-                         num_seqs, H, Hkv, scale);
+                         num_seqs, H, Hkv, scale, causal);
   } else {
     run_tasks<Passes, 1>(u16(query), query.stride(0), u16(key), key.stride(0), u16(value), value.stride(0), o, qs,
-                         num_seqs, H, Hkv, scale);
+                         num_seqs, H, Hkv, scale, causal);
   }
 }
 #endif  // __x86_64__
