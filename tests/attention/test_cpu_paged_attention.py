@@ -391,3 +391,21 @@ def test_bf16_fresh_prompts_go_to_the_causal_kernel_without_amx(monkeypatch, cho
         assert kernels.causal_calls == [("avx512_bf16", [0, 70, 170]), ("avx512_bf16", [0, 65])]
     else:
         assert kernels.causal_calls == []
+
+
+def test_bf16_fresh_prompts_with_other_layouts_stay_in_sdpa(monkeypatch) -> None:
+    """q/k/v whose heads are not contiguous within a token's row (not views of a fused projection) are attended by
+    SDPA, not refused by the kernel."""
+    import pagedllm.attention.backends.torch_sdpa as backend
+
+    monkeypatch.setenv("PAGEDLLM_ENCODER_ATTENTION_BF16", "avx512_bf16")
+    kernels = _KernelsSpy(load_cpu_kernels())
+    meta = build_attention_metadata([80], [80], [[0, 1, 2, 3, 4]], 16)
+    torch.manual_seed(3)
+    query = torch.randn(4, 80, 64).bfloat16().transpose(0, 1)  # [T, H, D] with the heads 80 rows apart
+    key, value = (torch.randn(80, 2, 64).bfloat16() for _ in range(2))
+    cache = torch.zeros(2, 8, 16, 2, 64, dtype=torch.bfloat16)
+    got = backend.paged_attention(query, key, value, cache, meta, 0.125, kernels)
+    assert kernels.causal_calls == []
+    want = backend.paged_attention(query.contiguous(), key, value, cache.clone(), meta, 0.125, kernels)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=4e-3)

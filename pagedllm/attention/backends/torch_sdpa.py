@@ -166,8 +166,9 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             _attend_with_context(query, kv_cache, meta, plan.with_context, scale, out)
     if sdpa_fresh:
         key, value = as_stored(key, kv_cache.dtype), as_stored(value, kv_cache.dtype)
-        prompt_kernel = causal_bf16_kernel(kernels, query) if kernels is not None and key.dtype == query.dtype \
-            else None
+        in_place = all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (query, key, value))
+        prompt_kernel = causal_bf16_kernel(kernels, query) if kernels is not None and in_place and \
+            key.dtype == query.dtype else None
         if prompt_kernel is not None:
             _attend_fresh_in_kernel(query, key, value, meta, sdpa_fresh, scale, out, kernels, prompt_kernel)
             return out
@@ -180,7 +181,8 @@ def _attend_fresh_in_kernel(query: torch.Tensor, key: torch.Tensor, value: torch
                             fresh: dict[int, list[int]], scale: float, out: torch.Tensor, kernels: Any,
                             kernel: str) -> None:
     """Fresh prompts of any lengths through the C++ causal attention kernel (``kernel``, see causal_bf16_kernel):
-    one call per run of requests adjacent in the flat batch, q/k/v read in place."""
+    one call per run of requests adjacent in the flat batch, q/k/v read in place (each token's heads contiguous, as
+    views of a fused projection have them)."""
     qsl = meta.query_start_loc_cpu
     rows = sorted(i for group in fresh.values() for i in group)
     runs, current = [], [rows[0]]

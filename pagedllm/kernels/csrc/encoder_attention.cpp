@@ -191,7 +191,6 @@ torch::Tensor encoder_attention(const torch::Tensor& query, const torch::Tensor&
   for (int64_t i = 0; i < num_seqs; ++i) TORCH_CHECK(qs[i] <= qs[i + 1], "query_start must be non-decreasing");
   torch::Tensor out = torch::empty({query.size(0), query.size(1), query.size(2)}, query.options());
   const float fscale = static_cast<float>(scale);
-  if (causal) TORCH_CHECK(query.size(0) == key.size(0), "causal attention needs one key per query row");
   const std::vector<std::string> able = encoder_attention_kernels(query, causal);
   TORCH_CHECK(kernel == "auto" || std::find(able.begin(), able.end(), kernel) != able.end(), "encoder_attention: ",
               "kernel '", kernel, "' cannot run this query here (", query.scalar_type(), ", head dim ", query.size(2),
