@@ -368,7 +368,7 @@ def test_bf16_fresh_prompts_go_to_the_causal_kernel_without_amx(monkeypatch, cho
     and no AMX tiles (or the switch forces it), one call per run of adjacent requests, within bf16 rounding of the
     portable path; with AMX tiles, or the switch off, they stay in SDPA."""
     import pagedllm.attention.backends.torch_sdpa as backend
-    from pagedllm.attention.backends.torch_encoder import causal_bf16_kernel
+    from pagedllm.attention.backends.torch_encoder import bf16_kernel
 
     monkeypatch.setenv("PAGEDLLM_ENCODER_ATTENTION_BF16", choice)
     kernels = _KernelsSpy(load_cpu_kernels())
@@ -385,8 +385,8 @@ def test_bf16_fresh_prompts_go_to_the_causal_kernel_without_amx(monkeypatch, cho
     able = kernels.encoder_attention_kernels(query.bfloat16(), True)
     has_amx = "amx" in kernels.encoder_attention_kernels(query.bfloat16())
     takes = "avx512_bf16" in able and (choice == "avx512_bf16" or (choice == "auto" and not has_amx))
-    assert causal_bf16_kernel(kernels, query.bfloat16()) == ("avx512_bf16" if takes else None)
-    assert causal_bf16_kernel(kernels, query) is None  # float32
+    assert bf16_kernel(kernels, query.bfloat16(), causal=True) == ("avx512_bf16" if takes else None)
+    assert bf16_kernel(kernels, query, causal=True) is None  # float32
     if takes:
         assert kernels.causal_calls == [("avx512_bf16", [0, 70, 170]), ("avx512_bf16", [0, 65])]
     else:

@@ -143,31 +143,23 @@ def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return bucketed_attention(query, key, value, encoder_plan(meta), scale).view(query.shape)
 
 
-def bf16_kernel(kernels: Any, query: torch.Tensor) -> str | None:
+def bf16_kernel(kernels: Any, query: torch.Tensor, causal: bool = False) -> str | None:
     """The bf16 kernel that attends ``query`` here ("amx", "avx512_bf16"), or None: not bf16, a head dim the kernels
-    lack, a CPU with neither, or ``PAGEDLLM_ENCODER_ATTENTION_BF16`` ruling it out."""
+    lack, a CPU with neither, or ``PAGEDLLM_ENCODER_ATTENTION_BF16`` ruling it out.
+
+    ``causal``: a decoder's fresh prompts (``encoder_attention(..., causal=True)``), which the AMX kernel does not
+    run, taken only on CPUs without AMX tiles unless the switch names ``avx512_bf16``: there torch's SDPA runs its
+    bf16 products on the same AVX-512 BF16 dot products plus an accurate exp, 2.5-4.6x slower than the kernel (AMD
+    Zen 4, 2 threads, 9 heads of 64: 16 prompts x 128 tokens 1.4 vs 6.5 ms a layer, one of 2,048 14.5 vs 41.3, one
+    of 3,000 33 vs 83); with tiles its blocked matmuls run on them (Intel Xeon: 16 x 128 in 1.35 ms).
+    """
     choice = envs.PAGEDLLM_ENCODER_ATTENTION_BF16
     if choice == "off" or query.dtype != torch.bfloat16:
         return None
-    able = kernels.encoder_attention_kernels(query)  # fastest first
+    if causal and choice == "auto" and "amx" in kernels.encoder_attention_kernels(query):
+        return None
+    able = kernels.encoder_attention_kernels(query, causal)  # fastest first
     return next((k for k in able if k != "generic" and choice in ("auto", k)), None)
-
-
-def causal_bf16_kernel(kernels: Any, query: torch.Tensor) -> str | None:
-    """The bf16 kernel that attends a decoder's fresh prompts (causal, ``encoder_attention(..., causal=True)``)
-    here, or None: torch's SDPA.
-
-    Only on CPUs without AMX tiles (or when ``PAGEDLLM_ENCODER_ATTENTION_BF16=avx512_bf16`` forces it): there
-    torch's SDPA runs its bf16 products on the same AVX-512 BF16 dot products plus an accurate exp, 2.5-4.6x slower
-    than the kernel (AMD Zen 4, 2 threads, 9 heads of 64: 16 prompts x 128 tokens 1.4 vs 6.5 ms a layer, one of
-    2,048 14.5 vs 41.3, one of 3,000 33 vs 83); with tiles its blocked matmuls run on them (Intel Xeon: 16 x 128
-    in 1.35 ms) and the AMX kernel has no causal passes."""
-    choice = envs.PAGEDLLM_ENCODER_ATTENTION_BF16
-    if choice not in ("auto", "avx512_bf16") or query.dtype != torch.bfloat16:
-        return None
-    if choice == "auto" and "amx" in kernels.encoder_attention_kernels(query):
-        return None
-    return "avx512_bf16" if "avx512_bf16" in kernels.encoder_attention_kernels(query, True) else None
 
 
 def _query_start_cpu(meta: AttentionMetadata) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.attention.backends.cross_attention import cross_attention, cross_layout
 from pagedllm.attention.backends.paged_kv import as_stored, gather_tokens, write_kv
-from pagedllm.attention.backends.torch_encoder import causal_bf16_kernel, encoder_attention, prepare_encoder_state
+from pagedllm.attention.backends.torch_encoder import bf16_kernel, encoder_attention, prepare_encoder_state
 from pagedllm.attention.backends.torch_state import TORCH_STATE_KEY, TorchStepState, torch_state
 from pagedllm.attention.backends.torch_windowed import sliding_window_attention
 from pagedllm.attention.metadata import AttentionMetadata
@@ -167,7 +167,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if sdpa_fresh:
         key, value = as_stored(key, kv_cache.dtype), as_stored(value, kv_cache.dtype)
         in_place = all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (query, key, value))
-        prompt_kernel = causal_bf16_kernel(kernels, query) if kernels is not None and in_place and \
+        prompt_kernel = bf16_kernel(kernels, query, causal=True) if kernels is not None and in_place and \
             key.dtype == query.dtype else None
         if prompt_kernel is not None:
             _attend_fresh_in_kernel(query, key, value, meta, sdpa_fresh, scale, out, kernels, prompt_kernel)
@@ -180,7 +180,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 def _attend_fresh_in_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata,
                             fresh: dict[int, list[int]], scale: float, out: torch.Tensor, kernels: Any,
                             kernel: str) -> None:
-    """Fresh prompts of any lengths through the C++ causal attention kernel (``kernel``, see causal_bf16_kernel):
+    """Fresh prompts of any lengths through the C++ causal attention kernel (``kernel``, see bf16_kernel):
     one call per run of requests adjacent in the flat batch, q/k/v read in place (each token's heads contiguous, as
     views of a fused projection have them)."""
     qsl = meta.query_start_loc_cpu
