@@ -348,7 +348,7 @@ def test_bf16_queries_leave_shorter_prompts_and_chunks_to_sdpa(monkeypatch) -> N
 
 
 class _KernelsSpy:
-    """The C++ kernels, with the causal encoder_attention calls recorded (their sequence offsets)."""
+    """The C++ kernels, with the causal encoder_attention calls recorded (their query and key offsets)."""
 
     def __init__(self, kernels):
         self._kernels, self.causal_calls = kernels, []
@@ -356,24 +356,26 @@ class _KernelsSpy:
     def __getattr__(self, name):
         return getattr(self._kernels, name)
 
-    def encoder_attention(self, query, key, value, query_start, scale, kernel="auto", causal=False):
+    def encoder_attention(self, query, key, value, query_start, scale, kernel="auto", causal=False, key_start=None):
         if causal:
-            self.causal_calls.append((kernel, query_start.tolist()))
-        return self._kernels.encoder_attention(query, key, value, query_start, scale, kernel, causal)
+            self.causal_calls.append((kernel, query_start.tolist(), None if key_start is None else key_start.tolist()))
+        return self._kernels.encoder_attention(query, key, value, query_start, scale, kernel, causal, key_start)
 
 
 @pytest.mark.parametrize("choice", ["auto", "avx512_bf16", "off"])
 def test_bf16_fresh_prompts_go_to_the_causal_kernel_without_amx(monkeypatch, choice: str) -> None:
-    """bf16 fresh prompts past the paged kernel's length run in the causal bf16 kernel where the CPU has AVX-512 BF16
-    and no AMX tiles (or the switch forces it), one call per run of adjacent requests, within bf16 rounding of the
-    portable path; with AMX tiles, or the switch off, they stay in SDPA."""
+    """bf16 prompts past the paged kernel's lengths run in the causal bf16 kernel where the CPU has AVX-512 BF16 and
+    no AMX tiles (or the switch forces it): fresh ones one call per run of adjacent requests, chunks with context one
+    call each over their gathered K/V; within bf16 rounding of the portable path. With AMX tiles, or the switch off,
+    they stay in SDPA."""
     import pagedllm.attention.backends.torch_sdpa as backend
     from pagedllm.attention.backends.torch_encoder import bf16_kernel
 
     monkeypatch.setenv("PAGEDLLM_ENCODER_ATTENTION_BF16", choice)
     kernels = _KernelsSpy(load_cpu_kernels())
     query_lens = [1, 9, 70, 100, 40, 65, 12]
-    seq_lens = [30, 50, 70, 100, 80, 65, 12]  # fresh prompts of 70 and 100 (adjacent), 65 (alone) and 12 (paged kernel)
+    # fresh prompts of 70 and 100 (adjacent), 65 (alone) and 12 (paged kernel); chunks of 9 (paged kernel) and 40
+    seq_lens = [30, 50, 70, 100, 80, 65, 12]
     meta, cache, query = _long_context_case(query_lens, seq_lens, 16, torch.bfloat16)
     tokens = sum(query_lens)
     key, value = (torch.randn(tokens, 3, 64).bfloat16() for _ in range(2))
@@ -388,7 +390,8 @@ def test_bf16_fresh_prompts_go_to_the_causal_kernel_without_amx(monkeypatch, cho
     assert bf16_kernel(kernels, query.bfloat16(), causal=True) == ("avx512_bf16" if takes else None)
     assert bf16_kernel(kernels, query, causal=True) is None  # float32
     if takes:
-        assert kernels.causal_calls == [("avx512_bf16", [0, 70, 170]), ("avx512_bf16", [0, 65])]
+        assert kernels.causal_calls == [("avx512_bf16", [0, 40], [0, 80]), ("avx512_bf16", [0, 70, 170], None),
+                                        ("avx512_bf16", [0, 65], None)]
     else:
         assert kernels.causal_calls == []
 

@@ -222,6 +222,61 @@ def test_causal_kernels_match_causal_sdpa(kernel, dtype, heads, kv_heads, dim, l
     assert not torch.allclose(bidirectional.float(), out.float(), atol=tol)  # the mask did something
 
 
+@pytest.mark.parametrize("kernel,dtype", [("avx512_bf16", torch.bfloat16), ("generic", torch.bfloat16),
+                                          ("generic", torch.float32)])
+@pytest.mark.parametrize("query_lens,key_lens", [
+    ([40, 1, 0, 33, 100, 64], [100, 1, 5, 300, 100, 97]),  # context of 60, none, 5 (no queries), 267, none, 33
+    ([2048 - 1000], [2048]),  # a later chunk over 1,000 tokens of context
+])
+def test_causal_kernels_attend_chunks_over_their_context(kernel, dtype, query_lens, key_lens):
+    """key_start: a sequence's queries are the last of its key positions (a later prefill chunk, the rest of a
+    prefix-cache hit), and each sees the keys up to its own position: as SDPA with that mask in float32, within the
+    dtype's rounding."""
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C++ CPU kernels on this machine (no compiler)")
+    heads, kv_heads, dim = 9, 3, 64
+    torch.manual_seed(7)
+    qsl, ksl = _offsets(query_lens), _offsets(key_lens)
+    q = (2 * torch.randn(qsl[-1], heads * dim)).to(dtype).view(-1, heads, dim)
+    kv = (2 * torch.randn(ksl[-1], 2 * kv_heads * dim)).to(dtype)
+    k, v = (t.view(-1, kv_heads, dim) for t in kv.split(kv_heads * dim, dim=-1))  # strided rows, as views of qkv
+    if kernel not in kernels.encoder_attention_kernels(q, True):
+        pytest.skip(f"this CPU cannot run the {kernel} kernel (no AVX-512 BF16)")
+    offsets, key_offsets = (torch.tensor(o, dtype=torch.int32) for o in (qsl, ksl))
+    out = kernels.encoder_attention(q, k, v, offsets, dim ** -0.5, kernel, True, key_offsets)
+    assert out.shape == q.shape
+    ref = []
+    for i, (n_q, n_k) in enumerate(zip(query_lens, key_lens)):
+        if n_q:
+            mask = torch.arange(n_k)[None, :] <= torch.arange(n_k - n_q, n_k)[:, None]
+            o = F.scaled_dot_product_attention(q[qsl[i]:qsl[i + 1]].float().transpose(0, 1),
+                                               *(t[ksl[i]:ksl[i + 1]].float().transpose(0, 1) for t in (k, v)),
+                                               attn_mask=mask, scale=dim ** -0.5, enable_gqa=True)
+            ref.append(o.transpose(0, 1).reshape(n_q, -1))
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.float().view(qsl[-1], -1), torch.cat(ref), atol=tol, rtol=tol)
+    if len(query_lens) == 1:  # the context mattered: its last query attends to its own chunk only, here
+        own = kernels.encoder_attention(q, k[1000:], v[1000:], offsets, dim ** -0.5, kernel, True)
+        assert not torch.allclose(own.float(), out.float(), atol=tol)
+
+
+def test_causal_kernel_refuses_more_queries_than_keys():
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C++ CPU kernels on this machine (no compiler)")
+    q, kv = torch.randn(10, 2, 8), torch.randn(6, 2, 8)
+    qs, ks = torch.tensor([0, 4, 10], dtype=torch.int32), torch.tensor([0, 4, 6], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="sequence 1 has more queries than keys"):
+        kernels.encoder_attention(q, kv, kv, qs, 1.0, "generic", True, ks)
+    with pytest.raises(RuntimeError, match="key_start is out of range"):
+        kernels.encoder_attention(q, kv, kv, qs, 1.0, "generic", True, torch.tensor([0, 4, 7], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="same sequences"):
+        kernels.encoder_attention(q, kv, kv, qs, 1.0, "generic", True, torch.tensor([0, 6], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="do not match"):  # without key_start, queries and keys pair row by row
+        kernels.encoder_attention(q, kv, kv, qs, 1.0)
+
+
 def test_kernel_asked_by_name_must_be_able_to_run():
     kernels = load_cpu_kernels()
     if kernels is None:

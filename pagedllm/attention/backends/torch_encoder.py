@@ -147,11 +147,12 @@ def bf16_kernel(kernels: Any, query: torch.Tensor, causal: bool = False) -> str 
     """The bf16 kernel that attends ``query`` here ("amx", "avx512_bf16"), or None: not bf16, a head dim the kernels
     lack, a CPU with neither, or ``PAGEDLLM_ENCODER_ATTENTION_BF16`` ruling it out.
 
-    ``causal``: a decoder's fresh prompts (``encoder_attention(..., causal=True)``), which the AMX kernel does not
-    run, taken only on CPUs without AMX tiles unless the switch names ``avx512_bf16``: there torch's SDPA runs its
-    bf16 products on the same AVX-512 BF16 dot products plus an accurate exp, 2.5-4.6x slower than the kernel (AMD
-    Zen 4, 2 threads, 9 heads of 64: 16 prompts x 128 tokens 1.4 vs 6.5 ms a layer, one of 2,048 14.5 vs 41.3, one
-    of 3,000 33 vs 83); with tiles its blocked matmuls run on them (Intel Xeon: 16 x 128 in 1.35 ms).
+    ``causal``: a decoder's prompts and their later chunks (``encoder_attention(..., causal=True)``), which the AMX
+    kernel does not run, taken only on CPUs without AMX tiles unless the switch names ``avx512_bf16``: there torch's
+    SDPA runs its bf16 products on the same AVX-512 BF16 dot products plus an accurate exp, 2.5-4.6x slower than the
+    kernel (AMD Zen 4, 2 threads, 9 heads of 64: 16 prompts x 128 tokens 1.4 vs 6.5 ms a layer, one of 2,048 14.5 vs
+    41.3, one of 3,000 33 vs 83; a chunk of 2,048 over 2,048 of context 39.5 vs 146 with its mask); with tiles its
+    blocked matmuls run on them (Intel Xeon: 16 x 128 in 1.35 ms).
     """
     choice = envs.PAGEDLLM_ENCODER_ATTENTION_BF16
     if choice == "off" or query.dtype != torch.bfloat16:

@@ -1,8 +1,10 @@
 """Paged attention: torch SDPA for fresh prompts, and for requests with earlier context either the C++
 CPU kernel (reads K/V through block tables in place; decodes and short chunks) or SDPA over K/V gathered
-through the block tables (the portable path, and long chunks on the CPU). The portable path is the reference
-and serves CUDA. Sliding-window layers go through ``torch_windowed``, encoder layers through ``torch_encoder``,
-cross-attention layers through ``cross_attention``; ``TorchPagedAttentionBackend`` routes by the layer's spec.
+through the block tables (the portable path, and long chunks on the CPU). On CPUs with AVX-512 BF16 and no AMX
+tiles, bf16 prompts past the paged kernel's lengths, fresh or with context, go to the causal bf16 kernel of
+``encoder_attention`` instead of SDPA (``bf16_kernel``). The portable path is the reference and serves CUDA.
+Sliding-window layers go through ``torch_windowed``, encoder layers through ``torch_encoder``, cross-attention
+layers through ``cross_attention``; ``TorchPagedAttentionBackend`` routes by the layer's spec.
 """
 
 from __future__ import annotations
@@ -149,7 +151,11 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         split = plan.kernel_split(*kernel_limits(query))
         kernel_rows, sdpa_fresh = split.kernel_rows, split.sdpa_fresh
         if split.sdpa_chunks:
-            _attend_chunks(query, kv_cache, meta, split.sdpa_chunks, scale, out)
+            chunk_kernel = _causal_kernel(kernels, query, kv_cache.dtype)
+            if chunk_kernel is not None:
+                _attend_chunks_in_kernel(query, kv_cache, meta, split.sdpa_chunks, scale, out, kernels, chunk_kernel)
+            else:
+                _attend_chunks(query, kv_cache, meta, split.sdpa_chunks, scale, out)
         if kernel_rows is not None:
             # float32, or bf16 with a bf16 cache (the kernel widens each token's query itself); any other
             # query goes through float32 copies.
@@ -166,15 +172,22 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             _attend_with_context(query, kv_cache, meta, plan.with_context, scale, out)
     if sdpa_fresh:
         key, value = as_stored(key, kv_cache.dtype), as_stored(value, kv_cache.dtype)
-        in_place = all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (query, key, value))
-        prompt_kernel = bf16_kernel(kernels, query, causal=True) if kernels is not None and in_place and \
-            key.dtype == query.dtype else None
+        prompt_kernel = _causal_kernel(kernels, query, key.dtype, key, value) if kernels is not None else None
         if prompt_kernel is not None:
             _attend_fresh_in_kernel(query, key, value, meta, sdpa_fresh, scale, out, kernels, prompt_kernel)
             return out
     for q_len, rows in sdpa_fresh.items():
         _attend_fresh(query, key, value, meta, q_len, rows, scale, out)
     return out
+
+
+def _causal_kernel(kernels: Any, query: torch.Tensor, kv_dtype: torch.dtype, *kv: torch.Tensor) -> str | None:
+    """The bf16 kernel that attends ``query``'s long prompts and chunks causally here (see bf16_kernel), or None:
+    SDPA. It reads the query (and ``kv``, a fresh prompt's own K/V) in place: each token's heads must be contiguous,
+    as views of a fused projection have them, and K/V must be in the query's dtype."""
+    if kv_dtype != query.dtype or not all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (query, *kv)):
+        return None
+    return bf16_kernel(kernels, query, causal=True)
 
 
 def _attend_fresh_in_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata,
@@ -198,6 +211,24 @@ def _attend_fresh_in_kernel(query: torch.Tensor, key: torch.Tensor, value: torch
         offsets = torch.tensor([qsl[i] - start for i in run] + [end - start], dtype=torch.int32)
         out[start:end] = kernels.encoder_attention(query[start:end], key[start:end], value[start:end], offsets, scale,
                                                    kernel, True)
+
+
+def _attend_chunks_in_kernel(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, rows: list[int],
+                             scale: float, out: torch.Tensor, kernels: Any, kernel: str) -> None:
+    """Requests ``rows`` with earlier context (long later chunks, long rests of prefix-cache hits) through the C++
+    causal attention kernel (``kernel``), one call each over K/V gathered through its block table: its q_len queries
+    are the last q_len of its seq_len positions. Against SDPA with the chunk's mask (AMD Zen 4, 2 threads, one layer
+    of the default model in bf16): 2,048 queries over 4,096 keys 39.5 against 146 ms, 256 over 1,280 1.8 against
+    5.7 ms."""
+    qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    for i in rows:
+        start, end, seq_len = qsl[i], qsl[i + 1], seq_lens[i]
+        table = meta.block_tables[i:i + 1]
+        # [L, Hkv, D], each token's heads contiguous (a view of the gathered blocks)
+        k, v = (gather_tokens(kv_cache[c], table, seq_len, query.dtype)[0].transpose(0, 1) for c in (0, 1))
+        offsets = torch.tensor([0, end - start], dtype=torch.int32)
+        key_offsets = torch.tensor([0, seq_len], dtype=torch.int32)
+        out[start:end] = kernels.encoder_attention(query[start:end], k, v, offsets, scale, kernel, True, key_offsets)
 
 
 def _attend_with_context(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,

@@ -11,9 +11,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("value_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start"), py::arg("out"),
         py::arg("scale"), py::arg("req_indices"), py::arg("allow_amx") = true);
   m.def("encoder_attention", step_graph::recorded<-1>("encoder_attention", &encoder_attention),
-        "Attention within each sequence of a flat batch (bidirectional, or causal), K/V read in place -> [T, H, D]",
+        "Attention within each sequence of a flat batch (bidirectional, or causal), K/V read in place -> [T, H, D]; "
+        "key_start: the sequences' offsets in key/value when they differ from query_start (causal: queries over "
+        "keys that include earlier context)",
         py::arg("query"), py::arg("key"), py::arg("value"), py::arg("query_start"), py::arg("scale"),
-        py::arg("kernel") = "auto", py::arg("causal") = false);
+        py::arg("kernel") = "auto", py::arg("causal") = false, py::arg("key_start") = py::none());
   m.def("encoder_attention_kernels", &encoder_attention_kernels,
         "The encoder_attention kernels that can run this query on this CPU, fastest first "
         "(amx: bf16 of head dim 32 or 64, not causal; avx512_bf16: bf16 of head dim 32 or 64; generic: float32 and bf16)",

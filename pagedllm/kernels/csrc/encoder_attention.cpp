@@ -2,12 +2,14 @@
 // sequence. Sequences are short (an embedding request is a sentence or a paragraph) and a step holds many, so
 // torch's SDPA spends more on gathering them into padded, masked batches than on the arithmetic: one task
 // here is one (sequence, head), read in place from the fused qkv projection's output, never padded. `causal` makes
-// row i of each sequence see only its keys 0 .. i (a decoder's fresh prompts, torch_sdpa.py).
+// each query see only the keys up to its own position (a decoder's prompts, torch_sdpa.py): a sequence's Lq queries
+// are the last Lq of its L key positions, so query row i sees keys 0 .. L - Lq + i (Lq = L: a fresh prompt).
 //
 // Shapes:
-//   query [T, H, D], key / value [T, Hkv, D]   rows may be strided (views into qkv); float32 or bfloat16
-//   query_start [R + 1] int32 (host)           token offsets of the R sequences in the flat batch
-//   out [T, H, D] contiguous, the query's dtype
+//   query [Tq, H, D], key / value [Tk, Hkv, D]  rows may be strided (views into qkv); float32 or bfloat16
+//   query_start [R + 1] int32 (host)           token offsets of the R sequences' queries in the flat batch
+//   key_start [R + 1] int32 (host)             their keys' offsets in key / value (default: query_start, Tk = Tq)
+//   out [Tq, H, D] contiguous, the query's dtype
 // This generic kernel's arithmetic is float32 whatever the dtype; its loops are plain C++ that -O3 -march=native
 // vectorises. A bf16 query of head dim 32 or 64 may go instead to the bf16 kernels (encoder_attention_bf16.h: AMX
 // tiles or AVX-512 BF16 dot products), which take any length: `kernel` picks (encoder_attention_kernels lists them).
@@ -91,7 +93,7 @@ inline void value_block(const float* p, int64_t p_row, const float* v, int64_t D
 
 template <typename T>
 void run(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& out,
-         const int32_t* qs, int64_t num_seqs, float scale, bool causal) {
+         const int32_t* qs, const int32_t* ks, int64_t num_seqs, float scale, bool causal) {
   const int64_t H = query.size(1), D = query.size(2), Hkv = key.size(1);
   const int64_t group = H / Hkv;
   const int64_t Dp = round_up(D, KP);
@@ -109,8 +111,9 @@ void run(const torch::Tensor& query, const torch::Tensor& key, const torch::Tens
     float inv_sum[RB];
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t seq = task / Hkv, hk = task % Hkv;
-      const int64_t start = qs[seq], L = qs[seq + 1] - qs[seq];
-      if (L <= 0) continue;
+      const int64_t start = qs[seq], Lq = qs[seq + 1] - qs[seq], k_start = ks[seq], L = ks[seq + 1] - ks[seq];
+      const int64_t context = L - Lq;  // causal: keys before the first query's position
+      if (Lq <= 0) continue;
       const int64_t Lp = round_up(L, KP);
       kt.assign(static_cast<size_t>(D * Lp), 0.f);
       v.assign(static_cast<size_t>(Lp * Dp), 0.f);
@@ -118,15 +121,15 @@ void run(const torch::Tensor& query, const torch::Tensor& key, const torch::Tens
       s.resize(static_cast<size_t>(RB * Lp));
       // Convert row by row (contiguous, vectorised), then transpose K in float32.
       for (int64_t j = 0; j < L; ++j) {
-        load_row(krow.data() + j * D, k_ptr + (start + j) * k_row + hk * D, D);
-        load_row(v.data() + j * Dp, v_ptr + (start + j) * v_row + hk * D, D);
+        load_row(krow.data() + j * D, k_ptr + (k_start + j) * k_row + hk * D, D);
+        load_row(v.data() + j * Dp, v_ptr + (k_start + j) * v_row + hk * D, D);
       }
       for (int64_t j = 0; j < L; ++j)
         for (int64_t d = 0; d < D; ++d) kt[d * Lp + j] = krow[j * D + d];
       for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
-        for (int64_t i0 = 0; i0 < L; i0 += RB) {
-          const int64_t rows = std::min(RB, L - i0);
-          std::fill(q.begin(), q.end(), 0.f);  // rows past L stay zero
+        for (int64_t i0 = 0; i0 < Lq; i0 += RB) {
+          const int64_t rows = std::min(RB, Lq - i0);
+          std::fill(q.begin(), q.end(), 0.f);  // rows past Lq stay zero
           for (int64_t r = 0; r < rows; ++r) {
             float* qr = q.data() + r * D;
             load_row(qr, q_ptr + (start + i0 + r) * q_row + h * D, D);
@@ -137,12 +140,12 @@ void run(const torch::Tensor& query, const torch::Tensor& key, const torch::Tens
           // Softmax numerators per row; the normalisation is applied to the output.
           for (int64_t r = 0; r < RB; ++r) {
             float* sp = s.data() + r * Lp;
-            if (r >= rows) {  // rows past L: zero weights, their output is never stored
+            if (r >= rows) {  // rows past Lq: zero weights, their output is never stored
               std::fill(sp, sp + Lp, 0.f);
               continue;
             }
             // Padded keys (and, causal, the keys after the row's own position): weight exp(MIN_EXP_ARG) ~ 0.
-            for (int64_t j = causal ? i0 + r + 1 : L; j < Lp; ++j) sp[j] = PAD_SCORE;
+            for (int64_t j = causal ? context + i0 + r + 1 : L; j < Lp; ++j) sp[j] = PAD_SCORE;
             const float max_s = row_max(sp, Lp);
             float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -173,22 +176,33 @@ std::vector<std::string> encoder_attention_kernels(const torch::Tensor& query, b
 
 torch::Tensor encoder_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
                                 const torch::Tensor& query_start, double scale, const std::string& kernel,
-                                bool causal) {
+                                bool causal, const c10::optional<torch::Tensor>& key_start) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, "query/key/value must be [T, heads, D]");
   TORCH_CHECK(query.scalar_type() == key.scalar_type() && key.scalar_type() == value.scalar_type(),
               "query, key and value must share a dtype");
-  TORCH_CHECK(query.size(0) == key.size(0) && key.sizes() == value.sizes() && query.size(2) == key.size(2),
-              "query [T, H, D] and key/value [T, Hkv, D] do not match");
+  TORCH_CHECK((key_start.has_value() || query.size(0) == key.size(0)) && key.sizes() == value.sizes() &&
+              query.size(2) == key.size(2), "query [T, H, D] and key/value [T, Hkv, D] do not match");
   TORCH_CHECK(key.size(1) > 0 && query.size(1) % key.size(1) == 0, "query heads must be a multiple of KV heads");
   for (const torch::Tensor* t : {&query, &key, &value})
     TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2), "heads must be contiguous within each token row");
-  TORCH_CHECK(query_start.scalar_type() == torch::kInt32 && query_start.is_contiguous() && query_start.dim() == 1 &&
-              query_start.device().is_cpu(), "query_start must be a contiguous int32 CPU tensor [R + 1]");
+  const auto offsets = [](const torch::Tensor& t, const char* name, int64_t rows) {
+    TORCH_CHECK(t.scalar_type() == torch::kInt32 && t.is_contiguous() && t.dim() == 1 && t.device().is_cpu(), name,
+                " must be a contiguous int32 CPU tensor [R + 1]");
+    const int64_t n = t.size(0) - 1;
+    const int32_t* o = t.data_ptr<int32_t>();
+    TORCH_CHECK(n >= 0 && (n == 0 || (o[0] >= 0 && o[n] <= rows)), name, " is out of range of the batch");
+    for (int64_t i = 0; i < n; ++i) TORCH_CHECK(o[i] <= o[i + 1], name, " must be non-decreasing");
+    return o;
+  };
   const int64_t num_seqs = query_start.size(0) - 1;
-  const int32_t* qs = query_start.data_ptr<int32_t>();
-  TORCH_CHECK(num_seqs >= 0 && (num_seqs == 0 || (qs[0] >= 0 && qs[num_seqs] <= query.size(0))),
-              "query_start is out of range of the batch");
-  for (int64_t i = 0; i < num_seqs; ++i) TORCH_CHECK(qs[i] <= qs[i + 1], "query_start must be non-decreasing");
+  const int32_t* qs = offsets(query_start, "query_start", query.size(0));
+  const int32_t* ks = qs;
+  if (key_start.has_value()) {
+    TORCH_CHECK(key_start->size(0) == query_start.size(0), "key_start and query_start must list the same sequences");
+    ks = offsets(*key_start, "key_start", key.size(0));
+    for (int64_t i = 0; i < num_seqs && causal; ++i)
+      TORCH_CHECK(qs[i + 1] - qs[i] <= ks[i + 1] - ks[i], "causal: sequence ", i, " has more queries than keys");
+  }
   torch::Tensor out = torch::empty({query.size(0), query.size(1), query.size(2)}, query.options());
   const float fscale = static_cast<float>(scale);
   const std::vector<std::string> able = encoder_attention_kernels(query, causal);
@@ -197,17 +211,17 @@ torch::Tensor encoder_attention(const torch::Tensor& query, const torch::Tensor&
               causal ? ", causal" : "", "); this CPU can run: ", c10::Join(", ", able));
   const std::string& chosen = kernel == "auto" && !able.empty() ? able.front() : kernel;
   if (chosen == "amx") {
-    encoder_attention_amx(query, key, value, out, qs, num_seqs, fscale);
+    encoder_attention_amx(query, key, value, out, qs, ks, num_seqs, fscale);
     return out;
   }
   if (chosen == "avx512_bf16") {
-    encoder_attention_avx512bf16(query, key, value, out, qs, num_seqs, fscale, causal);
+    encoder_attention_avx512bf16(query, key, value, out, qs, ks, num_seqs, fscale, causal);
     return out;
   }
   if (query.scalar_type() == torch::kFloat32) {
-    run<float>(query, key, value, out, qs, num_seqs, fscale, causal);
+    run<float>(query, key, value, out, qs, ks, num_seqs, fscale, causal);
   } else if (query.scalar_type() == torch::kBFloat16) {
-    run<at::BFloat16>(query, key, value, out, qs, num_seqs, fscale, causal);
+    run<at::BFloat16>(query, key, value, out, qs, ks, num_seqs, fscale, causal);
   } else {
     TORCH_CHECK(false, "encoder_attention: dtype must be float32 or bfloat16");
   }

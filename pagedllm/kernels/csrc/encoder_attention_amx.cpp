@@ -92,13 +92,13 @@ struct TilePasses {
 }  // namespace
 
 void encoder_attention_amx(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
-                           torch::Tensor& out, const int32_t* qs, int64_t num_seqs, float scale) {
+                           torch::Tensor& out, const int32_t* qs, const int32_t* ks, int64_t num_seqs, float scale) {
   TORCH_CHECK(encoder_attention_amx_takes(query), "encoder_attention_amx: needs bf16, D of 32 or 64 and AMX-BF16");
-  encoder_bf16::run<TilePasses>(query, key, value, out, qs, num_seqs, scale, /*causal=*/false);
+  encoder_bf16::run<TilePasses>(query, key, value, out, qs, ks, num_seqs, scale, /*causal=*/false);
 }
 #else
 void encoder_attention_amx(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, torch::Tensor&,
-                           const int32_t*, int64_t, float) {
+                           const int32_t*, const int32_t*, int64_t, float) {
   TORCH_CHECK(false, "encoder_attention_amx: built without AMX support");
 }
 #endif

@@ -3,7 +3,8 @@
 // float lanes. The packed K and V rows are exactly vdpbf16ps's second operand (16 lanes of bf16 pairs), so the
 // layouts of the AMX kernel serve unchanged; the query rows and the probabilities come in as broadcast pairs.
 // On torch's flash kernel these CPUs spend 32 ms a layer of Whisper base's encoder (AMD Zen 4, 2 threads), against
-// 12.9 here; causal (a decoder's fresh prompts) it also skips the keys past each block of rows (docs/performance.md).
+// 12.9 here; causal (a decoder's prompts and their later chunks) it also skips the keys past each block of rows
+// (docs/performance.md).
 #include "encoder_attention_bf16.h"
 #include "kernels.h"
 
@@ -105,14 +106,15 @@ static_assert(QB % SR == 0 && QB % 8 == 0, "row blocks must tile a task's rows")
 }  // namespace
 
 void encoder_attention_avx512bf16(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
-                                  torch::Tensor& out, const int32_t* qs, int64_t num_seqs, float scale, bool causal) {
+                                  torch::Tensor& out, const int32_t* qs, const int32_t* ks, int64_t num_seqs,
+                                  float scale, bool causal) {
   TORCH_CHECK(encoder_attention_avx512bf16_takes(query),
               "encoder_attention_avx512bf16: needs bf16, D of 32 or 64 and AVX-512 BF16");
-  encoder_bf16::run<DotPasses>(query, key, value, out, qs, num_seqs, scale, causal);
+  encoder_bf16::run<DotPasses>(query, key, value, out, qs, ks, num_seqs, scale, causal);
 }
 #else
 void encoder_attention_avx512bf16(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, torch::Tensor&,
-                                  const int32_t*, int64_t, float, bool) {
+                                  const int32_t*, const int32_t*, int64_t, float, bool) {
   TORCH_CHECK(false, "encoder_attention_avx512bf16: needs an x86-64 CPU");
 }
 #endif

@@ -17,11 +17,13 @@
 //   packed K [D / 32][Lp / 16][16 dim pairs][16 keys]   packed V [Lp / 32][D / 16][16 key pairs][16 dims]
 //   S float [2 halves of 16 rows][Lk / 16][16 rows][16 keys]   P bf16 [2 halves][Lk / 32][16 rows][32 keys]
 // (S and P tile by tile: each tile's 1 KiB in one piece, which AMX's tile stores and loads run fastest on). Lk, the
-// keys a task attends, is Lp; a causal task (a decoder's fresh prompt: row i sees keys 0 .. i) stops at its last
-// row, rounded up to 32, and its rows' probabilities past their own position are 0.
+// keys a task attends, is Lp; a causal task stops at its last row's own position, rounded up to 32, and its rows'
+// probabilities past their own position are 0. Causal, a sequence's Lq queries are the last Lq of its L positions
+// (a decoder's fresh prompt: Lq = L; a later chunk or the rest of a prefix-cache hit: L - Lq keys of context), and
+// query row i sees keys 0 .. L - Lq + i.
 //
-// Shapes as encoder_attention (encoder_attention.cpp): query [T, H, D], key / value [T, Hkv, D] bf16 with strided
-// rows, query_start [R + 1] int32 (host), out [T, H, D]. D is 32 or 64.
+// Shapes as encoder_attention (encoder_attention.cpp): query [Tq, H, D], key / value [Tk, Hkv, D] bf16 with strided
+// rows, query_start and key_start [R + 1] int32 (host), out [Tq, H, D]. D is 32 or 64.
 #pragma once
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -195,15 +197,15 @@ __attribute__((target("avx512f,avx512bf16,avx512bw"))) inline void store_scaled(
 // Lp (not Lk) run only non-causal calls, where the two are equal.
 template <typename Passes, int CH>
 void run_tasks(const uint16_t* q_ptr, int64_t q_row, const uint16_t* k_ptr, int64_t k_row, const uint16_t* v_ptr,
-               int64_t v_row, uint16_t* o_ptr, const int32_t* qs, int64_t num_seqs, int64_t H, int64_t Hkv,
-               float scale, bool causal) {
+               int64_t v_row, uint16_t* o_ptr, const int32_t* qs, const int32_t* ks, int64_t num_seqs, int64_t H,
+               int64_t Hkv, float scale, bool causal) {
   constexpr int64_t D = 32 * CH;
   const int64_t group = H / Hkv;
   // Packed K/V of every (sequence, KV head), and the task list: (sequence, query head, block of QB rows).
   std::vector<int64_t> packed_at(num_seqs * Hkv + 1, 0);
   int64_t max_lp = 0;
   for (int64_t i = 0; i < num_seqs; ++i) {
-    const int64_t Lp = round_up(qs[i + 1] - qs[i], KC);
+    const int64_t Lp = round_up(ks[i + 1] - ks[i], KC);
     max_lp = std::max(max_lp, Lp);
     for (int64_t hk = 0; hk < Hkv; ++hk) packed_at[i * Hkv + hk + 1] = packed_at[i * Hkv + hk] + Lp * D / 2;
   }
@@ -211,7 +213,7 @@ void run_tasks(const uint16_t* q_ptr, int64_t q_row, const uint16_t* k_ptr, int6
   uint32_t* vp = scratch<uint32_t, 1>(packed_at.back());
   at::parallel_for(0, num_seqs * Hkv, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t seq = t / Hkv, hk = t % Hkv, start = qs[seq], L = qs[seq + 1] - start;
+      const int64_t seq = t / Hkv, hk = t % Hkv, start = ks[seq], L = ks[seq + 1] - start;
       pack_kv(k_ptr + start * k_row + hk * D, k_row, v_ptr + start * v_row + hk * D, v_row, L, D, round_up(L, KC),
               kp + packed_at[t], vp + packed_at[t]);
     }
@@ -234,11 +236,11 @@ void run_tasks(const uint16_t* q_ptr, int64_t q_row, const uint16_t* k_ptr, int6
     Passes::begin();
     for (int64_t ti = t0; ti < t1; ++ti) {
       const int64_t seq = task_seq[ti], h = task_head[ti], i0 = task_row[ti], start = qs[seq];
-      const int64_t L = qs[seq + 1] - start, slot = seq * Hkv + h / group;
-      const int64_t Lp = round_up(L, KC);
-      Task t{q_ptr + (start + i0) * q_row + h * D, q_row * 2, std::min(QB, L - i0), kp + packed_at[slot],
-             vp + packed_at[slot], L, Lp, causal ? round_up(std::min(L, i0 + QB), KC) : Lp};
-      if (t.rows < QB) {  // the last block: its rows past L would be read from the next sequence or past the end
+      const int64_t Lq = qs[seq + 1] - start, L = ks[seq + 1] - ks[seq], slot = seq * Hkv + h / group;
+      const int64_t Lp = round_up(L, KC), context = L - Lq;  // causal: keys before the first query's position
+      Task t{q_ptr + (start + i0) * q_row + h * D, q_row * 2, std::min(QB, Lq - i0), kp + packed_at[slot],
+             vp + packed_at[slot], L, Lp, causal ? round_up(std::min(L, context + i0 + QB), KC) : Lp};
+      if (t.rows < QB) {  // the last block: its rows past Lq would be read from the next sequence or past the end
         std::memset(q_tail, 0, QB * D * 2);
         for (int64_t r = 0; r < t.rows; ++r) std::memcpy(q_tail + r * D, t.q + r * q_row, D * 2);
         t.q = q_tail;
@@ -248,7 +250,7 @@ void run_tasks(const uint16_t* q_ptr, int64_t q_row, const uint16_t* k_ptr, int6
       for (int64_t r = 0; r < QB; ++r) {
         uint16_t* pr = p + p_index(r, 0, t.Lk);
         if (r < t.rows) {
-          const int64_t seen = causal ? i0 + r + 1 : L;  // keys this row attends
+          const int64_t seen = causal ? context + i0 + r + 1 : L;  // keys this row attends
           inv_sum[r] = softmax_row(s + s_index(r, 0, t.Lk), 16 * KT, seen, t.Lk, c, pr, 16 * KC);
         } else {
           for (int64_t j = 0; j < t.Lk; j += KC, pr += 16 * KC) std::memset(pr, 0, KC * 2);
@@ -265,15 +267,15 @@ void run_tasks(const uint16_t* q_ptr, int64_t q_row, const uint16_t* k_ptr, int6
 // Runs Passes over one call's tensors (checked by encoder_attention; D is 64 or 32).
 template <typename Passes>
 void run(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& out,
-         const int32_t* qs, int64_t num_seqs, float scale, bool causal) {
+         const int32_t* qs, const int32_t* ks, int64_t num_seqs, float scale, bool causal) {
   const auto u16 = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
   uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t H = query.size(1), Hkv = key.size(1);
   if (query.size(2) == 64) {
-    run_tasks<Passes, 2>(u16(query), query.stride(0), u16(key), key.stride(0), u16(value), value.stride(0), o, qs,
+    run_tasks<Passes, 2>(u16(query), query.stride(0), u16(key), key.stride(0), u16(value), value.stride(0), o, qs, ks,
                          num_seqs, H, Hkv, scale, causal);
   } else {
-    run_tasks<Passes, 1>(u16(query), query.stride(0), u16(key), key.stride(0), u16(value), value.stride(0), o, qs,
+    run_tasks<Passes, 1>(u16(query), query.stride(0), u16(key), key.stride(0), u16(value), value.stride(0), o, qs, ks,
                          num_seqs, H, Hkv, scale, causal);
   }
 }

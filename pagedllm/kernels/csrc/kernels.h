@@ -14,21 +14,24 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
 void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
               torch::Tensor& value_cache, const torch::Tensor& slot_mapping);
 
-// encoder_attention.cpp: attention within each sequence (query_start [R + 1] int32, host), bidirectional or causal
-// (row i of a sequence sees its keys 0 .. i: a decoder's fresh prompts). kernel: "auto" (the first of
-// encoder_attention_kernels: the fastest this CPU has for the query), or one of them by name: "amx"
-// (encoder_attention_amx.cpp, not causal), "avx512_bf16" (encoder_attention_avx512bf16.cpp), "generic"
+// encoder_attention.cpp: attention within each sequence (query_start [R + 1] int32, host; key_start the same for
+// key/value, default query_start), bidirectional or causal (a sequence's queries are the last of its key positions,
+// and each sees the keys up to its own: a decoder's prompt, or a later chunk of it over K/V that includes its
+// context). kernel: "auto" (the first of encoder_attention_kernels: the fastest this CPU has for the query), or one
+// of them by name: "amx" (encoder_attention_amx.cpp, not causal), "avx512_bf16" (encoder_attention_avx512bf16.cpp),
+// "generic"
 torch::Tensor encoder_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
                                 const torch::Tensor& query_start, double scale, const std::string& kernel,
-                                bool causal);
+                                bool causal, const c10::optional<torch::Tensor>& key_start);
 std::vector<std::string> encoder_attention_kernels(const torch::Tensor& query, bool causal);
 bool encoder_attention_amx_takes(const torch::Tensor& query);
 void encoder_attention_amx(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
-                           torch::Tensor& out, const int32_t* query_start, int64_t num_seqs, float scale);
+                           torch::Tensor& out, const int32_t* query_start, const int32_t* key_start, int64_t num_seqs,
+                           float scale);
 bool encoder_attention_avx512bf16_takes(const torch::Tensor& query);
 void encoder_attention_avx512bf16(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
-                                  torch::Tensor& out, const int32_t* query_start, int64_t num_seqs, float scale,
-                                  bool causal);
+                                  torch::Tensor& out, const int32_t* query_start, const int32_t* key_start,
+                                  int64_t num_seqs, float scale, bool causal);
 
 // encoder_ops.cpp: (layer_norm(x + residual) float32, its bfloat16 copy or itself); GELU in place
 std::tuple<torch::Tensor, torch::Tensor> add_layer_norm(const torch::Tensor& x, const torch::Tensor& residual,
