@@ -237,9 +237,10 @@ def test_kernel_only_touches_listed_requests() -> None:
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])  # bf16: --kv-cache-dtype, float32 model
 def test_backend_routes_fresh_prompts_by_length(monkeypatch, cache_dtype: torch.dtype) -> None:
-    """A mixed step (decodes, a chunk with context, short and long fresh prompts) through the backend:
-    the kernel path (short fresh prompts in the kernel, long ones in SDPA; then the chunk in SDPA too) equals
-    the portable path."""
+    """A mixed step (decodes, a chunk with context, short and long fresh prompts) through the backend: the kernel
+    path (short fresh prompts in the paged kernel; with kernels built for AVX-512 long ones in the causal generic
+    kernel, one call for the adjacent two, and the chunk too, over its K/V gathered in float32; else SDPA) equals the
+    portable path (SDPA)."""
     import pagedllm.attention.backends.torch_sdpa as backend
 
     assert load_cpu_kernels() is not None
@@ -263,7 +264,10 @@ def test_backend_routes_fresh_prompts_by_length(monkeypatch, cache_dtype: torch.
     split = backend.step_plan(meta).kernel_split(40, 8)
     assert split.kernel_rows.tolist() == [0, 1, 2, 4, 5] and split.sdpa_chunks == [3]
     monkeypatch.setattr(backend, "CONTEXT_CHUNK_KERNEL_MAX_LEN", 8)
-    got = backend.paged_attention(query, key, value, cache.clone(), meta, head_dim ** -0.5, load_cpu_kernels())
+    kernels = _KernelsSpy(load_cpu_kernels())
+    got = backend.paged_attention(query, key, value, cache.clone(), meta, head_dim ** -0.5, kernels)
+    in_kernel = [("generic", [0, 9], [0, 50]), ("generic", [0, 41, 111], None)]
+    assert kernels.causal_calls == (in_kernel if kernels.built_for_avx512 else [])
     expected = backend.paged_attention(query, key, value, cache.clone(),
                                        build_attention_metadata(query_lens, seq_lens, tables, block_size),
                                        head_dim ** -0.5)
@@ -297,8 +301,8 @@ def test_kernel_write_kv_converts_between_float32_and_bf16() -> None:
 
 
 def test_long_fresh_prompt_attends_to_its_kv_as_the_cache_keeps_it(monkeypatch) -> None:
-    """A fresh prompt past the kernel's length goes to SDPA over the step's own K/V: with a bf16 cache it must see
-    them rounded as stored, as a later chunk of the same prompt (read from the cache) would."""
+    """A fresh prompt past the paged kernel's length is attended over the step's own K/V (the causal kernel): with a
+    bf16 cache it must see them rounded as stored, as a later chunk of the same prompt (read from the cache) would."""
     import torch.nn.functional as F
 
     import pagedllm.attention.backends.torch_sdpa as backend

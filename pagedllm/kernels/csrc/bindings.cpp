@@ -56,6 +56,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("group"), py::arg("out_features"),
         py::arg("bias") = py::none(), py::arg("out") = py::none(), py::arg("isa") = 0);
   m.def("supported_isas", &supported_isas, "Kernel ISA codes this CPU runs (3 = portable, 1 = AVX2, 2 = AVX-512)");
+  // Whether this build's plain C++ loops (the generic attention kernels) were vectorised for AVX-512: their register
+  // blocks are twice as tall there, and their speed against torch's SDPA differs with it.
+#if defined(__AVX512F__)
+  m.attr("built_for_avx512") = true;
+#else
+  m.attr("built_for_avx512") = false;
+#endif
   m.def("w8a8_supported", &w8a8_supported, "Whether this CPU runs w8a8_gemm (AVX-512 VNNI)");
   m.def("w8a8_gemm", step_graph::recorded<5>("w8a8_gemm", &w8a8_gemm), "x[M,K] quantized per row to int8 @ (scale * int8 W)^T (+ bias), VNNI",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("out_features"), py::arg("bias") = py::none(),

@@ -91,6 +91,12 @@ inline void value_block(const float* p, int64_t p_row, const float* v, int64_t D
     for (int c = 0; c < KP; ++c) o[r * o_row + c] = acc[r][c];
 }
 
+// Query rows per task: a task is one query head and QB rows of one sequence, so that one long sequence still
+// spreads over every thread (as one task per (sequence, KV head), a 2,048-token prompt with 3 KV heads kept one of
+// two threads idle a third of the time).
+constexpr int64_t QB = 32;
+static_assert(QB % RB == 0, "row blocks must tile a task's rows");
+
 template <typename T>
 void run(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& out,
          const int32_t* qs, const int32_t* ks, int64_t num_seqs, float scale, bool causal) {
@@ -102,63 +108,93 @@ void run(const torch::Tensor& query, const torch::Tensor& key, const torch::Tens
   const T* v_ptr = value.data_ptr<T>();
   T* o_ptr = out.data_ptr<T>();
   const int64_t q_row = query.stride(0), k_row = key.stride(0), v_row = value.stride(0);
-  // Tasks in the order (sequence, kv head): the query heads of one KV head share its converted K and V.
-  const int64_t num_tasks = num_seqs * Hkv;
-  at::parallel_for(0, num_tasks, 1, [&](int64_t t0, int64_t t1) {
-    // float32 copies, zero-padded: K^T [D, Lp], V [Lp, Dp]; per block of RB query rows: Q [RB, D],
-    // scores [RB, Lp] and out [RB, Dp] (a row block at a time: memory linear in the length, not quadratic).
-    std::vector<float> kt, krow, v, q(static_cast<size_t>(RB * D)), s, o(static_cast<size_t>(RB * Dp));
-    float inv_sum[RB];
-    for (int64_t task = t0; task < t1; ++task) {
-      const int64_t seq = task / Hkv, hk = task % Hkv;
-      const int64_t start = qs[seq], Lq = qs[seq + 1] - qs[seq], k_start = ks[seq], L = ks[seq + 1] - ks[seq];
-      const int64_t context = L - Lq;  // causal: keys before the first query's position
-      if (Lq <= 0) continue;
+  // Pass 1: float32 copies of every (sequence, KV head)'s K^T [D, Lp] and V [Lp, Dp], zero-padded, shared by the
+  // tasks of its query heads. Kept between calls, as large as the largest call so far (a fresh buffer would fault
+  // its pages in every call).
+  std::vector<int64_t> packed_at(num_seqs * Hkv + 1, 0);
+  int64_t max_lp = 0;
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int64_t Lp = round_up(ks[i + 1] - ks[i], KP);
+    max_lp = std::max(max_lp, Lp);
+    for (int64_t hk = 0; hk < Hkv; ++hk) packed_at[i * Hkv + hk + 1] = packed_at[i * Hkv + hk] + Lp * (D + Dp);
+  }
+  thread_local std::vector<float> packed_buf;
+  if (packed_buf.size() < static_cast<size_t>(packed_at.back())) packed_buf.resize(packed_at.back());
+  float* packed = packed_buf.data();
+  at::parallel_for(0, num_seqs * Hkv, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> krow;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t seq = t / Hkv, hk = t % Hkv, k_start = ks[seq], L = ks[seq + 1] - k_start;
       const int64_t Lp = round_up(L, KP);
-      kt.assign(static_cast<size_t>(D * Lp), 0.f);
-      v.assign(static_cast<size_t>(Lp * Dp), 0.f);
+      float* kt = packed + packed_at[t];
+      float* v = kt + D * Lp;
       krow.resize(static_cast<size_t>(L * D));
-      s.resize(static_cast<size_t>(RB * Lp));
       // Convert row by row (contiguous, vectorised), then transpose K in float32.
       for (int64_t j = 0; j < L; ++j) {
         load_row(krow.data() + j * D, k_ptr + (k_start + j) * k_row + hk * D, D);
-        load_row(v.data() + j * Dp, v_ptr + (k_start + j) * v_row + hk * D, D);
+        load_row(v + j * Dp, v_ptr + (k_start + j) * v_row + hk * D, D);
+        std::fill(v + j * Dp + D, v + (j + 1) * Dp, 0.f);
       }
-      for (int64_t j = 0; j < L; ++j)
-        for (int64_t d = 0; d < D; ++d) kt[d * Lp + j] = krow[j * D + d];
-      for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
-        for (int64_t i0 = 0; i0 < Lq; i0 += RB) {
-          const int64_t rows = std::min(RB, Lq - i0);
-          std::fill(q.begin(), q.end(), 0.f);  // rows past Lq stay zero
-          for (int64_t r = 0; r < rows; ++r) {
-            float* qr = q.data() + r * D;
-            load_row(qr, q_ptr + (start + i0 + r) * q_row + h * D, D);
+      std::fill(v + L * Dp, v + Lp * Dp, 0.f);
+      for (int64_t d = 0; d < D; ++d) {
+        for (int64_t j = 0; j < L; ++j) kt[d * Lp + j] = krow[j * D + d];
+        std::fill(kt + d * Lp + L, kt + (d + 1) * Lp, 0.f);
+      }
+    }
+  });
+  // Pass 2: tasks (sequence, query head, block of QB rows).
+  struct Task {
+    int64_t seq, h, i0;
+  };
+  std::vector<Task> tasks;
+  for (int64_t i = 0; i < num_seqs; ++i)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i0 = 0; i0 < qs[i + 1] - qs[i]; i0 += QB) tasks.push_back({i, h, i0});
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
+    // Per block of RB query rows: Q [RB, D], scores [RB, up to Lp] and out [RB, Dp].
+    std::vector<float> q(static_cast<size_t>(RB * D)), s(static_cast<size_t>(RB * max_lp));
+    std::vector<float> o(static_cast<size_t>(RB * Dp));
+    float inv_sum[RB];
+    for (int64_t ti = t0; ti < t1; ++ti) {
+      const Task& task = tasks[ti];
+      const int64_t seq = task.seq, h = task.h, start = qs[seq], Lq = qs[seq + 1] - start;
+      const int64_t L = ks[seq + 1] - ks[seq], Lp = round_up(L, KP);
+      const int64_t context = L - Lq;  // causal: keys before the first query's position
+      const float* kt = packed + packed_at[seq * Hkv + h / group];
+      const float* v = kt + D * Lp;
+      for (int64_t i0 = task.i0; i0 < std::min(Lq, task.i0 + QB); i0 += RB) {
+        const int64_t rows = std::min(RB, Lq - i0);
+        // Keys this block of rows attends: causal, those up to its last row's position (the rest weigh 0).
+        const int64_t n = causal ? context + i0 + rows : L, np = round_up(n, KP);
+        std::fill(q.begin(), q.end(), 0.f);  // rows past Lq stay zero
+        for (int64_t r = 0; r < rows; ++r) {
+          float* qr = q.data() + r * D;
+          load_row(qr, q_ptr + (start + i0 + r) * q_row + h * D, D);
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) qr[d] *= scale;
-          }
-          for (int64_t j0 = 0; j0 < Lp; j0 += KP) score_block(q.data(), D, kt.data() + j0, Lp, s.data() + j0, Lp);
-          // Softmax numerators per row; the normalisation is applied to the output.
-          for (int64_t r = 0; r < RB; ++r) {
-            float* sp = s.data() + r * Lp;
-            if (r >= rows) {  // rows past Lq: zero weights, their output is never stored
-              std::fill(sp, sp + Lp, 0.f);
-              continue;
-            }
-            // Padded keys (and, causal, the keys after the row's own position): weight exp(MIN_EXP_ARG) ~ 0.
-            for (int64_t j = causal ? context + i0 + r + 1 : L; j < Lp; ++j) sp[j] = PAD_SCORE;
-            const float max_s = row_max(sp, Lp);
-            float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t j = 0; j < Lp; ++j) {
-              sp[j] = expf(std::max(sp[j] - max_s, MIN_EXP_ARG));
-              sum += sp[j];
-            }
-            inv_sum[r] = 1.f / sum;
-          }
-          for (int64_t c0 = 0; c0 < Dp; c0 += KP) value_block(s.data(), Lp, v.data() + c0, Dp, L, o.data() + c0, Dp);
-          for (int64_t r = 0; r < rows; ++r)
-            store_row(o_ptr + ((start + i0 + r) * H + h) * D, o.data() + r * Dp, inv_sum[r], D);
+          for (int64_t d = 0; d < D; ++d) qr[d] *= scale;
         }
+        for (int64_t j0 = 0; j0 < np; j0 += KP) score_block(q.data(), D, kt + j0, Lp, s.data() + j0, np);
+        // Softmax numerators per row; the normalisation is applied to the output.
+        for (int64_t r = 0; r < RB; ++r) {
+          float* sp = s.data() + r * np;
+          if (r >= rows) {  // rows past Lq: zero weights, their output is never stored
+            std::fill(sp, sp + np, 0.f);
+            continue;
+          }
+          // Padded keys (and, causal, the keys after the row's own position): weight exp(MIN_EXP_ARG) ~ 0.
+          for (int64_t j = causal ? context + i0 + r + 1 : L; j < np; ++j) sp[j] = PAD_SCORE;
+          const float max_s = row_max(sp, np);
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = 0; j < np; ++j) {
+            sp[j] = expf(std::max(sp[j] - max_s, MIN_EXP_ARG));
+            sum += sp[j];
+          }
+          inv_sum[r] = 1.f / sum;
+        }
+        for (int64_t c0 = 0; c0 < Dp; c0 += KP) value_block(s.data(), np, v + c0, Dp, n, o.data() + c0, Dp);
+        for (int64_t r = 0; r < rows; ++r)
+          store_row(o_ptr + ((start + i0 + r) * H + h) * D, o.data() + r * Dp, inv_sum[r], D);
       }
     }
   });
@@ -200,8 +236,11 @@ torch::Tensor encoder_attention(const torch::Tensor& query, const torch::Tensor&
   if (key_start.has_value()) {
     TORCH_CHECK(key_start->size(0) == query_start.size(0), "key_start and query_start must list the same sequences");
     ks = offsets(*key_start, "key_start", key.size(0));
-    for (int64_t i = 0; i < num_seqs && causal; ++i)
-      TORCH_CHECK(qs[i + 1] - qs[i] <= ks[i + 1] - ks[i], "causal: sequence ", i, " has more queries than keys");
+    for (int64_t i = 0; i < num_seqs; ++i) {
+      const int64_t queries = qs[i + 1] - qs[i], keys = ks[i + 1] - ks[i];
+      TORCH_CHECK(!causal || queries <= keys, "causal: sequence ", i, " has more queries than keys");
+      TORCH_CHECK(queries == 0 || keys > 0, "sequence ", i, " has queries but no keys");
+    }
   }
   torch::Tensor out = torch::empty({query.size(0), query.size(1), query.size(2)}, query.options());
   const float fscale = static_cast<float>(scale);
