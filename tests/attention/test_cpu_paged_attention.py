@@ -258,11 +258,11 @@ def test_backend_routes_fresh_prompts_by_length(monkeypatch, cache_dtype: torch.
     cache = torch.randn(2, 200, block_size, num_kv_heads, head_dim).to(cache_dtype)  # the first four's context
 
     split = backend.step_plan(meta).kernel_split(40, backend.CONTEXT_CHUNK_KERNEL_MAX_LEN)
-    assert split.kernel_rows.tolist() == [0, 1, 2, 3, 4, 5] and split.sdpa_fresh == {41: [6], 70: [7]}
-    assert split.sdpa_chunks == []
+    assert split.kernel_rows.tolist() == [0, 1, 2, 3, 4, 5] and split.long_fresh == {41: [6], 70: [7]}
+    assert split.long_chunks == []
     # A chunk with context longer than the kernel's limit goes to SDPA over its gathered K/V.
     split = backend.step_plan(meta).kernel_split(40, 8)
-    assert split.kernel_rows.tolist() == [0, 1, 2, 4, 5] and split.sdpa_chunks == [3]
+    assert split.kernel_rows.tolist() == [0, 1, 2, 4, 5] and split.long_chunks == [3]
     monkeypatch.setattr(backend, "CONTEXT_CHUNK_KERNEL_MAX_LEN", 8)
     kernels = _KernelsSpy(load_cpu_kernels())
     got = backend.paged_attention(query, key, value, cache.clone(), meta, head_dim ** -0.5, kernels)
@@ -343,7 +343,7 @@ def test_bf16_queries_leave_shorter_prompts_and_chunks_to_sdpa(monkeypatch) -> N
     tokens = sum(query_lens)
     key, value = (torch.randn(tokens, 3, 64).bfloat16() for _ in range(2))
     split = backend.step_plan(meta).kernel_split(*limits)
-    assert split.kernel_rows.tolist() == [0, 1, 2, 4] and split.sdpa_chunks == [3] and split.sdpa_fresh == {70: [5]}
+    assert split.kernel_rows.tolist() == [0, 1, 2, 4] and split.long_chunks == [3] and split.long_fresh == {70: [5]}
     got = backend.paged_attention(query.bfloat16(), key, value, cache.clone(), meta, 0.125, load_cpu_kernels())
     expected = backend.paged_attention(query.bfloat16().float(), key.float(), value.float(), cache.float(),
                                        build_attention_metadata(query_lens, seq_lens, meta.block_tables.tolist(), 16),

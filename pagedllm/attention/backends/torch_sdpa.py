@@ -30,12 +30,13 @@ from pagedllm.platforms import platform_of
 
 @dataclass
 class KernelSplit:
-    """A step's requests between the CPU kernel and SDPA: ``kernel_rows`` (int32, or None if none), the fresh
-    prompts left to SDPA by query length, and the requests with context whose chunks SDPA attends."""
+    """A step's requests between the paged CPU kernel and the rest: ``kernel_rows`` (int32, or None if none), the
+    fresh prompts past its length by query length, and the requests with context whose chunks are past its length
+    (both for the causal kernels where they are faster, ``_causal_kernel``, else SDPA)."""
 
     kernel_rows: torch.Tensor | None
-    sdpa_fresh: dict[int, list[int]]
-    sdpa_chunks: list[int]
+    long_fresh: dict[int, list[int]]
+    long_chunks: list[int]
 
 
 @dataclass
@@ -107,13 +108,14 @@ def step_plan(meta: AttentionMetadata) -> AttentionPlan:
     return state.paged_plan
 
 
-# Longest fresh prompt the CPU kernel attends; beyond it SDPA is faster. One layer of the default model,
-# 2 cores: 16 x 128 tokens 9.5 ms (kernel) vs 13.2 ms (SDPA); 4 x 512: 27.6 vs 24.3; 2 x 1024: 66 vs 31.
+# Longest fresh prompt the paged CPU kernel attends; beyond it SDPA's blocked matmuls (or the causal kernels,
+# ``_causal_kernel``) are faster. One layer of the default model, 2 cores: 16 x 128 tokens 9.5 ms (kernel) vs 13.2 ms
+# (SDPA); 4 x 512: 27.6 vs 24.3; 2 x 1024: 66 vs 31.
 FRESH_PROMPT_KERNEL_MAX_LEN = 256
-# Longest chunk with earlier context (a later prefill chunk, a prefix-cache hit's rest) the kernel attends;
-# longer ones go to SDPA over K/V gathered from the cache, whose blocked matmuls reuse each key across query
-# rows. One request, one layer of the default model (Intel Xeon, 2 cores), kernel vs SDPA: float32 64 tokens
-# over 1,024 1.2 vs 0.9 ms, 128 over 512 1.0 vs 0.8, 952 over 3,000 60 vs 27; bf16 128 over 512 1.1 vs 0.4,
+# Longest chunk with earlier context (a later prefill chunk, a prefix-cache hit's rest) the paged kernel attends;
+# longer ones go to SDPA (or the causal kernels) over K/V gathered from the cache, whose blocked matmuls reuse each
+# key across query rows. One request, one layer of the default model (Intel Xeon, 2 cores), kernel vs SDPA: float32
+# 64 tokens over 1,024 1.2 vs 0.9 ms, 128 over 512 1.0 vs 0.8, 952 over 3,000 60 vs 27; bf16 128 over 512 1.1 vs 0.4,
 # 952 over 3,000 45 vs 12.5; at 8-16 tokens the kernel is faster.
 CONTEXT_CHUNK_KERNEL_MAX_LEN = 128
 # The limits for a bf16 query on a CPU with native bf16 (oneDNN's: AMX or AVX512-BF16), where SDPA's blocked bf16
@@ -148,15 +150,15 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     plan = step_plan(meta)
     if kernels is not None:
         # The kernel takes decodes, short chunks and short fresh prompts (reading their K/V back from the cache
-        # while it is hot); longer ones go to SDPA's blocked matmuls.
+        # while it is hot); longer ones go to the causal kernels or SDPA's blocked matmuls.
         split = plan.kernel_split(*kernel_limits(query))
-        kernel_rows, sdpa_fresh = split.kernel_rows, split.sdpa_fresh
-        if split.sdpa_chunks:
+        kernel_rows, fresh_left = split.kernel_rows, split.long_fresh
+        if split.long_chunks:
             chunk_kernel = _causal_kernel(kernels, query)
             if chunk_kernel is not None:
-                _attend_chunks_in_kernel(query, kv_cache, meta, split.sdpa_chunks, scale, out, kernels, chunk_kernel)
+                _attend_chunks_in_kernel(query, kv_cache, meta, split.long_chunks, scale, out, kernels, chunk_kernel)
             else:
-                _attend_chunks(query, kv_cache, meta, split.sdpa_chunks, scale, out)
+                _attend_chunks(query, kv_cache, meta, split.long_chunks, scale, out)
         if kernel_rows is not None:
             # float32, or bf16 with a bf16 cache (the kernel widens each token's query itself); any other
             # query goes through float32 copies.
@@ -166,18 +168,18 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             kernels.paged_attention(q_in, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens,
                                     meta.query_start_loc, out_k, scale, kernel_rows)
             if out_k is not out:
-                out.copy_(out_k)  # rows left to SDPA are overwritten below
+                out.copy_(out_k)  # rows left to the other paths are overwritten below
     else:
-        sdpa_fresh = plan.fresh_groups
+        fresh_left = plan.fresh_groups
         if plan.with_context:
             _attend_with_context(query, kv_cache, meta, plan.with_context, scale, out)
-    if sdpa_fresh:
+    if fresh_left:
         key, value = as_stored(key, kv_cache.dtype), as_stored(value, kv_cache.dtype)
         prompt_kernel = _causal_kernel(kernels, query, key, value) if kernels is not None else None
         if prompt_kernel is not None:
-            _attend_fresh_in_kernel(query, key, value, meta, sdpa_fresh, scale, out, kernels, prompt_kernel)
+            _attend_fresh_in_kernel(query, key, value, meta, fresh_left, scale, out, kernels, prompt_kernel)
             return out
-    for q_len, rows in sdpa_fresh.items():
+    for q_len, rows in fresh_left.items():
         _attend_fresh(query, key, value, meta, q_len, rows, scale, out)
     return out
 

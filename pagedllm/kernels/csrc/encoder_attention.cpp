@@ -1,7 +1,8 @@
 // Bidirectional attention for encoder models (BERT and kin): every token attends to every token of its own
 // sequence. Sequences are short (an embedding request is a sentence or a paragraph) and a step holds many, so
-// torch's SDPA spends more on gathering them into padded, masked batches than on the arithmetic: one task
-// here is one (sequence, head), read in place from the fused qkv projection's output, never padded. `causal` makes
+// torch's SDPA spends more on gathering them into padded, masked batches than on the arithmetic: here q/k/v are read
+// in place from the fused qkv projection's output, never padded; each (sequence, KV head)'s K and V are converted to
+// float32 once, then a task is one query head and 32 query rows of a sequence. `causal` makes
 // each query see only the keys up to its own position (a decoder's prompts, torch_sdpa.py): a sequence's Lq queries
 // are the last Lq of its L key positions, so query row i sees keys 0 .. L - Lq + i (Lq = L: a fresh prompt).
 //
