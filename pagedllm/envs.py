@@ -86,8 +86,12 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in [
     EnvVar("PAGEDLLM_ENCODER_ATTENTION_BF16", "auto", _choice("auto", "amx", "avx512_bf16", "off"),
            "bf16 encoder attention (Whisper's encoder, BERT-style models) on the CPU: `auto` runs it on AMX tiles "
            "where the CPU has them, else on AVX-512 BF16 dot products where it has those (which then take a "
-           "decoder's fresh prompts too); `amx` or `avx512_bf16` only that kernel; `off` (and a CPU with neither) "
-           "the generic CPU kernel up to 512 positions and torch's SDPA beyond (comparisons)."),
+           "decoder's long prompts and their later chunks too); `amx` or `avx512_bf16` only that kernel; `off` (and "
+           "a CPU with neither) the generic CPU kernel up to 512 positions and torch's SDPA beyond (comparisons)."),
+    EnvVar("PAGEDLLM_PROMPT_ATTENTION_FLOAT32", "auto", _choice("auto", "kernel", "sdpa"),
+           "float32 prompts past the paged CPU kernel's lengths (fresh, or later chunks over their context): `auto` "
+           "attends them in the causal generic CPU kernel where the kernels are built for AVX-512, in torch's SDPA "
+           "elsewhere; `kernel` or `sdpa` that path on any CPU (comparisons on CPU kinds not measured)."),
     EnvVar("PAGEDLLM_KV_CACHE_PREFAULT", True, _flag,
            "Default of `--kv-cache-prefault`: write the CPU KV cache's pages at start-up (1) or map them as blocks "
            "are first used (0)."),

@@ -236,11 +236,12 @@ def test_kernel_only_touches_listed_requests() -> None:
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])  # bf16: --kv-cache-dtype, float32 model
-def test_backend_routes_fresh_prompts_by_length(monkeypatch, cache_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("choice", ["auto", "kernel", "sdpa"])  # PAGEDLLM_PROMPT_ATTENTION_FLOAT32
+def test_backend_routes_fresh_prompts_by_length(monkeypatch, cache_dtype: torch.dtype, choice: str) -> None:
     """A mixed step (decodes, a chunk with context, short and long fresh prompts) through the backend: the kernel
-    path (short fresh prompts in the paged kernel; with kernels built for AVX-512 long ones in the causal generic
-    kernel, one call for the adjacent two, and the chunk too, over its K/V gathered in float32; else SDPA) equals the
-    portable path (SDPA)."""
+    path (short fresh prompts in the paged kernel; with kernels built for AVX-512, or the switch forcing it, long
+    ones in the causal generic kernel, one call for the adjacent two, and the chunk too, over its K/V gathered in
+    float32; else SDPA) equals the portable path (SDPA)."""
     import pagedllm.attention.backends.torch_sdpa as backend
 
     assert load_cpu_kernels() is not None
@@ -264,10 +265,12 @@ def test_backend_routes_fresh_prompts_by_length(monkeypatch, cache_dtype: torch.
     split = backend.step_plan(meta).kernel_split(40, 8)
     assert split.kernel_rows.tolist() == [0, 1, 2, 4, 5] and split.long_chunks == [3]
     monkeypatch.setattr(backend, "CONTEXT_CHUNK_KERNEL_MAX_LEN", 8)
+    monkeypatch.setenv("PAGEDLLM_PROMPT_ATTENTION_FLOAT32", choice)
     kernels = _KernelsSpy(load_cpu_kernels())
     got = backend.paged_attention(query, key, value, cache.clone(), meta, head_dim ** -0.5, kernels)
     in_kernel = [("generic", [0, 9], [0, 50]), ("generic", [0, 41, 111], None)]
-    assert kernels.causal_calls == (in_kernel if kernels.built_for_avx512 else [])
+    takes = choice == "kernel" or (choice == "auto" and kernels.built_for_avx512)
+    assert kernels.causal_calls == (in_kernel if takes else [])
     expected = backend.paged_attention(query, key, value, cache.clone(),
                                        build_attention_metadata(query_lens, seq_lens, tables, block_size),
                                        head_dim ** -0.5)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pagedllm import envs
 from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.attention.backends.cross_attention import cross_attention, cross_layout
 from pagedllm.attention.backends.paged_kv import as_stored, gather_tokens, write_kv
@@ -192,7 +193,8 @@ def _causal_kernel(kernels: Any, query: torch.Tensor, *kv: torch.Tensor) -> str 
     512 tokens 2.1 vs 4.0 ms, 2,048 32 vs 40, 4,096 126 vs 140; a chunk of 1,024 over 1,024 of context 24 vs 36, of
     2,048 over 2,048 91 vs 159. Built for AVX2 its blocks are 4 rows tall and it streams K and V twice as often:
     on the same CPU with torch, MKL and the kernels held to AVX2 it lost from 2,048 tokens on (58 vs 39 ms; a chunk
-    of 2,048 over 6,144 466 vs 307), so there SDPA keeps them. bf16: the dot-product kernel where the CPU has one
+    of 2,048 over 6,144 466 vs 307), so there SDPA keeps them (``PAGEDLLM_PROMPT_ATTENTION_FLOAT32`` forces either
+    path). bf16: the dot-product kernel where the CPU has one
     and no AMX tiles (``bf16_kernel``). The kernel reads the query (and ``kv``, a fresh prompt's own K/V; a chunk's
     are gathered in the query's dtype) in place: each token's heads must be contiguous, as views of a fused
     projection have them, and K/V must be in the query's dtype."""
@@ -200,7 +202,8 @@ def _causal_kernel(kernels: Any, query: torch.Tensor, *kv: torch.Tensor) -> str 
             not all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (query, *kv)):
         return None
     if query.dtype == torch.float32:
-        return "generic" if kernels.built_for_avx512 else None
+        choice = envs.PAGEDLLM_PROMPT_ATTENTION_FLOAT32
+        return "generic" if choice == "kernel" or (choice == "auto" and kernels.built_for_avx512) else None
     return bf16_kernel(kernels, query, causal=True)
 
 
