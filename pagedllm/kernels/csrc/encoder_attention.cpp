@@ -28,6 +28,10 @@
 #include <string>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 constexpr int64_t KP = 16;  // keys (and value columns) per register block: one AVX-512 register of float32
@@ -61,6 +65,34 @@ inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 // registers (a loop over a runtime length that updates a row of scores in memory chains every step through a
 // store and a reload instead, which made this kernel as slow as the padded SDPA it replaces).
 
+// On AVX-512 the two blocks are written with intrinsics, one 16-lane register per row: GCC's tuning for some
+// AVX-512 CPUs (Intel's) prefers 256-bit vectors for loops it vectorises itself, which would halve them there.
+#if defined(__AVX512F__)
+static_assert(KP == 16 && RB == 8, "one register of keys per row");
+
+// s[r, j] = sum_d q[r, d] * kt[d, j] for RB rows and KP keys; q [RB, D] (row stride D), kt [D, Lp].
+inline void score_block(const float* q, int64_t D, const float* kt, int64_t Lp, float* s, int64_t s_row) {
+  __m512 acc[RB];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m512 k = _mm512_loadu_ps(kt + d * Lp);
+    for (int r = 0; r < RB; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * D + d]), k, acc[r]);
+  }
+  for (int r = 0; r < RB; ++r) _mm512_storeu_ps(s + r * s_row, acc[r]);
+}
+
+// o[r, c] = sum_j p[r, j] * v[j, c] for RB rows and KP value columns; p [RB, n] (row stride p_row), v [n, Dp].
+inline void value_block(const float* p, int64_t p_row, const float* v, int64_t Dp, int64_t n, float* o,
+                        int64_t o_row) {
+  __m512 acc[RB];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const __m512 vj = _mm512_loadu_ps(v + j * Dp);
+    for (int r = 0; r < RB; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * p_row + j]), vj, acc[r]);
+  }
+  for (int r = 0; r < RB; ++r) _mm512_storeu_ps(o + r * o_row, acc[r]);
+}
+#else
 // s[r, j] = sum_d q[r, d] * kt[d, j] for RB rows and KP keys; q [RB, D] (row stride D), kt [D, Lp].
 inline void score_block(const float* q, int64_t D, const float* kt, int64_t Lp, float* s, int64_t s_row) {
   float acc[RB][KP] = {};
@@ -91,6 +123,7 @@ inline void value_block(const float* p, int64_t p_row, const float* v, int64_t D
   for (int r = 0; r < RB; ++r)
     for (int c = 0; c < KP; ++c) o[r * o_row + c] = acc[r][c];
 }
+#endif
 
 // Query rows per task: a task is one query head and QB rows of one sequence, so that one long sequence still
 // spreads over every thread (as one task per (sequence, KV head), a 2,048-token prompt with 3 KV heads kept one of
