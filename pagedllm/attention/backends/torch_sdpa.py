@@ -191,13 +191,12 @@ def _causal_kernel(kernels: Any, query: torch.Tensor, *kv: torch.Tensor) -> str 
     float32: the generic kernel where it is built for AVX-512 (blocks of 8 rows x 16 keys, skipping the keys past
     each block's last row). Against SDPA (AMD Zen 4, 2 threads, one layer of the default model): fresh prompts of
     512 tokens 2.1 vs 4.0 ms, 2,048 32 vs 40, 4,096 126 vs 140; a chunk of 1,024 over 1,024 of context 24 vs 36, of
-    2,048 over 2,048 91 vs 159. Built for AVX2 its blocks are 4 rows tall and it streams K and V twice as often:
-    on the same CPU with torch, MKL and the kernels held to AVX2 it lost from 2,048 tokens on (58 vs 39 ms; a chunk
-    of 2,048 over 6,144 466 vs 307), so there SDPA keeps them (``PAGEDLLM_PROMPT_ATTENTION_FLOAT32`` forces either
-    path). bf16: the dot-product kernel where the CPU has one
-    and no AMX tiles (``bf16_kernel``). The kernel reads the query (and ``kv``, a fresh prompt's own K/V; a chunk's
-    are gathered in the query's dtype) in place: each token's heads must be contiguous, as views of a fused
-    projection have them, and K/V must be in the query's dtype."""
+    2,048 over 2,048 91 vs 159. Built for AVX2 (blocks of 4 rows) it is slower: on the same CPU with torch, MKL
+    and the kernels held to AVX2 it lost from 2,048 tokens on (58 vs 39 ms; a chunk of 2,048 over 6,144 466 vs
+    307), so there SDPA keeps them (``PAGEDLLM_PROMPT_ATTENTION_FLOAT32`` forces either path). bf16: the
+    dot-product kernel where the CPU has one and no AMX tiles (``bf16_kernel``). The kernel reads the query (and
+    ``kv``, a fresh prompt's own K/V; a chunk's are gathered in the query's dtype) in place: each token's heads must
+    be contiguous, as views of a fused projection have them, and K/V must be in the query's dtype."""
     if any(t.dtype != query.dtype for t in kv) or \
             not all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (query, *kv)):
         return None
