@@ -261,7 +261,7 @@ def test_backend_routes_fresh_prompts_by_length(monkeypatch, cache_dtype: torch.
     split = backend.step_plan(meta).kernel_split(40, backend.CONTEXT_CHUNK_KERNEL_MAX_LEN)
     assert split.kernel_rows.tolist() == [0, 1, 2, 3, 4, 5] and split.long_fresh == {41: [6], 70: [7]}
     assert split.long_chunks == []
-    # A chunk with context longer than the kernel's limit goes to SDPA over its gathered K/V.
+    # A chunk with context longer than the kernel's limit goes to the causal kernel or SDPA, over its gathered K/V.
     split = backend.step_plan(meta).kernel_split(40, 8)
     assert split.kernel_rows.tolist() == [0, 1, 2, 4, 5] and split.long_chunks == [3]
     monkeypatch.setattr(backend, "CONTEXT_CHUNK_KERNEL_MAX_LEN", 8)

@@ -259,12 +259,12 @@ def test_causal_kernels_attend_chunks_over_their_context(kernel, dtype, query_le
             ref.append(o.transpose(0, 1).reshape(n_q, -1))
     tol = 3e-2 if dtype == torch.bfloat16 else 5e-5  # float32: sums of 256 products differ by ~2e-5
     torch.testing.assert_close(out.float().view(qsl[-1], -1), torch.cat(ref), atol=tol, rtol=tol)
-    if len(query_lens) == 1:  # the context mattered: its last query attends to its own chunk only, here
+    if len(query_lens) == 1:  # the context mattered: over its own chunk's keys alone the answer differs
         own = kernels.encoder_attention(q, k[1000:], v[1000:], offsets, dim ** -0.5, kernel, True)
         assert not torch.allclose(own.float(), out.float(), atol=tol)
 
 
-def test_causal_kernel_refuses_more_queries_than_keys():
+def test_key_start_is_checked():
     kernels = load_cpu_kernels()
     if kernels is None:
         pytest.skip("no C++ CPU kernels on this machine (no compiler)")
@@ -276,6 +276,8 @@ def test_causal_kernel_refuses_more_queries_than_keys():
         kernels.encoder_attention(q, kv, kv, qs, 1.0, "generic", True, torch.tensor([0, 4, 7], dtype=torch.int32))
     with pytest.raises(RuntimeError, match="same sequences"):
         kernels.encoder_attention(q, kv, kv, qs, 1.0, "generic", True, torch.tensor([0, 6], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="sequence 1 has queries but no keys"):
+        kernels.encoder_attention(q, kv, kv, qs, 1.0, "generic", False, torch.tensor([0, 4, 4], dtype=torch.int32))
     with pytest.raises(RuntimeError, match="do not match"):  # without key_start, queries and keys pair row by row
         kernels.encoder_attention(q, kv, kv, qs, 1.0)
 
