@@ -61,7 +61,7 @@ struct Task {
   int64_t rows;       // real query rows (<= QB); rows past it read zeros
   const uint32_t* kp;
   const uint32_t* vp;
-  int64_t L, Lp;      // the sequence's length, and as packed (the stride of packed K's chunks of 32 dims)
+  int64_t L, Lp;      // the sequence's keys, and as packed (the stride of packed K's chunks of 32 dims)
   int64_t Lk;         // keys this task attends (a multiple of KC <= Lp): the length of its rows of S and P
 };
 
