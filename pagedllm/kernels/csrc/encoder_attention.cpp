@@ -61,67 +61,40 @@ inline float row_max(const float* s, int64_t n) {
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-// Register-blocked small matmuls: with fixed trip counts the compiler keeps the RB x KP accumulators in
-// registers (a loop over a runtime length that updates a row of scores in memory chains every step through a
-// store and a reload instead, which made this kernel as slow as the padded SDPA it replaces).
-
-// On AVX-512 the two blocks are written with intrinsics, one 16-lane register per row: GCC's tuning for some
-// AVX-512 CPUs (Intel's) prefers 256-bit vectors for loops it vectorises itself, which would halve them there.
+// One register-blocked small matmul serves both products: Q K^T (a = the scaled queries [RB, D], b = K^T [D, Lp])
+// and P V (a = the probabilities [RB, n], b = V [n, Dp]). With fixed trip counts the RB x KP accumulators stay in
+// registers (a loop over a runtime length that updates a row of scores in memory chains every step through a store
+// and a reload instead, which made this kernel as slow as the padded SDPA it replaces).
+//   out[r, c] = sum_i a[r * a_row + i] * b[i * b_row + c]   for RB rows, KP columns and i < n
 #if defined(__AVX512F__)
-static_assert(KP == 16 && RB == 8, "one register of keys per row");
+// Intrinsics, one 16-lane register per row: GCC's tuning for some AVX-512 CPUs (Intel's) prefers 256-bit vectors
+// for loops it vectorises itself, which would halve them there.
+static_assert(KP == 16 && RB == 8, "one register of columns per row");
 
-// s[r, j] = sum_d q[r, d] * kt[d, j] for RB rows and KP keys; q [RB, D] (row stride D), kt [D, Lp].
-inline void score_block(const float* q, int64_t D, const float* kt, int64_t Lp, float* s, int64_t s_row) {
+inline void block_product(const float* a, int64_t a_row, const float* b, int64_t b_row, int64_t n, float* out,
+                          int64_t out_row) {
   __m512 acc[RB];
-  for (auto& a : acc) a = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; ++d) {
-    const __m512 k = _mm512_loadu_ps(kt + d * Lp);
-    for (int r = 0; r < RB; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * D + d]), k, acc[r]);
+  for (auto& x : acc) x = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    const __m512 bi = _mm512_loadu_ps(b + i * b_row);
+    for (int r = 0; r < RB; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a[r * a_row + i]), bi, acc[r]);
   }
-  for (int r = 0; r < RB; ++r) _mm512_storeu_ps(s + r * s_row, acc[r]);
-}
-
-// o[r, c] = sum_j p[r, j] * v[j, c] for RB rows and KP value columns; p [RB, n] (row stride p_row), v [n, Dp].
-inline void value_block(const float* p, int64_t p_row, const float* v, int64_t Dp, int64_t n, float* o,
-                        int64_t o_row) {
-  __m512 acc[RB];
-  for (auto& a : acc) a = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    const __m512 vj = _mm512_loadu_ps(v + j * Dp);
-    for (int r = 0; r < RB; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * p_row + j]), vj, acc[r]);
-  }
-  for (int r = 0; r < RB; ++r) _mm512_storeu_ps(o + r * o_row, acc[r]);
+  for (int r = 0; r < RB; ++r) _mm512_storeu_ps(out + r * out_row, acc[r]);
 }
 #else
-// s[r, j] = sum_d q[r, d] * kt[d, j] for RB rows and KP keys; q [RB, D] (row stride D), kt [D, Lp].
-inline void score_block(const float* q, int64_t D, const float* kt, int64_t Lp, float* s, int64_t s_row) {
+inline void block_product(const float* a, int64_t a_row, const float* b, int64_t b_row, int64_t n, float* out,
+                          int64_t out_row) {
   float acc[RB][KP] = {};
-  for (int64_t d = 0; d < D; ++d) {
-    const float* k = kt + d * Lp;
+  for (int64_t i = 0; i < n; ++i) {
+    const float* bi = b + i * b_row;
     for (int r = 0; r < RB; ++r) {
-      const float qd = q[r * D + d];
+      const float ai = a[r * a_row + i];
 #pragma omp simd
-      for (int c = 0; c < KP; ++c) acc[r][c] += qd * k[c];
+      for (int c = 0; c < KP; ++c) acc[r][c] += ai * bi[c];
     }
   }
   for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < KP; ++c) s[r * s_row + c] = acc[r][c];
-}
-
-// o[r, c] = sum_j p[r, j] * v[j, c] for RB rows and KP value columns; p [RB, n] (row stride p_row), v [n, Dp].
-inline void value_block(const float* p, int64_t p_row, const float* v, int64_t Dp, int64_t n, float* o,
-                        int64_t o_row) {
-  float acc[RB][KP] = {};
-  for (int64_t j = 0; j < n; ++j) {
-    const float* vj = v + j * Dp;
-    for (int r = 0; r < RB; ++r) {
-      const float pj = p[r * p_row + j];
-#pragma omp simd
-      for (int c = 0; c < KP; ++c) acc[r][c] += pj * vj[c];
-    }
-  }
-  for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < KP; ++c) o[r * o_row + c] = acc[r][c];
+    for (int c = 0; c < KP; ++c) out[r * out_row + c] = acc[r][c];
 }
 #endif
 
@@ -207,7 +180,7 @@ void run(const torch::Tensor& query, const torch::Tensor& key, const torch::Tens
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) qr[d] *= scale;
         }
-        for (int64_t j0 = 0; j0 < np; j0 += KP) score_block(q.data(), D, kt + j0, Lp, s.data() + j0, np);
+        for (int64_t j0 = 0; j0 < np; j0 += KP) block_product(q.data(), D, kt + j0, Lp, D, s.data() + j0, np);
         // Softmax numerators per row; the normalisation is applied to the output.
         for (int64_t r = 0; r < RB; ++r) {
           float* sp = s.data() + r * np;
@@ -226,7 +199,7 @@ void run(const torch::Tensor& query, const torch::Tensor& key, const torch::Tens
           }
           inv_sum[r] = 1.f / sum;
         }
-        for (int64_t c0 = 0; c0 < Dp; c0 += KP) value_block(s.data(), np, v + c0, Dp, n, o.data() + c0, Dp);
+        for (int64_t c0 = 0; c0 < Dp; c0 += KP) block_product(s.data(), np, v + c0, Dp, n, o.data() + c0, Dp);
         for (int64_t r = 0; r < rows; ++r)
           store_row(o_ptr + ((start + i0 + r) * H + h) * D, o.data() + r * Dp, inv_sum[r], D);
       }
