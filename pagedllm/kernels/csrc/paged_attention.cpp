@@ -104,49 +104,59 @@ inline void prefetch_line(const char* p) {
 #endif
 }
 
-// Issue prefetches for a task's part of a KV block: `row_elems` elements at each of `n` token rows `row_stride`
-// apart (all KV heads: the whole block, contiguous), from `first` and each of `others` (the same rows of another
-// cache, line by line in turn). The next block sits at an unrelated address, so the hardware prefetcher cannot
-// guess it; a task of one KV head prefetches only its rows (the whole block, for each of 8 heads, made a 1-query
-// cross-attention over 1,500 positions 4x slower).
-template <Into level = Into::L1, typename KV, typename... Same>
-inline void prefetch_block(int64_t row_stride, int64_t n, int64_t row_elems, const KV* first, const Same*... others) {
+// Prefetch into L1 a task's part of a KV block: `row_elems` elements at each of `n` token rows `row_stride` apart
+// (all KV heads: the whole block, contiguous). The next block sits at an unrelated address, so the hardware
+// prefetcher cannot guess it; a task of one KV head prefetches only its rows (the whole block, for each of 8 heads,
+// made a 1-query cross-attention over 1,500 positions 4x slower).
+template <typename KV>
+inline void prefetch_block(int64_t row_stride, int64_t n, int64_t row_elems, const KV* rows) {
   if (row_elems == row_stride) row_elems *= n, n = 1;  // contiguous rows: one span
   const int64_t bytes = row_elems * static_cast<int64_t>(sizeof(KV));
   for (int64_t t = 0; t < n; ++t)
-    for (int64_t off = 0; off < bytes; off += 64) {
-      prefetch_line<level>(reinterpret_cast<const char*>(first + t * row_stride) + off);
-      (prefetch_line<level>(reinterpret_cast<const char*>(others + t * row_stride) + off), ...);
-    }
+    for (int64_t off = 0; off < bytes; off += 64)
+      prefetch_line<Into::L1>(reinterpret_cast<const char*>(rows + t * row_stride) + off);
 }
 
-// Prefetches into L2 the K and V rows of a thread's next task (blocks b_begin .. b_end of its block table, each
-// as prefetch_block), a few blocks at a time while the current task computes (`issue`), the rest when it ends
-// (`finish`). Issued all at once at the start of a task, they held the thread until the next task's lines were on
-// their way: a decode layer over 200 requests (~192 tokens each, bf16, AMD Zen 4, 2 threads) took 1.72-1.82 ms,
-// spread 1.60-1.63 ms (18 GB/s of K/V on a machine that reads 32 GB/s; its compute alone, with the K/V in cache,
-// is ~0.8 ms, so part of the memory time still does not overlap it).
+// Prefetches into L2 the K and V rows of a thread's next task (blocks b_begin .. b_end of its block table: all K rows,
+// then all V rows, in the order that task reads them), a few token rows at each `issue` while the current task
+// computes, the rest at `finish`. The rows must be spread evenly over the whole task: issued a block (~200 cache
+// lines) at a time, they filled the core's outstanding-miss slots in bursts that held up the compute, and the memory
+// idled while the kernel computed. A decode layer over 200 requests (~192 tokens each, bf16 K/V in 16-token blocks in
+// random order, AMD Zen 4, 2 threads) took 1.8-1.9 ms with a block per issue (16 GB/s of K/V on a machine that reads
+// 24 GB/s on one core and 33 on two; the compute alone, K/V in cache, takes ~0.7 ms), 1.1-1.2 ms spread.
 template <typename KV>
 struct TaskPrefetch {
-  const KV* k_cache = nullptr;
-  const KV* v_cache = nullptr;
-  const int32_t* table = nullptr;
-  int64_t b = 0, b_end = 0, per_issue = 0;
-  int64_t blk_stride = 0, row_stride = 0, n = 0, row_elems = 0;
+  int64_t blk_stride = 0, row_stride = 0, n = 0, row_elems = 0;  // the cache's layout and a task's share of a row
 
-  // Spread blocks b_begin .. b_end over `issues` calls of `issue`.
+  // Spread the rows of blocks b_begin .. b_end of `tbl` (K rows of k, then V rows of v) over `issues` calls of
+  // `issue`.
   void start(const KV* k, const KV* v, const int32_t* tbl, int64_t b_begin, int64_t b_stop, int64_t issues) {
-    k_cache = k, v_cache = v, table = tbl, b = b_begin, b_end = b_stop;
-    per_issue = (b_end - b + std::max<int64_t>(issues, 1) - 1) / std::max<int64_t>(issues, 1);
+    cache[0] = k, cache[1] = v, table = tbl, first = b_begin, b_end = b_stop;
+    pass = b_begin < b_stop ? 0 : 2, b = b_begin, row = 0;
+    per_issue = 2 * (b_stop - b_begin) * n / std::max<int64_t>(issues, 1) + 1;  // done a little before the task ends
   }
-  void issue() { run(std::min(b_end, b + per_issue)); }
-  void finish() { run(b_end); }
+  void issue() { run(per_issue); }
+  void finish() { run(std::numeric_limits<int64_t>::max()); }
 
  private:
-  void run(int64_t until) {
-    for (; b < until; ++b)
-      prefetch_block<Into::L2>(row_stride, n, row_elems, k_cache + table[b] * blk_stride,
-                               v_cache + table[b] * blk_stride);
+  const KV* cache[2] = {nullptr, nullptr};
+  const int32_t* table = nullptr;
+  int64_t first = 0, b_end = 0, per_issue = 0;
+  int64_t pass = 2, b = 0, row = 0;  // the next row: of K (0) or V (1), block, row in it; pass 2: all issued
+
+  void run(int64_t rows) {
+    const int64_t row_bytes = row_elems * static_cast<int64_t>(sizeof(KV));
+    while (rows > 0 && pass < 2) {
+      const KV* r = cache[pass] + table[b] * blk_stride + row * row_stride;
+      const int64_t take = std::min(rows, n - row);
+      for (int64_t t = 0; t < take; ++t, r += row_stride)
+        for (int64_t off = 0; off < row_bytes; off += 64) prefetch_line<Into::L2>(reinterpret_cast<const char*>(r) + off);
+      rows -= take, row += take;
+      if (row < n) return;
+      row = 0;
+      if (++b < b_end) continue;
+      b = first, ++pass;
+    }
   }
 };
 
@@ -422,7 +432,7 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache, const torch
     }
 #endif
     // Each thread claims its next task when it starts one, and prefetches that task's blocks while computing this
-    // one: a share at each block of this task's two passes (TaskPrefetch).
+    // one: a few token rows at each KV head of each block of this task's two passes (TaskPrefetch).
     TaskPrefetch<KV> ahead;
     ahead.blk_stride = blk_stride, ahead.row_stride = tok_stride, ahead.n = block_size, ahead.row_elems = task_elems;
     const auto task_blocks = [&](const Task& t) {  // blocks [first, end) of a task's partition
@@ -437,7 +447,7 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache, const torch
         const auto [first, end] = task_blocks(t);
         const auto [own_first, own_end] = task_blocks(task);
         ahead.start(k_ptr + t.h_begin * D, v_ptr + t.h_begin * D, bt + ri[t.idx] * max_blocks, first, end,
-                    2 * (own_end - own_first));
+                    2 * (own_end - own_first) * heads_per_task * (task.j_end - task.j_begin));
       } else {
         ahead.start(k_ptr, v_ptr, nullptr, 0, 0, 1);  // nothing left to prefetch
       }
@@ -479,11 +489,11 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache, const torch
         // Pass 1: scaled scores [HG, nk], block by block; the G query heads of a KV head share each K row.
         for (int64_t b = b0; b < b1; ++b) {
           const int64_t n = std::min(block_size, ctx - b * block_size);
-          ahead.issue();
           if (b + 1 < b1)
             prefetch_block(tok_stride, block_size, task_elems, k_ptr + table[b + 1] * blk_stride + h_begin * D);
           const KV* blk = k_ptr + table[b] * blk_stride;
           for (int64_t h = h_begin; h < h_end; ++h) {
+            ahead.issue();
             float* sh = scores.data() + (h - h_begin) * G * nk + (b - b0) * block_size;
 #if defined(PAGEDLLM_AMX)
             if constexpr (std::is_same_v<Q, at::BFloat16> && std::is_same_v<KV, at::BFloat16>) {
@@ -533,11 +543,11 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache, const torch
 #endif
         for (int64_t b = b0; b < b1; ++b) {
           const int64_t n = std::min(block_size, ctx - b * block_size);
-          ahead.issue();
           if (b + 1 < b1)
             prefetch_block(tok_stride, block_size, task_elems, v_ptr + table[b + 1] * blk_stride + h_begin * D);
           const KV* blk = v_ptr + table[b] * blk_stride;
           for (int64_t h = h_begin; h < h_end; ++h) {
+            ahead.issue();
 #if defined(__AVX512BF16__)
             if constexpr (std::is_same_v<KV, at::BFloat16>) {
               if (pair_sums) {
