@@ -86,35 +86,15 @@ inline void accumulate_chunks(const float* p, int64_t stride, const KV* rows, in
 }
 #endif
 
-// Where a prefetch puts its line.
-enum class Into { L1, L2 };
-
-// One line into L1 or L2. Inline asm rather than __builtin_prefetch: GCC 12 deletes a loop nest whose only
-// statements are __builtin_prefetch calls (every prefetch of the task prefetch loop was gone from the build).
-template <Into level>
-inline void prefetch_line(const char* p) {
+// One line into L2. Inline asm rather than __builtin_prefetch: GCC 12 deletes a loop nest whose only statements
+// are __builtin_prefetch calls (every prefetch of the task prefetch loop was gone from the build). On AMD Zen 4,
+// with the prefetches still issued a block at a time, prefetcht0 (into L1) ran 1.4x slower and prefetchnta 1.5x.
+inline void prefetch_into_l2(const char* p) {
 #if defined(__x86_64__)
-  if constexpr (level == Into::L1) {
-    asm volatile("prefetcht0 %0" ::"m"(*p));
-  } else {
-    asm volatile("prefetcht1 %0" ::"m"(*p));
-  }
+  asm volatile("prefetcht1 %0" ::"m"(*p));
 #else
-  __builtin_prefetch(p, 0, level == Into::L1 ? 3 : 2);
+  __builtin_prefetch(p, 0, 2);
 #endif
-}
-
-// Prefetch into L1 a task's part of a KV block: `row_elems` elements at each of `n` token rows `row_stride` apart
-// (all KV heads: the whole block, contiguous). The next block sits at an unrelated address, so the hardware
-// prefetcher cannot guess it; a task of one KV head prefetches only its rows (the whole block, for each of 8 heads,
-// made a 1-query cross-attention over 1,500 positions 4x slower).
-template <typename KV>
-inline void prefetch_block(int64_t row_stride, int64_t n, int64_t row_elems, const KV* rows) {
-  if (row_elems == row_stride) row_elems *= n, n = 1;  // contiguous rows: one span
-  const int64_t bytes = row_elems * static_cast<int64_t>(sizeof(KV));
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t off = 0; off < bytes; off += 64)
-      prefetch_line<Into::L1>(reinterpret_cast<const char*>(rows + t * row_stride) + off);
 }
 
 // Prefetches into L2 the K and V rows of a thread's next task (blocks b_begin .. b_end of its block table: all K rows,
@@ -124,6 +104,9 @@ inline void prefetch_block(int64_t row_stride, int64_t n, int64_t row_elems, con
 // idled while the kernel computed. A decode layer over 200 requests (~192 tokens each, bf16 K/V in 16-token blocks in
 // random order, AMD Zen 4, 2 threads) took 1.8-1.9 ms with a block per issue (16 GB/s of K/V on a machine that reads
 // 24 GB/s on one core and 33 on two; the compute alone, K/V in cache, takes ~0.7 ms), 1.1-1.2 ms spread.
+// A task of one KV head prefetches only that head's rows (whole blocks, for each of 8 heads, made a 1-query
+// cross-attention over 1,500 positions 4x slower). The current task then reads its rows from L2: prefetching each
+// next block into L1 as well cost more than it saved (single decodes 10-25% slower, 200 decodes the same).
 template <typename KV>
 struct TaskPrefetch {
   int64_t blk_stride = 0, row_stride = 0, n = 0, row_elems = 0;  // the cache's layout and a task's share of a row
@@ -150,7 +133,7 @@ struct TaskPrefetch {
       const KV* r = cache[pass] + table[b] * blk_stride + row * row_stride;
       const int64_t take = std::min(rows, n - row);
       for (int64_t t = 0; t < take; ++t, r += row_stride)
-        for (int64_t off = 0; off < row_bytes; off += 64) prefetch_line<Into::L2>(reinterpret_cast<const char*>(r) + off);
+        for (int64_t off = 0; off < row_bytes; off += 64) prefetch_into_l2(reinterpret_cast<const char*>(r) + off);
       rows -= take, row += take;
       if (row < n) return;
       row = 0;
@@ -489,8 +472,6 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache, const torch
         // Pass 1: scaled scores [HG, nk], block by block; the G query heads of a KV head share each K row.
         for (int64_t b = b0; b < b1; ++b) {
           const int64_t n = std::min(block_size, ctx - b * block_size);
-          if (b + 1 < b1)
-            prefetch_block(tok_stride, block_size, task_elems, k_ptr + table[b + 1] * blk_stride + h_begin * D);
           const KV* blk = k_ptr + table[b] * blk_stride;
           for (int64_t h = h_begin; h < h_end; ++h) {
             ahead.issue();
@@ -543,8 +524,6 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache, const torch
 #endif
         for (int64_t b = b0; b < b1; ++b) {
           const int64_t n = std::min(block_size, ctx - b * block_size);
-          if (b + 1 < b1)
-            prefetch_block(tok_stride, block_size, task_elems, v_ptr + table[b + 1] * blk_stride + h_begin * D);
           const KV* blk = v_ptr + table[b] * blk_stride;
           for (int64_t h = h_begin; h < h_end; ++h) {
             ahead.issue();
