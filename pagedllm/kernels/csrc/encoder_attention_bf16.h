@@ -35,6 +35,8 @@
 
 #if defined(__x86_64__)
 #include <immintrin.h>
+
+#include "simd/exp2_poly.h"
 #endif
 
 namespace encoder_bf16 {
@@ -128,19 +130,6 @@ __attribute__((target("avx512f,avx512bw"))) inline void pack_kv(const uint16_t* 
     }
 }
 
-// 2^t for t <= 0: f = t - floor(t) in [0, 1) (vreduceps), 2^f by a polynomial of degree 4 fitted for relative
-// error (< 3e-6), times 2^floor(t) (vscalefps floors its exponent itself; lanes far below the float range come out
-// 0, not garbage). Six instructions for 16 lanes.
-__attribute__((target("avx512f,avx512dq"))) inline __m512 exp2_nonpositive(__m512 t) {
-  const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 p = _mm512_set1_ps(1.35340253e-2f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.20113967e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.41443068e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93003714e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.00000262f));
-  return _mm512_scalef_ps(p, t);
-}
-
 // Pass 2 for one row: its Lp scores, of which the first L are real, 16 keys at a time s_step apart -> its
 // probabilities in bf16 (0 past L), 32 keys at a time p_step apart, and 1 / their float32 sum. c = scale * log2(e).
 __attribute__((target("avx512f,avx512dq,avx512bf16,avx512bw"))) inline float softmax_row(
@@ -161,7 +150,7 @@ __attribute__((target("avx512f,avx512dq,avx512bf16,avx512bw"))) inline float sof
   for (j = 0; j + 32 <= L; j += 32, p += p_step) {
     __m512 e[2];
     for (int h = 0; h < 2; ++h) {
-      e[h] = exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + (j / 16 + h) * s_step), vc, offset));
+      e[h] = exp2_poly(_mm512_fmsub_ps(_mm512_loadu_ps(s + (j / 16 + h) * s_step), vc, offset));
       sum[h] = _mm512_add_ps(sum[h], e[h]);
     }
     _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
@@ -172,7 +161,7 @@ __attribute__((target("avx512f,avx512dq,avx512bf16,avx512bw"))) inline float sof
       const int64_t valid = std::clamp<int64_t>(L - j - 16 * h, 0, 16);
       const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
       const __m512 t = _mm512_fmsub_ps(_mm512_loadu_ps(s + (j / 16 + h) * s_step), vc, offset);
-      e[h] = _mm512_maskz_mov_ps(mask, exp2_nonpositive(t));
+      e[h] = _mm512_maskz_mov_ps(mask, exp2_poly(t));
       sum[h] = _mm512_add_ps(sum[h], e[h]);
     }
     _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
