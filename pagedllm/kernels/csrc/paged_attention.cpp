@@ -103,7 +103,7 @@ inline void prefetch_into_l2(const char* p) {
 // lines) at a time, they filled the core's outstanding-miss slots in bursts that held up the compute, and the memory
 // idled while the kernel computed. A decode layer over 200 requests (~192 tokens each, bf16 K/V in 16-token blocks in
 // random order, AMD Zen 4, 2 threads) took 1.8-1.9 ms with a block per issue (16 GB/s of K/V on a machine that reads
-// 24 GB/s on one core and 33 on two; the compute alone, K/V in cache, takes ~0.7 ms), 1.1-1.2 ms spread.
+// 24 GB/s on one core and 33 on two; the compute alone, K/V in cache, takes ~0.7 ms), 1.1-1.35 ms spread.
 // A task of one KV head prefetches only that head's rows (whole blocks, for each of 8 heads, made a 1-query
 // cross-attention over 1,500 positions 4x slower). The current task then reads its rows from L2: prefetching each
 // next block into L1 as well cost more than it saved (single decodes 10-25% slower, 200 decodes the same).
