@@ -217,6 +217,17 @@ def test_silu_and_mul(kernels, t: int, i: int) -> None:
     torch.testing.assert_close(kernels.silu_and_mul(gate_up), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_far_from_zero(kernels, dtype: torch.dtype) -> None:
+    # 32 gates (two 16-lane vectors and a tail) from -200 to 200: e^-x overflows float for x < -88.7, where the
+    # SiLU is -0 to float precision, and must not become NaN or anything far from it.
+    gate = torch.linspace(-200, 200, 35)
+    gate_up = torch.cat([gate, torch.full_like(gate, 1.5)])[None].to(dtype)
+    got = kernels.silu_and_mul(gate_up).float()
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, (F.silu(gate) * 1.5)[None].to(dtype).float(), atol=1e-5, rtol=1e-2)
+
+
 def _bf16_matches(got: torch.Tensor, ref: torch.Tensor, share: float = 0.99) -> None:
     """bf16 results: within one bf16 step everywhere and bit-equal almost everywhere (a missed rounding point
     of the reference would leave about a third of the elements one step off)."""
