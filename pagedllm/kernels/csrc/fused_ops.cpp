@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -210,9 +211,9 @@ inline __m512 load16_float(const c10::BFloat16* p) {
 #endif
 
 // e[i] = exp(-x[i]) for a row of n elements. With AVX-512 by exp2_poly (relative error < 3e-6; with libmvec's 16-lane
-// expf the whole SiLU-and-multiply pass took 1.5x as long), elsewhere by expf. The exponent is clamped to [-150, 126]:
-// below, 2^t is 0 anyway; above, e stays finite, since x / (1 + e) built with -ffast-math (a reciprocal and a Newton
-// step) turns an infinite divisor into NaN (silu(-100) must come out -0, as torch's).
+// expf the whole SiLU-and-multiply pass took 1.5x as long), elsewhere by expf. e is kept finite (2^t for t <= 126,
+// expf of at most 87), since x / (1 + e) built with -ffast-math (a reciprocal and a Newton step) turns an infinite
+// divisor into NaN: silu(-100) must come out ~0, as torch's.
 template <typename T>
 inline void exp_negated(const T* x, int64_t n, float* e) {
   using E = Elem<T>;
@@ -224,7 +225,8 @@ inline void exp_negated(const T* x, int64_t n, float* e) {
     _mm512_storeu_ps(e + i, exp2_poly(_mm512_min_ps(_mm512_max_ps(t, lo), hi)));
   }
 #endif
-  for (; i < n; ++i) e[i] = expf(-E::load(x + i));
+#pragma omp simd
+  for (int64_t j = i; j < n; ++j) e[j] = expf(std::min(-E::load(x + j), 87.f));
 }
 
 // silu(gate) * up, row by row. In bf16 the silu is rounded to bf16 before the product, as torch's two ops round
