@@ -149,9 +149,10 @@ def test_kernel_reads_bf16_cache() -> None:
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
 
 
-def _bf16_reference(query: torch.Tensor, cache: torch.Tensor, meta, scale: float) -> torch.Tensor:
+def _bf16_reference(query: torch.Tensor, cache: torch.Tensor, meta, scale: float, round_p: bool) -> torch.Tensor:
     """Attention as the kernel does it for a bf16 query and cache: float32 scores and softmax numerators, the
-    numerators rounded to bf16 for the sum over V (as PyTorch's flash attention rounds P), the output to bf16."""
+    numerators rounded to bf16 for the sum over V where ``round_p`` (the AVX-512 BF16 dot products, as PyTorch's
+    flash attention rounds P; other builds sum float32 P), the output to bf16."""
     out = torch.zeros_like(query)
     block_size, num_kv_heads = cache.shape[2], cache.shape[3]
     group = query.shape[1] // num_kv_heads
@@ -165,7 +166,8 @@ def _bf16_reference(query: torch.Tensor, cache: torch.Tensor, meta, scale: float
             ctx = seq_len - q_len + j + 1
             s = (query[qsl[r] + j].float()[:, None, :] @ k[:, :ctx].transpose(1, 2))[:, 0] * scale  # [H, ctx]
             e = torch.exp(s - s.max(-1, keepdim=True).values)
-            o = (e.bfloat16().float()[:, None, :] @ v[:, :ctx])[:, 0] / e.sum(-1, keepdim=True)
+            p = e.bfloat16().float() if round_p else e
+            o = (p[:, None, :] @ v[:, :ctx])[:, 0] / e.sum(-1, keepdim=True)
             out[qsl[r] + j] = o.to(query.dtype)
     return out
 
@@ -181,7 +183,7 @@ def test_bf16_query_and_output_match_the_bf16_reference(allow_amx: bool) -> None
     assert any(n % 2 for n in meta.seq_lens.tolist()) and any(n % 2 == 0 for n in meta.seq_lens.tolist())
     rows = torch.arange(meta.num_reqs, dtype=torch.int32)
     q16 = query.bfloat16()
-    expected = _bf16_reference(q16, cache, meta, 0.125)
+    expected = _bf16_reference(q16, cache, meta, 0.125, round_p=kernels.built_for_avx512_bf16)
     got = torch.zeros_like(q16)
     kernels.paged_attention(q16, cache[0], cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc, got,
                             0.125, rows, allow_amx=allow_amx)

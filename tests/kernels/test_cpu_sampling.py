@@ -53,6 +53,16 @@ def test_masked_tokens_are_never_drawn(kernels) -> None:
         assert bool((got[1:] % 2 == 1).all())
 
 
+def test_draws_reach_the_last_partial_chunk(kernels) -> None:
+    # 1,000 tokens: 15 chunks of 64 and a tail of 40. Only two tokens of the tail are drawable: the draw skips the
+    # empty chunks by their sums, and u = 0 (the target is the whole sum) still lands on the last drawable token.
+    logits = torch.full((3, 1000), float("-inf"))
+    logits[:, 990] = 0.0
+    logits[:, 999] = 0.0
+    got = kernels.sample_from_logits(logits, torch.ones(3), torch.tensor([0.0, 0.75, 1 - 2**-24]))
+    assert got.tolist() == [999, 990, 990]
+
+
 def test_strided_rows_and_frequencies(kernels) -> None:
     # Rows of a wider tensor; with many draws the frequencies follow softmax(logits / T).
     logits = torch.tensor([[0.0, 1.0, 2.0, -1.0, 9.0]])[:, :4].expand(20000, 4)

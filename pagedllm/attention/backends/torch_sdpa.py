@@ -165,6 +165,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             # query goes through float32 copies.
             native = query.dtype == torch.float32 or query.dtype == kv_cache.dtype == torch.bfloat16
             q_in = query if native else query.float()
+            if q_in.stride(2) != 1 or q_in.stride(1) != q_in.shape[2]:
+                q_in = q_in.contiguous()  # the kernel reads each token's heads as one row (views of a fused qkv do)
             out_k = out if native else torch.empty_like(q_in)
             kernels.paged_attention(q_in, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens,
                                     meta.query_start_loc, out_k, scale, kernel_rows)

@@ -63,6 +63,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("built_for_avx512") = false;
 #endif
+  // Whether it was built for AVX-512 BF16 (a -march with it): the paged attention's bf16 dot products then take a
+  // bf16 query's scores and P.V with P rounded to bf16; other builds keep P in float32.
+#if defined(__AVX512BF16__)
+  m.attr("built_for_avx512_bf16") = true;
+#else
+  m.attr("built_for_avx512_bf16") = false;
+#endif
   m.def("w8a8_supported", &w8a8_supported, "Whether this CPU runs w8a8_gemm (AVX-512 VNNI)");
   m.def("w8a8_gemm", step_graph::recorded<5>("w8a8_gemm", &w8a8_gemm), "x[M,K] quantized per row to int8 @ (scale * int8 W)^T (+ bias), VNNI",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("out_features"), py::arg("bias") = py::none(),

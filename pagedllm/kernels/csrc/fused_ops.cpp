@@ -5,6 +5,7 @@
 // bfloat16 (the norm and rotary): arithmetic in float32, rounded to bf16 (nearest even) exactly where the torch
 // ops of the reference (layers/layernorm.py, rotary_embedding.py) round each op's result, so the fused pass gives
 // their values bit for bit (the norm's sum of squares may differ in its last float bit).
+#include "bf16_rows.h"
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -202,14 +203,6 @@ void rotary_rows(T* base, int64_t stride, const int64_t* pos, const T* cs, int64
   });
 }
 
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
-inline __m512 load16_float(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16_float(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-#endif
-
 // e[i] = exp(-x[i]) for a row of n elements. With AVX-512 by exp2_poly (relative error < 3e-6; with libmvec's 16-lane
 // expf the whole SiLU-and-multiply pass took 1.5x as long), elsewhere by expf. e is kept finite (2^t for t <= 126,
 // expf of at most 87), since x / (1 + e) built with -ffast-math (a reciprocal and a Newton step) turns an infinite
@@ -221,7 +214,7 @@ inline void exp_negated(const T* x, int64_t n, float* e) {
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
   const __m512 minus_log2e = _mm512_set1_ps(-1.44269504f), lo = _mm512_set1_ps(-150.f), hi = _mm512_set1_ps(126.f);
   for (; i + 16 <= n; i += 16) {
-    const __m512 t = _mm512_mul_ps(load16_float(x + i), minus_log2e);
+    const __m512 t = _mm512_mul_ps(load16(x + i), minus_log2e);
     _mm512_storeu_ps(e + i, exp2_poly(_mm512_min_ps(_mm512_max_ps(t, lo), hi)));
   }
 #endif

@@ -1,4 +1,5 @@
-// 2^t in 16 float lanes by a polynomial: the softmax of the encoder attention and the SiLU of a decoder's MLP.
+// 2^t in 16 float lanes by a polynomial: the softmax of the encoder attention, the SiLU of a decoder's MLP and the
+// sampler's softmax weights.
 #pragma once
 #include <immintrin.h>
 
