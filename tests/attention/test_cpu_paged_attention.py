@@ -405,6 +405,25 @@ def test_bf16_fresh_prompts_go_to_the_causal_kernel_without_amx(monkeypatch, cho
         assert kernels.causal_calls == []
 
 
+def test_queries_with_heads_apart_go_through_the_paged_kernel() -> None:
+    """A query whose heads are not one row per token (a transposed view, not a fused projection's) is copied for
+    the paged kernel, which reads each token's heads as one row: a decode and a short fresh prompt, float32 and
+    bf16, as from the query's contiguous copy."""
+    import pagedllm.attention.backends.torch_sdpa as backend
+
+    kernels = load_cpu_kernels()
+    assert kernels is not None
+    meta = build_attention_metadata([1, 12], [40, 12], [[0, 1, 2], [3]], 16)
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(4)
+        query = torch.randn(4, 13, 64).to(dtype).transpose(0, 1)  # [T, H, D] with the heads 13 rows apart
+        key, value = (torch.randn(13, 2, 64).to(dtype) for _ in range(2))
+        cache = torch.randn(2, 8, 16, 2, 64).to(dtype)
+        got = backend.paged_attention(query, key, value, cache.clone(), meta, 0.125, kernels)
+        want = backend.paged_attention(query.contiguous(), key, value, cache.clone(), meta, 0.125, kernels)
+        assert torch.equal(got, want)
+
+
 def test_bf16_fresh_prompts_with_other_layouts_stay_in_sdpa(monkeypatch) -> None:
     """q/k/v whose heads are not contiguous within a token's row (not views of a fused projection) are attended by
     SDPA, not refused by the kernel."""
