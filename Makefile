@@ -44,9 +44,10 @@ test-fast: install speech-tools
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # What an AVX2-only CPU (AMD Zen 2/3) builds and runs, checked on an AVX-512 machine: the C++ kernels compiled for
-# x86-64-v3 into a build folder of their own, torch and MKL held to AVX2, then the kernel, attention, sampling and
-# quantization tests. Kernels that pick AVX-512, VNNI, AVX-512 BF16 or AMX at run time still find them here.
-AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 PAGEDLLM_CPU_MARCH=x86-64-v3 \
+# x86-64-v3 into a build folder of their own, torch, MKL and the quantized matmuls held to AVX2, then the kernel,
+# attention, sampling and quantization tests. The attention and bf16 kernels that pick AVX-512 BF16 or AMX at run
+# time still find them here.
+AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 PAGEDLLM_CPU_MARCH=x86-64-v3 PAGEDLLM_CPU_ISA=avx2 \
 	TORCH_EXTENSIONS_DIR=$(CURDIR)/.build-avx2 PAGEDLLM_CACHE_DIR=$(CURDIR)/.build-avx2/cache
 test-avx2: install
 	$(AVX2_ENV) $(PY) -m pytest tests/kernels tests/attention tests/sample tests/quantization $(PYTEST_ARGS)

@@ -15,6 +15,7 @@ from pagedllm.model_executor.layers.linear import Linear
 from pagedllm.model_executor.layers.quantization.layouts import layout_for
 from pagedllm.model_executor.layers.quantization.packed_weight import PackedWeight
 from pagedllm.model_executor.layers.quantization.qpanels import (
+    W8A8_ISAS,
     W8A8_MIN_ROWS,
     Fp8Panels,
     Int8Panels,
@@ -46,8 +47,10 @@ def _panels() -> dict[str, tuple[type[PackedWeight], QPanels]]:
 
 
 def _activations_as_the_kernel_sees_them(fmt: str, x: torch.Tensor) -> torch.Tensor:
-    """W8A8 on a VNNI CPU quantizes x per row to int8 from ``W8A8_MIN_ROWS`` rows on; the others take x as is."""
-    if fmt != "w8a8" or x.shape[0] < W8A8_MIN_ROWS or not load_cpu_kernels().w8a8_supported():
+    """W8A8 on a VNNI CPU quantizes x per row to int8 from ``W8A8_MIN_ROWS`` rows on (unless PAGEDLLM_CPU_ISA holds
+    the kernels to AVX2, which has no such path); the others take x as is."""
+    if fmt != "w8a8" or x.shape[0] < W8A8_MIN_ROWS or not load_cpu_kernels().w8a8_supported() or \
+            cpu_isa() not in W8A8_ISAS:
         return x
     sx = x.abs().amax(1, keepdim=True) / 127
     return torch.round(x / sx).clamp(-127, 127) * sx

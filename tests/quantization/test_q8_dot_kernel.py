@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.kernels.cpu import ISA_CODES, load_cpu_kernels
+from pagedllm.kernels.cpu import ISA_CODES, cpu_isa, load_cpu_kernels
 from pagedllm.model_executor.layers.quantization import kernel_choice
-from pagedllm.model_executor.layers.quantization.qpanels import Int8Dot4Panels, QPanels, quantize_q8
+from pagedllm.model_executor.layers.quantization.qpanels import W8A8_ISAS, Int8Dot4Panels, QPanels, quantize_q8
 
 KERNELS = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="the C++ CPU kernels did not build here")
@@ -115,9 +115,10 @@ def test_the_kernel_rejects_bad_arguments() -> None:
 def test_the_autotuner_offers_dot4_exactly_where_vnni_runs_it() -> None:
     weight = QPanels.pack_q8(*quantize_q8(torch.randn(40, 64), 32))
     names = set(kernel_choice.candidates(weight))
-    assert ("dot4/avx512" in names) == KERNELS.q8_dot_supported()
-    # besides VNNI, only AMX tiles (where the CPU has them: tests/quantization/test_amx_dot_kernel.py)
-    want = {"dot4/avx512"} if KERNELS.q8_dot_supported() else set()
-    if KERNELS.q8_dot_supported() and KERNELS.amx_dot_supported():
+    vnni = KERNELS.q8_dot_supported() and cpu_isa() in W8A8_ISAS  # not where PAGEDLLM_CPU_ISA holds them to AVX2
+    assert ("dot4/avx512" in names) == vnni
+    # besides VNNI, only AMX tiles (where the CPU has them and no ISA is forced: test_amx_dot_kernel.py)
+    want = {"dot4/avx512"} if vnni else set()
+    if vnni and KERNELS.amx_dot_supported() and not cpu_isa():
         want.add("dot4/amx")
     assert {name for name in names if name.startswith("dot4/")} == want
