@@ -165,7 +165,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             # query goes through float32 copies.
             native = query.dtype == torch.float32 or query.dtype == kv_cache.dtype == torch.bfloat16
             q_in = query if native else query.float()
-            if q_in.stride(2) != 1 or q_in.stride(1) != q_in.shape[2]:
+            if not _heads_contiguous(q_in):
                 q_in = q_in.contiguous()  # the kernel reads each token's heads as one row (views of a fused qkv do)
             out_k = out if native else torch.empty_like(q_in)
             kernels.paged_attention(q_in, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens,
@@ -187,6 +187,12 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out
 
 
+def _heads_contiguous(t: torch.Tensor) -> bool:
+    """Whether each token's heads of t [T, H, D] lie in one contiguous row, as the C++ kernels read them (views of
+    a fused projection have them)."""
+    return t.stride(2) == 1 and t.stride(1) == t.shape[2]
+
+
 def _causal_kernel(kernels: Any, query: torch.Tensor, *kv: torch.Tensor) -> str | None:
     """The ``encoder_attention`` kernel that attends ``query``'s long prompts and chunks causally here, or None: SDPA.
 
@@ -200,7 +206,7 @@ def _causal_kernel(kernels: Any, query: torch.Tensor, *kv: torch.Tensor) -> str 
     ``kv``, a fresh prompt's own K/V; a chunk's are gathered in the query's dtype) in place: each token's heads must
     be contiguous, as views of a fused projection have them, and K/V must be in the query's dtype."""
     if any(t.dtype != query.dtype for t in kv) or \
-            not all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (query, *kv)):
+            not all(_heads_contiguous(t) for t in (query, *kv)):
         return None
     if query.dtype == torch.float32:
         choice = envs.PAGEDLLM_PROMPT_ATTENTION_FLOAT32

@@ -215,7 +215,7 @@ void run_tasks(const uint16_t* q_ptr, int64_t q_row, const uint16_t* k_ptr, int6
         task_head.push_back(h);
         task_row.push_back(r);
       }
-  const float c = scale * 1.4426950408889634f;
+  const float c = scale * LOG2E;
   at::parallel_for(0, static_cast<int64_t>(task_seq.size()), 1, [&](int64_t t0, int64_t t1) {
     float* s = scratch<float, 2>(QB * max_lp);
     float* o = scratch<float, 3>(QB * D);

@@ -212,7 +212,7 @@ inline void exp_negated(const T* x, int64_t n, float* e) {
   using E = Elem<T>;
   int64_t i = 0;
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
-  const __m512 minus_log2e = _mm512_set1_ps(-1.44269504f), lo = _mm512_set1_ps(-150.f), hi = _mm512_set1_ps(126.f);
+  const __m512 minus_log2e = _mm512_set1_ps(-LOG2E), lo = _mm512_set1_ps(-150.f), hi = _mm512_set1_ps(126.f);
   for (; i + 16 <= n; i += 16) {
     const __m512 t = _mm512_mul_ps(load16(x + i), minus_log2e);
     _mm512_storeu_ps(e + i, exp2_poly(_mm512_min_ps(_mm512_max_ps(t, lo), hi)));
@@ -228,7 +228,8 @@ template <typename T>
 void silu_and_mul_rows(const T* in, int64_t stride, T* op, int64_t rows, int64_t I) {
   using E = Elem<T>;
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> e(static_cast<size_t>(I));
+    thread_local std::vector<float> e;  // exp(-gate) of one row; kept across calls (no allocation per step)
+    e.resize(static_cast<size_t>(I));
     for (int64_t t = begin; t < end; ++t) {
       const T* g = in + t * stride;
       const T* u = g + I;

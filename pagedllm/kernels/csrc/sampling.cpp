@@ -43,7 +43,7 @@ constexpr int64_t CH = 64;  // logits per chunk of the draw's running sum
 inline float chunk_weights(const float* l, int64_t n, float max_l, float inv_t, float* w) {
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
   if (n == CH) {
-    const __m512 max_v = _mm512_set1_ps(max_l), scale = _mm512_set1_ps(inv_t * 1.44269504f);
+    const __m512 max_v = _mm512_set1_ps(max_l), scale = _mm512_set1_ps(inv_t * LOG2E);
     const __m512 masked = _mm512_set1_ps(MASKED), floor_t = _mm512_set1_ps(-150.f);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < CH; j += 16) {

@@ -3,6 +3,8 @@
 #pragma once
 #include <immintrin.h>
 
+constexpr float LOG2E = 1.4426950408889634f;  // e^x = 2^(x * LOG2E)
+
 // 2^t: f = t - floor(t) in [0, 1) (vreduceps), 2^f by a polynomial of degree 4 fitted for relative error (< 3e-6),
 // times 2^floor(t) (vscalefps floors its exponent itself; lanes far below the float range come out 0, lanes far
 // above it infinity, not garbage). Six instructions for 16 lanes.
