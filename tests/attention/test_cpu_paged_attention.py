@@ -54,7 +54,8 @@ def _case(num_reqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block
     (4, 4, 8),    # no GQA; D % 16 != 0 takes the scalar V path
     (6, 3, 12),   # D % 8 != 0: scalar everywhere
 ])
-@pytest.mark.parametrize("block_size", [16, 5])
+# 64 and 40: blocks scored and summed in pieces of 16 rows (40: a piece of 8 at each block's end).
+@pytest.mark.parametrize("block_size", [16, 5, 64, 40])
 def test_kernel_matches_portable_path(num_reqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
                                       block_size: int) -> None:
     kernels = load_cpu_kernels()
@@ -80,7 +81,7 @@ def _long_context_case(query_lens: list[int], seq_lens: list[int], block_size: i
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("block_size", [16, 5, 64, 40])
 def test_long_contexts_in_partitions_match_portable_path(cache_dtype: torch.dtype, block_size: int) -> None:
     """Contexts longer than a partition (256 keys) are attended in partitions combined afterwards: decodes of
     1, 2 and 5 partitions, and a chunk whose earlier tokens see fewer partitions than its last."""
@@ -173,13 +174,14 @@ def _bf16_reference(query: torch.Tensor, cache: torch.Tensor, meta, scale: float
 
 
 @pytest.mark.parametrize("allow_amx", [True, False])
-def test_bf16_query_and_output_match_the_bf16_reference(allow_amx: bool) -> None:
+@pytest.mark.parametrize("block_size", [16, 64, 40])
+def test_bf16_query_and_output_match_the_bf16_reference(allow_amx: bool, block_size: int) -> None:
     """A bf16 model's query goes in as bf16 and its output comes back in bf16: the numbers of _bf16_reference to
     within one bf16 step (dot products summed in another order), nearly all equal; odd context lengths pair the
     last key with zeros. allow_amx=False keeps the scores on AVX-512 dot products where AMX would take them."""
     kernels = load_cpu_kernels()
     assert kernels is not None
-    meta, cache, query = _case(7, 9, 3, 64, 16, chunk_len=3, seed=5, cache_dtype=torch.bfloat16)
+    meta, cache, query = _case(7, 9, 3, 64, block_size, chunk_len=3, seed=5, cache_dtype=torch.bfloat16)
     assert any(n % 2 for n in meta.seq_lens.tolist()) and any(n % 2 == 0 for n in meta.seq_lens.tolist())
     rows = torch.arange(meta.num_reqs, dtype=torch.int32)
     q16 = query.bfloat16()
@@ -198,14 +200,16 @@ def test_bf16_query_and_output_match_the_bf16_reference(allow_amx: bool) -> None
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 32), (4, 1, 96), (16, 1, 64)])
-def test_amx_scores_equal_the_avx512_dot_products(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_amx_scores_equal_the_avx512_dot_products(num_heads: int, num_kv_heads: int, head_dim: int,
+                                                  block_size: int) -> None:
     """Where the CPU grants AMX-BF16 tiles, a bf16 query's scores come from tdpbf16ps: the same outputs as the
     AVX-512 dot products to within one bf16 step, over decodes, chunks, tile tails and partitioned contexts."""
     kernels = load_cpu_kernels()
     if not kernels.amx_bf16_supported():
         pytest.skip("this CPU has no AMX-BF16 (or the kernel refused the tile state): the AMX scores cannot run")
     torch.manual_seed(3)
-    meta, cache, query = _batch([1, 1, 1, 1, 5, 17], [37, 300, 16, 1, 64, 533], 16, torch.bfloat16,
+    meta, cache, query = _batch([1, 1, 1, 1, 5, 17], [37, 300, 16, 1, 64, 533], block_size, torch.bfloat16,
                                 random.Random(3), num_heads, num_kv_heads, head_dim)
     q16, rows = query.bfloat16(), torch.arange(meta.num_reqs, dtype=torch.int32)
     outs = []
