@@ -58,8 +58,9 @@ class CpuPlatform(Platform):
         return self.cpu_kernels(dtype, (torch.float32, torch.bfloat16))
 
     def step_graph_kernels(self, dtype: torch.dtype) -> Any | None:
-        # float32 only: in bf16 some ops of a step are torch's own (the oneDNN matmuls, the attention's casts).
-        return self.cpu_kernels(dtype)
+        # bf16 too: where the kernel autotuner gives a matmul to oneDNN (a torch op; AMX on a Xeon), the capture
+        # refuses that batch size and the ones above it, which then run eagerly (worker/cpu_graphs.py).
+        return self.cpu_kernels(dtype, (torch.float32, torch.bfloat16))
 
     def rotary_kernels(self, dtype: torch.dtype, table_dtype: torch.dtype) -> Any | None:
         return self.elementwise_kernels(dtype) if table_dtype == dtype else None

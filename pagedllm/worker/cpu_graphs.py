@@ -106,7 +106,10 @@ class CpuDecodeGraphRunner(DecodeGraphRunner):
 
     @torch.inference_mode()
     def capture(self) -> bool:
-        """Record and check one graph per size; False (no graphs: every step eager) if any is refused."""
+        """Record and check one graph per size, smallest first; False (no graphs: every step eager) if the first
+        is refused. A bigger size refused keeps the smaller ones, and its batches and bigger ones run eagerly: in
+        bf16 the kernel autotuner may give a matmul to oneDNN from some number of rows on, and a torch op cannot
+        be recorded."""
         start = time.perf_counter()
         try:
             for size in self.sizes:
@@ -116,7 +119,10 @@ class CpuDecodeGraphRunner(DecodeGraphRunner):
                 self.graphs[size] = graph
                 self.outputs[size] = hidden
         except GraphRefused as e:
-            return self._refuse(f"CPU step graphs refused ({e}): decode steps run eagerly")
+            if not self.graphs:
+                return self._refuse(f"CPU step graphs refused ({e}): decode steps run eagerly")
+            self.sizes = sorted(self.graphs)  # what can_run and the padding see
+            logger.info("CPU step graphs stop at batch %d (%s): bigger batches run eagerly", self.sizes[-1], e)
         except Exception as e:  # a forward that fails on the dummy rows: the engine still serves, eagerly
             return self._refuse(f"CPU step graphs not recorded: the forward failed on dummy rows ({e!r}); decode "
                                 "steps run eagerly", logging.WARNING)

@@ -4,6 +4,7 @@ from an eager forward, is refused and runs eagerly."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -59,6 +60,28 @@ def test_a_torch_op_outside_the_kernels_refuses_the_capture(kernels, caplog) -> 
     with caplog.at_level(logging.INFO, logger="pagedllm"):
         assert not graphs.capture()
     assert not graphs.graphs and "torch op mul" in caplog.text and "run eagerly" in caplog.text
+
+
+def test_a_bigger_batch_refused_keeps_the_smaller_graphs(kernels, caplog) -> None:
+    """A forward that leaves the kernels only from 3 rows on (as a bf16 model whose autotuner gives a matmul to
+    oneDNN above some row count): sizes 1 and 2 replay, batches of 3 or more run eagerly."""
+    table = torch.randn(20, 8)
+
+    def model(ids, pos):
+        x = kernels.embedding_rows(table, ids)
+        return x * 2 if ids.shape[0] > 2 else x
+
+    graphs = CpuDecodeGraphRunner(model, kernels, max_blocks_per_seq=4, block_size=16, hidden_size=8,
+                                  dtype=torch.float32, sizes=[1, 2, 3, 4])
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        assert graphs.capture()
+    assert set(graphs.graphs) == set(graphs.outputs) == {1, 2} and graphs.sizes == [1, 2]
+    assert "stop at batch 2" in caplog.text and "torch op mul" in caplog.text
+    two = AttentionMetadata.for_step([1, 1], [10, 10], [[1], [2]], 16)
+    assert graphs.can_run(two)
+    assert not graphs.can_run(AttentionMetadata.for_step([1, 1, 1], [10, 10, 10], [[1], [2], [3]], 16))
+    ids = torch.tensor([5, 17])
+    assert torch.equal(graphs.run(ids, torch.tensor([9, 9]), two), table[ids])
 
 
 def test_a_kernel_result_no_replay_refills_refuses_the_capture(kernels, caplog) -> None:
@@ -185,3 +208,33 @@ def test_speculation_replays_verification_graphs_and_keeps_the_tokens() -> None:
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == expected
     assert sum(replays[q] for q in (2, 3, 4)) > 0, replays
+
+
+@pytest.mark.slow
+def test_a_bf16_model_replays_the_batches_its_kernels_run(kernels, tmp_path, monkeypatch) -> None:
+    """bf16: the kernel autotuner decides which batches record. The C++ bf16 panels up to 8 rows and oneDNN (a torch
+    op) above: graphs of 1..8 replay, bigger batches run eagerly, and the greedy tokens equal an eager engine's."""
+    from pagedllm.model_executor.layers.quantization.unquantized import onednn_bf16_available
+
+    if not (onednn_bf16_available() and kernels.bf16_gemm_supported()):
+        pytest.skip("this CPU has no native bf16 (AVX-512 BF16): its bf16 matmuls are torch ops, which never record")
+    choices = ["panels", "panels", "onednn", "onednn", "onednn"]  # buckets of up to 2, 8, 32, 128 rows, more
+    shapes = ["960x576", "576x576", "3072x576", "576x1536", "49152x576"]  # the default model's linear layers
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"entries": {f"Bf16:{s}": {"choices": choices} for s in shapes}}))
+    monkeypatch.setenv("PAGEDLLM_CPU_KERNEL_AUTOTUNE_TABLE", str(table))
+    kw = dict(dtype="bfloat16", quantization="none", kv_cache_memory="64MiB", max_model_len=512,
+              cpu_kernel_autotune="on")
+    params = [SamplingParams(max_tokens=4 + 2 * i, temperature=0, ignore_eos=True) for i in range(len(PROMPTS))]
+    eager = LLM(enforce_eager=True, **kw)
+    expected = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, params, use_tqdm=False)]
+    del eager
+    llm = LLM(**kw)
+    runner = llm.engine.core.worker.runner.decode_graphs.by_query_len[1]
+    assert runner.sizes == list(range(1, 9))
+    replays = []
+    run = runner.run
+    runner.run = lambda ids, pos, meta: replays.append(meta.num_reqs) or run(ids, pos, meta)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert got == expected
+    assert replays and max(replays) <= 8  # the first decodes (10 requests) ran eagerly
