@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from arch_configs import hf_model
@@ -88,14 +90,15 @@ def test_longrope_decode_across_the_boundary_matches_transformers_cache(longrope
     got = [paged_step(ours, [ids[:prompt]], [prompt], [table], bs)[-1:]]
     for pos in range(prompt, len(ids)):
         got.append(paged_step(ours, [ids[pos:pos + 1]], [pos + 1], [table], bs))
+    # transformers 5.x names the KV cache `cache` (argument and output), 4.x `past_key_values`.
+    cache = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
     with torch.no_grad():
         out = hf(torch.tensor([ids[:prompt]]), use_cache=True)
-        want, past = [out.logits[0, -1:]], out.past_key_values
+        want, past = [out.logits[0, -1:]], out[cache]
         for pos in range(prompt, len(ids)):
-            out = hf(torch.tensor([[ids[pos]]]), past_key_values=past, use_cache=True,
-                     position_ids=torch.tensor([[pos]]))
+            out = hf(torch.tensor([[ids[pos]]]), use_cache=True, position_ids=torch.tensor([[pos]]), **{cache: past})
             want.append(out.logits[0])
-            past = out.past_key_values
+            past = out[cache]
     torch.testing.assert_close(torch.cat(got), torch.cat(want).float(), atol=ATOL, rtol=0)
 
 
