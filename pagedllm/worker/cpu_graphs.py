@@ -9,9 +9,10 @@ decoding, steps verifying k drafts per request (k + 1 tokens each, the same kern
 (``StepGraphSet``), for every k up to the drafts per step and batches of up to ``VERIFY_GRAPH_MAX_TOKENS``.
 
 A recording is only replayed when it is the whole computation: while it records, any torch op that computes
-outside a kernel (an add, a copy, a fill) refuses the capture, and so does a kernel that allocates a result a
-replay would not refill. Each graph is then replayed once on other inputs and must equal an eager forward
-bit for bit; otherwise every step runs eagerly, with a log line saying why.
+outside a kernel (an add, a copy, a fill, a oneDNN matmul of a bf16 model) refuses the capture, and so does a
+kernel that allocates a result a replay would not refill. Each graph is then replayed once on other inputs and
+must equal an eager forward bit for bit. Sizes record smallest first: a size refused leaves it and the bigger
+batches eager (every batch, if it is the first size), with a log line saying why.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """CPU step graphs (worker/cpu_graphs.py): decode and draft-verification steps replayed from recorded C++ kernel
 calls give the tokens an eager engine gives; a forward that computes outside the kernels, or whose replay differs
-from an eager forward, is refused and runs eagerly."""
+from an eager forward, is refused and runs eagerly (from the first batch size where it does)."""
 
 from __future__ import annotations
 
