@@ -461,38 +461,42 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache, const torch
           attention_bf16::pack_query_pairs(reinterpret_cast<const at::BFloat16*>(q_row_ptr), HG, G, D, q_pairs.data());
           asm volatile("" ::: "memory");  // GCC's _tile_loadd declares no memory read: the pairs are stored first
         }
-        // Pass 1: scaled scores [HG, nk], PREFETCH_ROWS rows of a block at a time; the G query heads of a KV head
-        // share each K row.
-        for (int64_t b = b0; b < b1; ++b) {
-          const int64_t n_blk = std::min(block_size, ctx - b * block_size);
-          for (int64_t r0 = 0; r0 < n_blk; r0 += PREFETCH_ROWS) {
-            const int64_t n = std::min(PREFETCH_ROWS, n_blk - r0);
-            const KV* blk = k_ptr + table[b] * blk_stride + r0 * tok_stride;
-            for (int64_t h = h_begin; h < h_end; ++h) {
-              ahead.issue();
-              float* sh = scores.data() + (h - h_begin) * G * nk + (b - b0) * block_size + r0;
-#if defined(PAGEDLLM_AMX)
-              if constexpr (std::is_same_v<Q, at::BFloat16> && std::is_same_v<KV, at::BFloat16>) {
-                if (amx_scores) {
-                  attention_bf16::score_rows_amx(q_pairs.data() + (h - h_begin) * G * D / 2, G, D, blk + h * D,
-                                                 tok_stride, n, fscale, sh, nk);
-                  continue;
-                }
+        // Both passes walk this partition's blocks in pieces of PREFETCH_ROWS rows, a KV head at a time, and issue a
+        // share of the next task's prefetches before each: visit(head of the task, its rows, n, first key).
+        const auto for_each_piece = [&](const KV* cache, auto&& visit) {
+          for (int64_t b = b0; b < b1; ++b) {
+            const int64_t n_blk = std::min(block_size, ctx - b * block_size);
+            for (int64_t r0 = 0; r0 < n_blk; r0 += PREFETCH_ROWS) {
+              const KV* rows = cache + table[b] * blk_stride + r0 * tok_stride;
+              for (int64_t h = h_begin; h < h_end; ++h) {
+                ahead.issue();
+                visit(h - h_begin, rows + h * D, std::min(PREFETCH_ROWS, n_blk - r0), (b - b0) * block_size + r0);
               }
-#endif
-#if defined(__AVX512BF16__)
-              if constexpr (std::is_same_v<Q, at::BFloat16> && std::is_same_v<KV, at::BFloat16>) {
-                if (bf16_dots) {
-                  score_heads_bf16(q_row_ptr + (h - h_begin) * G * D, G, D, blk + h * D, tok_stride, n, fscale, sh,
-                                   nk);
-                  continue;
-                }
-              }
-#endif
-              score_heads(q + (h - h_begin) * G * D, G, D, blk + h * D, tok_stride, n, fscale, sh, nk);
             }
           }
-        }
+        };
+        // Pass 1: scaled scores [HG, nk]; the G query heads of a KV head share each K row.
+        for_each_piece(k_ptr, [&](int64_t hh, const KV* rows, int64_t n, int64_t key) {
+          float* sh = scores.data() + hh * G * nk + key;
+#if defined(PAGEDLLM_AMX)
+          if constexpr (std::is_same_v<Q, at::BFloat16> && std::is_same_v<KV, at::BFloat16>) {
+            if (amx_scores) {
+              attention_bf16::score_rows_amx(q_pairs.data() + hh * G * D / 2, G, D, rows, tok_stride, n, fscale, sh,
+                                             nk);
+              return;
+            }
+          }
+#endif
+#if defined(__AVX512BF16__)
+          if constexpr (std::is_same_v<Q, at::BFloat16> && std::is_same_v<KV, at::BFloat16>) {
+            if (bf16_dots) {
+              score_heads_bf16(q_row_ptr + hh * G * D, G, D, rows, tok_stride, n, fscale, sh, nk);
+              return;
+            }
+          }
+#endif
+          score_heads(q + hh * G * D, G, D, rows, tok_stride, n, fscale, sh, nk);
+        });
         // Softmax numerators in place; the normalisation is applied to the output.
         float max_of[512], sum_of[512];
         TORCH_CHECK(HG <= 512, "at most 512 query heads");
@@ -518,29 +522,18 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache, const torch
             attention_bf16::round_to_bf16(scores.data() + g * nk, nk, p_bf16.data() + g * nk_even);
         }
 #endif
-        for (int64_t b = b0; b < b1; ++b) {
-          const int64_t n_blk = std::min(block_size, ctx - b * block_size);
-          for (int64_t r0 = 0; r0 < n_blk; r0 += PREFETCH_ROWS) {
-            const int64_t n = std::min(PREFETCH_ROWS, n_blk - r0);
-            const int64_t key = (b - b0) * block_size + r0;  // of this partition
-            const KV* blk = v_ptr + table[b] * blk_stride + r0 * tok_stride;
-            for (int64_t h = h_begin; h < h_end; ++h) {
-              ahead.issue();
+        for_each_piece(v_ptr, [&](int64_t hh, const KV* rows, int64_t n, int64_t key) {
 #if defined(__AVX512BF16__)
-              if constexpr (std::is_same_v<KV, at::BFloat16>) {
-                if (pair_sums) {
-                  attention_bf16::accumulate_heads_pairs(p_bf16.data() + (h - h_begin) * G * nk_even + key, nk_even,
-                                                         G, blk + h * D, tok_stride, n, D,
-                                                         acc.data() + (h - h_begin) * G * D);
-                  continue;
-                }
-              }
-#endif
-              accumulate_heads(scores.data() + (h - h_begin) * G * nk + key, nk, G, blk + h * D, tok_stride, n, D,
-                               acc.data() + (h - h_begin) * G * D);
+          if constexpr (std::is_same_v<KV, at::BFloat16>) {
+            if (pair_sums) {
+              attention_bf16::accumulate_heads_pairs(p_bf16.data() + hh * G * nk_even + key, nk_even, G, rows,
+                                                     tok_stride, n, D, acc.data() + hh * G * D);
+              return;
             }
           }
-        }
+#endif
+          accumulate_heads(scores.data() + hh * G * nk + key, nk, G, rows, tok_stride, n, D, acc.data() + hh * G * D);
+        });
 #if defined(__AVX512BF16__)
         if (pair_sums) attention_bf16::unpermute_pairs(acc.data(), HG, D);
 #endif
