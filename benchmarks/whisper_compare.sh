@@ -22,7 +22,7 @@ echo "flags: $(grep -m1 -o -w -E "avx2|avx512f|avx512_vnni|avx512_bf16|amx_tile"
 if [ ! -x "$FW_VENV/bin/python" ]; then
   python3 -m venv "$FW_VENV" && "$FW_VENV/bin/pip" install -q faster-whisper
 fi
-FOLDER=$($PY -c "from pagedllm.model_executor.loader.ct2_packages import ct2_folder as f; print(f('$MODEL'))")
+FOLDER=$($PY -c "from pagedllm.model_executor.loader.packaged_models import ct2_folder as f; print(f('$MODEL'))")
 
 $PY -m pagedllm bench transcription --model "$MODEL" --dtype "$DTYPE" --clips-dir "$CLIPS" \
   --output-json "$OUT/whisper_pagedllm.json"

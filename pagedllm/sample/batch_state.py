@@ -1,8 +1,9 @@
 """The sampling state of the runner's requests, kept from step to step (vLLM v1's persistent batch idea).
 
 A request takes a *slot* when the runner adds it and gives it back when it finishes or is preempted. Every
-sampler stage (``sample/stages.py``) and the draw keep their per-request values in per-slot columns,
-written once from the request's SamplingParams when it arrives (``update_state`` with a ``BatchUpdate``).
+sampler stage (``sample/stages/``) and the draw (``sample/draw_rows.py``) keep their per-request values in
+per-slot columns, written once from the request's SamplingParams when it arrives (``update_state`` with a
+``BatchUpdate``).
 Each step then gathers the rows it samples by slot with one numpy indexing per column
 (``SamplingBatch.metadata``), so no step walks the SamplingParams of its rows again. Rows are gathered,
 never stored in step order, so nothing moves when requests come and go. Draft verification asks the same
@@ -12,124 +13,15 @@ state for k + 1 rows of one request, each seeing the drafts before it as outputs
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 
+from pagedllm.sample.draw_rows import DrawRows
 from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.stage_base import AddedRow, BatchUpdate, LogitsStage, StepRows
+from pagedllm.sample.stages import default_stages
 from pagedllm.sampling_params import SamplingParams
-
-
-@dataclass
-class AddedRow:
-    """A request new to the batch: its slot, its sampling parameters and the lists the runner keeps for it
-    (``output_token_ids`` is the runner's own list, read again each step, so appends are seen)."""
-
-    slot: int
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    generator: torch.Generator | None = None
-
-
-@dataclass
-class BatchUpdate:
-    """What changed since the last step: slots freed first, then slots filled (a freed slot may be reused).
-
-    ``capacity``: the number of slots every per-slot column must hold from now on.
-    """
-
-    vocab_size: int
-    eos_token_ids: list[int]
-    capacity: int
-    removed: list[int] = field(default_factory=list)
-    added: list[AddedRow] = field(default_factory=list)
-
-
-@dataclass
-class StepRows:
-    """The N rows one sampling call scores: row i is slot ``slots[i]``; ``outputs[i]`` / ``prompts[i]`` are
-    the tokens that row sees (a verified draft position sees the drafts before it as outputs)."""
-
-    slots: np.ndarray  # [N] int64
-    outputs: list[list[int]]
-    prompts: list[list[int]]
-    vocab_size: int
-    device: torch.device
-    grammar_rows: list[int] | None = None
-    grammar_bitmask: torch.Tensor | None = None
-    decoding_rules: Any = None
-
-
-class SlotColumns:
-    """Named per-slot numpy columns, each with the neutral value a free slot (or an unused option) holds."""
-
-    def __init__(self, **columns: tuple[type, Any]) -> None:
-        self._spec = columns
-        self.capacity = 0
-        self._data = {name: np.empty(0, dtype=dtype) for name, (dtype, _) in columns.items()}
-
-    def grow(self, capacity: int) -> None:
-        if capacity <= self.capacity:
-            return
-        capacity = max(capacity, 2 * self.capacity)  # requests arriving one a step do not copy every column each time
-        for name, (dtype, neutral) in self._spec.items():
-            grown = np.full(capacity, neutral, dtype=dtype)
-            grown[:self.capacity] = self._data[name]
-            self._data[name] = grown
-        self.capacity = capacity
-
-    def reset(self, slot: int) -> None:
-        for name, (_, neutral) in self._spec.items():
-            self._data[name][slot] = neutral
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        return self._data[name]
-
-
-class SlotRowState:
-    """Base of a stage's per-slot state: columns that grow with the batch, reset when a slot is freed.
-
-    A subclass names its ``columns`` and writes a new row in ``add_row``, which says whether the request uses
-    the stage at all; ``using`` holds those slots (and the column ``in_use`` marks them), so a step whose batch
-    holds none skips the stage without gathering anything, and ``used_rows`` finds the step's rows that do. It may
-    keep sparse per-slot extras (``extras``: slot -> value) for the few requests that use an option.
-    """
-
-    columns: dict[str, tuple[type, Any]] = {}
-
-    def __init__(self) -> None:
-        self.rows = SlotColumns(in_use=(np.bool_, False), **self.columns)
-        self.extras: dict[int, Any] = {}
-        self.using: set[int] = set()
-
-    def update_state(self, update: BatchUpdate) -> None:
-        self.rows.grow(update.capacity)
-        for slot in update.removed:
-            self.forget(slot)
-        for row in update.added:
-            self.forget(row.slot)
-            if self.add_row(row, update):
-                self.using.add(row.slot)
-                self.rows["in_use"][row.slot] = True
-
-    def used_rows(self, step: StepRows) -> np.ndarray | None:
-        """The step's rows (indices into ``step.slots``) whose requests use this stage; None when none do."""
-        if not self.using:
-            return None
-        rows = np.flatnonzero(self.rows["in_use"][step.slots])
-        return rows if rows.size else None
-
-    def forget(self, slot: int) -> None:
-        """Back to a free slot's neutral values."""
-        self.rows.reset(slot)
-        self.extras.pop(slot, None)
-        self.using.discard(slot)
-
-    def add_row(self, row: AddedRow, update: BatchUpdate) -> bool:
-        raise NotImplementedError
 
 
 class SamplingBatch:
@@ -140,9 +32,7 @@ class SamplingBatch:
     """
 
     def __init__(self, vocab_size: int, eos_token_ids: list[int], device: torch.device | str,
-                 stages: list[Any] | None = None) -> None:
-        from pagedllm.sample.stages import DrawRows, default_stages
-
+                 stages: list[LogitsStage] | None = None) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.device = torch.device(device)
@@ -191,14 +81,14 @@ class SamplingBatch:
             stage.update_state(update)
 
     def metadata(self, req_ids: Sequence[str], pending: Sequence[Sequence[int]] | None = None,
-                 grammar_rows: list[int] | None = None, grammar_bitmask: torch.Tensor | None = None,
-                 decoding_rules: Any = None) -> SamplingMetadata:
+                 grammar_rows: list[int] | None = None, grammar_bitmask: torch.Tensor | None = None
+                 ) -> SamplingMetadata:
         """The SamplingMetadata of N rows, row i scoring request ``req_ids[i]`` (ids may repeat).
 
         ``pending[i]``: tokens row i sees after the request's outputs so far (the drafts before a verified
         position); ``grammar_rows`` / ``grammar_bitmask`` [len(grammar_rows), ceil(V/32)] int32: the rows
-        under a grammar and the tokens each may take next; ``decoding_rules``: the model's own rules
-        (``WhisperDecodingRules``).
+        under a grammar and the tokens each may take next. The draw's rows fill the draw's fields first; each
+        stage then files its step state under its name, if some row needs it.
         """
         words = (self.vocab_size + 31) // 32
         if grammar_rows and (grammar_bitmask is None or tuple(grammar_bitmask.shape) != (len(grammar_rows), words)):
@@ -211,9 +101,48 @@ class SamplingBatch:
         if pending is not None:
             outputs = [out + list(extra) if extra else out for out, extra in zip(outputs, pending)]
         step = StepRows(np.asarray(slots, dtype=np.int64), outputs, [self._prompts[s] for s in slots],
-                        self.vocab_size, self.device, grammar_rows, grammar_bitmask, decoding_rules)
+                        self.vocab_size, self.device, grammar_rows, grammar_bitmask)
         meta = SamplingMetadata(vocab_size=self.vocab_size)
         self.draw_rows.prepare(step, meta)
+        steps = meta.steps
         for stage in self.stages:
-            stage.prepare(step, meta)
+            state = stage.prepare(step, meta)
+            if state is not None:
+                steps[stage.name] = state
         return meta
+
+
+def build_sampling_metadata(
+    params: list[SamplingParams],
+    output_token_ids: list[list[int]],
+    prompt_token_ids: list[list[int]],
+    generators: list[torch.Generator | None],
+    eos_token_ids: list[int],
+    vocab_size: int,
+    device: torch.device,
+    grammar_rows: list[int] | None = None,
+    grammar_bitmask: torch.Tensor | None = None,
+    stages: list[LogitsStage] | None = None,
+) -> SamplingMetadata:
+    """The metadata of a one-off batch, each row its own request (tests, the profiling step): a fresh
+    ``SamplingBatch`` holding the rows, asked for one step. The runner keeps its batch across steps instead.
+
+    ``params``, ``output_token_ids``, ``prompt_token_ids`` and ``generators`` are per row (length B).
+    ``eos_token_ids`` are the model's EOS ids (shared by every row); they are masked alongside each row's
+    ``stop_token_ids`` while that row has fewer than ``min_tokens`` outputs, unless it sets ``ignore_eos``.
+    Token ids >= ``vocab_size`` in logit_bias / stop_token_ids are dropped (the front end should
+    reject them with ``SamplingParams.verify_token_ids``). ``grammar_rows`` / ``grammar_bitmask``
+    [len(grammar_rows), ceil(V/32)] int32: the rows under a grammar and the tokens each may take next
+    (xgrammar's bitmask layout). ``stages``: the batch's stages (default: ``default_stages()``).
+    """
+    num_rows = len(params)
+    if not (len(output_token_ids) == len(prompt_token_ids) == len(generators) == num_rows):
+        raise ValueError("build_sampling_metadata: params, output_token_ids, prompt_token_ids and "
+                         "generators must all have one entry per row")
+    batch = SamplingBatch(vocab_size, eos_token_ids, device, stages)
+    ids = [str(row) for row in range(num_rows)]
+    batch.update(added=list(zip(ids, params, prompt_token_ids, output_token_ids, generators)))
+    try:
+        return batch.metadata(ids, grammar_rows=grammar_rows, grammar_bitmask=grammar_bitmask)
+    except ValueError as e:
+        raise ValueError(f"build_sampling_metadata: {e}") from None

@@ -10,13 +10,15 @@ so their tokens do not depend on what else is in the batch. Nothing reads a valu
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from pagedllm.host_to_device import tensor_on
 from pagedllm.platforms import platform_of
 from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sampling_params import SAMPLING_EPS
 
 
 def row_uniforms(num_rows: int, generators: Mapping[int, torch.Generator], device: torch.device,
@@ -90,15 +92,17 @@ def masked_draw_kernel(logits: torch.Tensor, copied: bool = False) -> Any | None
     return kernels if kernels is not None and hasattr(kernels, "sample_masked") else None
 
 
-def draw_masked(logits: torch.Tensor, meta: SamplingMetadata, temperature: torch.Tensor | None) -> torch.Tensor:
+def draw_masked(logits: torch.Tensor, meta: SamplingMetadata, grammar_rows: torch.Tensor, grammar_bitmask: torch.Tensor,
+                temperature: torch.Tensor | None) -> torch.Tensor:
     """The draw with the grammar bitmask fused in (CPU): logits [N, V] float32 -> [N] int64, logits only read.
 
-    Rows in ``meta.grammar_rows`` pick only among the tokens their bitmask allows (argmax or inverse CDF);
+    ``grammar_rows`` [M] int64 pick only among the tokens their ``grammar_bitmask`` [M, ceil(V/32)] int32 rows
+    allow (argmax or inverse CDF);
     the others draw exactly as ``draw`` does (same uniforms, same kernel loop, same argmax tie rule), so a
     free request's tokens do not change when a constrained one joins its batch.
     """
     kernels = masked_draw_kernel(logits)
-    assert kernels is not None and meta.grammar_rows is not None and meta.grammar_bitmask is not None
+    assert kernels is not None
     num_rows = logits.shape[0]
     if meta.all_greedy:
         greedy = torch.ones(num_rows, dtype=torch.bool)
@@ -109,8 +113,8 @@ def draw_masked(logits: torch.Tensor, meta: SamplingMetadata, temperature: torch
     if temperature is None:
         temperature = torch.ones(num_rows)
     mask_row = torch.full((num_rows,), -1, dtype=torch.int64)
-    mask_row[meta.grammar_rows] = torch.arange(meta.grammar_rows.shape[0])
-    return kernels.sample_masked(logits, temperature, u, greedy, meta.grammar_bitmask, mask_row)
+    mask_row[grammar_rows] = torch.arange(grammar_rows.shape[0])
+    return kernels.sample_masked(logits, temperature, u, greedy, grammar_bitmask, mask_row)
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -137,3 +141,28 @@ def draw(logits: torch.Tensor, meta: SamplingMetadata, temperature: torch.Tensor
     if greedy_ids is not None:
         sampled = torch.where(meta.greedy_mask, greedy_ids, sampled)
     return sampled
+
+
+def draw_drafts(logits: torch.Tensor, temperatures: Sequence[float], generators: Sequence[torch.Generator | None]
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A drafter's draw: logits [M, V] -> (tokens [M] int64, probs [M, V] float32, or None when every row is greedy).
+
+    Row i is greedy (argmax) when ``temperatures[i]`` is below ``SAMPLING_EPS``, else drawn from
+    softmax(logits_i / temperature_i), which probs keeps (the distribution its draft came from, for the
+    verifier; anything on greedy rows). Random rows draw one float64 uniform each, seeded ones from
+    ``generators[i]``.
+    """
+    greedy_rows = [i for i, t in enumerate(temperatures) if t < SAMPLING_EPS]
+    if len(greedy_rows) == len(temperatures):
+        return greedy_tokens(logits), None
+    device = logits.device
+    temperature = tensor_on([max(t, SAMPLING_EPS) for t in temperatures], torch.float32, device)
+    probs = (logits.float() / temperature.unsqueeze(1)).softmax(dim=1)
+    random_rows = [i for i, t in enumerate(temperatures) if t >= SAMPLING_EPS]
+    seeded = {i: generators[i] for i in random_rows if generators[i] is not None}
+    u = row_uniforms(len(temperatures), seeded, device, dtype=torch.float64, unseeded=len(seeded) < len(random_rows))
+    tokens = inverse_cdf(probs, u)
+    if greedy_rows:
+        greedy = tensor_on([t < SAMPLING_EPS for t in temperatures], torch.bool, device)
+        tokens = torch.where(greedy, greedy_tokens(logits), tokens)
+    return tokens, probs

@@ -1,26 +1,47 @@
-"""One step's sampler inputs: per-row tensors gathered from the stages' per-request state.
+"""One step's sampler inputs: the draw's per-row tensors and each active stage's own step state.
 
-The stages and the draw keep each request's values from the moment it joins the runner's batch
-(``sample/batch_state.py``); ``SamplingBatch.metadata`` gathers a step's rows into this one object, each stage
-filling its own fields, and only materializes the tensors some row actually needs. Everything is per row,
-never per request: a request may own several rows (speculative decoding).
+The draw and the stages keep each request's values from the moment it joins the runner's batch
+(``sample/batch_state.py``); ``SamplingBatch.metadata`` gathers a step's rows into this one object: the draw's
+rows (``sample/draw_rows.py``) fill its fields, and each stage (``sample/stages/``) that some row needs this step
+files its own step state under its name in ``steps``. Only the tensors some row needs are materialized.
+Everything is per row, never per request: a request may own several rows (speculative decoding).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from pagedllm.sampling_params import SamplingParams
+
+class StepState:
+    """Base of a stage's step state (a dataclass declared with ``eq=False``): the per-row tensors and host values
+    its ``apply`` reads. Two states are equal when they are of one type and every field is (tensors: same dtype,
+    same values): a persistent batch's step equals a fresh batch's of the same rows."""
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+                if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                        and torch.equal(a, b)):
+                    return False
+            elif a != b:
+                return False
+        return True
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 @dataclass
 class SamplingMetadata:
     """Sampling inputs for one step; row i is request i of the batch (B rows, vocab V).
 
-    Tensors that no row needs are ``None``; the matching ``no_*`` / ``all_*`` flag is then True.
+    The draw's tensors that no row needs are ``None``; ``steps`` holds a state only for the stages some row
+    needs this step (a stage without one does nothing).
     """
 
     vocab_size: int
@@ -30,90 +51,13 @@ class SamplingMetadata:
     temperature: torch.Tensor | None = None
     # [B] bool, True for greedy rows. None unless the batch mixes greedy and random rows.
     greedy_mask: torch.Tensor | None = None
-    # [B] float32, 1.0 = off. None when no random row uses top-p.
-    top_p: torch.Tensor | None = None
-    # [B] int64, vocab_size = off. None when no random row uses top-k.
-    top_k: torch.Tensor | None = None
-    # Largest active top-k in the batch (host int, so the sampler can call topk without a device sync).
-    max_top_k: int = 0
-    # Some random row uses top-p without top-k (forces a full-vocabulary sort).
-    top_p_without_top_k: bool = False
-    # [B] float32, 0.0 = off. None when no random row uses min-p.
-    min_p: torch.Tensor | None = None
     # Row index -> that request's own generator, for random rows only.
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     # True when some random row has no generator and so needs the shared batched noise draw.
     has_unseeded_random: bool = False
-    # [B] float32 each. None when no row uses any penalty.
-    presence_penalties: torch.Tensor | None = None
-    frequency_penalties: torch.Tensor | None = None
-    repetition_penalties: torch.Tensor | None = None
-    # [B, Lp] int64 padded with vocab_size; only rows with a repetition penalty are filled. None if unused.
-    prompt_token_ids: torch.Tensor | None = None
-    # [B, Lo] int64 padded with vocab_size; only rows with some penalty are filled. None if unused.
-    output_token_ids: torch.Tensor | None = None
-    # Sparse logit bias as parallel [M] tensors: logits[rows[j], tokens[j]] += values[j].
-    logit_bias_rows: torch.Tensor | None = None
-    logit_bias_tokens: torch.Tensor | None = None
-    logit_bias_values: torch.Tensor | None = None
-    # Sparse min_tokens mask as parallel [M] tensors: logits[rows[j], tokens[j]] = -inf.
-    min_tokens_rows: torch.Tensor | None = None
-    min_tokens_tokens: torch.Tensor | None = None
     # Max logprobs requested by any row (0 = only the sampled token), or None when no row wants logprobs.
     max_num_logprobs: int | None = None
-    no_penalties: bool = True
-    no_top_p_top_k: bool = True
-    no_min_p: bool = True
-    no_logit_bias: bool = True
-    no_min_tokens: bool = True
-    # Structured outputs: rows under a grammar [M] int64 and their allowed-token bitmask [M, ceil(V/32)]
-    # int32 (bit j of word w allows token 32*w + j). None when no row has a grammar.
-    grammar_rows: torch.Tensor | None = None
-    grammar_bitmask: torch.Tensor | None = None
     # Per-row requested logprobs count (None = not requested), so the engine can slice [B, k+1] results.
     num_logprobs: list[int | None] = field(default_factory=list)
-    # allowed_token_ids: rows that set it [M] int64 and their allowed tokens [M, V] bool. None when no row does.
-    allowed_rows: torch.Tensor | None = None
-    allowed_mask: torch.Tensor | None = None
-    # A Whisper model's decoding rules for this step (sample/whisper_rules.py), or None.
-    whisper: Any = None
-
-
-def build_sampling_metadata(
-    params: list[SamplingParams],
-    output_token_ids: list[list[int]],
-    prompt_token_ids: list[list[int]],
-    generators: list[torch.Generator | None],
-    eos_token_ids: list[int],
-    vocab_size: int,
-    device: torch.device,
-    grammar_rows: list[int] | None = None,
-    grammar_bitmask: torch.Tensor | None = None,
-    decoding_rules: Any = None,
-) -> SamplingMetadata:
-    """The metadata of a one-off batch, each row its own request (tests, the profiling step): a fresh
-    ``SamplingBatch`` holding the rows, asked for one step. The runner keeps its batch across steps instead.
-
-    ``params``, ``output_token_ids``, ``prompt_token_ids`` and ``generators`` are per row (length B).
-    ``eos_token_ids`` are the model's EOS ids (shared by every row); they are masked alongside each row's
-    ``stop_token_ids`` while that row has fewer than ``min_tokens`` outputs, unless it sets ``ignore_eos``.
-    Token ids >= ``vocab_size`` in logit_bias / stop_token_ids are dropped (the front end should
-    reject them with ``SamplingParams.verify_token_ids``). ``grammar_rows`` / ``grammar_bitmask``
-    [len(grammar_rows), ceil(V/32)] int32: the rows under a grammar and the tokens each may take next
-    (xgrammar's bitmask layout). ``decoding_rules``: the model's own rules (``WhisperDecodingRules``), applied
-    to every row without ``allowed_token_ids``.
-    """
-    from pagedllm.sample.batch_state import SamplingBatch
-
-    num_rows = len(params)
-    if not (len(output_token_ids) == len(prompt_token_ids) == len(generators) == num_rows):
-        raise ValueError("build_sampling_metadata: params, output_token_ids, prompt_token_ids and "
-                         "generators must all have one entry per row")
-    batch = SamplingBatch(vocab_size, eos_token_ids, device)
-    ids = [str(row) for row in range(num_rows)]
-    batch.update(added=list(zip(ids, params, prompt_token_ids, output_token_ids, generators)))
-    try:
-        return batch.metadata(ids, grammar_rows=grammar_rows, grammar_bitmask=grammar_bitmask,
-                              decoding_rules=decoding_rules)
-    except ValueError as e:
-        raise ValueError(f"build_sampling_metadata: {e}") from None
+    # Stage name -> that stage's step state, for the stages active this step, in no particular order.
+    steps: dict[str, StepState] = field(default_factory=dict)

@@ -1,7 +1,8 @@
 """Logits -> next token ids (+ logprobs) for one batch, in one vectorized pass.
 
-The logits go through an ordered list of stages (``sample/stages.py``: logit_bias, min_tokens, penalties,
-grammar bitmask, temperature, top-k/top-p, min-p), each active only when some row needs it, then the draw
+The logits go through an ordered list of stages (``sample/stages/``: allowed tokens, logit_bias, min_tokens,
+penalties, grammar bitmask, temperature, top-k/top-p, min-p; a model's own rules first where the worker adds
+them), each active only when some row needs it (it has a step state in the metadata), then the draw
 (``sample/draw.py``: argmax for greedy rows, inverse CDF for random rows, on CPUs by one C++ pass). Returned
 logprobs are the model's raw log-softmax, taken before any stage (vLLM's default). Nothing here reads a
 value back to the host, so it runs without device syncs on any backend.
@@ -20,7 +21,8 @@ from pagedllm.sample.draw import (
     masked_draw_kernel,
 )
 from pagedllm.sample.metadata import SamplingMetadata
-from pagedllm.sample.stages import LogitsStage, default_stages
+from pagedllm.sample.stage_base import LogitsStage
+from pagedllm.sample.stages import default_stages
 
 
 @dataclass
@@ -99,7 +101,9 @@ class Sampler(nn.Module):
         self.stages = stages if stages is not None else default_stages()
 
     def active_stages(self, meta: SamplingMetadata) -> list[LogitsStage]:
-        return [stage for stage in self.stages if stage.is_active(meta)]
+        """The stages with a step state this step, in order."""
+        steps = meta.steps
+        return [stage for stage in self.stages if stage.name in steps]
 
     def process_logits(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """logits [N, V] -> a new float32 [N, V] after every active stage except the draw.
@@ -109,8 +113,9 @@ class Sampler(nn.Module):
         row-wise, so several rows may belong to one request (speculative decoding's target positions).
         """
         out = logits.to(torch.float32, copy=True)
+        steps = meta.steps
         for stage in self.active_stages(meta):
-            out = stage.apply(out, meta)
+            out = stage.apply(out, steps[stage.name])
         return out
 
     def draw(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -123,24 +128,25 @@ class Sampler(nn.Module):
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
 
+        steps = meta.steps
         stages = self.active_stages(meta)
         fused_temperature = None
         if stages and stages[-1].draw_fusion == "temperature":
             # The draw divides by the temperature itself (the C++ kernel in the same pass as the softmax).
-            stages, fused_temperature = stages[:-1], meta.temperature
-        fused_grammar = bool(stages) and stages[-1].draw_fusion == "bitmask" and \
-            masked_draw_kernel(logits, copied=len(stages) > 1) is not None
-        if fused_grammar:
+            stages, fused_temperature = stages[:-1], steps[stages[-1].name].temperature
+        fused_grammar = None
+        if stages and stages[-1].draw_fusion == "bitmask" and \
+                masked_draw_kernel(logits, copied=len(stages) > 1) is not None:
             # The C++ draw reads the bitmask itself and skips disallowed words: no [N, V] -inf fill.
-            stages = stages[:-1]
+            stages, fused_grammar = stages[:-1], steps[stages[-1].name]
         # Stages work in place on one private copy; with none active the caller's logits are only read.
         private = bool(stages)
         if private:
             logits = logits.to(torch.float32, copy=True)
         for stage in stages:
-            logits = stage.apply(logits, meta)
-        if fused_grammar:
-            sampled = draw_masked(logits, meta, fused_temperature)
+            logits = stage.apply(logits, steps[stage.name])
+        if fused_grammar is not None:
+            sampled = draw_masked(logits, meta, fused_grammar.rows, fused_grammar.bitmask, fused_temperature)
         else:
             sampled = draw(logits, meta, temperature=fused_temperature, private=private)
 

@@ -1,4 +1,5 @@
-"""Whisper's decoding rules as one sampler stage, applied by the engine to every row of a Whisper model.
+"""Whisper's decoding rules as one sampler stage, which the worker puts first for a Whisper model
+(``ModelRunner.add_model_rules_stage``); the default stage list knows nothing of them.
 
 The rules and their order are transformers' (``WhisperForConditionalGeneration.generate``): at the first generated
 position the begin-suppressed tokens (a space, ``<|endoftext|>``) are masked; the suppressed tokens always; then,
@@ -26,7 +27,8 @@ from typing import Any
 import torch
 
 from pagedllm.host_to_device import tensor_on
-from pagedllm.sample.batch_state import AddedRow, BatchUpdate, SlotRowState, StepRows
+from pagedllm.sample.metadata import SamplingMetadata, StepState
+from pagedllm.sample.stage_base import AddedRow, BatchUpdate, SlotRowState, StepRows
 
 
 @dataclass(frozen=True)
@@ -94,9 +96,10 @@ class WhisperDecodingRules:
         )
 
 
-@dataclass
-class WhisperStepRules:
-    """One step's masks: row index tensors [M] int64 and, for the timestamp rows, per-row flags [M]."""
+@dataclass(eq=False)
+class WhisperStepRules(StepState):
+    """The stage's step state, one step's masks: row index tensors [M] int64 and, for the timestamp rows,
+    per-row flags [M]."""
 
     rules: WhisperDecodingRules
     suppress_rows: torch.Tensor | None
@@ -144,24 +147,24 @@ def apply_whisper_rules(logits: torch.Tensor, step: WhisperStepRules) -> torch.T
 
 
 class WhisperRulesStage(SlotRowState):
-    """The sampler stage (first of all: transformers runs these processors before any other). It keeps which
-    requests the rules govern (those without ``allowed_token_ids``); the step brings the model's rules."""
+    """The sampler stage of one model's ``rules`` (first of all: transformers runs these processors before any
+    other). It keeps which requests the rules govern (those without ``allowed_token_ids``)."""
 
     name = "whisper_rules"
     draw_fusion = None
 
+    def __init__(self, rules: WhisperDecodingRules) -> None:
+        super().__init__()
+        self.rules = rules
+
     def add_row(self, row: AddedRow, update: BatchUpdate) -> bool:
         return row.params.allowed_token_ids is None
 
-    def prepare(self, step: StepRows, meta: Any) -> None:
-        if step.decoding_rules is None:
-            return
+    def prepare(self, step: StepRows, meta: SamplingMetadata) -> WhisperStepRules | None:
         ruled = self.used_rows(step)
-        if ruled is not None:  # no ruled row: the rules mask nothing
-            meta.whisper = step.decoding_rules.step(ruled.tolist(), step.prompts, step.outputs, step.device)
+        if ruled is None:  # no ruled row: the rules mask nothing
+            return None
+        return self.rules.step(ruled.tolist(), step.prompts, step.outputs, step.device)
 
-    def is_active(self, meta: Any) -> bool:
-        return meta.whisper is not None
-
-    def apply(self, logits: torch.Tensor, meta: Any) -> torch.Tensor:
-        return apply_whisper_rules(logits, meta.whisper)
+    def apply(self, logits: torch.Tensor, state: WhisperStepRules) -> torch.Tensor:
+        return apply_whisper_rules(logits, state)

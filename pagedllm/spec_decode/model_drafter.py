@@ -24,7 +24,7 @@ from torch import nn
 from pagedllm.attention.forward_context import forward_context
 from pagedllm.attention.metadata import build_attention_metadata
 from pagedllm.host_to_device import index_rows, tensor_on
-from pagedllm.sample.draw import greedy_tokens, inverse_cdf, row_uniforms
+from pagedllm.sample.draw import draw_drafts
 from pagedllm.sampling_params import SAMPLING_EPS
 from pagedllm.spec_decode.proposer import DraftJob, Proposals, Proposer
 
@@ -53,7 +53,7 @@ class ModelDrafter(Proposer):
     ``compute_logits`` (hidden [N, H] -> logits [N, V] float32).
 
     Random requests draw drafts from softmax(logits / temperature) and keep that distribution
-    (``Proposals.probs``) for the verifier; greedy requests take the argmax.
+    (``Proposals.probs``) for the verifier; greedy requests take the argmax (the sampler's ``draw_drafts``).
     """
 
     writes_kv = True
@@ -79,27 +79,6 @@ class ModelDrafter(Proposer):
         with forward_context(meta):
             return self.forward(input_ids, positions)
 
-    def _draw(self, logits: torch.Tensor, jobs: list[DraftJob]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """logits [M, V] -> (tokens [M] int64, probs [M, V] float32 of the random rows or None).
-
-        Row i of probs is softmax(logits_i / temperature_i) for random rows (the distribution its draft is
-        drawn from, kept for the verifier), anything for greedy rows. Seeded rows draw their float64
-        uniform from their own generator.
-        """
-        greedy_rows = [i for i, j in enumerate(jobs) if j.temperature < SAMPLING_EPS]
-        if len(greedy_rows) == len(jobs):
-            return greedy_tokens(logits), None
-        temperature = tensor_on([max(j.temperature, SAMPLING_EPS) for j in jobs], torch.float32, self.device)
-        probs = (logits.float() / temperature.unsqueeze(1)).softmax(dim=1)
-        random_rows = [i for i, j in enumerate(jobs) if j.temperature >= SAMPLING_EPS]
-        seeded = {i: jobs[i].generator for i in random_rows if jobs[i].generator is not None}
-        u = row_uniforms(len(jobs), seeded, self.device, dtype=torch.float64, unseeded=len(seeded) < len(random_rows))
-        tokens = inverse_cdf(probs, u)
-        if greedy_rows:
-            greedy = tensor_on([j.temperature < SAMPLING_EPS for j in jobs], torch.bool, self.device)
-            tokens = torch.where(greedy, greedy_tokens(logits), tokens)
-        return tokens, probs
-
     @torch.inference_mode()
     def propose_batch(self, jobs: list[DraftJob]) -> Proposals:
         """Drafts per proposing request and, for random ones, their distributions [k, V]."""
@@ -119,7 +98,8 @@ class ModelDrafter(Proposer):
         probs: dict[str, list[torch.Tensor]] = {}
         while active:
             logits = self.compute_logits(index_rows(hidden, [r for _, r in active]))
-            tokens, step_probs = self._draw(logits, [j for j, _ in active])
+            tokens, step_probs = draw_drafts(logits, [j.temperature for j, _ in active],
+                                             [j.generator for j, _ in active])
             for row, (job, _) in enumerate(active):
                 taken[job.req_id].append((len(passes), row))
                 if step_probs is not None and job.temperature >= SAMPLING_EPS:

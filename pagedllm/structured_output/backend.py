@@ -1,7 +1,7 @@
 """xgrammar behind a small interface: compile a GrammarKey, make a matcher, allocate a bitmask.
 
 The bitmask layout is xgrammar's: [rows, ceil(V/32)] int32, bit j of word w allows token 32*w + j, which is
-what ``sample/stages.py`` unpacks. V is the model's vocab size (its LM head may be wider than the tokenizer;
+what ``sample/ops.py`` unpacks. V is the model's vocab size (its LM head may be wider than the tokenizer;
 the extra ids are never allowed).
 """
 

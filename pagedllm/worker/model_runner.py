@@ -25,6 +25,7 @@ from pagedllm.host_to_device import index_rows, tensor_on, to_device
 from pagedllm.platforms import platform_for
 from pagedllm.sample.batch_state import SamplingBatch
 from pagedllm.sample.sampler import Sampler, compute_logprobs_for_targets, logprob_dicts
+from pagedllm.sample.stage_base import LogitsStage
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.manager import resolve_bitmask
 from pagedllm.worker.cpu_memory import zeroed_host_tensor
@@ -115,11 +116,17 @@ class ModelRunner:
         # An encoder-decoder model (worker/encoder_decoder.py): runs new requests' encoders, builds the
         # cross-attention group's metadata. None for every other model.
         self.encoder_decoder: Any = None
-        # Model-level decoding rules applied to every sampled row (Whisper's, sample/whisper_rules.py), or None.
-        self.decoding_rules: Any = None
         # The layers that read a step's metadata, by group and backend (step_readers); found at the first step
         # after the KV caches are bound (which sets each layer's group).
         self._step_readers: StepReaders | None = None
+
+    def add_model_rules_stage(self, stage: LogitsStage) -> None:
+        """A model's own decoding rules (Whisper's, ``sample/whisper_rules.py``) as the sampler's first stage, ahead
+        of the request-driven ones; the worker adds it before any request joins."""
+        if len(self.sampling):
+            raise RuntimeError("add_model_rules_stage: requests already hold sampling state")
+        self.sampling = SamplingBatch(self.vocab_size, self.eos_token_ids, self.device, [stage, *self.sampling.stages])
+        self.sampler = Sampler(self.sampling.stages)
 
     # ---- KV cache ----------------------------------------------------------------------------------
     def kv_cache_spec(self) -> tuple[int, int, int]:
@@ -310,7 +317,7 @@ class ModelRunner:
         logits = self.model.compute_logits(index_rows(hidden, sample_rows), out=self._logits_out(len(sample_rows)))
         grammar_rows, grammar_bitmask = _grammar_rows(sched, sample_states)
         sampling_meta = self.sampling.metadata([s.req_id for s in sample_states], grammar_rows=grammar_rows,
-                                               grammar_bitmask=grammar_bitmask, decoding_rules=self.decoding_rules)
+                                               grammar_bitmask=grammar_bitmask)
         out = self.sampler(logits, sampling_meta)
         if overlap is not None:
             overlap()

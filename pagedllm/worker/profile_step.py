@@ -16,7 +16,7 @@ import torch
 
 from pagedllm.attention.forward_context import forward_context
 from pagedllm.attention.metadata import build_attention_metadata, token_positions
-from pagedllm.sample.metadata import build_sampling_metadata
+from pagedllm.sample.batch_state import build_sampling_metadata
 from pagedllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 

@@ -80,11 +80,12 @@ class Worker:
         config.cache.sliding_window = self.runner.kv_sliding_window()
         config.cache.sliding_group_window = self.runner.kv_cache_groups()[1]
         if mc.is_encoder_decoder:
-            from pagedllm.sample.whisper_rules import WhisperDecodingRules
+            from pagedllm.sample.whisper_rules import WhisperDecodingRules, WhisperRulesStage
             from pagedllm.worker.encoder_decoder import attach_encoder_decoder
 
             attach_encoder_decoder(self.runner, config.cache.cross_group_tokens)
-            self.runner.decoding_rules = WhisperDecodingRules.from_config(mc.hf_config, mc.vocab_size)
+            rules = WhisperDecodingRules.from_config(mc.hf_config, mc.vocab_size)
+            self.runner.add_model_rules_stage(WhisperRulesStage(rules))
         if config.speculative is not None:
             from pagedllm.spec_decode.setup import attach_spec_decoder
 

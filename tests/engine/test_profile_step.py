@@ -15,7 +15,7 @@ from model_helpers import make_tiny_llama  # noqa: E402
 from pagedllm.attention.layer import attention_layers  # noqa: E402
 from pagedllm.config import ModelConfig  # noqa: E402
 from pagedllm.model_executor.loader import load_model  # noqa: E402
-from pagedllm.sample.metadata import build_sampling_metadata  # noqa: E402
+from pagedllm.sample.batch_state import build_sampling_metadata  # noqa: E402
 from pagedllm.worker.model_runner import ModelRunner  # noqa: E402
 from pagedllm.worker.profile_step import profile_query_lens, run_profile_step, worst_case_sampling_params  # noqa: E402
 
@@ -36,9 +36,10 @@ def test_worst_case_params_turn_on_every_big_stage() -> None:
     rows = 3
     meta = build_sampling_metadata([worst_case_sampling_params()] * rows, [[0]] * rows, [[0]] * rows, [None] * rows,
                                    [2], 256, torch.device("cpu"))
-    assert meta.top_p_without_top_k and meta.top_k is None  # full-vocabulary sort
-    assert not meta.no_penalties and meta.prompt_token_ids is not None
-    assert not meta.no_min_p and meta.max_num_logprobs is not None and meta.max_num_logprobs > 0
+    steps = meta.steps
+    assert steps["top_k_top_p"].top_p_without_top_k and steps["top_k_top_p"].top_k is None  # full-vocabulary sort
+    assert "penalties" in steps and steps["penalties"].prompt_token_ids is not None
+    assert "min_p" in steps and meta.max_num_logprobs is not None and meta.max_num_logprobs > 0
 
 
 @pytest.fixture(scope="module")

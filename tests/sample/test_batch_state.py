@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.sample.batch_state import SamplingBatch, StepRows
-from pagedllm.sample.metadata import SamplingMetadata, build_sampling_metadata
+from pagedllm.sample.batch_state import SamplingBatch, StepRows, build_sampling_metadata
+from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -84,8 +84,8 @@ def test_a_freed_slot_keeps_nothing_of_its_last_request() -> None:
     batch.update(added=[("a", biased, [1], [], torch.Generator().manual_seed(1))])
     batch.update(removed=["a"], added=[("b", SamplingParams(temperature=0.0), [1], [], None)])
     meta = batch.metadata(["b"])
-    assert meta.all_greedy and meta.no_logit_bias and meta.no_min_tokens and meta.no_penalties
-    assert meta.no_top_p_top_k and meta.allowed_rows is None and meta.max_num_logprobs is None
+    assert meta.all_greedy and not {"logit_bias", "min_tokens", "penalties"} & meta.steps.keys()
+    assert not {"top_k_top_p", "allowed_token_ids"} & meta.steps.keys() and meta.max_num_logprobs is None
     assert meta.generators == {} and "a" not in batch and "b" in batch
 
 
@@ -96,8 +96,9 @@ def test_verification_rows_see_the_drafts_before_them_as_outputs() -> None:
     batch.update(added=[("r", params, [1, 2], outputs, None)])
     meta = batch.metadata(["r", "r", "r"], pending=[[], [11], [11, 12]])
     # Row 0 sees 1 output (< min_tokens: EOS masked), rows 1-2 see 2 and 3 (not masked).
-    assert meta.min_tokens_rows.tolist() == [0] and meta.min_tokens_tokens.tolist() == EOS
-    assert meta.output_token_ids.tolist() == [[7, VOCAB, VOCAB], [7, 11, VOCAB], [7, 11, 12]]
+    steps = meta.steps
+    assert steps["min_tokens"].rows.tolist() == [0] and steps["min_tokens"].tokens.tolist() == EOS
+    assert steps["penalties"].output_token_ids.tolist() == [[7, VOCAB, VOCAB], [7, 11, VOCAB], [7, 11, 12]]
     assert outputs == [7]  # the runner's list is never extended by verification
 
 
@@ -123,7 +124,7 @@ def test_steps_read_no_sampling_params() -> None:
     finally:
         Watched.watching = False
     assert Watched.reads == 0
-    assert not meta.no_logit_bias and not meta.no_min_tokens and meta.top_k is not None  # the state was used
+    assert {"logit_bias", "min_tokens"} <= meta.steps.keys() and meta.steps["top_k_top_p"].top_k is not None  # used
 
 
 def test_bad_step_inputs_name_the_field() -> None:

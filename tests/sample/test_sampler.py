@@ -5,9 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.sample.metadata import build_sampling_metadata
+from pagedllm.sample.batch_state import build_sampling_metadata
+from pagedllm.sample.ops import apply_penalties
 from pagedllm.sample.sampler import Sampler, compute_logprobs_for_targets
-from pagedllm.sample.stages import apply_penalties
 from pagedllm.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -48,14 +48,17 @@ def test_greedy_is_argmax_and_input_untouched():
 
 def test_fast_path_flags_and_lazy_tensors():
     meta = make_meta([SamplingParams(temperature=0.0)] * 3, vocab=10)
-    assert meta.all_greedy and meta.no_penalties and meta.no_top_p_top_k and meta.no_min_p
-    assert meta.no_logit_bias and meta.no_min_tokens and meta.max_num_logprobs is None
-    assert meta.temperature is None and meta.output_token_ids is None and meta.prompt_token_ids is None
+    steps = meta.steps
+    assert meta.all_greedy and "penalties" not in steps and "top_k_top_p" not in steps and "min_p" not in steps
+    assert "logit_bias" not in steps and "min_tokens" not in steps and meta.max_num_logprobs is None
+    assert meta.temperature is None and "penalties" not in steps  # no output/prompt token ids gathered
     meta = make_meta([SamplingParams(frequency_penalty=0.5), SamplingParams(top_k=3, logprobs=2),
                       SamplingParams(temperature=0, logprobs=5)], vocab=10)
-    assert not meta.all_greedy and not meta.all_random and not meta.no_penalties
-    assert meta.output_token_ids is not None and meta.prompt_token_ids is None  # no repetition penalty
-    assert meta.top_k.tolist() == [10, 3, 10] and meta.top_p is None and meta.max_top_k == 3
+    steps = meta.steps
+    assert not meta.all_greedy and not meta.all_random and "penalties" in steps
+    assert steps["penalties"].output_token_ids is not None and steps["penalties"].prompt_token_ids is None  # no rep.
+    top = steps["top_k_top_p"]
+    assert top.top_k.tolist() == [10, 3, 10] and top.top_p is None and top.max_top_k == 3
     assert meta.max_num_logprobs == 5 and meta.num_logprobs == [None, 2, 5]
 
 
@@ -185,7 +188,9 @@ def test_penalties_match_hand_computation():
     outputs = [[3, 3, 4], [3]]
     meta = make_meta(params, outputs=outputs, prompts=prompts, vocab=vocab)
     penalized = logits.clone()
-    apply_penalties(penalized, meta)
+    state = meta.steps["penalties"]
+    apply_penalties(penalized, state.output_token_ids, state.prompt_token_ids, state.presence_penalties,
+                    state.frequency_penalties, state.repetition_penalties)
 
     expected = logits.clone()
     row = expected[0]

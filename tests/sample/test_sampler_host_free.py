@@ -13,7 +13,7 @@ sys.path.insert(0, "tests/models")
 from host_reads import HostReads  # noqa: E402
 
 from pagedllm.platforms import platform_for  # noqa: E402
-from pagedllm.sample.metadata import build_sampling_metadata  # noqa: E402
+from pagedllm.sample.batch_state import build_sampling_metadata  # noqa: E402
 from pagedllm.sample.sampler import Sampler  # noqa: E402
 from pagedllm.sampling_params import SamplingParams  # noqa: E402
 

@@ -8,9 +8,10 @@ import torch
 
 import pagedllm.sample.sampler as sampler_module
 from pagedllm.platforms import platform_for
-from pagedllm.sample.metadata import build_sampling_metadata
+from pagedllm.sample.batch_state import build_sampling_metadata
+from pagedllm.sample.ops import unpack_bitmask
 from pagedllm.sample.sampler import Sampler
-from pagedllm.sample.stages import GrammarBitmaskStage, TemperatureStage, default_stages, unpack_bitmask
+from pagedllm.sample.stages import GrammarBitmaskStage, TemperatureStage, default_stages
 from pagedllm.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -62,7 +63,8 @@ def test_unpack_matches_pack() -> None:
 
 def test_stage_order_and_activity() -> None:
     names = [s.name for s in default_stages()]
-    assert names == ["whisper_rules", "allowed_token_ids", "logit_bias", "min_tokens", "penalties", "grammar_bitmask",
+    # Whisper's rules are no default stage: the worker puts them first for a Whisper model (test_model_stages.py).
+    assert names == ["allowed_token_ids", "logit_bias", "min_tokens", "penalties", "grammar_bitmask",
                      "temperature", "top_k_top_p",
                      "min_p"]
     sampler = Sampler()

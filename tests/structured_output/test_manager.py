@@ -10,7 +10,7 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.engine_args import EngineArgs
 from pagedllm.model_executor.loader import load_tokenizer
-from pagedllm.sample.stages import unpack_bitmask
+from pagedllm.sample.ops import unpack_bitmask
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.manager import StructuredOutputManager, resolve_bitmask
 from pagedllm.structured_output.params import StructuredOutputsParams

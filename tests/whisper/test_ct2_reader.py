@@ -56,7 +56,7 @@ def test_reads_variables_attributes_and_aliases(tmp_path) -> None:
 def test_packaged_folders_resolve(tmp_path) -> None:
     from pagedllm.config import ModelConfig
     from pagedllm.model_executor.loader import load_tokenizer, resolve_model_config
-    from pagedllm.model_executor.loader.ct2_packages import WHISPER_BASE, join_parts
+    from pagedllm.model_executor.loader.packaged_models import WHISPER_BASE, join_parts
 
     mc = resolve_model_config(ModelConfig(model="whisper-tiny.en", dtype="float32", device="cpu"))
     cfg = mc.hf_config

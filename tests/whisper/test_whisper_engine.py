@@ -95,7 +95,7 @@ def test_temperature_sampling_is_seeded_and_follows_the_rules(llm: LLM) -> None:
     first = [c.token_ids for c in llm.generate(prompt, params, use_tqdm=False)[0].outputs]
     again = [c.token_ids for c in llm.generate(prompt, params, use_tqdm=False)[0].outputs]
     assert first == again and first[0] != first[1]
-    rules = llm.engine.core.worker.runner.decoding_rules
+    rules = llm.engine.core.worker.runner.sampling.stages[0].rules  # the worker put Whisper's rules first
     for tokens in first:
         assert not set(tokens) & set(rules.suppress_tokens)
         assert tokens[0] not in rules.begin_suppress_tokens

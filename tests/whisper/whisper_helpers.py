@@ -20,7 +20,7 @@ SAMPLE_RATE = 16000
 
 
 def _tiny_en_folder() -> str:
-    from pagedllm.model_executor.loader.ct2_packages import ct2_folder
+    from pagedllm.model_executor.loader.packaged_models import ct2_folder
 
     try:
         return ct2_folder("whisper-tiny.en")

@@ -43,10 +43,6 @@ WHISPER_SPEC = "WhisperSpec"
 MAX_INITIAL_TIMESTAMP_INDEX = 50
 
 
-def is_ct2_folder(folder: str) -> bool:
-    return os.path.isfile(os.path.join(folder, "model.bin")) and os.path.isfile(os.path.join(folder, "config.json"))
-
-
 def _added_tokens(folder: str) -> list[dict]:
     path = os.path.join(folder, "tokenizer.json")
     if not os.path.isfile(path):
