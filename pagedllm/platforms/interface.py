@@ -98,7 +98,7 @@ class Platform:
 
     def cpu_kernels(self, dtype: torch.dtype, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> Any | None:
         """The module of ``cpu_kernels_family(dtype, dtypes)``, or None."""
-        return kernel_module(self.native_kernels) if dtype in dtypes else None
+        return kernel_module(self.cpu_kernels_family(dtype, dtypes))
 
     def elementwise_kernels(self, dtype: torch.dtype) -> Any | None:
         """The module of ``elementwise_family(dtype)``, or None."""
