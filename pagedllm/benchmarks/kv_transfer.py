@@ -45,7 +45,7 @@ def _connector(role: str, layout: dict[str, Any]):
     from pagedllm.distributed.kv_transfer.base import KVConnectorRole
     from pagedllm.distributed.kv_transfer.config import parse_kv_transfer_config
     from pagedllm.distributed.kv_transfer.nixl import NixlConnector
-    from pagedllm.worker.cpu_memory import zeroed_host_tensor
+    from pagedllm.platforms.cpu_memory import zeroed_host_tensor
 
     config = parse_kv_transfer_config({"kv_connector": "NixlConnector", "kv_role": role})
     conn = NixlConnector(config, KVConnectorRole.WORKER, layout["block_size"])

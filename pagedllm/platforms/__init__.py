@@ -1,7 +1,9 @@
 """The one place that decides, per device, which implementation runs: C++ CPU kernels, Triton on CUDA, or
 plain torch. Layers, the sampler, the runner and the worker ask their tensor's (or their engine's) platform
 instead of testing the device themselves; a test holds that no module outside ``platforms/``, the attention
-backends and the kernels does.
+backends and the kernels does. The platforms stand on the ground floor: they answer with names (an attention
+backend's, a kernel family's) that the registries above them resolve (``attention/backends/registry.py``,
+``kernels/registry.py``).
 
 ``platform_for(device)`` gives the platform of a device, ``platform_of(tensor)`` the one a tensor lives on.
 """

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from pagedllm.platforms.interface import Platform
+from pagedllm.platforms.kernel_families import kernel_module
 
 
 class CudaPlatform(Platform):
@@ -16,6 +17,15 @@ class CudaPlatform(Platform):
     supports_graphs = True
     packs_quantized_by_rows = True
     distributed_backend = "nccl"
+
+    def attention_backend_choices(self, requested: str = "auto") -> tuple[str, ...]:
+        # The Triton kernel where triton is installed, else the portable path.
+        if requested == "auto":
+            return ("triton", "torch")
+        return ("triton",) if requested == "triton" else super().attention_backend_choices(requested)
+
+    def is_available(self) -> bool:
+        return torch.cuda.is_available()
 
     def max_tensor_parallel_size(self) -> int:
         return torch.cuda.device_count()
@@ -26,36 +36,21 @@ class CudaPlatform(Platform):
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
 
-    def _make_attention_backend(self, name: str) -> Any:
-        from pagedllm.kernels import triton_ops
-
-        if name == "triton" or (name == "auto" and triton_ops.triton_available()):
-            from pagedllm.attention.backends.triton_paged import TritonPagedAttentionBackend
-
-            if not triton_ops.triton_available():
-                raise ValueError("attention_backend: 'triton' needs triton, which is not installed")
-            return TritonPagedAttentionBackend(super()._make_attention_backend("torch"))
-        return super()._make_attention_backend(name)
-
-    def elementwise_kernels(self, dtype: torch.dtype) -> Any | None:
-        from pagedllm.kernels import triton_ops
-
-        return triton_ops.TRITON_OPS if triton_ops.triton_available() else None
+    def elementwise_family(self, dtype: torch.dtype) -> str | None:
+        return "triton"
 
     def fused_norm_keeps_offset_exact(self, dtype: torch.dtype) -> bool:
         # The fused Triton RMSNorm takes the scale in the activation dtype: Gemma's 1 + w would round to bf16 first.
         return False
 
-    def activation_kernels(self, dtype: torch.dtype) -> Any | None:
-        return self.elementwise_kernels(dtype)
+    def activation_family(self, dtype: torch.dtype) -> str | None:
+        return "triton"
 
-    def rotary_kernels(self, dtype: torch.dtype, table_dtype: torch.dtype) -> Any | None:
-        return self.elementwise_kernels(dtype)
+    def rotary_family(self, dtype: torch.dtype, table_dtype: torch.dtype) -> str | None:
+        return "triton"
 
     def runs_triton(self) -> bool:
-        from pagedllm.kernels import triton_ops
-
-        return triton_ops.triton_available()
+        return kernel_module("triton") is not None
 
     def to_device(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
         if t.device.type != "cpu":
@@ -64,3 +59,21 @@ class CudaPlatform(Platform):
 
     def tensor_on(self, values: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
+
+    def mem_get_info(self, device: torch.device) -> tuple[int, int]:
+        return torch.cuda.mem_get_info(device)
+
+    def reset_peak_memory_stats(self, device: torch.device) -> None:
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def memory_allocated(self, device: torch.device) -> int:
+        return torch.cuda.memory_allocated(device)
+
+    def max_memory_allocated(self, device: torch.device) -> int:
+        return torch.cuda.max_memory_allocated(device)

@@ -17,18 +17,24 @@ from torch import nn
 from tqdm import tqdm
 
 from pagedllm.attention.forward_context import forward_context
-from pagedllm.attention.layer import StepReaders, attention_layers, bind_kv_caches, prepare_step_states, step_readers
 from pagedllm.attention.metadata import AttentionMetadata, build_attention_metadata, link_groups, token_positions
 from pagedllm.attention.spec import common_sliding_window, kv_cache_groups
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.host_to_device import index_rows, tensor_on, to_device
+from pagedllm.model_executor.layers.attention import (
+    StepReaders,
+    attention_layers,
+    bind_kv_caches,
+    prepare_step_states,
+    step_readers,
+)
 from pagedllm.platforms import platform_for
+from pagedllm.platforms.cpu_memory import zeroed_host_tensor
 from pagedllm.sample.batch_state import SamplingBatch
 from pagedllm.sample.sampler import Sampler, compute_logprobs_for_targets, logprob_dicts
 from pagedllm.sample.stage_base import LogitsStage
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.manager import resolve_bitmask
-from pagedllm.worker.cpu_memory import zeroed_host_tensor
 
 # Rows of the reused logits buffer (a decode step samples one row per running request).
 LOGITS_BUFFER_ROWS = 256

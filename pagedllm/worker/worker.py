@@ -7,10 +7,11 @@ from collections.abc import Callable
 
 import torch
 
-from pagedllm.attention.layer import attention_layers
+from pagedllm.attention.backends.registry import get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.logger import init_logger
+from pagedllm.model_executor.layers.attention import attention_layers
 from pagedllm.platforms import platform_for
 from pagedllm.utils import cdiv, format_bytes
 from pagedllm.worker.model_runner import ModelRunner
@@ -22,8 +23,8 @@ CPU_DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3  # without --kv-cache-memory on a CPU
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
+        return torch.device("cuda" if platform_for("cuda").is_available() else "cpu")
+    if name == "cuda" and not platform_for("cuda").is_available():
         raise ValueError("device: 'cuda' was asked for but torch sees no CUDA device")
     if name not in ("cpu", "cuda"):
         raise ValueError(f"device: must be auto, cpu or cuda, got {name!r}")
@@ -64,7 +65,7 @@ class Worker:
                              f"model on {self.platform.name}; use auto or one of {allowed}")
         torch.manual_seed(mc.seed)
         model = load_model(mc, self.device)
-        self.attention_backend = self.platform.attention_backend(config.device.attention_backend)
+        self.attention_backend = get_attention_backend(self.platform, config.device.attention_backend)
         self._bind_attention_backend(model)
         logger.info("attention backend: %s", self.attention_backend.name)
         pooling = None
@@ -177,16 +178,16 @@ class Worker:
         # Loading may leave freed blocks in the caching allocator: hand them back first, or they would count
         # as "in use" below although the allocator would reuse them.
         gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.synchronize(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
+        self.platform.empty_cache()
+        self.platform.synchronize(self.device)
+        free, total = self.platform.mem_get_info(self.device)
         used_before = total - free
-        torch.cuda.reset_peak_memory_stats(self.device)
-        allocated_before = torch.cuda.memory_allocated(self.device)
+        self.platform.reset_peak_memory_stats(self.device)
+        allocated_before = self.platform.memory_allocated(self.device)
         run_profile_step(self.runner, query_lens, bs, sched.max_num_seqs)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - allocated_before
-        torch.cuda.empty_cache()
+        self.platform.synchronize(self.device)
+        peak = self.platform.max_memory_allocated(self.device) - allocated_before
+        self.platform.empty_cache()
         budget = gpu_kv_cache_budget(total, used_before, peak, self.config.cache.gpu_memory_utilization)
         logger.info("GPU memory: %s in use before profiling, largest step (%d tokens in %d prompts, %d sampled "
                     "rows) peaks at %s more; KV cache gets %s (--gpu-memory-utilization %g of %s)",

@@ -18,11 +18,11 @@ from pagedllm.attention.backends.torch_encoder import encoder_plan  # noqa: E402
 from pagedllm.attention.backends.torch_sdpa import TorchPagedAttentionBackend, step_plan  # noqa: E402
 from pagedllm.attention.backends.torch_state import TORCH_STATE_KEY, TorchStepState  # noqa: E402
 from pagedllm.attention.backends.triton_paged import TritonPagedAttentionBackend  # noqa: E402
-from pagedllm.attention.layer import Attention, attention_layers, prepare_step_states, step_readers  # noqa: E402
 from pagedllm.attention.metadata import AttentionMetadata, build_attention_metadata, link_groups  # noqa: E402
 from pagedllm.attention.spec import AttentionSpec  # noqa: E402
 from pagedllm.config import ModelConfig  # noqa: E402
 from pagedllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
+from pagedllm.model_executor.layers.attention import Attention, attention_layers, prepare_step_states, step_readers  # noqa: E402
 from pagedllm.model_executor.loader import load_model  # noqa: E402
 from pagedllm.sampling_params import SamplingParams  # noqa: E402
 from pagedllm.worker.model_runner import ModelRunner  # noqa: E402

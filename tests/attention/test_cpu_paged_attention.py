@@ -248,7 +248,7 @@ def test_backend_routes_fresh_prompts_by_length(monkeypatch, cache_dtype: torch.
     path (short fresh prompts in the paged kernel; with kernels built for AVX-512, or the switch forcing it, long
     ones in the causal generic kernel, one call for the adjacent two, and the chunk too, over its K/V gathered in
     float32; else SDPA) equals the portable path (SDPA)."""
-    import pagedllm.attention.backends.torch_sdpa as backend
+    import pagedllm.attention.backends.cpu_paged as backend
 
     assert load_cpu_kernels() is not None
     rng = random.Random(0)
@@ -264,11 +264,11 @@ def test_backend_routes_fresh_prompts_by_length(monkeypatch, cache_dtype: torch.
     key, value = torch.randn(tokens, num_kv_heads, head_dim), torch.randn(tokens, num_kv_heads, head_dim)
     cache = torch.randn(2, 200, block_size, num_kv_heads, head_dim).to(cache_dtype)  # the first four's context
 
-    split = backend.step_plan(meta).kernel_split(40, backend.CONTEXT_CHUNK_KERNEL_MAX_LEN)
+    split = backend.kernel_split(backend.step_plan(meta), 40, backend.CONTEXT_CHUNK_KERNEL_MAX_LEN)
     assert split.kernel_rows.tolist() == [0, 1, 2, 3, 4, 5] and split.long_fresh == {41: [6], 70: [7]}
     assert split.long_chunks == []
     # A chunk with context longer than the kernel's limit goes to the causal kernel or SDPA, over its gathered K/V.
-    split = backend.step_plan(meta).kernel_split(40, 8)
+    split = backend.kernel_split(backend.step_plan(meta), 40, 8)
     assert split.kernel_rows.tolist() == [0, 1, 2, 4, 5] and split.long_chunks == [3]
     monkeypatch.setattr(backend, "CONTEXT_CHUNK_KERNEL_MAX_LEN", 8)
     monkeypatch.setenv("PAGEDLLM_PROMPT_ATTENTION_FLOAT32", choice)
@@ -314,7 +314,7 @@ def test_long_fresh_prompt_attends_to_its_kv_as_the_cache_keeps_it(monkeypatch) 
     bf16 cache it must see them rounded as stored, as a later chunk of the same prompt (read from the cache) would."""
     import torch.nn.functional as F
 
-    import pagedllm.attention.backends.torch_sdpa as backend
+    import pagedllm.attention.backends.cpu_paged as backend
 
     monkeypatch.setattr(backend, "FRESH_PROMPT_KERNEL_MAX_LEN", 8)
     torch.manual_seed(1)
@@ -333,7 +333,7 @@ def test_long_fresh_prompt_attends_to_its_kv_as_the_cache_keeps_it(monkeypatch) 
 def test_bf16_queries_leave_shorter_prompts_and_chunks_to_sdpa(monkeypatch) -> None:
     """With native bf16 a bf16 query's shorter fresh prompts and chunks go to SDPA (its bf16 matmuls), and a mixed
     bf16 step through the backend stays within bf16 rounding of the portable path."""
-    import pagedllm.attention.backends.torch_sdpa as backend
+    import pagedllm.attention.backends.cpu_paged as backend
     from pagedllm.platforms.cpu import CpuPlatform
 
     q32 = torch.zeros(1, 9, 64)
@@ -351,7 +351,7 @@ def test_bf16_queries_leave_shorter_prompts_and_chunks_to_sdpa(monkeypatch) -> N
     meta, cache, query = _long_context_case(query_lens, seq_lens, 16, torch.bfloat16)
     tokens = sum(query_lens)
     key, value = (torch.randn(tokens, 3, 64).bfloat16() for _ in range(2))
-    split = backend.step_plan(meta).kernel_split(*limits)
+    split = backend.kernel_split(backend.step_plan(meta), *limits)
     assert split.kernel_rows.tolist() == [0, 1, 2, 4] and split.long_chunks == [3] and split.long_fresh == {70: [5]}
     got = backend.paged_attention(query.bfloat16(), key, value, cache.clone(), meta, 0.125, load_cpu_kernels())
     expected = backend.paged_attention(query.bfloat16().float(), key.float(), value.float(), cache.float(),
@@ -381,7 +381,7 @@ def test_bf16_fresh_prompts_go_to_the_causal_kernel_without_amx(monkeypatch, cho
     no AMX tiles (or the switch forces it): fresh ones one call per run of adjacent requests, chunks with context one
     call each over their gathered K/V; within bf16 rounding of the portable path. With AMX tiles, or the switch off,
     they stay in SDPA."""
-    import pagedllm.attention.backends.torch_sdpa as backend
+    import pagedllm.attention.backends.cpu_paged as backend
     from pagedllm.attention.backends.torch_encoder import bf16_kernel
 
     monkeypatch.setenv("PAGEDLLM_ENCODER_ATTENTION_BF16", choice)
@@ -413,7 +413,7 @@ def test_queries_with_heads_apart_go_through_the_paged_kernel() -> None:
     """A query whose heads are not one row per token (a transposed view, not a fused projection's) is copied for
     the paged kernel, which reads each token's heads as one row: a decode and a short fresh prompt, float32 and
     bf16, as from the query's contiguous copy."""
-    import pagedllm.attention.backends.torch_sdpa as backend
+    import pagedllm.attention.backends.cpu_paged as backend
 
     kernels = load_cpu_kernels()
     assert kernels is not None
@@ -431,7 +431,7 @@ def test_queries_with_heads_apart_go_through_the_paged_kernel() -> None:
 def test_bf16_fresh_prompts_with_other_layouts_stay_in_sdpa(monkeypatch) -> None:
     """q/k/v whose heads are not contiguous within a token's row (not views of a fused projection) are attended by
     SDPA, not refused by the kernel."""
-    import pagedllm.attention.backends.torch_sdpa as backend
+    import pagedllm.attention.backends.cpu_paged as backend
 
     monkeypatch.setenv("PAGEDLLM_ENCODER_ATTENTION_BF16", "avx512_bf16")
     kernels = _KernelsSpy(load_cpu_kernels())

@@ -53,8 +53,8 @@ def test_layer_write_kv_stores_strided_rows_like_the_portable_store(cache_dtype:
     backend's C++ store equals the portable index_copy store, float32 K/V into either cache dtype."""
     from pagedllm.attention.backends.cpu_paged import CpuPagedAttentionBackend
     from pagedllm.attention.backends.torch_sdpa import TorchPagedAttentionBackend
-    from pagedllm.attention.layer import Attention
     from pagedllm.attention.spec import AttentionSpec
+    from pagedllm.model_executor.layers.attention import Attention
 
     if load_cpu_kernels() is None:
         pytest.skip("C++ CPU kernels unavailable")

@@ -13,9 +13,9 @@ sys.path.insert(0, "tests/models")
 from model_helpers import make_kv_caches, make_tiny_llama, paged_step  # noqa: E402
 
 from pagedllm.attention.forward_context import forward_context  # noqa: E402
-from pagedllm.attention.layer import bind_kv_caches  # noqa: E402
 from pagedllm.attention.metadata import build_attention_metadata  # noqa: E402
 from pagedllm.config import ModelConfig  # noqa: E402
+from pagedllm.model_executor.layers.attention import bind_kv_caches  # noqa: E402
 from pagedllm.model_executor.loader import load_model  # noqa: E402
 from pagedllm.worker.cuda_graphs import DecodeGraphRunner, graph_batch_sizes, padded_batch_size  # noqa: E402
 

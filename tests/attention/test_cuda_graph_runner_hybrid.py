@@ -14,10 +14,10 @@ from arch_configs import save_tiny  # noqa: E402
 from model_helpers import make_model_kv_caches  # noqa: E402
 
 from pagedllm.attention.forward_context import forward_context  # noqa: E402
-from pagedllm.attention.layer import attention_layers, bind_kv_caches  # noqa: E402
 from pagedllm.attention.metadata import AttentionMetadata, build_attention_metadata  # noqa: E402
 from pagedllm.attention.spec import kv_cache_groups  # noqa: E402
 from pagedllm.config import ModelConfig  # noqa: E402
+from pagedllm.model_executor.layers.attention import attention_layers, bind_kv_caches  # noqa: E402
 from pagedllm.model_executor.loader import load_model  # noqa: E402
 from pagedllm.worker.cuda_graphs import DecodeGraphRunner  # noqa: E402
 

@@ -19,8 +19,8 @@ from host_reads import HostReads  # noqa: E402
 from model_helpers import cpu_tensors_get_cuda_elementwise_ops, make_kv_caches, tiny_llama_config  # noqa: E402
 
 from pagedllm.attention.backends.torch_sdpa import TorchPagedAttentionBackend  # noqa: E402
-from pagedllm.attention.layer import attention_layers, bind_kv_caches  # noqa: E402
 from pagedllm.kernels import triton_ops  # noqa: E402
+from pagedllm.model_executor.layers.attention import attention_layers, bind_kv_caches  # noqa: E402
 from pagedllm.model_executor.models.llama import LlamaForCausalLM, Qwen3ForCausalLM  # noqa: E402
 from pagedllm.worker.cuda_graphs import DecodeGraphRunner  # noqa: E402
 

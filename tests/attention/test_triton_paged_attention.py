@@ -144,7 +144,7 @@ def test_cpu_processes_do_not_import_triton() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, torch; from pagedllm.attention.layer import Attention; "
+    code = ("import sys, torch; from pagedllm.model_executor.layers.attention import Attention; "
             "from pagedllm.model_executor.layers.layernorm import RMSNorm; "
             "RMSNorm(8)(torch.randn(2, 8)); print('triton' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

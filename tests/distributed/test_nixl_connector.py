@@ -169,7 +169,7 @@ def test_an_idle_connector_leaves_the_cores_to_the_model() -> None:
 
 def test_huge_page_advice_covers_the_caches_whole_pages() -> None:
     """The KV cache a connector registers is advised onto transparent huge pages (cheaper process_vm_readv)."""
-    from pagedllm.worker.cpu_memory import HUGE_PAGE, advise_huge_pages, zeroed_host_tensor
+    from pagedllm.platforms.cpu_memory import HUGE_PAGE, advise_huge_pages, zeroed_host_tensor
 
     with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
         thp = f.read()

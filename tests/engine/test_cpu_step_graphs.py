@@ -214,7 +214,7 @@ def test_speculation_replays_verification_graphs_and_keeps_the_tokens() -> None:
 def test_a_bf16_model_replays_the_batches_its_kernels_run(kernels, tmp_path, monkeypatch) -> None:
     """bf16: the kernel autotuner decides which batches record. The C++ bf16 panels up to 8 rows and oneDNN (a torch
     op) above: graphs of 1..8 replay, bigger batches run eagerly, and the greedy tokens equal an eager engine's."""
-    from pagedllm.model_executor.layers.quantization.unquantized import onednn_bf16_available
+    from pagedllm.platforms.cpu_probes import onednn_bf16_available
 
     if not (onednn_bf16_available() and kernels.bf16_gemm_supported()):
         pytest.skip("this CPU has no native bf16 (AVX-512 BF16): its bf16 matmuls are torch ops, which never record")

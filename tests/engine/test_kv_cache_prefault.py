@@ -15,7 +15,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine_args import EngineArgs
-from pagedllm.worker.cpu_memory import zeroed_host_tensor
+from pagedllm.platforms.cpu_memory import zeroed_host_tensor
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
 from model_helpers import default_model_path, make_tiny_llama  # noqa: E402

@@ -12,8 +12,8 @@ import torch
 sys.path.insert(0, "tests/models")
 from model_helpers import make_tiny_llama  # noqa: E402
 
-from pagedllm.attention.layer import attention_layers  # noqa: E402
 from pagedllm.config import ModelConfig  # noqa: E402
+from pagedllm.model_executor.layers.attention import attention_layers  # noqa: E402
 from pagedllm.model_executor.loader import load_model  # noqa: E402
 from pagedllm.sample.batch_state import build_sampling_metadata  # noqa: E402
 from pagedllm.worker.model_runner import ModelRunner  # noqa: E402

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from pagedllm.kernels import autotune
 from pagedllm.model_executor.layers.linear import Linear
 from pagedllm.model_executor.layers.quantization import kernel_choice
-from pagedllm.model_executor.layers.quantization.unquantized import onednn_bf16_available, pack_bf16_weight
+from pagedllm.model_executor.layers.quantization.unquantized import pack_bf16_weight
 from pagedllm.platforms import platform_for
+from pagedllm.platforms.cpu_probes import onednn_bf16_available
 
 KERNELS = platform_for(torch.device("cpu")).cpu_kernels(torch.float32)
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="the C++ CPU kernels did not build here")

@@ -8,8 +8,9 @@ import torch.nn.functional as F
 
 from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.model_executor.layers.linear import Linear
-from pagedllm.model_executor.layers.quantization.unquantized import onednn_bf16_available, pack_weight
+from pagedllm.model_executor.layers.quantization.unquantized import pack_weight
 from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+from pagedllm.platforms.cpu_probes import onednn_bf16_available
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from pagedllm.attention.forward_context import forward_context
-from pagedllm.attention.layer import bind_kv_caches
 from pagedllm.attention.metadata import build_attention_metadata
+from pagedllm.model_executor.layers.attention import bind_kv_caches
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -63,7 +63,7 @@ def make_kv_caches(hf_config: Any, num_blocks: int, block_size: int,
 
 def make_model_kv_caches(model: Any, num_blocks: int, block_size: int) -> list[torch.Tensor]:
     """Zeroed caches shaped from the model's own cached attention layers (any architecture)."""
-    from pagedllm.attention.layer import attention_layers
+    from pagedllm.model_executor.layers.attention import attention_layers
 
     return [torch.zeros(2, num_blocks, block_size, m.num_kv_heads, m.head_size, dtype=model.dtype)
             for m in attention_layers(model) if m.spec.uses_kv_cache]
@@ -97,18 +97,19 @@ def cpu_tensors_get_cuda_elementwise_ops(monkeypatch) -> None:  # noqa: ANN001 -
     from pagedllm.platforms import platform_for
 
     cpu = platform_for("cpu")
-    monkeypatch.setattr(cpu, "elementwise_kernels", lambda dtype: triton_ops.TRITON_OPS)
-    monkeypatch.setattr(cpu, "activation_kernels", lambda dtype: triton_ops.TRITON_OPS)
-    monkeypatch.setattr(cpu, "rotary_kernels", lambda dtype, table_dtype: (
-        triton_ops.TRITON_OPS if table_dtype == torch.float32 else None))
+    assert triton_ops.triton_available()  # the "triton" family resolves to triton_ops.TRITON_OPS
+    monkeypatch.setattr(cpu, "elementwise_family", lambda dtype: "triton")
+    monkeypatch.setattr(cpu, "activation_family", lambda dtype: "triton")
+    monkeypatch.setattr(cpu, "rotary_family", lambda dtype, table_dtype: (
+        "triton" if table_dtype == torch.float32 else None))
 
 
 def cpu_tensors_get_triton_attention(monkeypatch) -> None:  # noqa: ANN001 - pytest's MonkeyPatch
     """Make layers without an engine-bound backend attend through the Triton backend (interpreted) on CPU
     tensors, as CUDA tensors do."""
+    from pagedllm.attention.backends import selector
     from pagedllm.attention.backends.torch_sdpa import TorchPagedAttentionBackend
     from pagedllm.attention.backends.triton_paged import TritonPagedAttentionBackend
-    from pagedllm.platforms import platform_for
 
     triton = TritonPagedAttentionBackend(TorchPagedAttentionBackend())
-    monkeypatch.setattr(platform_for("cpu"), "attention_backend", lambda name="auto": triton)
+    monkeypatch.setattr(selector, "get_attention_backend", lambda platform, name="auto": triton)

@@ -9,8 +9,8 @@ import torch
 from arch_configs import WINDOW, hf_greedy, save_tiny
 from model_helpers import make_model_kv_caches, paged_step, prefill_logits
 
-from pagedllm.attention.layer import attention_layers, bind_kv_caches
 from pagedllm.config import ModelConfig
+from pagedllm.model_executor.layers.attention import attention_layers, bind_kv_caches
 from pagedllm.model_executor.loader import load_model, resolve_model_config
 
 ARCHS = ["Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM",

@@ -11,10 +11,11 @@ from arch_configs import hf_greedy, save_tiny
 
 from pagedllm import SamplingParams
 from pagedllm.attention.backends.cpu_paged import CpuPagedAttentionBackend
+from pagedllm.attention.backends.registry import get_attention_backend
 from pagedllm.attention.backends.torch_sdpa import TorchPagedAttentionBackend
-from pagedllm.attention.layer import attention_layers
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine_args import EngineArgs
+from pagedllm.model_executor.layers.attention import attention_layers
 from pagedllm.platforms import platform_for
 
 
@@ -63,13 +64,13 @@ def test_a_backend_the_platform_cannot_run_fails_naming_the_flag(llama) -> None:
         make_engine(path, "flash")
 
 
-def test_the_platform_makes_each_backend_once() -> None:
+def test_the_registry_makes_each_backend_once() -> None:
     cpu = platform_for("cpu")
-    assert cpu.attention_backend("torch") is cpu.attention_backend("torch")
-    assert type(cpu.attention_backend("torch")) is TorchPagedAttentionBackend
-    assert type(cpu.attention_backend()) is CpuPagedAttentionBackend
+    assert get_attention_backend(cpu, "torch") is get_attention_backend(cpu, "torch")
+    assert type(get_attention_backend(cpu, "torch")) is TorchPagedAttentionBackend
+    assert type(get_attention_backend(cpu)) is CpuPagedAttentionBackend
     with pytest.raises(ValueError, match="'cpu' does not run on the cuda platform"):
-        platform_for("cuda").attention_backend("cpu")
+        get_attention_backend(platform_for("cuda"), "cpu")
 
 
 def test_a_draft_model_attends_through_the_engines_backend(llama) -> None:

@@ -17,9 +17,9 @@ from model_helpers import (
     paged_step,
 )
 
-from pagedllm.attention.layer import bind_kv_caches
 from pagedllm.config import ModelConfig
 from pagedllm.kernels import triton_ops
+from pagedllm.model_executor.layers.attention import bind_kv_caches
 from pagedllm.model_executor.loader import load_model, resolve_model_config
 
 # CPU tensors reach Triton kernels only through the interpreter (tests/conftest.py turns it on without a GPU).

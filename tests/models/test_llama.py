@@ -6,9 +6,9 @@ import pytest
 import torch
 from model_helpers import make_kv_caches, make_model_kv_caches, make_tiny_llama, paged_step, prefill_logits
 
-from pagedllm.attention.layer import bind_kv_caches
 from pagedllm.config import ModelConfig
 from pagedllm.kernels.cpu import load_cpu_kernels
+from pagedllm.model_executor.layers.attention import bind_kv_caches
 from pagedllm.model_executor.loader import load_model, resolve_model_config
 from pagedllm.model_executor.models.llama import LlamaForCausalLM
 

@@ -10,7 +10,7 @@ import torch
 from arch_configs import hf_model
 from model_helpers import make_model_kv_caches, paged_step, prefill_logits
 
-from pagedllm.attention.layer import bind_kv_caches
+from pagedllm.model_executor.layers.attention import bind_kv_caches
 from pagedllm.model_executor.models.llama import Phi3ForCausalLM, Qwen2ForCausalLM
 
 ORIGINAL = 32  # original_max_position_embeddings of the tiny models: prompts go on both sides of it

@@ -15,10 +15,10 @@ from pagedllm.attention.backends.torch_encoder import (
     plan_encoder_attention,
 )
 from pagedllm.attention.forward_context import forward_context
-from pagedllm.attention.layer import Attention
 from pagedllm.attention.metadata import build_attention_metadata
 from pagedllm.attention.spec import AttentionSpec
 from pagedllm.kernels.cpu import load_cpu_kernels
+from pagedllm.model_executor.layers.attention import Attention
 
 LENGTHS = [[5], [16, 16, 16], [1, 3, 17, 40, 9, 16, 2, 33, 100], [64, 1], [7, 300, 129, 128, 250, 12]]
 

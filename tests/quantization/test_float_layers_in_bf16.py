@@ -12,11 +12,12 @@ from pagedllm.model_executor.layers.linear import Linear
 from pagedllm.model_executor.layers.quantization import unquantized
 from pagedllm.model_executor.layers.quantization.gguf import GGUFConfig
 from pagedllm.model_executor.layers.quantization.gptq_awq import GPTQConfig
+from pagedllm.platforms import cpu_probes
 
 
 @pytest.fixture(autouse=True)
 def plain_f_linear(monkeypatch) -> None:
-    monkeypatch.setattr(unquantized, "onednn_bf16_available", lambda: False)
+    monkeypatch.setattr(cpu_probes, "onednn_bf16_available", lambda: False)
 
 
 def test_float_head_of_a_quantized_model_takes_bf16() -> None:

@@ -14,8 +14,8 @@ from host_reads import HostReads  # noqa: E402
 from model_helpers import make_model_kv_caches, tiny_llama_config  # noqa: E402
 
 from pagedllm.attention.forward_context import forward_context  # noqa: E402
-from pagedllm.attention.layer import bind_kv_caches  # noqa: E402
 from pagedllm.attention.metadata import build_attention_metadata  # noqa: E402
+from pagedllm.model_executor.layers.attention import bind_kv_caches  # noqa: E402
 from pagedllm.model_executor.layers.rotary_embedding import RopeStep  # noqa: E402
 from pagedllm.model_executor.models.llama import LlamaForCausalLM  # noqa: E402
 from pagedllm.sampling_params import SamplingParams  # noqa: E402

@@ -8,9 +8,9 @@ Per-step state. What a backend derives from a step's metadata once and every lay
 backends' plan of the batch, the encoder's buckets) lives in ``meta.backend_state[backend.state_key]``. The
 model runner has it built once per eagerly run step, right after it builds the metadata: ``prepare_step``
 for each backend its layers are bound to, with the specs of the layers that read that metadata
-(``attention.layer.prepare_step_states``); ``build_state`` makes it. Metadata that a caller builds and runs
-itself (tests, the draft model, Whisper's encoder, the GPU profiling step) gets each piece from the first layer
-that asks, through the same functions.
+(``model_executor.layers.attention.prepare_step_states``); ``build_state`` makes it. Metadata that a caller
+builds and runs itself (tests, the draft model, Whisper's encoder, the GPU profiling step) gets each piece from
+the first layer that asks, through the same functions.
 
 Graphs. ``graph_safe``: the forward reads no tensor value on the host, so a step can be captured as a CUDA
 graph; ``records_step_graphs``: the forward of a decode step is nothing but calls of the C++ kernels, which a CPU

@@ -1,9 +1,6 @@
-"""Paged attention: torch SDPA for fresh prompts, and for requests with earlier context either the C++
-CPU kernel (reads K/V through block tables in place; decodes and short chunks) or SDPA over K/V gathered
-through the block tables (the portable path). On the CPU, prompts past the paged kernel's lengths, fresh or with
-context, go to the causal ``encoder_attention`` kernels instead of SDPA where they are faster (``_causal_kernel``):
-in float32 with kernels built for AVX-512, in bf16 on CPUs with AVX-512 BF16 and no AMX tiles. The portable path
-is the reference and serves CUDA.
+"""Paged attention, the portable path: torch SDPA for fresh prompts, and for requests with earlier context SDPA
+over K/V gathered through the block tables. It is the reference and serves any device; the CPU backend
+(``cpu_paged``) sends what its C++ kernels take to them and the rest here.
 Sliding-window layers go through ``torch_windowed``, encoder layers through ``torch_encoder``, cross-attention
 layers through ``cross_attention``; ``TorchPagedAttentionBackend`` routes by the layer's spec.
 """
@@ -17,27 +14,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pagedllm import envs
 from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.attention.backends.cross_attention import cross_attention, cross_layout
 from pagedllm.attention.backends.paged_kv import as_stored, gather_tokens, write_kv
-from pagedllm.attention.backends.torch_encoder import bf16_kernel, encoder_attention, prepare_encoder_state
+from pagedllm.attention.backends.torch_encoder import encoder_attention, prepare_encoder_state
 from pagedllm.attention.backends.torch_state import TORCH_STATE_KEY, TorchStepState, torch_state
 from pagedllm.attention.backends.torch_windowed import sliding_window_attention
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.spec import AttentionSpec
-from pagedllm.platforms import platform_of
-
-
-@dataclass
-class KernelSplit:
-    """A step's requests between the paged CPU kernel and the rest: ``kernel_rows`` (int32, or None if none), the
-    fresh prompts past its length by query length, and the requests with context whose chunks are past its length
-    (both for the causal kernels where they are faster, ``_causal_kernel``, else SDPA)."""
-
-    kernel_rows: torch.Tensor | None
-    long_fresh: dict[int, list[int]]
-    long_chunks: list[int]
 
 
 @dataclass
@@ -53,32 +37,9 @@ class AttentionPlan:
     with_context: list[int]
     with_context_tensor: torch.Tensor  # [n] int32
     query_lens: list[int]
-    _kernel_splits: dict[tuple[int, int], KernelSplit] = field(default_factory=dict)
+    #: What backends derive from the plan once per step for every layer (the CPU backend's kernel split).
+    memo: dict[Any, Any] = field(default_factory=dict)
     _chunk_masks: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    def kernel_split(self, max_fresh_len: int, max_chunk_len: int) -> KernelSplit:
-        """For a backend whose kernel takes fresh prompts of up to ``max_fresh_len`` tokens and chunks with
-        context of up to ``max_chunk_len``: who goes where. Memoized, since every layer asks the same."""
-        key = (max_fresh_len, max_chunk_len)
-        if key not in self._kernel_splits:
-            rows = [i for i in self.with_context if self.query_lens[i] <= max_chunk_len]
-            chunks = [i for i in self.with_context if self.query_lens[i] > max_chunk_len]
-            kept = len(rows) == len(self.with_context)
-            rest: dict[int, list[int]] = {}
-            for q_len, group in self.fresh_groups.items():
-                if q_len <= max_fresh_len:
-                    rows.extend(group)
-                    kept = False
-                else:
-                    rest[q_len] = group
-            if not rows:
-                tensor = None
-            elif kept:
-                tensor = self.with_context_tensor
-            else:
-                tensor = torch.tensor(sorted(rows), dtype=torch.int32, device=self.with_context_tensor.device)
-            self._kernel_splits[key] = KernelSplit(tensor, rest, chunks)
-        return self._kernel_splits[key]
 
     def chunk_mask(self, i: int, meta: AttentionMetadata) -> torch.Tensor:
         """[q_len, seq_len] bool for request i with context: its query j sits at position seq_len - q_len + j and
@@ -109,150 +70,30 @@ def step_plan(meta: AttentionMetadata) -> AttentionPlan:
     return state.paged_plan
 
 
-# Longest fresh prompt the paged CPU kernel attends; beyond it SDPA's blocked matmuls (or the causal kernels,
-# ``_causal_kernel``) are faster. One layer of the default model, 2 cores: 16 x 128 tokens 9.5 ms (kernel) vs 13.2 ms
-# (SDPA); 4 x 512: 27.6 vs 24.3; 2 x 1024: 66 vs 31.
-FRESH_PROMPT_KERNEL_MAX_LEN = 256
-# Longest chunk with earlier context (a later prefill chunk, a prefix-cache hit's rest) the paged kernel attends;
-# longer ones go to SDPA (or the causal kernels) over K/V gathered from the cache, whose blocked matmuls reuse each
-# key across query rows. One request, one layer of the default model (Intel Xeon, 2 cores), kernel vs SDPA: float32
-# 64 tokens over 1,024 1.2 vs 0.9 ms, 128 over 512 1.0 vs 0.8, 952 over 3,000 60 vs 27; bf16 128 over 512 1.1 vs 0.4,
-# 952 over 3,000 45 vs 12.5; at 8-16 tokens the kernel is faster.
-CONTEXT_CHUNK_KERNEL_MAX_LEN = 128
-# The limits for a bf16 query on a CPU with native bf16 (oneDNN's: AMX or AVX512-BF16), where SDPA's blocked bf16
-# matmuls win from shorter queries. One layer of the default model (Intel Xeon with AMX, 2 cores), kernel vs SDPA:
-# one fresh prompt of 64 tokens 0.07 vs 0.06 ms (the SDPA path's host work makes that even), 128 0.23 vs 0.10,
-# 16 prompts x 128 3.4 vs 1.35; a chunk of 32 tokens over 1,024 keys 0.7 vs 0.5, of 64 1.4 vs 0.6.
-BF16_FRESH_PROMPT_KERNEL_MAX_LEN = 64
-BF16_CONTEXT_CHUNK_KERNEL_MAX_LEN = 32
-
-
-def kernel_limits(query: torch.Tensor) -> tuple[int, int]:
-    """(longest fresh prompt, longest chunk with context) the CPU kernel attends for queries like ``query``."""
-    if query.dtype == torch.bfloat16 and platform_of(query).onednn_bf16():
-        return BF16_FRESH_PROMPT_KERNEL_MAX_LEN, BF16_CONTEXT_CHUNK_KERNEL_MAX_LEN
-    return FRESH_PROMPT_KERNEL_MAX_LEN, CONTEXT_CHUNK_KERNEL_MAX_LEN
-
-
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    kernels: Any | None = None) -> torch.Tensor:
+                    kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """query: [T, H, D]; key/value: [T, Hkv, D] (this step's new tokens) -> output [T, H, D].
 
-    K/V of this step are written to the cache first; requests with earlier context read it from there
-    (through the C++ CPU kernels when ``kernels`` is given, else the portable path), fresh prompts attend to
-    their own new K/V.
+    K/V of this step are written to the cache first; requests with earlier context read it from there, fresh
+    prompts attend to their own new K/V.
     """
-    if kernels is not None:
-        kernels.write_kv(key, value, kv_cache[0], kv_cache[1], meta.slot_mapping)
-    else:
-        write_kv(kv_cache, key, value, meta.slot_mapping)
+    write_kv(kv_cache, key, value, meta.slot_mapping)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # query may be a strided view
     plan = step_plan(meta)
-    if kernels is not None:
-        # The kernel takes decodes, short chunks and short fresh prompts (reading their K/V back from the cache
-        # while it is hot); longer ones go to the causal kernels or SDPA's blocked matmuls.
-        split = plan.kernel_split(*kernel_limits(query))
-        kernel_rows, fresh_left = split.kernel_rows, split.long_fresh
-        if split.long_chunks:
-            chunk_kernel = _causal_kernel(kernels, query)
-            if chunk_kernel is not None:
-                _attend_chunks_in_kernel(query, kv_cache, meta, split.long_chunks, scale, out, kernels, chunk_kernel)
-            else:
-                _attend_chunks(query, kv_cache, meta, split.long_chunks, scale, out)
-        if kernel_rows is not None:
-            # float32, or bf16 with a bf16 cache (the kernel widens each token's query itself); any other
-            # query goes through float32 copies.
-            native = query.dtype == torch.float32 or query.dtype == kv_cache.dtype == torch.bfloat16
-            q_in = query if native else query.float()
-            if not _heads_contiguous(q_in):
-                q_in = q_in.contiguous()  # the kernel reads each token's heads as one row (views of a fused qkv do)
-            out_k = out if native else torch.empty_like(q_in)
-            kernels.paged_attention(q_in, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens,
-                                    meta.query_start_loc, out_k, scale, kernel_rows)
-            if out_k is not out:
-                out.copy_(out_k)  # rows left to the other paths are overwritten below
-    else:
-        fresh_left = plan.fresh_groups
-        if plan.with_context:
-            _attend_with_context(query, kv_cache, meta, plan.with_context, scale, out)
-    if fresh_left:
-        key, value = as_stored(key, kv_cache.dtype), as_stored(value, kv_cache.dtype)
-        prompt_kernel = _causal_kernel(kernels, query, key, value) if kernels is not None else None
-        if prompt_kernel is not None:
-            _attend_fresh_in_kernel(query, key, value, meta, fresh_left, scale, out, kernels, prompt_kernel)
-            return out
-    for q_len, rows in fresh_left.items():
-        _attend_fresh(query, key, value, meta, q_len, rows, scale, out)
+    if plan.with_context:
+        _attend_with_context(query, kv_cache, meta, plan.with_context, scale, out)
+    attend_fresh_groups(query, key, value, kv_cache, meta, plan.fresh_groups, scale, out)
     return out
 
 
-def _heads_contiguous(t: torch.Tensor) -> bool:
-    """Whether each token's heads of t [T, H, D] lie in one contiguous row, as the C++ kernels read them (views of
-    a fused projection have them)."""
-    return t.stride(2) == 1 and t.stride(1) == t.shape[2]
-
-
-def _causal_kernel(kernels: Any, query: torch.Tensor, *kv: torch.Tensor) -> str | None:
-    """The ``encoder_attention`` kernel that attends ``query``'s long prompts and chunks causally here, or None: SDPA.
-
-    float32: the generic kernel where it is built for AVX-512 (blocks of 8 rows x 16 keys, skipping the keys past
-    each block's last row). Against SDPA (AMD Zen 4, 2 threads, one layer of the default model): fresh prompts of
-    512 tokens 2.1 vs 4.0 ms, 2,048 32 vs 40, 4,096 126 vs 140; a chunk of 1,024 over 1,024 of context 24 vs 36, of
-    2,048 over 2,048 91 vs 159. Built for AVX2 (blocks of 4 rows) it is slower: on the same CPU with torch, MKL
-    and the kernels held to AVX2 it lost from 2,048 tokens on (58 vs 39 ms; a chunk of 2,048 over 6,144 466 vs
-    307), so there SDPA keeps them (``PAGEDLLM_PROMPT_ATTENTION_FLOAT32`` forces either path). bf16: the
-    dot-product kernel where the CPU has one and no AMX tiles (``bf16_kernel``). The kernel reads the query (and
-    ``kv``, a fresh prompt's own K/V; a chunk's are gathered in the query's dtype) in place: each token's heads must
-    be contiguous, as views of a fused projection have them, and K/V must be in the query's dtype."""
-    if any(t.dtype != query.dtype for t in kv) or \
-            not all(_heads_contiguous(t) for t in (query, *kv)):
-        return None
-    if query.dtype == torch.float32:
-        choice = envs.PAGEDLLM_PROMPT_ATTENTION_FLOAT32
-        return "generic" if choice == "kernel" or (choice == "auto" and kernels.built_for_avx512) else None
-    return bf16_kernel(kernels, query, causal=True)
-
-
-def _attend_fresh_in_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata,
-                            fresh: dict[int, list[int]], scale: float, out: torch.Tensor, kernels: Any,
-                            kernel: str) -> None:
-    """Fresh prompts of any lengths through the C++ causal attention kernel (``kernel``, see _causal_kernel):
-    one call per run of requests adjacent in the flat batch, q/k/v read in place (each token's heads contiguous, as
-    views of a fused projection have them)."""
-    qsl = meta.query_start_loc_cpu
-    rows = sorted(i for group in fresh.values() for i in group)
-    runs, current = [], [rows[0]]
-    for i in rows[1:]:
-        if i == current[-1] + 1:
-            current.append(i)
-        else:
-            runs.append(current)
-            current = [i]
-    runs.append(current)
-    for run in runs:
-        start, end = qsl[run[0]], qsl[run[-1] + 1]
-        offsets = torch.tensor([qsl[i] - start for i in run] + [end - start], dtype=torch.int32)
-        out[start:end] = kernels.encoder_attention(query[start:end], key[start:end], value[start:end], offsets, scale,
-                                                   kernel, True)
-
-
-def _attend_chunks_in_kernel(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, rows: list[int],
-                             scale: float, out: torch.Tensor, kernels: Any, kernel: str) -> None:
-    """Requests ``rows`` with earlier context (long later chunks, long rests of prefix-cache hits) through the C++
-    causal attention kernel (``kernel``), one call each over K/V gathered through its block table: its q_len queries
-    are the last q_len of its seq_len positions. Against SDPA with the chunk's mask (AMD Zen 4, 2 threads, one layer
-    of the default model in bf16): 2,048 queries over 4,096 keys 39.5 against 146 ms, 256 over 1,280 1.8 against
-    5.7 ms."""
-    qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-    for i in rows:
-        start, end, seq_len = qsl[i], qsl[i + 1], seq_lens[i]
-        table = meta.block_tables[i:i + 1]
-        # [L, Hkv, D], each token's heads contiguous (a view of the gathered blocks)
-        k, v = (gather_tokens(kv_cache[c], table, seq_len, query.dtype)[0].transpose(0, 1) for c in (0, 1))
-        offsets = torch.tensor([0, end - start], dtype=torch.int32)
-        key_offsets = torch.tensor([0, seq_len], dtype=torch.int32)
-        out[start:end] = kernels.encoder_attention(query[start:end], k, v, offsets, scale, kernel, True, key_offsets)
+def attend_fresh_groups(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                        meta: AttentionMetadata, groups: dict[int, list[int]], scale: float, out: torch.Tensor) -> None:
+    """Fresh prompts (query length -> requests) through SDPA over their own K/V, read as the cache stores them."""
+    if not groups:
+        return
+    key, value = as_stored(key, kv_cache.dtype), as_stored(value, kv_cache.dtype)
+    for q_len, rows in groups.items():
+        _attend_fresh(query, key, value, meta, q_len, rows, scale, out)
 
 
 def _attend_with_context(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -262,7 +103,7 @@ def _attend_with_context(query: torch.Tensor, kv_cache: torch.Tensor, meta: Atte
         _attend_decodes(query, kv_cache, meta, scale, out)
     chunks = [i for i in rows if i >= meta.num_decodes]
     if chunks:
-        _attend_chunks(query, kv_cache, meta, chunks, scale, out)
+        attend_chunks(query, kv_cache, meta, chunks, scale, out)
 
 
 def _attend_decodes(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
@@ -283,7 +124,7 @@ def _attend_decodes(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     out[:nd] = o.reshape(nd, num_heads, head_dim)
 
 
-def _attend_chunks(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, rows: list[int],
+def attend_chunks(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, rows: list[int],
                    scale: float, out: torch.Tensor) -> None:
     """Requests ``rows`` with earlier context (none a decode), one SDPA call each over K/V gathered through
     its block table: the portable path's, and the CPU backend's for long chunks."""
@@ -338,16 +179,14 @@ class TorchPagedAttentionBackend(AttentionBackend):
     state_key = TORCH_STATE_KEY
 
     def _kernels(self, tensor: torch.Tensor) -> Any | None:
-        """The C++ kernels for this step's tensors (the CPU backend's), or None: the portable path."""
+        """The C++ kernels that the encoder and cross-attention paths take for this step's tensors (the CPU
+        backend's), or None: the portable path."""
         return None
 
-    def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        kernels = self._kernels(key)
-        if kernels is not None:
-            kernels.write_kv(key, value, kv_cache[0], kv_cache[1], slot_mapping)
-        else:
-            write_kv(kv_cache, key, value, slot_mapping)
+    def _paged_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """A causal layer's attention (``paged_attention``'s contract); the CPU backend routes to its kernels."""
+        return paged_attention(query, key, value, kv_cache, meta, scale)
 
     def build_state(self, meta: AttentionMetadata, specs: Collection[AttentionSpec]) -> TorchStepState:
         """The pieces the layers of ``specs`` will ask for: the paged plan (causal layers, and sliding ones
@@ -371,7 +210,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
             raise RuntimeError("a causal or sliding-window attention layer has no KV cache bound")
         window = spec.window_for(meta.max_seq_len)
         if window is None:
-            return paged_attention(query, key, value, kv_cache, meta, scale, self._kernels(query))
+            return self._paged_attention(query, key, value, kv_cache, meta, scale)
         write_kv(kv_cache, key, value, meta.slot_mapping)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         sliding_window_attention(query, kv_cache, meta, window, scale, out)

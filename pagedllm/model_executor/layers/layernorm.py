@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from pagedllm.model_executor.layers.direct_call import DirectCall
-from pagedllm.platforms import platform_of
+from pagedllm.model_executor.layers.kernel_binding import KernelBinding
+from pagedllm.platforms import Platform
 
 
 class RMSNorm(DirectCall, nn.Module):
@@ -19,6 +20,14 @@ class RMSNorm(DirectCall, nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
         self.eps = eps
+        self._kernels = KernelBinding(self._fused_family)
+
+    def _fused_family(self, platform: Platform, dtype: torch.dtype) -> str | None:
+        """The kernel family whose fused RMSNorm serves activations of ``dtype`` on ``platform``, or None. Gemma's
+        (1 + w) is taken in float32 by the reference; the platform says whether its fused op matches that."""
+        if self.weight_offset and not platform.fused_norm_keeps_offset_exact(dtype):
+            return None
+        return platform.elementwise_family(dtype)
 
     def _scale(self) -> torch.Tensor:
         return self.weight + self.weight_offset if self.weight_offset else self.weight
@@ -30,11 +39,8 @@ class RMSNorm(DirectCall, nn.Module):
         On CPU in float32 or bfloat16 (and on CUDA) one fused pass computes it, writing the results into ``x`` and
         ``residual`` (callers hand over both); without a residual ``x`` is left as it is.
         """
-        platform = platform_of(x)
-        kernels = platform.elementwise_kernels(x.dtype)
-        # Gemma's (1 + w) is taken in float32 by the reference; the platform says whether its fused op matches that.
-        if (kernels is not None and x.dim() == 2 and self.weight.dtype == x.dtype
-                and (not self.weight_offset or platform.fused_norm_keeps_offset_exact(x.dtype))):
+        kernels = self._kernels(x)
+        if kernels is not None and x.dim() == 2 and self.weight.dtype == x.dtype:
             if residual is None:
                 return kernels.rms_norm(x, self._scale(), self.eps)
             kernels.rms_norm_(x, residual, self._scale(), self.eps)
@@ -68,6 +74,7 @@ class LayerNorm(DirectCall, nn.LayerNorm):
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, dtype: torch.dtype | None = None) -> None:
         super().__init__(hidden_size, eps=eps, dtype=dtype)
+        self._kernels = KernelBinding(lambda platform, dtype: platform.layer_norm_family(dtype))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +83,7 @@ class LayerNorm(DirectCall, nn.LayerNorm):
         On CPU in float32 or bfloat16 one pass computes it (statistics in float32, one rounding, as torch's), writing
         the results into ``x`` and ``residual`` (callers hand over both); without a residual ``x`` is left as it is.
         """
-        kernels = platform_of(x).layer_norm_kernels(x.dtype)
+        kernels = self._kernels(x)
         if kernels is not None and x.dim() == 2 and self.weight.dtype == self.bias.dtype == x.dtype:
             if residual is None:
                 return kernels.layer_norm(x, self.weight, self.bias, self.eps)

@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import all_gather_last_dim, all_reduce, get_tp
+from pagedllm.model_executor.layers.kernel_binding import KernelBinding
 from pagedllm.model_executor.layers.linear import Linear
 from pagedllm.model_executor.layers.quantization.base import set_weight_loader
-from pagedllm.platforms import platform_of
 
 
 @dataclass(frozen=True)
@@ -212,9 +212,15 @@ class TokenEmbedding(nn.Embedding):
     """``nn.Embedding`` whose row lookup of a flat batch is the C++ kernel where the platform has it: the same
     rows, and a CPU step graph can record it (worker/cpu_graphs.py)."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Keyed by the table's device and dtype, the lookup's own.
+        self._kernels = KernelBinding(lambda platform, dtype: platform.cpu_kernels_family(dtype, (torch.float32,
+                                                                                                   torch.bfloat16)))
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [T] int64 -> [T, hidden_size]."""
-        kernels = platform_of(input_ids).cpu_kernels(self.weight.dtype, (torch.float32, torch.bfloat16))
+        kernels = self._kernels(self.weight)
         if kernels is not None and input_ids.dim() == 1 and input_ids.dtype == torch.long:
             return kernels.embedding_rows(self.weight, input_ids)
         return super().forward(input_ids)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pagedllm.model_executor.layers.direct_call import DirectCall
-from pagedllm.platforms import platform_of
+from pagedllm.model_executor.layers.kernel_binding import KernelBinding
 
 
 def rope_settings(hf_config: Any) -> tuple[float, dict[str, Any]]:
@@ -142,6 +142,9 @@ class RotaryEmbedding(DirectCall, nn.Module):
         else:
             inv_freq, scale = _inv_freq(head_dim, theta, scaling, max_position)
             self.cos_sin_cache = _cos_sin(max_position, inv_freq, scale).to(dtype)  # [P, D]
+        # The in-place rotary kernel for activations like qkv and this table (its dtype is fixed from here on).
+        table_dtype = self.cos_sin_cache.dtype
+        self.rotary_kernels = KernelBinding(lambda platform, dtype: platform.rotary_family(dtype, table_dtype))
 
     def table_rows(self, positions: torch.Tensor) -> torch.Tensor:
         """positions: [T] int64 -> the rows of the cos/sin table to read (the positions themselves, or for
@@ -197,7 +200,7 @@ class RopeStep:
         d = self.emb.head_dim
         q_size, kv_size = num_heads * d, num_kv_heads * d
         q, k = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size]
-        kernels = platform_of(qkv).rotary_kernels(qkv.dtype, self.emb.cos_sin_cache.dtype)
+        kernels = self.emb.rotary_kernels(qkv)
         if kernels is not None and qkv.dim() == 2:
             kernels.rotary_(qkv, self.positions, self.emb.table_on(qkv.device), num_heads + num_kv_heads, d)
             return q, k

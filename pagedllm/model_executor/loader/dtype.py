@@ -7,6 +7,7 @@ import functools
 import torch
 
 from pagedllm.config import KV_CACHE_DTYPES
+from pagedllm.platforms import platform_for
 
 _ALIASES = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -33,7 +34,7 @@ def resolve_dtype(dtype: str | None, device: str = "cpu") -> str:
     """"auto" -> "bfloat16" on CUDA or a bf16-capable CPU, else "float32"; aliases -> canonical names."""
     name = (dtype or "auto").lower().replace("torch.", "")
     if name == "auto":
-        if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
+        if device.startswith("cuda") or (device == "auto" and platform_for("cuda").is_available()):
             return "bfloat16"
         return "bfloat16" if cpu_has_fast_bf16() else "float32"
     if name not in _ALIASES:

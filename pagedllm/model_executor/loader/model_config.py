@@ -6,12 +6,11 @@ import json
 import os
 from typing import Any
 
-import torch
-
 from pagedllm.config import ModelConfig
 from pagedllm.logger import init_logger
 from pagedllm.model_executor.loader.dtype import resolve_dtype
 from pagedllm.model_executor.loader.model_source import find_model_source
+from pagedllm.platforms import platform_for
 
 logger = init_logger(__name__)
 
@@ -97,7 +96,7 @@ def resolve_model_config(mc: ModelConfig) -> ModelConfig:
     from pagedllm.model_executor.layers.quantization import default_gguf_quantization, get_quantization_config
 
     # The defaults follow the device the model runs on, not whether this host has a GPU (--device cpu on one).
-    on_cuda = mc.device == "cuda" or (mc.device == "auto" and torch.cuda.is_available())
+    on_cuda = mc.device == "cuda" or (mc.device == "auto" and platform_for("cuda").is_available())
     if mc.gguf_file and mc.quantization is None:
         mc.quantization, why = default_gguf_quantization(str(mc.dtype).lower(), on_cuda,
                                                          gguf_quantized)

@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention.layer import Attention
 from pagedllm.attention.spec import AttentionSpec
+from pagedllm.model_executor.layers.attention import Attention
 from pagedllm.model_executor.layers.direct_call import DirectCall
+from pagedllm.model_executor.layers.kernel_binding import KernelBinding
 from pagedllm.model_executor.layers.linear import Linear
-from pagedllm.platforms import platform_of
 
 _QKV_RE = re.compile(r"\.attention\.self\.(query|key|value)\.")
 _QKV_SHARD = {"query": 0, "key": 1, "value": 2}
@@ -48,9 +48,10 @@ def _activation(name: str) -> Any:
     """The activation, applied in place to the intermediate projection's fresh output."""
     if name in ("gelu", *_TANH_GELUS):
         tanh = name != "gelu"
+        cpu_kernels = _cpu_kernels()
 
         def gelu_(x: torch.Tensor) -> torch.Tensor:
-            kernels = _cpu_kernels(x)
+            kernels = cpu_kernels(x)
             if kernels is None:
                 return F.gelu(x, approximate="tanh" if tanh else "none")
             kernels.gelu_(x, tanh)
@@ -62,9 +63,10 @@ def _activation(name: str) -> Any:
     raise ValueError(f"hidden_act {name!r} is not supported for BERT (gelu, gelu_new, relu)")
 
 
-def _cpu_kernels(x: torch.Tensor) -> Any | None:
-    """The C++ kernels for a float32 / bfloat16 CPU tensor (encoder_ops.cpp), else None."""
-    return platform_of(x).cpu_kernels(x.dtype, (torch.float32, torch.bfloat16))
+def _cpu_kernels() -> KernelBinding:
+    """One layer's C++ kernels for float32 / bfloat16 CPU tensors (encoder_ops.cpp), else None; bound at its
+    first call."""
+    return KernelBinding(lambda platform, dtype: platform.cpu_kernels_family(dtype, (torch.float32, torch.bfloat16)))
 
 
 class BertEmbeddings(DirectCall, nn.Module):
@@ -122,12 +124,13 @@ class BertAddNorm(DirectCall, nn.Module):
         self.dtype = dtype
         self.dense = Linear(in_features, hidden_size, bias=True, dtype=dtype)
         self.LayerNorm = nn.LayerNorm(hidden_size, eps=eps, dtype=torch.float32)
+        self._kernels = _cpu_kernels()
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, in] model dtype; residual: [T, hidden] float32 -> the output [T, hidden] in float32 and in
         the model dtype (what the next matmul reads): one fused pass on CPU."""
         y = self.dense(x)
-        kernels = _cpu_kernels(y)
+        kernels = self._kernels(y)
         if kernels is not None:
             norm = self.LayerNorm
             return kernels.add_layer_norm(y, residual, norm.weight, norm.bias, norm.eps, self.dtype == torch.bfloat16)

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.attention.layer import Attention
 from pagedllm.attention.spec import AttentionSpec
 from pagedllm.distributed.parallel_state import divide, get_tp
 from pagedllm.model_executor.layers.activation import gated_activation
+from pagedllm.model_executor.layers.attention import Attention
 from pagedllm.model_executor.layers.direct_call import DirectCall
 from pagedllm.model_executor.layers.linear import Linear
 from pagedllm.model_executor.layers.parallel_linear import (

@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.forward_context import forward_context
-from pagedllm.attention.layer import Attention
 from pagedllm.attention.metadata import build_attention_metadata
 from pagedllm.attention.spec import AttentionSpec
+from pagedllm.model_executor.layers.attention import Attention
 from pagedllm.model_executor.layers.direct_call import DirectCall
 from pagedllm.model_executor.layers.layernorm import LayerNorm
 from pagedllm.model_executor.models.base import CausalLM

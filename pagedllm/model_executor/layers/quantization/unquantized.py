@@ -9,7 +9,6 @@ plain ``F.linear``.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -42,17 +41,6 @@ def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
     panels = pack_weight(weight)  # [P, K, 16]: the float panels, whose k rows pair up
     p, k, _ = panels.shape
     return panels.view(p, k // 2, 2, PANEL).transpose(2, 3).contiguous()
-
-
-@functools.cache
-def onednn_bf16_available() -> bool:
-    """Whether bfloat16 weights can be prepacked for oneDNN (``torch.ops.mkldnn._linear_pointwise``, the op
-    torch.compile's CPU backend emits): needs a CPU with native bf16 (AVX-512 BF16 / AMX)."""
-    try:
-        return (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-                and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-    except (AttributeError, RuntimeError):
-        return False
 
 
 # Activations oneDNN fuses into the matmul: name -> (post-op, algorithm)

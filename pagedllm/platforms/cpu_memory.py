@@ -1,4 +1,4 @@
-"""Host memory for the KV cache on CPU."""
+"""Host memory on its own anonymous mappings: the CPU's KV cache and the model runner's logits buffer."""
 
 from __future__ import annotations
 
