@@ -1,12 +1,14 @@
 """How an engine core runs its model: one worker in its own process (``uni``), or one worker per
 tensor-parallel rank (``mp``: processes on this host; ``ray``: Ray actors in a placement group).
-``make_executor`` is the one place that chooses; the engine core talks to what it returns as to a ``Worker``."""
+``make_executor`` is the one place that chooses; the engine core talks to what it returns as to an ``Executor``
+(``executor/base.py``)."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
 
 from pagedllm.config import EngineConfig
+from pagedllm.executor.base import Executor
 from pagedllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -47,15 +49,28 @@ def check_tensor_parallel(config: EngineConfig) -> None:
     if config.speculative is not None and config.speculative.method == "draft_model":
         raise ValueError("tensor_parallel_size > 1: speculative method 'draft_model' is not split across ranks; "
                          "use ngram or layer_skip")
-    if platform.supports_graphs and not config.device.enforce_eager:
-        logger.info("tensor parallel: decode steps run eagerly (CUDA graphs are not captured across ranks)")
-        config.device.enforce_eager = True
 
 
-def make_executor(config: EngineConfig) -> Any:
-    """The engine core's worker: a ``Worker`` (uni), a ``MultiprocExecutor`` (mp) or a ``RayExecutor`` (ray)."""
+def eager_across_ranks(config: EngineConfig) -> EngineConfig:
+    """``config``, or a copy with ``enforce_eager`` on when several ranks run on a platform that records graphs
+    (CUDA graphs are not captured across ranks). Decided here, in the engine's process, where the device is."""
+    from pagedllm.platforms import platform_for
+    from pagedllm.worker.worker import resolve_device
+
+    if config.parallel.tensor_parallel_size == 1 or config.device.enforce_eager:
+        return config
+    if not platform_for(resolve_device(config.device.device)).supports_graphs:
+        return config
+    logger.info("tensor parallel: decode steps run eagerly (CUDA graphs are not captured across ranks)")
+    return replace(config, device=replace(config.device, enforce_eager=True))
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    """The engine core's executor: a ``UniprocExecutor`` (uni), ``MultiprocExecutor`` (mp) or ``RayExecutor`` (ray),
+    built from ``config`` with the changes tensor parallelism needs (``eager_across_ranks``)."""
     backend = config.parallel.distributed_executor_backend
     check_tensor_parallel(config)
+    config = eager_across_ranks(config)
     if backend == "mp":
         from pagedllm.executor.multiproc_executor import MultiprocExecutor
 
@@ -64,6 +79,6 @@ def make_executor(config: EngineConfig) -> Any:
         from pagedllm.executor.ray_executor import RayExecutor
 
         return RayExecutor(config)
-    from pagedllm.worker.worker import Worker
+    from pagedllm.executor.uniproc_executor import UniprocExecutor
 
-    return Worker(config)
+    return UniprocExecutor(config)
