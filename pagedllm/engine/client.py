@@ -52,7 +52,7 @@ class EngineClient(ABC):
     def step(self) -> list[EngineOutput]:
         """Run (or wait briefly for) one step of the engine; the request outputs it produced."""
 
-    def validate_structured_outputs(self, params: SamplingParams) -> None:  # noqa: B027 - a hook: nothing to do by default
+    def validate_structured_outputs(self, params: SamplingParams) -> None:  # noqa: B027 - nothing by default
         """Compile the request's grammar early; ValueError if it cannot be. Without a grammar backend: nothing."""
 
     def call_utility(self, method: str, *args: Any) -> concurrent.futures.Future:
