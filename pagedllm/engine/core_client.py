@@ -56,6 +56,7 @@ class EngineCoreClient:
         self.on_death = on_death
         self.dead: tuple[int, str] | None = None  # (engine index, why) of the first engine that died
         self._shutting_down = False
+        self._watcher: SentinelWatcher | None = None  # started once every engine is READY
         self._ipc_dir = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX)
         self.ctx = zmq.Context()
         self.input = self.ctx.socket(zmq.ROUTER)
@@ -176,9 +177,8 @@ class EngineCoreClient:
         if self._shutting_down:
             return
         self._shutting_down = True
-        watcher = getattr(self, "_watcher", None)
-        if watcher is not None:
-            watcher.stop()
+        if self._watcher is not None:
+            self._watcher.stop()
         for index, proc in enumerate(self.processes):
             if proc.is_alive():
                 try:
