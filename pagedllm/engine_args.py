@@ -279,17 +279,17 @@ class EngineArgs:
         budget = self.max_num_batched_tokens
         if not self.enable_chunked_prefill or model.is_encoder_only:
             budget = max(budget, max_len)  # a whole prompt must fit in one step
-        scheduler = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
-                                    max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill,
-                                    is_encoder_only=model.is_encoder_only)
         from pagedllm.spec_decode.setup import resolve_speculative_config
 
         speculative = resolve_speculative_config(self.speculative_config, model)
-        if speculative is not None:
-            scheduler.num_lookahead_tokens = speculative.num_lookahead_tokens
+        scheduler = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
+                                    max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill,
+                                    is_encoder_only=model.is_encoder_only,
+                                    num_lookahead_tokens=0 if speculative is None else
+                                    speculative.num_lookahead_tokens)
         from pagedllm.core.encoder_decoder import configure_encoder_decoder
 
-        configure_encoder_decoder(model, cache, scheduler, speculative)
+        cache, scheduler = configure_encoder_decoder(model, cache, scheduler, speculative)
         if int(self.data_parallel_size) < 1:
             raise ValueError(f"data_parallel_size must be a positive integer, got {self.data_parallel_size}")
         if kv_transfer is not None and int(self.data_parallel_size) > 1:

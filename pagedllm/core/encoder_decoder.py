@@ -14,6 +14,7 @@ prompt is a few tokens (nothing worth caching).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -23,10 +24,11 @@ logger = init_logger(__name__)
 
 
 def configure_encoder_decoder(model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConfig,
-                              speculative: Any = None) -> None:
-    """Fill the cache and scheduler settings of an encoder-decoder model; ValueError for what it cannot run."""
+                              speculative: Any = None) -> tuple[CacheConfig, SchedulerConfig]:
+    """The cache and scheduler settings of an encoder-decoder model (new objects: the configs are frozen), or the
+    ones given for any other model; ValueError for what it cannot run."""
     if not model.is_encoder_decoder:
-        return
+        return cache, scheduler
     if speculative is not None:
         raise ValueError("speculative_config: speculative decoding is not supported for encoder-decoder models "
                          f"({model.architecture})")
@@ -34,9 +36,8 @@ def configure_encoder_decoder(model: ModelConfig, cache: CacheConfig, scheduler:
     if cache.enable_prefix_caching:
         logger.info("prefix caching is off for %s: its decoder blocks depend on each request's audio",
                     model.architecture)
-    cache.enable_prefix_caching = False
-    cache.cross_group_tokens = positions
-    scheduler.encoder_tokens_per_request = positions
+    return (replace(cache, enable_prefix_caching=False, cross_group_tokens=positions),
+            replace(scheduler, encoder_tokens_per_request=positions))
 
 
 def encoder_cost(request: Any, config: SchedulerConfig) -> int:

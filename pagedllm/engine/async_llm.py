@@ -15,9 +15,11 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from pagedllm.engine.client import EngineClient, StepStatsLogger
 from pagedllm.engine.engine_snapshot import EngineSnapshot, SnapshotPublisher
+from pagedllm.engine.errors import EngineDeadError, RequestFailedError
 from pagedllm.engine.output_processor import OutputKind
 from pagedllm.engine.processor import PromptType
 from pagedllm.logger import init_logger
@@ -25,18 +27,13 @@ from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from pagedllm.engine_args import EngineArgs
+
 logger = init_logger(__name__)
 
 # How long the idle engine thread sleeps between checks that it should log stats or stop.
 _IDLE_WAIT_S = 1.0
-
-
-class RequestFailedError(RuntimeError):
-    """The model step raised with this request in the batch, also when it was run alone."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread died; no request can be served until the server restarts."""
 
 
 @dataclass
@@ -56,12 +53,12 @@ class _Stream:
 class AsyncLLM:
     """Serve many concurrent requests from one engine running in a background thread.
 
-    ``engine`` is an ``LLMEngine`` (or anything with its add_request/abort_request/step/
-    has_unfinished_requests methods). ``stat_logger`` (optional) gets ``record_step(engine, outputs, t)``
-    after every step and ``maybe_log(engine, now)`` from the loop.
+    ``engine`` is an ``EngineClient`` (``engine/client.py``): an ``LLMEngine`` or a ``MultiprocEngine``.
+    ``stat_logger`` (optional) gets ``record_step(engine, outputs, t)`` after every step and
+    ``maybe_log(engine, now)`` from the loop.
     """
 
-    def __init__(self, engine: Any, stat_logger: Any | None = None) -> None:
+    def __init__(self, engine: EngineClient, stat_logger: StepStatsLogger | None = None) -> None:
         self.engine = engine
         self.stat_logger = stat_logger
         self._streams: dict[str, _Stream] = {}
@@ -72,15 +69,13 @@ class AsyncLLM:
         self._exited = False  # set under _cond when the thread returns, so no command is left hanging
         self.snapshots = SnapshotPublisher()  # the cache map's view of an in-thread engine (playground)
         # Engine cores in other processes build their own snapshots, and wake this loop when they die.
-        self._remote = hasattr(engine, "kv_cache_snapshots")
-        self._wake_engine = getattr(engine, "wake", None)
-        if hasattr(engine, "set_wakeup"):
-            engine.set_wakeup(self._notify)
+        self._remote = engine.builds_own_snapshots
+        engine.set_wakeup(self._notify)
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
         self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, args: Any, stat_logger: Any | None = None) -> AsyncLLM:
+    def from_engine_args(cls, args: EngineArgs, stat_logger: StepStatsLogger | None = None) -> AsyncLLM:
         """Engine cores in their own processes, unless ``PAGEDLLM_ENABLE_MULTIPROCESSING=0`` (``pagedllm/envs.py``)."""
         from pagedllm import envs
 
@@ -203,8 +198,7 @@ class AsyncLLM:
                 return cmd.future
             self._commands.append(cmd)
             self._cond.notify()
-        if self._wake_engine is not None:
-            self._wake_engine()  # the loop may be waiting on the engines' sockets rather than on _cond
+        self.engine.wake()  # the loop may be waiting on the engines' sockets rather than on _cond
         return cmd.future
 
     def _notify(self) -> None:
@@ -254,7 +248,7 @@ class AsyncLLM:
                 self.stat_logger.add_request(request_id, kind, params.n)
 
         structured = getattr(params, "structured_outputs", None)  # pooling params have none
-        if structured is not None and hasattr(self.engine, "validate_structured_outputs"):
+        if structured is not None:
             # Compile here, off the engine loop: a bad schema is a ValueError before anything is queued,
             # and the engine then finds the grammar cached.
             await asyncio.to_thread(self.engine.validate_structured_outputs, params)
@@ -320,24 +314,15 @@ class AsyncLLM:
                 self.stat_logger.maybe_log(self.engine, time.time(), force=True)
             except Exception:  # noqa: BLE001 - the engines may be gone already; the last line is optional
                 logger.debug("no final stats line", exc_info=True)
-        engine_shutdown = getattr(self.engine, "shutdown", None)
-        if engine_shutdown is not None:
-            engine_shutdown()
+        self.engine.shutdown()
 
     def _abort_all_now(self) -> None:
         """Engine thread: end every in-flight request with finish_reason 'abort'."""
-        engine = self.engine
-        # An engine stand-in without abort_children (tests) aborts through its core.
-        abort_children = getattr(engine, "abort_children", None) or engine.core.abort_requests
-        outputs = []
-        for request_id in list(self._streams):
-            children = engine.output_processor.child_ids(request_id)
-            out = engine.output_processor.make_abort_output(request_id)
-            abort_children(children)
-            if self.stat_logger is not None:
+        request_ids = list(self._streams)
+        outputs = self.engine.finish_aborted(request_ids)
+        if self.stat_logger is not None:
+            for request_id in request_ids:
                 self.stat_logger.forget(request_id)
-            if out is not None:
-                outputs.append(out)
         if outputs:
             self._deliver(outputs)
         self._streams.clear()

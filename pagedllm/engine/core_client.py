@@ -12,13 +12,10 @@ dies without a word (SIGKILL, the OOM killer) is reported within milliseconds th
 from __future__ import annotations
 
 import multiprocessing
-import os
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Callable
-from multiprocessing.connection import wait as wait_for_sentinels
 from typing import Any
 
 import msgspec
@@ -33,6 +30,8 @@ from pagedllm.engine.core_messages import (
     parse_frames,
 )
 from pagedllm.engine.core_proc import IPC_DIR_PREFIX, identity_of, run_engine_core
+from pagedllm.engine.errors import EngineStartupError
+from pagedllm.executor.process_watch import SentinelWatcher, describe_exit
 from pagedllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -41,10 +40,6 @@ logger = init_logger(__name__)
 STARTUP_TIMEOUT_S = 900.0
 # How long a stopping engine may take before it is terminated, then killed.
 SHUTDOWN_GRACE_S = 10.0
-
-
-class EngineStartupError(RuntimeError):
-    """An engine process failed or exited before it was READY."""
 
 
 class EngineCoreClient:
@@ -61,6 +56,7 @@ class EngineCoreClient:
         self.on_death = on_death
         self.dead: tuple[int, str] | None = None  # (engine index, why) of the first engine that died
         self._shutting_down = False
+        self._watcher: SentinelWatcher | None = None  # started once every engine is READY
         self._ipc_dir = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX)
         self.ctx = zmq.Context()
         self.input = self.ctx.socket(zmq.ROUTER)
@@ -104,9 +100,7 @@ class EngineCoreClient:
         except BaseException:
             self.shutdown()
             raise
-        self._stop_r, self._stop_w = os.pipe()
-        self._watcher = threading.Thread(target=self._watch, name="pagedllm-engine-watch", daemon=True)
-        self._watcher.start()
+        self._watcher = SentinelWatcher(self.processes, self._on_exit, name="pagedllm-engine-watch")
 
     @property
     def pids(self) -> list[int]:
@@ -161,17 +155,8 @@ class EngineCoreClient:
                 logger.warning("dropped a malformed engine message (%s)", e)
 
     # ---- death -----------------------------------------------------------------------------------------------
-    def _watch(self) -> None:
-        sentinels = {p.sentinel: i for i, p in enumerate(self.processes)}
-        ready = wait_for_sentinels([*sentinels, self._stop_r])
-        if self._shutting_down or self._stop_r in ready:
-            return
-        index = sentinels[next(s for s in ready if s in sentinels)]
-        proc = self.processes[index]
-        proc.join(1.0)
-        code = proc.exitcode
-        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exited with status {code}"
-        self._report_death(index, f"engine {index} (pid {proc.pid}) {how}")
+    def _on_exit(self, index: int, proc: Any) -> None:  # the watcher thread
+        self._report_death(index, f"engine {index} (pid {proc.pid}) {describe_exit(proc)}")
 
     def _report_death(self, index: int, reason: str) -> None:
         if self.dead is not None or self._shutting_down:
@@ -192,11 +177,8 @@ class EngineCoreClient:
         if self._shutting_down:
             return
         self._shutting_down = True
-        if hasattr(self, "_stop_w"):
-            os.write(self._stop_w, b"x")
-            self._watcher.join(2.0)
-            os.close(self._stop_w)
-            os.close(self._stop_r)
+        if self._watcher is not None:
+            self._watcher.stop()
         for index, proc in enumerate(self.processes):
             if proc.is_alive():
                 try:

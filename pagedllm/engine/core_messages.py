@@ -91,8 +91,8 @@ class Hello(msgspec.Struct, array_like=True):
 
 
 class Ready(msgspec.Struct, array_like=True):
-    """The engine is serving. ``num_blocks`` and the resolved sizes let the API side check that a prompt fits
-    before it queues it (the worker fills them in while it sizes the KV cache)."""
+    """The engine is serving. Its ``KVCacheLayout`` (``config.py``: blocks, windows, device, resolved while the
+    worker sized the KV cache) lets the API side check that a prompt fits before it queues it."""
 
     engine_index: int
     num_blocks: int
@@ -102,6 +102,7 @@ class Ready(msgspec.Struct, array_like=True):
     sliding_group_num_blocks: int = 0
     num_lookahead_tokens: int = 0
     device: str = "cpu"
+    cross_group_num_blocks: int = 0
 
 
 class Failure(msgspec.Struct, array_like=True):

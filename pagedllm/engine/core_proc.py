@@ -14,7 +14,6 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -39,6 +38,7 @@ from pagedllm.engine.core_messages import (
 )
 from pagedllm.engine.encoder_inputs import unpack_encoder_input
 from pagedllm.engine.engine_snapshot import SnapshotPublisher
+from pagedllm.executor.process_watch import exit_with_parent
 from pagedllm.logger import init_logger
 from pagedllm.utils import freeze_gc_heap
 
@@ -80,12 +80,13 @@ class EngineCoreProc:
         self.output_message_time_s = 0.0
 
     def ready_message(self) -> Ready:
-        c = self.config
-        return Ready(engine_index=self.engine_index, num_blocks=c.cache.num_blocks,
-                     max_model_len=c.scheduler.max_model_len, sliding_window=c.cache.sliding_window,
-                     sliding_group_window=c.cache.sliding_group_window,
-                     sliding_group_num_blocks=c.cache.sliding_group_num_blocks,
-                     num_lookahead_tokens=c.scheduler.num_lookahead_tokens, device=str(c.device.device))
+        layout, scheduler = self.core.kv_cache_layout, self.config.scheduler
+        return Ready(engine_index=self.engine_index, num_blocks=layout.num_blocks,
+                     max_model_len=scheduler.max_model_len, sliding_window=layout.sliding_window,
+                     sliding_group_window=layout.sliding_group_window,
+                     sliding_group_num_blocks=layout.sliding_group_num_blocks,
+                     num_lookahead_tokens=scheduler.num_lookahead_tokens, device=layout.device,
+                     cross_group_num_blocks=layout.cross_group_num_blocks)
 
     # ---- the loop --------------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -250,7 +251,8 @@ def run_engine_core(config: EngineConfig, engine_index: int, input_address: str,
         ctx.term()
         raise SystemExit(1) from None
     input_socket.send_multipart([EngineMessageType.READY.value, encode(proc.ready_message())])
-    logger.info("engine %d (pid %d) ready: %d KV blocks", engine_index, os.getpid(), config.cache.num_blocks)
+    logger.info("engine %d (pid %d) ready: %d KV blocks", engine_index, os.getpid(),
+                proc.core.kv_cache_layout.num_blocks)
     status = 0
     try:
         proc.run()
@@ -289,21 +291,3 @@ def _describe(exc: BaseException) -> str:
 
 def _raise_system_exit(signum: int, frame: Any) -> None:
     raise SystemExit(0)
-
-
-def exit_with_parent(parent_alive: Connection, who: str, parent: str,
-                     on_exit: Callable[[], None] | None = None) -> None:
-    """End this process when its parent dies (even by SIGKILL): the parent's end of the pipe closes, recv fails.
-    ``who`` / ``parent`` name both in the log line ("engine 0", "the API process"); ``on_exit`` runs first."""
-
-    def watch() -> None:
-        try:
-            parent_alive.recv()
-        except (EOFError, OSError):
-            pass
-        logger.warning("%s: %s is gone; exiting", who, parent)
-        if on_exit is not None:
-            on_exit()
-        os._exit(0)
-
-    threading.Thread(target=watch, name="pagedllm-parent-watch", daemon=True).start()

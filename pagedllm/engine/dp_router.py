@@ -14,6 +14,7 @@ from __future__ import annotations
 import secrets
 import shutil
 import tempfile
+from dataclasses import replace
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.block_hash import compute_block_hash_values, root_hash_value
@@ -25,11 +26,12 @@ logger = init_logger(__name__)
 
 
 class DataParallelRouter:
-    """Set up before the engines start: it may set the hash algorithm, seed and event endpoints in ``config``,
-    which the engines then receive."""
+    """Set up before the engines start. ``config`` is the engines' config: the one given, or a copy with the hash
+    algorithm, seed and event endpoints that prefix-aware routing needs (the engines must receive this one)."""
 
     def __init__(self, config: EngineConfig, num_engines: int) -> None:
         self.num_engines = num_engines
+        self.config = config
         self.policy = config.parallel.routing if num_engines > 1 else "single"
         self.block_size = config.cache.block_size
         self._ipc_dir: str | None = None
@@ -45,16 +47,18 @@ class DataParallelRouter:
         cache = config.cache
         if cache.prefix_caching_hash_algo != "sha256":
             logger.info("prefix-aware routing: block hashes use sha256 (Python's hash() differs per process)")
-            cache.prefix_caching_hash_algo = "sha256"
+            cache = replace(cache, prefix_caching_hash_algo="sha256")
         if cache.prefix_caching_hash_seed is None:
-            cache.prefix_caching_hash_seed = secrets.randbits(63)  # one seed for every engine, still unpredictable
+            # One seed for every engine, still unpredictable.
+            cache = replace(cache, prefix_caching_hash_seed=secrets.randbits(63))
         self.hash_algo = cache.prefix_caching_hash_algo
         self.root_value = root_hash_value(cache.prefix_caching_hash_seed, self.hash_algo)
         events = config.kv_events
         if events is None or not events.publishes:
             self._ipc_dir = tempfile.mkdtemp(prefix="pagedllm-kv-events-")
-            events = config.kv_events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
-                                                       endpoint=f"ipc://{self._ipc_dir}/events")
+            events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                    endpoint=f"ipc://{self._ipc_dir}/events")
+        self.config = replace(config, cache=cache, kv_events=events)
         self.events_config = events
         p = config.parallel
         self._prefix = PrefixAwareRouter(num_engines, p.routing_cache_threshold, p.routing_balance_abs_threshold,

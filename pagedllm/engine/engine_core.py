@@ -1,14 +1,14 @@
-"""The engine core: scheduler + worker, one ``step()`` per model forward. Pure busy-loop material."""
+"""The engine core: scheduler + executor, one ``step()`` per model forward. Pure busy-loop material."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, KVCacheLayout
 from pagedllm.core.kv_events import KVEventBatch
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutput, ModelRunnerOutput
@@ -16,6 +16,10 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_stats import SchedulerStats, make_scheduler_stats
 from pagedllm.logger import init_logger
 from pagedllm.structured_output.manager import StructuredOutputManager
+
+if TYPE_CHECKING:
+    from pagedllm.executor.base import Executor
+    from pagedllm.worker.worker import Worker
 
 logger = init_logger(__name__)
 
@@ -34,16 +38,20 @@ def is_fatal_device_error(exc: BaseException) -> bool:
 
 
 class EngineCore:
-    """``engine_index``: this engine's data-parallel index (0 alone); it names its KV events endpoint and stats."""
+    """``engine_index``: this engine's data-parallel index (0 alone); it names its KV events endpoint and stats.
+
+    Start-up sizes the KV cache: ``kv_cache_layout`` is what it resolved, and ``config`` is the given config
+    resolved with it (``EngineConfig.with_kv_cache_layout``); the given one is never changed."""
 
     def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
-        self.config = config
         self.engine_index = engine_index
         from pagedllm.executor import make_executor
 
-        self.worker = make_executor(config)  # a Worker, or one per tensor-parallel rank (executor/)
-        config.cache.num_blocks = self.worker.determine_num_blocks()
-        self.worker.init_kv_cache(config.cache.num_blocks)
+        self.executor: Executor = make_executor(config)  # one worker, or one per tensor-parallel rank
+        self.kv_cache_layout: KVCacheLayout = self.executor.determine_kv_cache_layout()
+        self.executor.init_kv_cache(self.kv_cache_layout)
+        # The executor's config: the given one, or its copy with what tensor parallelism changes.
+        self.config = config = self.executor.config.with_kv_cache_layout(self.kv_cache_layout)
         events = config.kv_events
         publishes = events is not None and events.publishes
         self.scheduler = Scheduler(config.scheduler, config.cache, enable_kv_cache_events=publishes)
@@ -63,14 +71,19 @@ class EngineCore:
         self.structured_output: StructuredOutputManager | None = None
         self._unscheduled: set[str] = set()  # added, not yet scheduled once (their queue time is pending)
 
+    @property
+    def worker(self) -> Worker:
+        """This process's worker (tensor-parallel rank 0's): its runner, model and KV cache."""
+        return self.executor.driver_worker
+
     def _attach_kv_connector(self, config: EngineConfig) -> None:
         from pagedllm.distributed.kv_transfer.factory import create_connector_pair
 
         kvt = config.kv_transfer
-        if not hasattr(self.worker, "attach_kv_connector"):  # a tensor-parallel executor
+        if not self.executor.supports_kv_transfer:  # tensor-parallel ranks: checked before the connector opens
             raise ValueError("kv_transfer_config: KV transfer needs --tensor-parallel-size 1")
         scheduler_half, worker_half = create_connector_pair(kvt, config.cache.block_size)
-        self.worker.attach_kv_connector(worker_half)
+        self.executor.attach_kv_connector(worker_half)
         scheduler_half.bind_worker(worker_half)
         self.scheduler.attach_kv_connector(scheduler_half)
         self.kv_connector = scheduler_half
@@ -82,7 +95,7 @@ class EngineCore:
         # On an accelerator the host is idle while the forward runs: fill the grammar bitmask then, whatever the
         # core count.
         mc = self.config.model
-        overlap = True if self.worker.platform.is_accelerator else None
+        overlap = True if self.executor.platform.is_accelerator else None
         self.structured_output = StructuredOutputManager(tokenizer, mc.vocab_size, mc.eos_token_ids,
                                                          overlap_fill=overlap)
         return self.structured_output
@@ -139,7 +152,7 @@ class EngineCore:
         if sched.is_empty:
             # Still tell the runner about finished requests so it drops their state (and a KV connector
             # reports its transfers).
-            idle = self.worker.execute_model(sched)
+            idle = self.executor.execute_model(sched)
             if so is not None and so.has_waiting() and not self.scheduler.running:
                 so.poll(timeout=0.005)  # only grammars compiling: wait a moment instead of spinning
             elif self.scheduler.has_pending_kv_transfers() and not self.scheduler.running:
@@ -150,7 +163,7 @@ class EngineCore:
         if so is not None:
             so.fill_bitmask(sched, self.scheduler.requests)
         try:
-            result = self.worker.execute_model(sched, overlap)
+            result = self.executor.execute_model(sched, overlap)
         except Exception as e:  # one bad request must not take the engine down; isolate it instead
             if getattr(e, "fatal", False):
                 logger.critical("%s; the engine stops", e)
@@ -201,16 +214,11 @@ class EngineCore:
                 self.kv_events.publish(KVEventBatch(time.time(), events, self.engine_index))
 
     def close(self) -> None:
-        """Release what outlives a step (the KV events socket, the tensor-parallel ranks)."""
-        close = getattr(self.worker, "close", None)
-        if close is not None:
-            close()
+        """Release what outlives a step (the KV events socket, the tensor-parallel ranks, a KV connector)."""
+        self.executor.close()
         if self.kv_events is not None:
             self.kv_events.close()
             self.kv_events = None
-        if getattr(self.worker, "kv_connector", None) is not None:
-            self.worker.kv_connector.shutdown()
-            self.worker.kv_connector = None
 
     def take_stats(self) -> SchedulerStats:
         """The counters the front end reports (``core/scheduler_stats.py``), with the requests first scheduled

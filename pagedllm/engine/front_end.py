@@ -13,6 +13,7 @@ from typing import Any
 from pagedllm.config import EngineConfig
 from pagedllm.core.request import Request
 from pagedllm.core.sched_output import EngineCoreOutput
+from pagedllm.engine.client import EngineClient
 from pagedllm.engine.output_processor import OutputKind, OutputProcessor
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
@@ -21,7 +22,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.manager import StructuredOutputManager
 
 
-class EngineFrontEnd:
+class EngineFrontEnd(EngineClient):
     """Subclasses set ``config``, ``tokenizer``, ``processor``, ``output_processor`` and ``structured_output``,
     and implement ``_queue``, ``abort_children`` and ``_finish_stopped``."""
 
@@ -87,6 +88,16 @@ class EngineFrontEnd:
             children = self.output_processor.child_ids(request_id)
             self.output_processor.abort(request_id)
             self.abort_children(children)
+
+    def finish_aborted(self, request_ids: list[str]) -> list[RequestOutput | PoolingRequestOutput]:
+        outputs = []
+        for request_id in request_ids:
+            children = self.output_processor.child_ids(request_id)
+            out = self.output_processor.make_abort_output(request_id)  # before its state is dropped
+            self.abort_children(children)
+            if out is not None:
+                outputs.append(out)
+        return outputs
 
     def _process(self, outputs: list[EngineCoreOutput]) -> list[RequestOutput | PoolingRequestOutput]:
         """Detokenize, apply stop strings, build the RequestOutputs."""

@@ -27,16 +27,16 @@ class LLMEngine(EngineFrontEnd):
     def __init__(self, config: EngineConfig) -> None:
         from pagedllm.model_executor.loader import load_tokenizer
 
-        self.config = config
         self.tokenizer = load_tokenizer(config.model)
         self.core = EngineCore(config)
+        self.config = config = self.core.config  # resolved with the KV cache layout
         self.structured_output = self.core.attach_structured_outputs(self.tokenizer)
         self.processor = Processor(config.model, self.tokenizer, config.scheduler.max_model_len,
                                    self.core.scheduler.check_fits)
         self.output_processor = OutputProcessor(self.tokenizer)
         # Async output processing (GPU): a step's outputs are detokenized and handed out while the device
         # computes the next step, instead of between the two. Off on CPUs, where the host is the device.
-        on_accelerator = self.core.worker.platform.is_accelerator
+        on_accelerator = self.core.executor.platform.is_accelerator
         self.async_output = on_accelerator and not config.device.disable_async_output_proc
         if on_accelerator:
             logger.info("async output processing: %s", "on (outputs are detokenized while the GPU runs the next "

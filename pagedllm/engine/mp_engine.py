@@ -20,22 +20,23 @@ from typing import Any
 
 import zmq
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, KVCacheLayout
 from pagedllm.core.request import Request
 from pagedllm.core.sched_output import EngineCoreOutput
 from pagedllm.core.scheduler import check_prompt_fits
 from pagedllm.core.scheduler_stats import SchedulerStats
-from pagedllm.engine.async_llm import EngineDeadError
 from pagedllm.engine.core_client import EngineCoreClient
 from pagedllm.engine.core_messages import (
     AbortRequests,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineMessageType,
+    Ready,
     RequestType,
     UtilityCall,
 )
 from pagedllm.engine.encoder_inputs import pack_encoder_input
+from pagedllm.engine.errors import EngineDeadError
 from pagedllm.engine.front_end import EngineFrontEnd
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import Processor
@@ -72,6 +73,11 @@ class KVCacheSnapshots:
 
 
 class MultiprocEngine(EngineFrontEnd):
+    """``config`` is the config the engines were started with until they are READY, then that config resolved
+    with their KV cache layout (``kv_cache_layout``: the smallest block count of all engines)."""
+
+    builds_own_snapshots = True  # each engine process builds its own (``kv_cache_snapshots``)
+
     def __init__(self, config: EngineConfig, engine_target: Callable[..., None] | None = None) -> None:
         """``engine_target``: the engine processes' entry point, if not ``run_engine_core`` (fault tests)."""
         from pagedllm.engine.dp_router import DataParallelRouter
@@ -90,11 +96,13 @@ class MultiprocEngine(EngineFrontEnd):
         os.set_blocking(self._wake_w, False)
         self._wakeup: Callable[[], None] | None = None
         self.router = DataParallelRouter(config, n)
+        self.config = config = self.router.config  # with the hashes and event endpoints routing needs
         self.client = EngineCoreClient(config, n, threads, on_death=self._on_death,
                                        **({"target": engine_target} if engine_target else {}))
         try:
             self.router.start()
-            self._apply_ready()
+            self.kv_cache_layout = layout_from_ready(self.client.ready)
+            self.config = config = config.with_kv_cache_layout(self.kv_cache_layout)
             self.structured_output = StructuredOutputManager(self.tokenizer, config.model.vocab_size,
                                                              config.model.eos_token_ids)  # validation only
             self.processor = Processor(config.model, self.tokenizer, config.scheduler.max_model_len,
@@ -120,21 +128,8 @@ class MultiprocEngine(EngineFrontEnd):
         self._poller.register(self.client.output, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
 
-    def _apply_ready(self) -> None:
-        """The engines sized their KV caches: what the API side checks a prompt against."""
-        ready = self.client.ready
-        first = ready[0]
-        c = self.config
-        c.cache.num_blocks = min(r.num_blocks for r in ready)
-        c.cache.sliding_window = first.sliding_window
-        c.cache.sliding_group_window = first.sliding_group_window
-        c.cache.sliding_group_num_blocks = first.sliding_group_num_blocks
-        c.scheduler.max_model_len = first.max_model_len
-        c.scheduler.num_lookahead_tokens = first.num_lookahead_tokens
-        c.device.device = first.device
-
     def _check_fits(self, num_prompt_tokens: int, pooling: bool = False) -> None:
-        check_prompt_fits(self.config.scheduler, self.config.cache.num_blocks - 1, self.config.cache.block_size,
+        check_prompt_fits(self.config.scheduler, self.kv_cache_layout.num_blocks - 1, self.config.cache.block_size,
                           num_prompt_tokens, pooling)
 
     @property
@@ -308,6 +303,16 @@ class MultiprocEngine(EngineFrontEnd):
         for fd in fds:
             if fd >= 0:
                 os.close(fd)
+
+
+def layout_from_ready(ready: list[Ready]) -> KVCacheLayout:
+    """The KV cache layout the API side checks prompts against: engine 0's, with the fewest blocks of any engine
+    (a prompt must fit wherever the router sends it)."""
+    first = ready[0]
+    return KVCacheLayout(num_blocks=min(r.num_blocks for r in ready), device=first.device,
+                         sliding_window=first.sliding_window, sliding_group_window=first.sliding_group_window,
+                         sliding_group_num_blocks=first.sliding_group_num_blocks,
+                         cross_group_num_blocks=first.cross_group_num_blocks)
 
 
 def _combine(method: str, results: list[Any]) -> Any:

@@ -12,32 +12,31 @@ step raises ``RankDiedError``, which the engine core treats as fatal (the engine
 from __future__ import annotations
 
 import multiprocessing
-import os
 import shutil
 import socket
 import tempfile
-import threading
 import time
 from collections.abc import Callable
-from multiprocessing.connection import wait as wait_for_sentinels
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 import zmq
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, KVCacheLayout
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import RANK_STARTUP_TIMEOUT_S
+from pagedllm.executor.base import Executor, RankDiedError
+from pagedllm.executor.process_watch import SentinelWatcher
 from pagedllm.executor.step_broadcast import StepPublisher
 from pagedllm.logger import init_logger
 
+if TYPE_CHECKING:
+    from pagedllm.worker.worker import Worker
+
 logger = init_logger(__name__)
 
-
-class RankDiedError(RuntimeError):
-    """A tensor-parallel rank is gone: the engine cannot run another step."""
-
-    fatal = True
+__all__ = ["MultiprocExecutor", "RankDiedError", "free_tcp_port", "threads_per_rank"]
 
 
 def free_tcp_port() -> int:
@@ -55,9 +54,9 @@ def threads_per_rank(world_size: int) -> int:
     return max(1, total // world_size)
 
 
-class MultiprocExecutor:
-    """Quacks like ``Worker`` for the engine core: ``determine_num_blocks``, ``init_kv_cache``, ``execute_model``;
-    anything else (``platform``, ``runner``) is rank 0's worker's."""
+class MultiprocExecutor(Executor):
+    """Tensor-parallel ranks on this host: rank 0's ``Worker`` here (``driver_worker``), ranks 1..T-1 in spawned
+    processes; ``RayExecutor`` places those in Ray actors instead."""
 
     def __init__(self, config: EngineConfig, rank_target: Callable[..., None] | None = None) -> None:
         from pagedllm.executor.tp_worker_proc import run_tp_worker
@@ -67,6 +66,8 @@ class MultiprocExecutor:
         self.world_size = world = config.parallel.tensor_parallel_size
         self.dead: str | None = None
         self._closing = False
+        self._watcher: SentinelWatcher | None = None
+        self.worker: Worker | None = None
         self._ipc_dir = tempfile.mkdtemp(prefix="pagedllm-tp-")
         self.ctx = zmq.Context()
         step_address, answer_address, init_method = self._addresses()
@@ -89,9 +90,7 @@ class MultiprocExecutor:
         except BaseException:
             self.close()
             raise
-        self._stop_r, self._stop_w = os.pipe()
-        self._watcher = threading.Thread(target=self._watch, name="pagedllm-tp-watch", daemon=True)
-        self._watcher.start()
+        self._watcher = SentinelWatcher(self.processes, self._on_rank_exit, name="pagedllm-tp-watch", join_s=0.1)
 
     backend_name = "mp"
 
@@ -114,10 +113,10 @@ class MultiprocExecutor:
         self._parent_ends.append(parent_end)  # kept open: its closing tells the rank we are gone
         return proc
 
-    def __getattr__(self, name: str) -> Any:  # platform, runner, device, dtype ...: rank 0's
-        if name == "worker":
-            raise AttributeError(name)
-        return getattr(self.worker, name)
+    @property
+    def driver_worker(self) -> Worker:
+        assert self.worker is not None, "rank 0's worker is built in __init__"
+        return self.worker
 
     @property
     def pids(self) -> list[int]:
@@ -130,9 +129,9 @@ class MultiprocExecutor:
                 raise RankDiedError(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with status "
                                     f"{proc.exitcode}")
 
-    def determine_num_blocks(self) -> int:
-        """The KV blocks every rank can hold: the smallest of the ranks' own answers."""
-        own = self.worker.determine_num_blocks()
+    def determine_kv_cache_layout(self) -> KVCacheLayout:
+        """Rank 0's layout with the KV blocks every rank can hold: the smallest of the ranks' own answers."""
+        own = self.driver_worker.determine_kv_cache_layout()
         answers: dict[int, int] = {}
         deadline = time.monotonic() + RANK_STARTUP_TIMEOUT_S
         while len(answers) < self.world_size - 1:
@@ -143,11 +142,11 @@ class MultiprocExecutor:
             if ready is not None:
                 answers[ready.rank] = ready.num_blocks
         self.publisher.wait_subscribed(self.world_size - 1, 60.0, self._check_alive)
-        return min([own, *answers.values()])
+        return replace(own, num_blocks=min([own.num_blocks, *answers.values()]))
 
-    def init_kv_cache(self, num_blocks: int) -> None:
-        self.publisher.send_init(num_blocks, self.config.cache.sliding_group_num_blocks)
-        self.worker.init_kv_cache(num_blocks)
+    def init_kv_cache(self, layout: KVCacheLayout) -> None:
+        self.publisher.send_init(layout)
+        self.driver_worker.init_kv_cache(layout)
 
     # ---- steps -----------------------------------------------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput, overlap: Callable[[], None] | None = None) -> ModelRunnerOutput:
@@ -155,7 +154,7 @@ class MultiprocExecutor:
             raise RankDiedError(self.dead)
         self.publisher.send_step(sched)
         try:
-            return self.worker.execute_model(sched, overlap)
+            return self.driver_worker.execute_model(sched, overlap)
         except Exception as e:
             time.sleep(0.2)  # a peer's death closes the sockets a moment before its exit status is known
             if self.dead is not None or any(p.exitcode is not None for p in self.processes):
@@ -163,17 +162,11 @@ class MultiprocExecutor:
                 raise RankDiedError(self.dead or "a tensor-parallel rank died") from e
             raise
 
-    def _watch(self) -> None:
-        sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self.processes, start=1)}
-        ready = wait_for_sentinels([*sentinels, self._stop_r])
-        if self._stop_r in ready or self._closing:
+    def _on_rank_exit(self, index: int, proc: Any) -> None:  # the watcher thread
+        if self._closing:
             return
-        for s in ready:
-            rank, proc = sentinels[s]
-            proc.join(0.1)
-            self.dead = f"tensor-parallel rank {rank} (pid {proc.pid}) exited with status {proc.exitcode}"
-            logger.error("%s: the engine stops", self.dead)
-            return
+        self.dead = f"tensor-parallel rank {index + 1} (pid {proc.pid}) exited with status {proc.exitcode}"
+        logger.error("%s: the engine stops", self.dead)
 
     def _release(self) -> None:
         """What the backend holds beyond the processes (a Ray placement group)."""
@@ -181,8 +174,8 @@ class MultiprocExecutor:
     def close(self) -> None:
         """Stop the ranks (a STOP message, then SIGTERM for those that do not leave) and release the sockets."""
         self._closing = True
-        if getattr(self, "_stop_w", None) is not None:
-            os.write(self._stop_w, b"x")
+        if self._watcher is not None:
+            self._watcher.stop()
         try:
             self.publisher.send_stop()
         except zmq.ZMQError:
@@ -196,6 +189,5 @@ class MultiprocExecutor:
         self.ctx.term()
         self._release()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
-        worker = self.__dict__.get("worker")
-        if worker is not None:
-            worker.close_parallel()
+        if self.worker is not None:
+            self.worker.close_parallel()

@@ -4,7 +4,6 @@ the cluster (one bundle per engine), speaking the engine-process messages unchan
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +13,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.executor.ray_utils import (
     ActorCall,
     PlacementGroupRelease,
+    ProcessActor,
     bundles_for,
     ensure_ray,
     node_ip,
@@ -23,16 +23,6 @@ from pagedllm.executor.ray_utils import (
 from pagedllm.logger import init_logger
 
 logger = init_logger(__name__)
-
-
-class EngineCoreActor:
-    """A Ray actor that runs one engine process's whole life (``run_engine_core``) in one call."""
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def run(self, target: Callable[..., None], *args: Any) -> None:
-        target(*args)
 
 
 def bind_tcp(sock: zmq.Socket) -> str:
@@ -62,7 +52,7 @@ def start_ray_engines(config: EngineConfig, num_engines: int, target: Callable[.
         options: dict[str, Any] = {"num_cpus": bundle.get("CPU", 1), "scheduling_strategy": strategy(pg, index)}
         if use_gpus:
             options["num_gpus"] = bundle["GPU"]
-        actor = ray.remote(EngineCoreActor).options(**options).remote()
+        actor = ray.remote(ProcessActor).options(**options).remote()
         pid = ray.get(actor.pid.remote())
         ref = actor.run.remote(target, config, index, input_address, output_address, None, threads_per_engine)
         handles.append(ActorCall(actor, ref, pid, f"engine {index}", on_end=release))

@@ -5,29 +5,28 @@ the ranks may sit on other nodes of the cluster."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.executor.multiproc_executor import MultiprocExecutor, free_tcp_port, threads_per_rank
-from pagedllm.executor.ray_utils import ActorCall, bundles_for, ensure_ray, node_ip, placement_group, strategy
+from pagedllm.executor.ray_utils import (
+    ActorCall,
+    ProcessActor,
+    bundles_for,
+    ensure_ray,
+    node_ip,
+    placement_group,
+    strategy,
+)
 from pagedllm.logger import init_logger
 
 logger = init_logger(__name__)
 
 
-class RankActor:
-    """A Ray actor that runs one rank's whole life in one call (``run``)."""
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def run(self, target: Callable[..., None], *args: Any) -> None:
-        target(*args)
-
-
 class RayExecutor(MultiprocExecutor):
+    """``MultiprocExecutor`` with its ranks 1..T-1 in Ray actors of a placement group, reached over TCP."""
+
     backend_name = "ray"
 
     def __init__(self, config: EngineConfig, rank_target: Callable[..., None] | None = None) -> None:
@@ -57,7 +56,7 @@ class RayExecutor(MultiprocExecutor):
                                    "scheduling_strategy": strategy(self.pg, rank)}
         if self._use_gpus:
             options["num_gpus"] = 1
-        actor = self.ray.remote(RankActor).options(name=None, **options).remote()
+        actor = self.ray.remote(ProcessActor).options(name=None, **options).remote()
         pid = self.ray.get(actor.pid.remote())
         ref = actor.run.remote(target, config, rank, init_method, step_address, answer_address, None, threads)
         return ActorCall(actor, ref, pid, f"tensor-parallel rank {rank}")

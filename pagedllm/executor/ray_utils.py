@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pagedllm.logger import init_logger
@@ -96,6 +97,17 @@ class PlacementGroupRelease:
 def node_ip() -> str:
     """This node's address as the cluster sees it (what actors on other nodes connect to)."""
     return ray_module().util.get_node_ip_address()
+
+
+class ProcessActor:
+    """A Ray actor that runs one process-like life in one call (``run``): an engine core (``ray_engines.py``) or
+    a tensor-parallel rank (``ray_executor.py``); ``ActorCall`` watches that call as it would a process."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def run(self, target: Callable[..., None], *args: Any) -> None:
+        target(*args)
 
 
 class ActorCall:

@@ -17,6 +17,7 @@ import msgspec
 import numpy as np
 import zmq
 
+from pagedllm.config import KVCacheLayout
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -62,8 +63,20 @@ class WireStep(msgspec.Struct):
 
 
 class WireInit(msgspec.Struct, array_like=True):
+    """The KV cache layout rank 0 settled on for every rank (``KVCacheLayout``'s fields)."""
+
     num_blocks: int
     sliding_group_num_blocks: int = 0
+    device: str = "cpu"
+    sliding_window: int | None = None
+    sliding_group_window: int | None = None
+    cross_group_num_blocks: int = 0
+
+    def layout(self) -> KVCacheLayout:
+        return KVCacheLayout(num_blocks=self.num_blocks, device=self.device, sliding_window=self.sliding_window,
+                             sliding_group_window=self.sliding_group_window,
+                             sliding_group_num_blocks=self.sliding_group_num_blocks,
+                             cross_group_num_blocks=self.cross_group_num_blocks)
 
 
 class WireReady(msgspec.Struct, array_like=True):
@@ -137,8 +150,11 @@ class StepPublisher:
         kind, payload = self.answers.recv_multipart()
         return _ready_decoder.decode(payload) if kind == READY else None
 
-    def send_init(self, num_blocks: int, sliding_group_num_blocks: int) -> None:
-        self.pub.send_multipart([INIT, _encoder.encode(WireInit(num_blocks, sliding_group_num_blocks))])
+    def send_init(self, layout: KVCacheLayout) -> None:
+        """Every rank allocates ``layout``."""
+        message = WireInit(layout.num_blocks, layout.sliding_group_num_blocks, layout.device, layout.sliding_window,
+                           layout.sliding_group_window, layout.cross_group_num_blocks)
+        self.pub.send_multipart([INIT, _encoder.encode(message)])
 
     def send_step(self, sched: SchedulerOutput) -> None:
         t0 = time.perf_counter()

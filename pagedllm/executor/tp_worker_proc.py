@@ -7,14 +7,17 @@ import os
 import signal
 import threading
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING
 
 import zmq
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.core_proc import exit_with_parent
+from pagedllm.executor.process_watch import exit_with_parent
 from pagedllm.executor.step_broadcast import INIT, STEP, StepSubscriber
 from pagedllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from pagedllm.worker.worker import Worker
 
 logger = init_logger(__name__)
 
@@ -35,25 +38,24 @@ def run_tp_worker(config: EngineConfig, rank: int, init_method: str, step_addres
     sub = StepSubscriber(ctx, rank, step_address, answer_address)
     worker = build_rank_worker(config, rank, init_method)
     torch.set_num_threads(num_threads)
-    sub.send_ready(worker.determine_num_blocks())
+    sub.send_ready(worker.determine_kv_cache_layout().num_blocks)
     serve_steps(worker, sub)
     sub.close()
     ctx.term()
 
 
-def build_rank_worker(config: EngineConfig, rank: int, init_method: str) -> Any:
+def build_rank_worker(config: EngineConfig, rank: int, init_method: str) -> Worker:
     from pagedllm.worker.worker import Worker
 
     return Worker(config, tp_rank=rank, tp_init_method=init_method)
 
 
-def serve_steps(worker: Any, sub: StepSubscriber) -> None:
+def serve_steps(worker: Worker, sub: StepSubscriber) -> None:
     """INIT (allocate the KV cache rank 0 settled on), then one ``execute_model`` per STEP, until STOP."""
     while True:
         kind, message = sub.recv()
         if kind == INIT:
-            worker.config.cache.sliding_group_num_blocks = message.sliding_group_num_blocks
-            worker.init_kv_cache(message.num_blocks)
+            worker.init_kv_cache(message.layout())
         elif kind == STEP:
             worker.execute_model(message)
         else:

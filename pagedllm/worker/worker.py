@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
 from pagedllm.attention.backends.registry import get_attention_backend
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, KVCacheLayout
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.logger import init_logger
 from pagedllm.model_executor.layers.attention import attention_layers
@@ -35,7 +36,10 @@ class Worker:
     """``tp_rank`` / ``tp_init_method``: this worker's rank in a tensor-parallel group of
     ``config.parallel.tensor_parallel_size`` (joined before the model is built, so its layers are this rank's
     slices; ``executor/``). ``tp_alive``: rank 0's check, called while it waits for the others to join, that
-    raises when one of them has exited."""
+    raises when one of them has exited.
+
+    Start-up: ``determine_kv_cache_layout`` finds what this worker can hold, ``init_kv_cache`` allocates the
+    layout the executor settled on; from then on ``config`` is the given config resolved with that layout."""
 
     def __init__(self, config: EngineConfig, tp_rank: int = 0, tp_init_method: str | None = None,
                  tp_alive: Callable[[], None] | None = None) -> None:
@@ -47,7 +51,6 @@ class Worker:
         self.kv_connector = None  # a KV connector's worker half (attach_kv_connector), else None
         self.device = resolve_device(config.device.device)
         self.platform = platform_for(self.device)  # every device-specific choice of this engine comes from it
-        config.device.device = self.platform.name
         self.platform.prepare_worker()
         world = config.parallel.tensor_parallel_size
         if world > 1:
@@ -78,8 +81,9 @@ class Worker:
                                     mc.is_encoder_only)
         self.runner = ModelRunner(model, self.device, self.dtype, config.cache.block_size, mc.vocab_size,
                                   mc.eos_token_ids, pooling=pooling, kv_dtype=self.kv_dtype)
-        config.cache.sliding_window = self.runner.kv_sliding_window()
-        config.cache.sliding_group_window = self.runner.kv_cache_groups()[1]
+        # The windows the model's attention layers decide (part of the KV cache layout).
+        self.sliding_window = self.runner.kv_sliding_window()
+        self.sliding_group_window = self.runner.kv_cache_groups()[1]
         if mc.is_encoder_decoder:
             from pagedllm.sample.whisper_rules import WhisperDecodingRules, WhisperRulesStage
             from pagedllm.worker.encoder_decoder import attach_encoder_decoder
@@ -106,9 +110,18 @@ class Worker:
         for layer in attention_layers(model):
             layer.backend = self.attention_backend
 
-    def determine_num_blocks(self) -> int:
+    def determine_kv_cache_layout(self) -> KVCacheLayout:
+        """The KV cache this worker can hold: its blocks per group from the memory budget, the windows, the device."""
+        layout = KVCacheLayout(num_blocks=2, device=self.platform.name, sliding_window=self.sliding_window,
+                               sliding_group_window=self.sliding_group_window)
         if self.config.model.is_encoder_only:
-            return 2  # an encoder keeps no KV cache; the block pool's minimum (null block + one)
+            return layout  # an encoder keeps no KV cache; the block pool's minimum (null block + one)
+        num_blocks, sliding_blocks, cross_blocks = self._kv_cache_blocks()
+        return replace(layout, num_blocks=num_blocks, sliding_group_num_blocks=sliding_blocks,
+                       cross_group_num_blocks=cross_blocks)
+
+    def _kv_cache_blocks(self) -> tuple[int, int, int]:
+        """(blocks of the main group, of a hybrid model's sliding group, of the cross-attention group)."""
         cache = self.config.cache
         per_block = self.runner.bytes_per_block()
         if cache.kv_cache_memory is not None:
@@ -117,24 +130,25 @@ class Worker:
             budget, flag = self._profile_gpu_kv_budget(), "gpu_memory_utilization"
         else:
             budget, flag = CPU_DEFAULT_KV_CACHE_MEMORY, "kv_cache_memory"
-        if cache.sliding_group_window is not None:
-            return self._split_hybrid_budget(budget, flag)
+        if self.sliding_group_window is not None:
+            return (*self._split_hybrid_budget(budget, flag), 0)
         if cache.cross_group_tokens:
-            return self._split_cross_budget(budget, flag)
+            decoder, cross = self._split_cross_budget(budget, flag)
+            return decoder, 0, cross
         num_blocks = budget // per_block
         if num_blocks < 2:
             raise ValueError(
                 f"{flag}: {format_bytes(budget)} for the KV cache holds no KV block "
                 f"(one block needs {format_bytes(per_block)}); raise --{flag.replace('_', '-')}")
-        return int(num_blocks)
+        return int(num_blocks), 0, 0
 
-    def _split_hybrid_budget(self, budget: int, flag: str) -> int:
+    def _split_hybrid_budget(self, budget: int, flag: str) -> tuple[int, int]:
         """A hybrid model: size the sliding group for its window (worker/kv_cache_groups.py), give the full
-        group the rest; set the sliding group's blocks in the cache config, return the full group's."""
+        group the rest; returns (the full group's blocks, the sliding group's)."""
         from pagedllm.worker.kv_cache_groups import sliding_group_blocks_wanted, split_kv_budget
 
         cache, sched = self.config.cache, self.config.scheduler
-        wanted = sliding_group_blocks_wanted(cache.sliding_group_window, cache.block_size,
+        wanted = sliding_group_blocks_wanted(self.sliding_group_window, cache.block_size,
                                              sched.max_num_batched_tokens, sched.max_num_seqs,
                                              sched.num_lookahead_tokens)
         full, sliding = split_kv_budget(budget, self.runner.bytes_per_block(0), self.runner.bytes_per_block(1),
@@ -143,13 +157,12 @@ class Worker:
             raise ValueError(
                 f"{flag}: {format_bytes(budget)} for the KV cache holds no KV block "
                 f"(one block needs {format_bytes(self.runner.bytes_per_block())}); raise --{flag.replace('_', '-')}")
-        cache.sliding_group_num_blocks = sliding
-        return full
+        return full, sliding
 
-    def _split_cross_budget(self, budget: int, flag: str) -> int:
+    def _split_cross_budget(self, budget: int, flag: str) -> tuple[int, int]:
         """An encoder-decoder model: split the budget so both groups hold the same number of requests at full
-        length (the decoder's max_model_len, the encoder's positions); set the cross group's blocks in the cache
-        config, return the decoder group's."""
+        length (the decoder's max_model_len, the encoder's positions); returns (the decoder group's blocks, the
+        cross group's)."""
         cache, bs = self.config.cache, self.config.cache.block_size
         decoder_blocks = cdiv(self.config.scheduler.max_model_len, bs)
         cross_blocks = cdiv(cache.cross_group_tokens, bs)
@@ -161,8 +174,7 @@ class Worker:
                              f"{cache.cross_group_tokens} encoder positions and "
                              f"{self.config.scheduler.max_model_len} decoder tokens); raise "
                              f"--{flag.replace('_', '-')}")
-        cache.cross_group_num_blocks = int(requests * cross_blocks + 1)
-        return int(requests * decoder_blocks + 1)
+        return int(requests * decoder_blocks + 1), int(requests * cross_blocks + 1)
 
     def _profile_gpu_kv_budget(self) -> int:
         """Run the largest step the scheduler can issue (the whole token budget in prompts of at most
@@ -196,7 +208,11 @@ class Worker:
                     self.config.cache.gpu_memory_utilization, format_bytes(total))
         return budget
 
-    def init_kv_cache(self, num_blocks: int) -> None:
+    def init_kv_cache(self, layout: KVCacheLayout) -> None:
+        """Allocate the KV cache of ``layout`` (the executor's choice: every rank's smallest) and record the
+        decode graphs that need it."""
+        self.config = self.config.with_kv_cache_layout(layout)
+        num_blocks = layout.num_blocks
         if self.config.model.is_encoder_only:
             logger.info("no KV cache: %s is an encoder; each prompt runs whole in one step (up to %d tokens "
                         "per step)", self.config.model.architecture, self.config.scheduler.max_num_batched_tokens)

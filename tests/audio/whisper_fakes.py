@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from pagedllm.engine.client import EngineClient
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 SPEECH = "Hello world. This is a test of the speech recognition system."
@@ -113,7 +114,7 @@ def wav_bytes(samples: np.ndarray, rate: int = 16_000) -> bytes:
 
 
 # ---- a fake engine that speaks Whisper's output language ----------------------------------------------------
-class FakeWhisperEngine:
+class FakeWhisperEngine(EngineClient):
     """Stands in for an engine serving Whisper: it answers each request the way Whisper's decoder would.
 
     ``script(prompt_ids, features, params)`` returns the output token ids; the default one recognises the
@@ -178,6 +179,10 @@ class FakeWhisperEngine:
 
     def _abort_out(self, rid: str) -> RequestOutput:
         return RequestOutput(rid, None, [1], [CompletionOutput(0, "", [], finish_reason="abort")], finished=True)
+
+    def finish_aborted(self, request_ids) -> list[RequestOutput]:
+        self.core.abort_requests(request_ids)
+        return [self._abort_out(rid) for rid in request_ids]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.pending)

@@ -23,8 +23,8 @@ def _config(num_engines: int, routing: str = "prefix-aware") -> EngineConfig:
 
 
 def test_prefix_aware_sets_one_stable_hash_for_every_engine() -> None:
-    config = _config(2)
-    router = DataParallelRouter(config, 2)
+    router = DataParallelRouter(_config(2), 2)
+    config = router.config  # the engines' config: the configs are frozen, the router hands on a copy
     try:
         assert config.cache.prefix_caching_hash_algo == "sha256"
         assert config.cache.prefix_caching_hash_seed is not None
@@ -36,8 +36,8 @@ def test_prefix_aware_sets_one_stable_hash_for_every_engine() -> None:
 
 def test_one_engine_and_other_policies_need_no_events() -> None:
     for n, routing in ((1, "prefix-aware"), (2, "round-robin"), (2, "least-loaded")):
-        config = _config(n, routing)
-        router = DataParallelRouter(config, n)
+        router = DataParallelRouter(_config(n, routing), n)
+        config = router.config
         assert config.kv_events is None and config.cache.prefix_caching_hash_algo == "builtin"
         router.close()
     rr = DataParallelRouter(_config(2, "round-robin"), 2)
@@ -47,8 +47,8 @@ def test_one_engine_and_other_policies_need_no_events() -> None:
 
 
 def test_routes_to_the_engine_whose_events_hold_the_prefix() -> None:
-    config = _config(2)
-    router = DataParallelRouter(config, 2)
+    router = DataParallelRouter(_config(2), 2)
+    config = router.config
     publishers = [make_event_publisher(config.kv_events, i) for i in range(2)]
     # Each engine's KV cache manager, with the hash settings the router put in the config.
     managers = [KVCacheManager(64, BLOCK, True, config.cache.prefix_caching_hash_seed,

@@ -11,9 +11,9 @@ import psutil
 import pytest
 from faulty_engine import run_engine_core_failing_after, run_engine_core_failing_at_start
 
-from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
-from pagedllm.engine.core_client import EngineStartupError
+from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_proc import identity_of
+from pagedllm.engine.errors import EngineDeadError, EngineStartupError
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.mp_engine import MultiprocEngine
 from pagedllm.engine_args import EngineArgs

@@ -10,13 +10,15 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.client import EngineClient
+from pagedllm.engine.errors import EngineDeadError, RequestFailedError
 from pagedllm.entrypoints.openai.api_server import ServerOptions, build_app
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 
-class FakeEngine:
+class FakeEngine(EngineClient):
     """Each request makes ``max_tokens`` steps of one token; 'bad' prompts are rejected."""
 
     def __init__(self, step_s: float = 0.005) -> None:
@@ -46,6 +48,10 @@ class FakeEngine:
     def _abort_out(self, rid: str) -> RequestOutput:
         aborted = CompletionOutput(0, "", [], finish_reason="abort")
         return RequestOutput(rid, None, [1], [aborted], finished=True)
+
+    def finish_aborted(self, request_ids) -> list[RequestOutput]:
+        self.core.abort_requests(request_ids)
+        return [self._abort_out(rid) for rid in request_ids]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.left)

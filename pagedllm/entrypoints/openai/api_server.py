@@ -26,7 +26,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import pagedllm
 from pagedllm import envs
 from pagedllm.audio.transcription import DEFAULT_MAX_DURATION_S, is_transcription_model
-from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.errors import EngineDeadError, RequestFailedError
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, error_response, param_of
 from pagedllm.entrypoints.openai.playground import add_frontend_routes, add_kv_cache_routes
 from pagedllm.entrypoints.openai.protocol import (

@@ -9,7 +9,8 @@ from typing import Any
 
 from fastapi import Request
 
-from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.errors import EngineDeadError
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, param_of
 from pagedllm.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
 from pagedllm.entrypoints.openai.serving_models import ServingModels
