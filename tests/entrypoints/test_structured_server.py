@@ -7,16 +7,13 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import sys
-from pathlib import Path
 
 import httpx
 import jsonschema
 import openai
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "structured_output"))
-from schemas import SCHEMAS  # noqa: E402
+from helpers.schemas import SCHEMAS
 
 # Starts a server on the default model. Deselected by -m "not slow" (the fast subset).
 pytestmark = pytest.mark.slow
