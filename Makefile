@@ -50,7 +50,8 @@ test-fast: install speech-tools
 AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 PAGEDLLM_CPU_MARCH=x86-64-v3 PAGEDLLM_CPU_ISA=avx2 \
 	TORCH_EXTENSIONS_DIR=$(CURDIR)/.build-avx2 PAGEDLLM_CACHE_DIR=$(CURDIR)/.build-avx2/cache
 test-avx2: install
-	$(AVX2_ENV) $(PY) -m pytest tests/kernels tests/attention tests/sample tests/quantization $(PYTEST_ARGS)
+	$(AVX2_ENV) $(PY) -m pytest tests/kernels tests/attention tests/sample tests/quantization \
+		tests/worker/test_cuda_graph_runner.py tests/worker/test_cuda_graph_runner_hybrid.py $(PYTEST_ARGS)
 
 # Installs chromium when it is missing (as root, or through sudo); fails loudly when it cannot, since the
 # browser test must not be skipped.

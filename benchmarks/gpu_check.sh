@@ -40,7 +40,7 @@ step tests 240 env PAGEDLLM_TEST_DEVICE="$DEVICE" TRITON_INTERPRET=$([ "$DEVICE"
   PAGEDLLM_CPU_KERNELS=$([ "$DEVICE" = cuda ] && echo 0 || echo 1) \
   $PY -m pytest -q -x tests/attention/test_triton_paged_attention.py tests/kernels/test_triton_ops.py \
   tests/quantization/test_triton_quant_matmul.py \
-  tests/engine/test_device_engine.py tests/attention/test_cuda_graph_runner.py
+  tests/engine/test_device_engine.py tests/worker/test_cuda_graph_runner.py
 # 2. Batch-1 latency with and without CUDA graphs.
 ENGINE=(--model "$M" --device "$DEVICE" --dtype "$DTYPE" --disable-log-stats)
 step latency_b1 180 $PY -m pagedllm bench latency "${ENGINE[@]}" --batch-size 1 --input-len $LEN --output-len $LEN \

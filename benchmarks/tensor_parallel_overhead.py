@@ -20,8 +20,8 @@ def smollm_shaped(root: Path) -> str:
     import torch
     import transformers as tf
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "models"))
-    from arch_configs import save_word_tokenizer
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from helpers.arch_configs import save_word_tokenizer
 
     cfg = tf.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,

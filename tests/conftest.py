@@ -14,7 +14,7 @@ os.environ.setdefault("PAGEDLLM_CPU_KERNEL_AUTOTUNE", "off")
 
 # Writing a 2 GiB KV cache whole takes up to 8 s on a VM whose host backs guest memory on first touch, and a
 # hundred tests start engines with the default budget: they map it lazily (same outputs, tested with both in
-# tests/engine/test_kv_cache_prefault.py, which sets the flag explicitly).
+# tests/worker/test_kv_cache_prefault.py, which sets the flag explicitly).
 os.environ.setdefault("PAGEDLLM_KV_CACHE_PREFAULT", "0")
 
 

@@ -11,19 +11,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
 
 from pagedllm.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-
-
-class Router(Protocol):
-    """What the client calls; both routers below implement it."""
-
-    def choose(self, request_id: str, block_hashes: list[int], loads: list[int]) -> int: ...
-
-    def apply_events(self, engine_index: int, batch: KVEventBatch) -> None: ...
-
-    def request_finished(self, request_id: str) -> None: ...
 
 
 class RoundRobinRouter:

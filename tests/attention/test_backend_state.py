@@ -4,28 +4,25 @@ built outside a runner still gets it lazily from the first layer that asks."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, "tests/models")
-from model_helpers import make_tiny_llama  # noqa: E402
+from pagedllm.attention.backends import torch_sdpa
+from pagedllm.attention.backends.base import AttentionBackend
+from pagedllm.attention.backends.torch_encoder import encoder_plan
+from pagedllm.attention.backends.torch_sdpa import TorchPagedAttentionBackend, step_plan
+from pagedllm.attention.backends.torch_state import TORCH_STATE_KEY, TorchStepState
+from pagedllm.attention.backends.triton_paged import TritonPagedAttentionBackend
+from pagedllm.attention.metadata import AttentionMetadata, build_attention_metadata, link_groups
+from pagedllm.attention.spec import AttentionSpec
+from pagedllm.config import ModelConfig
+from pagedllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedllm.model_executor.layers.attention import Attention, attention_layers, prepare_step_states, step_readers
+from pagedllm.model_executor.loader import load_model
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.model_runner import ModelRunner
 
-from pagedllm.attention.backends import torch_sdpa  # noqa: E402
-from pagedllm.attention.backends.base import AttentionBackend  # noqa: E402
-from pagedllm.attention.backends.torch_encoder import encoder_plan  # noqa: E402
-from pagedllm.attention.backends.torch_sdpa import TorchPagedAttentionBackend, step_plan  # noqa: E402
-from pagedllm.attention.backends.torch_state import TORCH_STATE_KEY, TorchStepState  # noqa: E402
-from pagedllm.attention.backends.triton_paged import TritonPagedAttentionBackend  # noqa: E402
-from pagedllm.attention.metadata import AttentionMetadata, build_attention_metadata, link_groups  # noqa: E402
-from pagedllm.attention.spec import AttentionSpec  # noqa: E402
-from pagedllm.config import ModelConfig  # noqa: E402
-from pagedllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
-from pagedllm.model_executor.layers.attention import Attention, attention_layers, prepare_step_states, step_readers  # noqa: E402
-from pagedllm.model_executor.loader import load_model  # noqa: E402
-from pagedllm.sampling_params import SamplingParams  # noqa: E402
-from pagedllm.worker.model_runner import ModelRunner  # noqa: E402
+from helpers.model_helpers import make_tiny_llama
 
 CAUSAL, ENCODER, CROSS = AttentionSpec.causal(), AttentionSpec.encoder(), AttentionSpec.cross()
 

@@ -6,7 +6,6 @@ the interpreter) while a dispatch mode watches every aten op for the ones that d
 from __future__ import annotations
 
 import os
-import sys
 
 if os.environ.get("PAGEDLLM_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -14,15 +13,14 @@ if os.environ.get("PAGEDLLM_TEST_DEVICE", "cpu") == "cpu":
 import pytest
 import torch
 
-sys.path.insert(0, "tests/models")
-from host_reads import HostReads  # noqa: E402
-from model_helpers import cpu_tensors_get_cuda_elementwise_ops, make_kv_caches, tiny_llama_config  # noqa: E402
+from pagedllm.attention.backends.torch_sdpa import TorchPagedAttentionBackend
+from pagedllm.kernels import triton_ops
+from pagedllm.model_executor.layers.attention import attention_layers, bind_kv_caches
+from pagedllm.model_executor.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
+from pagedllm.worker.cuda_graphs import DecodeGraphRunner
 
-from pagedllm.attention.backends.torch_sdpa import TorchPagedAttentionBackend  # noqa: E402
-from pagedllm.kernels import triton_ops  # noqa: E402
-from pagedllm.model_executor.layers.attention import attention_layers, bind_kv_caches  # noqa: E402
-from pagedllm.model_executor.models.llama import LlamaForCausalLM, Qwen3ForCausalLM  # noqa: E402
-from pagedllm.worker.cuda_graphs import DecodeGraphRunner  # noqa: E402
+from helpers.host_reads import HostReads
+from helpers.model_helpers import cpu_tensors_get_cuda_elementwise_ops, make_kv_caches, tiny_llama_config
 
 pytestmark = pytest.mark.skipif(not (triton_ops.triton_available() and triton_ops.interpreted()),
                                 reason="runs CPU tensors through Triton's interpreter (triton is a test dependency)")

@@ -1,9 +1,10 @@
-"""Fixtures of the audio tests (helpers in ``whisper_fakes.py``)."""
+"""Fixtures of the audio tests (helpers in ``tests/helpers/whisper_fakes.py``)."""
 
 from __future__ import annotations
 
 import pytest
-from whisper_fakes import spoken_wav, whisper_tokenizer
+
+from helpers.whisper_fakes import spoken_wav, whisper_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from whisper_fakes import pyav_encode, sox_convert, wav_bytes
 
 from pagedllm.audio.decode import SAMPLE_RATE, AudioDecodeError, decode_audio
+
+from helpers.whisper_fakes import pyav_encode, sox_convert, wav_bytes
 
 
 @pytest.fixture(scope="module")

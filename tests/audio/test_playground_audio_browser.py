@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from whisper_fakes import FakeWhisperEngine, whisper_tokenizer
+
+from helpers.whisper_fakes import FakeWhisperEngine, whisper_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -35,10 +36,11 @@ def engine():
 def serve_app(engine):
     """The real app around ``engine`` on uvicorn, on a free loopback port, in a thread."""
     import uvicorn
-    from whisper_fakes import _free_port
 
     from pagedllm.engine.async_llm import AsyncLLM
     from pagedllm.entrypoints.openai.api_server import ServerOptions, build_app
+
+    from helpers.whisper_fakes import _free_port
 
     llm = AsyncLLM(engine)
     app = build_app(llm, ServerOptions(served_model_names=["whisper-base"]))

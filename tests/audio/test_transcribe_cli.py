@@ -6,12 +6,13 @@ import io
 import json
 
 import pytest
-from whisper_fakes import FakeWhisperEngine, sox_convert, whisper_tokenizer
 
 from pagedllm.audio.transcription import TranscriptionOptions
 from pagedllm.entrypoints.cli.main import build_parser
 from pagedllm.entrypoints.cli.transcribe import run_files
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+
+from helpers.whisper_fakes import FakeWhisperEngine, sox_convert, whisper_tokenizer
 
 
 class FakeLLM:

@@ -10,12 +10,13 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from whisper_fakes import FakeWhisperEngine, pyav_encode, wav_bytes, whisper_tokenizer
 
 from pagedllm.audio.decode import SAMPLE_RATE, decode_audio
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.api_server import ServerOptions, build_app
 from pagedllm.metrics.prometheus import PrometheusMetrics
+
+from helpers.whisper_fakes import FakeWhisperEngine, pyav_encode, wav_bytes, whisper_tokenizer
 
 
 @contextlib.asynccontextmanager

@@ -20,9 +20,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from whisper_fakes import SPEECH, spoken_wav, wav_bytes
 
 from pagedllm.audio.decode import SAMPLE_RATE, decode_audio
+
+from helpers.whisper_fakes import SPEECH, spoken_wav, wav_bytes
 
 pytestmark = pytest.mark.slow
 

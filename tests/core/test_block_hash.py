@@ -9,13 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from fake_runner import reference_output
-from helpers import make_request, run_to_completion
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.block_hash import compute_block_hash_values, root_hash_value
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
+
+from helpers.fake_runner import reference_output
+from helpers.scheduler import make_request, run_to_completion
 
 REPO = Path(__file__).resolve().parents[2]
 BS = 4

@@ -1,13 +1,7 @@
 """KV cache groups of a hybrid model: the sliding group keeps only the window's blocks while the full group
 keeps the whole context; allocation, prefix hits, preemption and abort work over both groups."""
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
 import pytest
-from fake_runner import FakeRunner, reference_output
-from helpers import make_request, random_arrivals, run_to_completion
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,6 +9,9 @@ from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.worker.kv_cache_groups import sliding_group_blocks_wanted, split_kv_budget
+
+from helpers.fake_runner import FakeRunner, reference_output
+from helpers.scheduler import make_request, random_arrivals, run_to_completion
 
 BS, WINDOW = 4, 8
 

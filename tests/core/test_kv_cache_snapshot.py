@@ -1,13 +1,9 @@
 """The KV cache snapshot behind the playground's cache map: block states and owners, no model."""
 
-import sys
-from pathlib import Path
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_cache_snapshot import NO_OWNER, build_snapshot
 
-sys.path.insert(0, str(Path(__file__).parent))
-from helpers import make_request, make_scheduler, run_to_completion  # noqa: E402
-
-from pagedllm.core.kv_cache_manager import KVCacheManager  # noqa: E402
-from pagedllm.core.kv_cache_snapshot import NO_OWNER, build_snapshot  # noqa: E402
+from helpers.scheduler import make_request, make_scheduler, run_to_completion
 
 BS = 4
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import msgspec
-from fake_runner import FakeRunner
-from helpers import make_request
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,6 +19,9 @@ from pagedllm.core.kv_events import (
 )
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import Scheduler
+
+from helpers.fake_runner import FakeRunner
+from helpers.scheduler import make_request
 
 BS = 4
 

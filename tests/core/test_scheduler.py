@@ -1,9 +1,10 @@
-from fake_runner import reference_output
-from helpers import make_request, make_scheduler, random_arrivals, run_to_completion
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedllm.core.request import RequestStatus
+
+from helpers.fake_runner import reference_output
+from helpers.scheduler import make_request, make_scheduler, random_arrivals, run_to_completion
 
 
 def test_every_request_gets_its_tokens_and_blocks_come_back():

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from fake_runner import FakeRunner, reference_output
-from helpers import make_request, make_scheduler
-
 from pagedllm.core.scheduler import MAX_FAILED_STEPS, Scheduler
+
+from helpers.fake_runner import FakeRunner, reference_output
+from helpers.scheduler import make_request, make_scheduler
 
 POISON = 999  # a token id the fake model cannot compute
 

@@ -3,10 +3,10 @@ keeps its place, and runs once the engine marks it WAITING again."""
 
 from __future__ import annotations
 
-from fake_runner import FakeRunner
-from helpers import make_request, make_scheduler
-
 from pagedllm.core.request import RequestStatus
+
+from helpers.fake_runner import FakeRunner
+from helpers.scheduler import make_request, make_scheduler
 
 
 def test_grammar_waiting_request_is_skipped_then_runs() -> None:

@@ -4,12 +4,12 @@ producer holds blocks until read or timed out, failures recompute, and aborts ne
 
 from __future__ import annotations
 
-from fake_connector import FakeConnector, step_with_connector
-from fake_runner import FakeRunner, reference_output
-from helpers import make_scheduler
-
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
+
+from helpers.fake_connector import FakeConnector, step_with_connector
+from helpers.fake_runner import FakeRunner, reference_output
+from helpers.scheduler import make_scheduler
 
 BS = 4
 

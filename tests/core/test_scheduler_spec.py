@@ -1,11 +1,5 @@
 """Scheduler with speculative decoding, driven by the fake runner with random draft acceptance."""
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
-from fake_runner import FakeRunner, reference_output
-from helpers import make_request
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -13,6 +7,9 @@ from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.sampling_params import SamplingParams
+
+from helpers.fake_runner import FakeRunner, reference_output
+from helpers.scheduler import make_request
 
 
 def make_spec_scheduler(num_blocks: int, block_size: int, budget: int, max_model_len: int = 256,

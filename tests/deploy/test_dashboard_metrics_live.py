@@ -9,9 +9,10 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from deploy_checks import REPO_ROOT, load_dashboard
 from prometheus_client.parser import text_string_to_metric_families
 from test_grafana_dashboard import SPEC_DECODE_METRICS, dashboard_metric_names
+
+from helpers.deploy_checks import REPO_ROOT, load_dashboard
 
 pytestmark = pytest.mark.slow
 

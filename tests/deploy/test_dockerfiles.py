@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from deploy_checks import DEPLOY, REPO_ROOT
+
+from helpers.deploy_checks import DEPLOY, REPO_ROOT
 
 DOCKERFILES = [DEPLOY / "docker" / "Dockerfile.cpu", DEPLOY / "docker" / "Dockerfile.cuda"]
 

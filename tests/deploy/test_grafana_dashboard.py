@@ -6,7 +6,8 @@ import re
 
 import promql_parser
 import pytest
-from deploy_checks import load_dashboard
+
+from helpers.deploy_checks import load_dashboard
 
 # Grafana's core panel types (built into every Grafana since 8); a typo would show an empty "unknown panel".
 CORE_PANEL_TYPES = {"row", "timeseries", "stat", "gauge", "bargauge", "table", "heatmap", "histogram", "text",

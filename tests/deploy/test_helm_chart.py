@@ -6,7 +6,8 @@ import base64
 
 import pytest
 import yaml
-from deploy_checks import (
+
+from helpers.deploy_checks import (
     CHART,
     KUBERNETES_VERSION,
     by_kind,

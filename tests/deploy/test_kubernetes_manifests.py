@@ -6,7 +6,8 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from deploy_checks import (
+
+from helpers.deploy_checks import (
     DEPLOY,
     KUBERNETES_VERSION,
     SERVICE_MONITOR_SCHEMA,

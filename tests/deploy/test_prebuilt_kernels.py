@@ -10,9 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from deploy_checks import REPO_ROOT
 
 from pagedllm.kernels import cpu as cpu_kernels
+
+from helpers.deploy_checks import REPO_ROOT
 
 CHECK = """
 import torch

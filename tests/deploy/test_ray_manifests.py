@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from deploy_checks import DEPLOY, by_kind, load_yaml_documents, validate_kubernetes_object
+from helpers.deploy_checks import DEPLOY, by_kind, load_yaml_documents, validate_kubernetes_object
 
 MANIFEST = DEPLOY / "ray" / "raycluster.yaml"
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import jsonschema
 import yaml
-from deploy_checks import DEPLOY, REPO_ROOT
+
+from helpers.deploy_checks import DEPLOY, REPO_ROOT
 
 YAMLLINT_CONFIG = DEPLOY / ".yamllint.yaml"
 COMPOSE = DEPLOY / "docker" / "compose.yaml"

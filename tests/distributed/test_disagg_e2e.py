@@ -15,7 +15,8 @@ import time
 
 import httpx
 import pytest
-from disagg_servers import Process, metric, serve, wait_for
+
+from helpers.disagg_servers import Process, metric, serve, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

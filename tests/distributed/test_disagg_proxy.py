@@ -11,11 +11,12 @@ import time
 import httpx
 import pytest
 import uvicorn
-from disagg_servers import free_port
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedllm.entrypoints.disagg_proxy import InstancePool, ProxyConfig, build_app
+
+from helpers.disagg_servers import free_port
 
 PARAMS = {"do_remote_prefill": True, "remote_block_ids": [3, 4], "remote_engine_id": "p0",
           "remote_host": "127.0.0.1", "remote_port": 5600, "remote_request_id": "cmpl-1-0"}

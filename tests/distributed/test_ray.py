@@ -7,7 +7,8 @@ import asyncio
 import time
 
 import pytest
-from tp_helpers import PROMPTS, greedy, tiny
+
+from helpers.tp_helpers import PROMPTS, greedy, tiny
 
 pytestmark = pytest.mark.slow
 

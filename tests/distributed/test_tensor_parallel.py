@@ -8,7 +8,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from tp_helpers import greedy, tiny
+
+from helpers.tp_helpers import greedy, tiny
 
 ARCHS = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM",
          "Phi3ForCausalLM", "GPT2LMHeadModel"]
@@ -32,15 +33,12 @@ def test_int8_tp2_equals_int8_tp1(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_gguf_kept_q8_0_tp2_equals_tp1(tmp_path) -> None:
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
-    from arch_configs import hf_model, tiny_config
-    from gguf_writer import write_gguf
 
     from pagedllm.config import ModelConfig
     from pagedllm.model_executor.loader import resolve_model_config
+
+    from helpers.arch_configs import hf_model, tiny_config
+    from helpers.gguf_writer import write_gguf
 
     hf = hf_model(tiny_config("LlamaForCausalLM"), seed=3)
     path = write_gguf(hf, tmp_path / "tiny.Q8_0.gguf", quantized=True)
@@ -90,10 +88,10 @@ def test_models_that_do_not_split_say_so(model: str, runner: str, says: str) -> 
 
 @pytest.mark.slow
 def test_rank_killed_mid_step_ends_the_engine(tmp_path, monkeypatch) -> None:
-    from faulty_rank import run_dying_rank
-
     from pagedllm import LLM, SamplingParams, executor
     from pagedllm.executor.multiproc_executor import MultiprocExecutor, RankDiedError
+
+    from helpers.faulty_rank import run_dying_rank
 
     monkeypatch.setattr(executor, "make_executor", lambda config: MultiprocExecutor(config, rank_target=run_dying_rank))
     llm = LLM(tiny("LlamaForCausalLM", tmp_path), tensor_parallel_size=2, kv_cache_memory="16MiB",
@@ -109,10 +107,10 @@ def test_rank_killed_mid_step_ends_the_engine(tmp_path, monkeypatch) -> None:
 
 
 def test_rank_dying_before_it_joins_fails_the_start_at_once(tmp_path) -> None:
-    from faulty_rank import run_rank_dying_before_it_joins
-
     from pagedllm.engine_args import EngineArgs
     from pagedllm.executor.multiproc_executor import MultiprocExecutor, RankDiedError
+
+    from helpers.faulty_rank import run_rank_dying_before_it_joins
 
     config = EngineArgs(model=tiny("LlamaForCausalLM", tmp_path), tensor_parallel_size=2, dtype="float32",
                         kv_cache_memory="16MiB", max_model_len=128).create_engine_config()

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from tp_helpers import PROMPTS, tiny
+
+from helpers.tp_helpers import PROMPTS, tiny
 
 
 def _remote_server_cls():

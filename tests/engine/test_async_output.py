@@ -8,10 +8,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from prompts import PROMPTS
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.output_processor import OutputKind
+
+from helpers.prompts import PROMPTS
 
 # Runs the default model (the session's `llm`). Deselected by -m "not slow" (the fast subset).
 pytestmark = pytest.mark.slow

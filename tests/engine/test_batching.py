@@ -1,9 +1,10 @@
 """Continuous batching must not change greedy outputs: together == alone, also under pressure."""
 
 import pytest
-from prompts import PROMPTS
 
 from pagedllm import LLM, SamplingParams
+
+from helpers.prompts import PROMPTS
 
 # Runs the default model (the session's `llm`, and engines of its own). Deselected by -m "not slow" (the fast subset).
 pytestmark = pytest.mark.slow

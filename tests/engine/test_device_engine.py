@@ -4,15 +4,13 @@ machine through ``benchmarks/gpu_check.sh``): greedy tokens equal transformers',
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, "tests/models")
-from model_helpers import default_model_path, make_tiny_llama  # noqa: E402
+from pagedllm import LLM, SamplingParams
 
-from pagedllm import LLM, SamplingParams  # noqa: E402
+from helpers.model_helpers import default_model_path, make_tiny_llama
 
 # Reads the default model's GGUF for its tokenizer and runs transformers beside the engine: about half a
 # minute on 2 cores. Deselected by -m "not slow"; benchmarks/gpu_check.sh names the file, so it runs there.

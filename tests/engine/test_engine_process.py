@@ -9,7 +9,6 @@ import time
 
 import psutil
 import pytest
-from faulty_engine import run_engine_core_failing_after, run_engine_core_failing_at_start
 
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_proc import identity_of
@@ -18,6 +17,8 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.mp_engine import MultiprocEngine
 from pagedllm.engine_args import EngineArgs
 from pagedllm.sampling_params import SamplingParams
+
+from helpers.faulty_engine import run_engine_core_failing_after, run_engine_core_failing_at_start
 
 pytestmark = pytest.mark.slow
 
@@ -140,8 +141,7 @@ def test_a_failed_start_up_names_the_reason_and_leaves_nothing() -> None:
 
 
 _API_PROCESS = """
-import sys, time
-sys.path[:0] = {paths!r}
+import time
 from test_engine_process import _config
 from pagedllm.engine.mp_engine import MultiprocEngine
 if __name__ == "__main__":  # the engine process is spawned: it imports this file again
@@ -157,10 +157,12 @@ def test_sigkill_of_the_api_process_ends_the_engine_and_removes_its_sockets(tmp_
     import sys
     from pathlib import Path
 
-    here = str(Path(__file__).parent)
+    here = Path(__file__).parent  # this module, and tests/ for the helpers it imports
     script = tmp_path / "api_process.py"
-    script.write_text(_API_PROCESS.format(paths=[here, str(Path(here).parent)]))
-    api = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    script.write_text(_API_PROCESS)
+    path = os.pathsep.join([str(here), str(here.parent), *filter(None, [os.environ.get("PYTHONPATH")])])
+    api = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                           env={**os.environ, "PYTHONPATH": path})
     try:
         ipc_dir, *pids = api.stdout.readline().split()
         assert os.path.isdir(ipc_dir) and os.path.basename(ipc_dir).startswith("pagedllm-engine-")

@@ -2,14 +2,11 @@
 with the fake runner)."""
 
 import json
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "core"))
-from helpers import make_request, make_scheduler  # noqa: E402
+from pagedllm.engine.engine_snapshot import SnapshotPublisher
 
-from pagedllm.engine.engine_snapshot import SnapshotPublisher  # noqa: E402
+from helpers.scheduler import make_request, make_scheduler
 
 
 def fake_engine(num_blocks: int = 16):

@@ -4,8 +4,6 @@ blocks, the windows) is a ``KVCacheLayout`` handed on, and a config that carries
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -24,8 +22,7 @@ from pagedllm.engine.core_messages import Ready
 from pagedllm.engine.dp_router import DataParallelRouter
 from pagedllm.engine.mp_engine import layout_from_ready
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-from arch_configs import save_tiny  # noqa: E402
+from helpers.arch_configs import save_tiny
 
 
 def _config(**parallel: object) -> EngineConfig:

@@ -1,9 +1,10 @@
 """Sampling, stopping and outputs through the whole engine on the default model."""
 
 import pytest
-from prompts import PROMPTS
 
 from pagedllm import LLM, SamplingParams
+
+from helpers.prompts import PROMPTS
 
 # Runs the default model (the session's `llm`). Deselected by -m "not slow" (the fast subset).
 pytestmark = pytest.mark.slow

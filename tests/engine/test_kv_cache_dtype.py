@@ -3,20 +3,16 @@ block; K/V rounded once as they are stored, and every path (kernel, SDPA, chunks
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from prompts import PROMPTS
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine_args import EngineArgs
 from pagedllm.platforms.cpu import CpuPlatform
 from pagedllm.platforms.interface import Platform
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-from model_helpers import make_tiny_llama  # noqa: E402
+from helpers.model_helpers import make_tiny_llama
+from helpers.prompts import PROMPTS
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

@@ -5,8 +5,6 @@ second time (it then never finished: a non-streamed request hung until its clien
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -14,8 +12,7 @@ from pagedllm import SamplingParams
 from pagedllm.core.sched_output import EngineCoreOutput
 from pagedllm.engine.output_processor import OutputKind, OutputProcessor
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-from model_helpers import default_model_path  # noqa: E402
+from helpers.model_helpers import default_model_path
 
 
 @pytest.fixture(scope="module")

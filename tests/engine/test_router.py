@@ -4,20 +4,17 @@ view follows the engines' KV cache events."""
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "core"))  # the model-free scheduler helpers
-from fake_runner import FakeRunner  # noqa: E402
-from helpers import make_request  # noqa: E402
+from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.block_hash import compute_block_hash_values, root_hash_value
+from pagedllm.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine.router import PrefixAwareRouter, RoundRobinRouter
 
-from pagedllm.config import CacheConfig, SchedulerConfig  # noqa: E402
-from pagedllm.core.block_hash import compute_block_hash_values, root_hash_value  # noqa: E402
-from pagedllm.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
-from pagedllm.core.scheduler import Scheduler  # noqa: E402
-from pagedllm.engine.router import PrefixAwareRouter, RoundRobinRouter  # noqa: E402
+from helpers.fake_runner import FakeRunner
+from helpers.scheduler import make_request
 
 A = [101, 102, 103, 104]  # block hashes of two unrelated prompts
 B = [201, 202, 203, 204]

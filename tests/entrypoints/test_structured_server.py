@@ -7,16 +7,13 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import sys
-from pathlib import Path
 
 import httpx
 import jsonschema
 import openai
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "structured_output"))
-from schemas import SCHEMAS  # noqa: E402
+from helpers.schemas import SCHEMAS
 
 # Starts a server on the default model. Deselected by -m "not slow" (the fast subset).
 pytestmark = pytest.mark.slow
@@ -84,14 +81,17 @@ def test_json_object_choice_regex_grammar_on_completions(client) -> None:
 
 
 def test_streamed_constrained_output_concatenates(client) -> None:
-    stream = client.chat.completions.create(
-        model="test-model", messages=ASK, max_tokens=60, temperature=0, stream=True,
-        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMAS["person"]}})
+    kwargs = dict(model="test-model", messages=ASK, max_tokens=60, temperature=0,
+                  response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMAS["person"]}})
+    whole = client.chat.completions.create(**kwargs).choices[0]
     text, finish = "", None
-    for chunk in stream:
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
         for choice in chunk.choices:
             text += choice.delta.content or ""
             finish = choice.finish_reason or finish
+    # Greedy: the deltas concatenate to the non-streamed answer, whether or not it ended by itself.
+    assert finish == whole.finish_reason and finish in ("stop", "length")
+    assert text and text == whole.message.content
     if finish == "stop":
         jsonschema.validate(json.loads(text), SCHEMAS["person"])
 
@@ -108,6 +108,7 @@ def _check_calls(message, finish_reason: str) -> None:
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
                          ids=["required", "named"])
 def test_named_and_required_tool_calls_validate(client, tool_choice) -> None:
+    checked = 0
     for seed in range(3):
         out = client.chat.completions.create(model="test-model", messages=ASK, tools=[WEATHER, TIME],
                                              tool_choice=tool_choice, max_tokens=80, temperature=0.7, seed=seed)
@@ -117,6 +118,8 @@ def test_named_and_required_tool_calls_validate(client, tool_choice) -> None:
         _check_calls(choice.message, choice.finish_reason)
         if isinstance(tool_choice, dict):
             assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
+        checked += 1
+    assert checked, "every seed ran out of tokens: no tool call was checked"
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
@@ -174,9 +177,10 @@ def test_tool_template_renders_tools_and_results(tools_server) -> None:
         {"role": "tool", "tool_call_id": "c", "content": "sunny"}]
     body = {"model": "test-model", "messages": history, "tools": [WEATHER], "return_token_strs": True}
     r = httpx.post(f"{tools_server.url}/tokenize", json=body, timeout=60)
-    if r.status_code == 200 and r.json().get("token_strs"):
-        text = "".join(r.json()["token_strs"])
-        assert "get_weather" in text and "sunny" in text
+    assert r.status_code == 200, r.text
+    assert r.json().get("token_strs"), r.json()
+    text = "".join(r.json()["token_strs"])
+    assert "get_weather" in text and "sunny" in text
 
 
 BAD = [

@@ -6,7 +6,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,8 +20,7 @@ from pagedllm.executor.process_watch import SentinelWatcher, describe_exit, exit
 from pagedllm.executor.ray_executor import RayExecutor
 from pagedllm.executor.uniproc_executor import UniprocExecutor
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-from arch_configs import save_tiny  # noqa: E402
+from helpers.arch_configs import save_tiny
 
 
 def test_every_backend_is_an_executor_and_the_base_is_abstract() -> None:

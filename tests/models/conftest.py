@@ -1,12 +1,8 @@
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from model_helpers import default_model_path as _default_model_path  # noqa: E402
-from model_helpers import make_tiny_llama  # noqa: E402
+from helpers.model_helpers import default_model_path as _default_model_path
+from helpers.model_helpers import make_tiny_llama
 
 
 @pytest.fixture(scope="session")

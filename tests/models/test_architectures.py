@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from arch_configs import WINDOW, hf_greedy, save_tiny
-from model_helpers import make_model_kv_caches, paged_step, prefill_logits
 
 from pagedllm.config import ModelConfig
 from pagedllm.model_executor.layers.attention import attention_layers, bind_kv_caches
 from pagedllm.model_executor.loader import load_model, resolve_model_config
+
+from helpers.arch_configs import WINDOW, hf_greedy, save_tiny
+from helpers.model_helpers import make_model_kv_caches, paged_step, prefill_logits
 
 ARCHS = ["Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM",
          "GPT2LMHeadModel"]

@@ -7,7 +7,6 @@ import logging
 
 import pytest
 import torch
-from arch_configs import hf_greedy, save_tiny
 
 from pagedllm import SamplingParams
 from pagedllm.attention.backends.cpu_paged import CpuPagedAttentionBackend
@@ -17,6 +16,8 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine_args import EngineArgs
 from pagedllm.model_executor.layers.attention import attention_layers
 from pagedllm.platforms import platform_for
+
+from helpers.arch_configs import hf_greedy, save_tiny
 
 
 @pytest.fixture(scope="module")

@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from arch_configs import hf_greedy, save_tiny
-from model_helpers import (
-    cpu_tensors_get_cuda_elementwise_ops,
-    cpu_tensors_get_triton_attention,
-    make_model_kv_caches,
-    paged_step,
-)
 
 from pagedllm.config import ModelConfig
 from pagedllm.kernels import triton_ops
 from pagedllm.model_executor.layers.attention import bind_kv_caches
 from pagedllm.model_executor.loader import load_model, resolve_model_config
+
+from helpers.arch_configs import hf_greedy, save_tiny
+from helpers.model_helpers import (
+    cpu_tensors_get_cuda_elementwise_ops,
+    cpu_tensors_get_triton_attention,
+    make_model_kv_caches,
+    paged_step,
+)
 
 # CPU tensors reach Triton kernels only through the interpreter (tests/conftest.py turns it on without a GPU).
 # Slow: whole models through the interpreted kernels, about a minute on 2 cores.

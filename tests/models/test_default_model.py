@@ -8,10 +8,11 @@ import os
 
 import pytest
 import torch
-from model_helpers import prefill_logits
 
 from pagedllm.config import ModelConfig
 from pagedllm.model_executor.loader import load_model, load_tokenizer, resolve_model_config
+
+from helpers.model_helpers import prefill_logits
 
 # Both sides dequantize the same Q4_1/Q8_0 blocks to fp32 (--quantization none; the kept-quantized default
 # is compared with this path in tests/quantization/test_gguf_default.py); differences come only from op order.

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from arch_configs import WINDOW, hf_model, tiny_config
-from gguf_writer import quantize_roundtrip, write_gguf
-from model_helpers import prefill_logits
 
 from pagedllm.config import ModelConfig
 from pagedllm.model_executor.loader import load_model, resolve_model_config
+
+from helpers.arch_configs import WINDOW, hf_model, tiny_config
+from helpers.gguf_writer import quantize_roundtrip, write_gguf
+from helpers.model_helpers import prefill_logits
 
 ATOL = 2e-4
 ORIGINAL = 32  # Phi-3 LongRoPE: original context of the tiny model (the test prompt is longer)
@@ -163,9 +164,9 @@ def test_tokenizer_from_the_file(gguf_case) -> None:
 
 def test_engine_greedy_from_gguf(tmp_path) -> None:
     """The whole engine on a GGUF Qwen2 (tokenizer from the file too) vs transformers' greedy tokens."""
-    from arch_configs import hf_greedy
-
     from pagedllm import LLM, SamplingParams
+
+    from helpers.arch_configs import hf_greedy
 
     hf = hf_model(tiny_config("Qwen2ForCausalLM"), seed=3)
     path = write_gguf(hf, tmp_path / "qwen2.gguf")

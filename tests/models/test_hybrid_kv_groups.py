@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from arch_configs import WINDOW, hf_greedy, save_tiny
 
 from pagedllm import SamplingParams
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine_args import EngineArgs
+
+from helpers.arch_configs import WINDOW, hf_greedy, save_tiny
 
 BLOCK, CHUNK = 8, 32
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_helpers import make_kv_caches, make_model_kv_caches, make_tiny_llama, paged_step, prefill_logits
 
 from pagedllm.config import ModelConfig
 from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.model_executor.layers.attention import bind_kv_caches
 from pagedllm.model_executor.loader import load_model, resolve_model_config
 from pagedllm.model_executor.models.llama import LlamaForCausalLM
+
+from helpers.model_helpers import make_kv_caches, make_model_kv_caches, make_tiny_llama, paged_step, prefill_logits
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}

@@ -7,11 +7,12 @@ import inspect
 
 import pytest
 import torch
-from arch_configs import hf_model
-from model_helpers import make_model_kv_caches, paged_step, prefill_logits
 
 from pagedllm.model_executor.layers.attention import bind_kv_caches
 from pagedllm.model_executor.models.llama import Phi3ForCausalLM, Qwen2ForCausalLM
+
+from helpers.arch_configs import hf_model
+from helpers.model_helpers import make_model_kv_caches, paged_step, prefill_logits
 
 ORIGINAL = 32  # original_max_position_embeddings of the tiny models: prompts go on both sides of it
 ATOL = 2e-4

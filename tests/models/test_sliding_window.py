@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from arch_configs import WINDOW, hf_greedy, save_tiny
 
 from pagedllm import SamplingParams
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine_args import EngineArgs
+
+from helpers.arch_configs import WINDOW, hf_greedy, save_tiny
 
 BLOCK = 8
 
@@ -56,9 +57,9 @@ def test_long_request_matches_transformers_and_kv_stays_bounded(mistral) -> None
 
 def test_gemma3_batched_equals_solo(tmp_path) -> None:
     """A hybrid (5 local : 1 global) model: greedy tokens of prompts batched together equal each run alone."""
-    from arch_configs import save_tiny
-
     from pagedllm import LLM
+
+    from helpers.arch_configs import save_tiny
 
     path, _ = save_tiny("Gemma3ForCausalLM", tmp_path / "g3", seed=7)
     llm = LLM(model=path, dtype="float32", kv_cache_memory="8MiB", block_size=BLOCK, max_num_batched_tokens=48)

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from pagedllm.model_executor.models.llama import LlamaForCausalLM
 from pagedllm.platforms import platform_for
-from tests.models.model_helpers import tiny_llama_config
+
+from helpers.model_helpers import tiny_llama_config
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,12 +1,8 @@
 import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
 
 
 @pytest.fixture(scope="session")

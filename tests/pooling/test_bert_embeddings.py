@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from sentences import SENTENCES
 
 from pagedllm import LLM
 from pagedllm.pooling_params import PoolingParams
+
+from helpers.sentences import SENTENCES
 
 # Runs the real all-MiniLM-L6-v2 and transformers beside it. Deselected by -m "not slow" (the fast subset).
 pytestmark = pytest.mark.slow

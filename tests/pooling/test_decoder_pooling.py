@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from model_helpers import make_tiny_llama
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.pooling_params import PoolingParams
+
+from helpers.model_helpers import make_tiny_llama
 
 PROMPTS = [[5, 17, 42, 3, 99, 100, 7], list(range(10, 80)), [200], [i * 7 % 250 + 3 for i in range(33)]]
 

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from sentences import SENTENCES
 from test_bert_embeddings import reference_embeddings
+
+from helpers.sentences import SENTENCES
 
 # Starts a server on the real all-MiniLM-L6-v2. Deselected by -m "not slow" (the fast subset).
 pytestmark = pytest.mark.slow

@@ -1,11 +1,7 @@
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "models"))
-
-from model_helpers import default_model_path as _default_model_path  # noqa: E402
+from helpers.model_helpers import default_model_path as _default_model_path
 
 
 @pytest.fixture(scope="session")

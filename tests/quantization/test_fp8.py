@@ -5,7 +5,6 @@ written here with safetensors from a tiny random Llama."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,8 +20,7 @@ from pagedllm.model_executor.layers.quantization.qpanels import FP8_MAX
 from pagedllm.model_executor.loader.model_config import resolve_model_config
 from pagedllm.model_executor.loader.model_loader import load_model, weight_bytes_by_scheme
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "models"))
-from model_helpers import make_tiny_llama, prefill_logits  # noqa: E402
+from helpers.model_helpers import make_tiny_llama, prefill_logits
 
 IDS = [1, 17, 93, 5, 200, 41, 77, 3, 150, 9, 64]
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

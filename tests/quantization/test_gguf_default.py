@@ -7,8 +7,6 @@ tests/models/test_default_model.py and test_gemma3_gguf.py): the same weights, s
 from __future__ import annotations
 
 import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +16,7 @@ from pagedllm.model_executor.layers.quantization import default_gguf_quantizatio
 from pagedllm.model_executor.loader import load_model, resolve_model_config
 from pagedllm.model_executor.loader.model_loader import weight_bytes_by_scheme
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "models"))
-from model_helpers import prefill_logits  # noqa: E402
+from helpers.model_helpers import prefill_logits
 
 PROMPT_IDS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 30, 2, 198, 1, 4093, 198, 1780, 314, 260]
 

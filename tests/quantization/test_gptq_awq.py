@@ -5,7 +5,6 @@ order 0 2 4 6 1 3 5 7)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +19,7 @@ from pagedllm.model_executor.layers.quantization.gptq_awq import AWQ_ORDER, AWQC
 from pagedllm.model_executor.loader.model_config import resolve_model_config
 from pagedllm.model_executor.loader.model_loader import load_model
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "models"))
-from model_helpers import make_tiny_llama, prefill_logits  # noqa: E402
+from helpers.model_helpers import make_tiny_llama, prefill_logits
 
 
 def _quantize(w: torch.Tensor, bits: int, group: int, sym: bool, g_idx: torch.Tensor

@@ -4,18 +4,15 @@ dispatch mode watches for ops that read tensor values on the host or lift host d
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, "tests/models")
-from host_reads import HostReads  # noqa: E402
+from pagedllm.platforms import platform_for
+from pagedllm.sample.batch_state import build_sampling_metadata
+from pagedllm.sample.sampler import Sampler
+from pagedllm.sampling_params import SamplingParams
 
-from pagedllm.platforms import platform_for  # noqa: E402
-from pagedllm.sample.batch_state import build_sampling_metadata  # noqa: E402
-from pagedllm.sample.sampler import Sampler  # noqa: E402
-from pagedllm.sampling_params import SamplingParams  # noqa: E402
+from helpers.host_reads import HostReads
 
 VOCAB = 300
 CASES = {

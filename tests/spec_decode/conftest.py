@@ -1,12 +1,7 @@
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-
-from model_helpers import default_model_path, make_tiny_llama  # noqa: E402
+from helpers.model_helpers import default_model_path, make_tiny_llama
 
 # Small engines so many fit in one test session; float32 so outputs compare exactly.
 ENGINE = dict(kv_cache_memory="32MiB", max_model_len=512, dtype="float32", max_num_seqs=64)

@@ -5,10 +5,11 @@ import json
 
 import pytest
 from conftest import ENGINE, _save_default_tokenizer
-from model_helpers import default_model_path, make_tiny_llama
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.entrypoints.cli.main import main
+
+from helpers.model_helpers import default_model_path, make_tiny_llama
 
 
 @pytest.fixture(scope="module")

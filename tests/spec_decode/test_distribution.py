@@ -3,10 +3,11 @@
 
 import pytest
 from conftest import ENGINE, _save_default_tokenizer
-from model_helpers import default_model_path, make_tiny_llama
-from stats_helpers import two_sample
 
 from pagedllm import LLM, SamplingParams
+
+from helpers.model_helpers import default_model_path, make_tiny_llama
+from helpers.stats_helpers import two_sample
 
 V = 16
 N = 2000

@@ -3,33 +3,31 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, "tests/models")
-from host_reads import HostReads  # noqa: E402
-from model_helpers import make_model_kv_caches, tiny_llama_config  # noqa: E402
-
-from pagedllm.attention.forward_context import forward_context  # noqa: E402
-from pagedllm.attention.metadata import build_attention_metadata  # noqa: E402
-from pagedllm.model_executor.layers.attention import bind_kv_caches  # noqa: E402
-from pagedllm.model_executor.layers.rotary_embedding import RopeStep  # noqa: E402
-from pagedllm.model_executor.models.llama import LlamaForCausalLM  # noqa: E402
-from pagedllm.sampling_params import SamplingParams  # noqa: E402
-from pagedllm.spec_decode.config import parse_speculative_config  # noqa: E402
-from pagedllm.spec_decode.model_drafter import (  # noqa: E402
+from pagedllm.attention.forward_context import forward_context
+from pagedllm.attention.metadata import build_attention_metadata
+from pagedllm.model_executor.layers.attention import bind_kv_caches
+from pagedllm.model_executor.layers.rotary_embedding import RopeStep
+from pagedllm.model_executor.models.llama import LlamaForCausalLM
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.config import parse_speculative_config
+from pagedllm.spec_decode.model_drafter import (
     ModelDrafter,
     layer_skip_forward,
     make_draft_model_drafter,
     make_layer_skip_drafter,
 )
-from pagedllm.spec_decode.ngram_proposer import NgramProposer  # noqa: E402
-from pagedllm.spec_decode.proposer import DraftJob, Proposer  # noqa: E402
-from pagedllm.spec_decode.spec_decoder import SpecDecoder, can_speculate  # noqa: E402
-from pagedllm.structured_output.params import StructuredOutputsParams  # noqa: E402
+from pagedllm.spec_decode.ngram_proposer import NgramProposer
+from pagedllm.spec_decode.proposer import DraftJob, Proposer
+from pagedllm.spec_decode.spec_decoder import SpecDecoder, can_speculate
+from pagedllm.structured_output.params import StructuredOutputsParams
+
+from helpers.host_reads import HostReads
+from helpers.model_helpers import make_model_kv_caches, tiny_llama_config
 
 CPU = torch.device("cpu")
 

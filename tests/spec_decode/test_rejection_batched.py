@@ -3,16 +3,14 @@ seeded random streams, generators left in the same state) and reads the host onc
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
 import pytest
 import torch
 
-sys.path.insert(0, "tests/models")
-from host_reads import HostReads  # noqa: E402
+from pagedllm.sample.rejection_sampler import DraftRun, rejection_sample, rejection_sample_batch
 
-from pagedllm.sample.rejection_sampler import DraftRun, rejection_sample, rejection_sample_batch  # noqa: E402
+from helpers.host_reads import HostReads
 
 
 def _uniform(generator: torch.Generator | None) -> float:

@@ -1,15 +1,11 @@
 """The rejection rule against exactly computed distributions."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from stats_helpers import goodness_of_fit
-
 from pagedllm.sample.rejection_sampler import DraftRun, rejection_sample
+
+from helpers.stats_helpers import goodness_of_fit
 
 V = 6
 N = 20000

@@ -8,10 +8,11 @@ import re
 
 import jsonschema
 import pytest
-from schemas import PROMPT, SCHEMAS
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.structured_output.params import StructuredOutputsParams
+
+from helpers.schemas import PROMPT, SCHEMAS
 
 # Runs the default model. Deselected by -m "not slow" (the fast subset).
 pytestmark = pytest.mark.slow

@@ -1,11 +1,7 @@
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from whisper_helpers import make_tiny_whisper, speech_features  # noqa: E402
+from helpers.whisper_helpers import make_tiny_whisper, speech_features
 
 
 @pytest.fixture(scope="session")

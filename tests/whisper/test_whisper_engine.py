@@ -4,7 +4,6 @@ allowed_token_ids, sampling, and the engine-process boundary (a tiny random HF W
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,8 +13,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.engine.core_messages import EngineCoreRequest, RequestType, decode, encode
 from pagedllm.engine.encoder_inputs import pack_encoder_input, unpack_encoder_input
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-from model_helpers import make_tiny_llama  # noqa: E402
+from helpers.model_helpers import make_tiny_llama
 
 SOT, NO_TIMESTAMPS = 50257, 50362  # tiny.en's <|startoftranscript|>, <|notimestamps|>
 PROMPT = [SOT, NO_TIMESTAMPS]

@@ -5,13 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from whisper_helpers import decoder_prompt, make_tiny_whisper, reference_generate, reference_model
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.backends import torch_encoder
 from pagedllm.config import ModelConfig
 from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.model_executor.loader import load_model, resolve_model_config
+
+from helpers.whisper_helpers import decoder_prompt, make_tiny_whisper, reference_generate, reference_model
 
 # Each builds engines and runs transformers' reference generate: seconds each on 2 cores.
 pytestmark = pytest.mark.slow

@@ -4,9 +4,10 @@ timestamps, equal transformers' generate on the same weights."""
 from __future__ import annotations
 
 import pytest
-from whisper_helpers import decoder_prompt, reference_generate, reference_model
 
 from pagedllm import LLM, SamplingParams
+
+from helpers.whisper_helpers import decoder_prompt, reference_generate, reference_model
 
 pytestmark = pytest.mark.slow
 

@@ -16,17 +16,6 @@ class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class ErrorInfo(OpenAIModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int | str | None = None
-
-
-class ErrorResponse(OpenAIModel):
-    error: ErrorInfo
-
-
 class StreamOptions(OpenAIModel):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
@@ -226,28 +215,6 @@ class ChatCompletionResponse(OpenAIModel):
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
     kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's answer (where its KV blocks are)
-
-
-class DeltaMessage(OpenAIModel):
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatStreamChoice(OpenAIModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionChunk(OpenAIModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
 
 
 # ---- models, tokenizer ----------------------------------------------------------------------------------

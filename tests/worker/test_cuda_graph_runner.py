@@ -4,20 +4,18 @@ a padded decode step through the buffers must give the same hidden states as the
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, "tests/models")
-from model_helpers import make_kv_caches, make_tiny_llama, paged_step  # noqa: E402
+from pagedllm.attention.forward_context import forward_context
+from pagedllm.attention.metadata import build_attention_metadata
+from pagedllm.config import ModelConfig
+from pagedllm.model_executor.layers.attention import bind_kv_caches
+from pagedllm.model_executor.loader import load_model
+from pagedllm.worker.cuda_graphs import DecodeGraphRunner, graph_batch_sizes, padded_batch_size
 
-from pagedllm.attention.forward_context import forward_context  # noqa: E402
-from pagedllm.attention.metadata import build_attention_metadata  # noqa: E402
-from pagedllm.config import ModelConfig  # noqa: E402
-from pagedllm.model_executor.layers.attention import bind_kv_caches  # noqa: E402
-from pagedllm.model_executor.loader import load_model  # noqa: E402
-from pagedllm.worker.cuda_graphs import DecodeGraphRunner, graph_batch_sizes, padded_batch_size  # noqa: E402
+from helpers.model_helpers import make_kv_caches, make_tiny_llama, paged_step
 
 DEVICE = os.environ.get("PAGEDLLM_TEST_DEVICE", "cpu")
 

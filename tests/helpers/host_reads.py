@@ -3,7 +3,7 @@ tensor value on the host (``.item()``, ``bool(t)``, ``nonzero``, boolean-mask in
 without ``output_size``) and lifts of host data into a tensor (``torch.tensor(list)`` inside the step). A 0-dim
 lift is a Python scalar taking part in an op (``t[i] = 0.0``), which CUDA kernels take by value: not recorded.
 
-Usable from other test folders: ``sys.path.insert(0, "tests/models")`` then ``from host_reads import HostReads``.
+Usable from every test folder: ``from helpers.host_reads import HostReads``.
 """
 
 from __future__ import annotations

@@ -4,20 +4,17 @@ leaves no KV cache bound behind."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, "tests/models")
-from model_helpers import make_tiny_llama  # noqa: E402
+from pagedllm.config import ModelConfig
+from pagedllm.model_executor.layers.attention import attention_layers
+from pagedllm.model_executor.loader import load_model
+from pagedllm.sample.batch_state import build_sampling_metadata
+from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.profile_step import profile_query_lens, run_profile_step, worst_case_sampling_params
 
-from pagedllm.config import ModelConfig  # noqa: E402
-from pagedllm.model_executor.layers.attention import attention_layers  # noqa: E402
-from pagedllm.model_executor.loader import load_model  # noqa: E402
-from pagedllm.sample.batch_state import build_sampling_metadata  # noqa: E402
-from pagedllm.worker.model_runner import ModelRunner  # noqa: E402
-from pagedllm.worker.profile_step import profile_query_lens, run_profile_step, worst_case_sampling_params  # noqa: E402
+from helpers.model_helpers import make_tiny_llama
 
 
 @pytest.mark.parametrize("budget,max_len,max_seqs,expected", [

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from fake_runner import FakeRunner, reference_output
-
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.sampling_params import SamplingParams
+
+from helpers.fake_runner import FakeRunner, reference_output
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 32, max_seqs: int = 8,

@@ -8,8 +8,6 @@ import ctypes
 import ctypes.util
 import mmap
 import os
-import sys
-from pathlib import Path
 
 import torch
 
@@ -17,8 +15,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.engine_args import EngineArgs
 from pagedllm.platforms.cpu_memory import zeroed_host_tensor
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-from model_helpers import default_model_path, make_tiny_llama  # noqa: E402
+from helpers.model_helpers import default_model_path, make_tiny_llama
 
 
 def _resident_bytes(t: torch.Tensor) -> int:

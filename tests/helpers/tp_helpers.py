@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
-
-from arch_configs import save_tiny  # noqa: E402
+from helpers.arch_configs import save_tiny
 
 PROMPTS = [[5 + i, 17, 33, 40 + i, 9, 100, 3 * i + 7, 12, 200, 42, 13, 77, 8, 19, 60, 61, 62, 63, 20 + i]
            for i in range(3)]

@@ -4,22 +4,19 @@ graph runner too: one block table and slot mapping buffer per group. Checked on 
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, "tests/models")
-from arch_configs import save_tiny  # noqa: E402
-from model_helpers import make_model_kv_caches  # noqa: E402
+from pagedllm.attention.forward_context import forward_context
+from pagedllm.attention.metadata import AttentionMetadata, build_attention_metadata
+from pagedllm.attention.spec import kv_cache_groups
+from pagedllm.config import ModelConfig
+from pagedllm.model_executor.layers.attention import attention_layers, bind_kv_caches
+from pagedllm.model_executor.loader import load_model
+from pagedllm.worker.cuda_graphs import DecodeGraphRunner
 
-from pagedllm.attention.forward_context import forward_context  # noqa: E402
-from pagedllm.attention.metadata import AttentionMetadata, build_attention_metadata  # noqa: E402
-from pagedllm.attention.spec import kv_cache_groups  # noqa: E402
-from pagedllm.config import ModelConfig  # noqa: E402
-from pagedllm.model_executor.layers.attention import attention_layers, bind_kv_caches  # noqa: E402
-from pagedllm.model_executor.loader import load_model  # noqa: E402
-from pagedllm.worker.cuda_graphs import DecodeGraphRunner  # noqa: E402
+from helpers.arch_configs import save_tiny
+from helpers.model_helpers import make_model_kv_caches
 
 BLOCK = 4
 

@@ -1,5 +1,5 @@
-"""Helpers to build tiny models and run them through the paged cache (reusable by other test folders:
-``sys.path.insert(0, "tests/models")`` then ``from model_helpers import ...``)."""
+"""Helpers to build tiny models and run them through the paged cache (reusable by every test folder:
+``from helpers.model_helpers import ...``)."""
 
 from __future__ import annotations
 
