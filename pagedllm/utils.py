@@ -84,7 +84,7 @@ def cache_dir() -> Path:
 def freeze_gc_heap() -> int:
     """Collect once, then move every object alive now (the model's modules, torch's and the libraries' state) out
     of the cyclic collector's reach: its full collections otherwise walk them all again and again while the engine
-    serves (2% of a concurrent Whisper run's samples here, 1-2% of its time). Only for a process that holds one
+    serves (a measurable share of a concurrent Whisper run: docs/performance.md). Only for a process that holds one
     engine for its whole life (an engine core process, the API server): frozen objects are never collected, so an
     offline ``LLM`` that a program builds and drops repeatedly must not freeze (``gc_heap_frozen`` gives them back
     after). Returns the number of objects frozen."""

@@ -1,7 +1,7 @@
 """The CPU kernel autotuner's table: which candidate kernel each matmul shape runs, per number of rows.
 
-A kernel tuned on one CPU can lose on the next (one 4-bit decode kernel measured 1.3x llama.cpp's speed on an
-AMD Zen 5 and 0.56x on an Intel Xeon), and the fastest kernel for one decode stream (M = 1, bound by weight
+A kernel tuned on one CPU can lose on the next (one 4-bit decode kernel beat llama.cpp on one CPU and lost to it
+on another: docs/performance.md), and the fastest kernel for one decode stream (M = 1, bound by weight
 bytes) is not the fastest for a 200-request batch (compute-bound). So the choice is measured on the machine at
 hand: for every shape class (a format, N, K, group) and every bucket of rows, each candidate is timed on
 random inputs and the fastest kept. The table is saved per machine fingerprint (CPU model and flags, threads,

@@ -47,14 +47,14 @@ class CpuPlatform(Platform):
         return "cpu" if dtype in _KERNEL_DTYPES else None
 
     def layer_norm_family(self, dtype: torch.dtype) -> str | None:
-        # One pass for the residual add and the norm: torch's bf16 add and LayerNorm over Whisper's 1,500 x 512
-        # encoder rows took ~190 and ~235 us. The CPU kernels themselves (not elementwise_family's, which tests
-        # swap for Triton's ops, which have no LayerNorm).
+        # One pass for the residual add and the norm, where torch's bf16 add and LayerNorm over Whisper's encoder
+        # rows take two, each of a noticeable cost (docs/performance.md). The CPU kernels themselves (not
+        # elementwise_family's, which tests swap for Triton's ops, which have no LayerNorm).
         return "cpu" if dtype in _KERNEL_DTYPES else None
 
     def activation_family(self, dtype: torch.dtype) -> str | None:
-        # bf16 too: one pass that rounds as torch's SiLU and multiply do (200 x 1,536 gated rows 117 vs 126 us,
-        # 2,048 rows 1.4 vs 1.7-3.8 ms on an AMD Zen 4).
+        # bf16 too: one pass that rounds as torch's SiLU and multiply do, and is faster than them
+        # (docs/performance.md).
         return "cpu" if dtype in _KERNEL_DTYPES else None
 
     def step_graph_family(self, dtype: torch.dtype) -> str | None:
@@ -75,7 +75,8 @@ class CpuPlatform(Platform):
         return cpu_probes.onednn_bf16_available()
 
     def grammar_bitmask_apply(self, dtype: torch.dtype) -> Callable[..., None] | None:
-        # xgrammar's C++ loop: ~4x faster than unpacking the bits with torch ops on a CPU.
+        # xgrammar's C++ loop: several times faster than unpacking the bits with torch ops on a CPU
+        # (docs/performance.md).
         return _xgrammar_apply() if dtype == torch.float32 else None
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
@@ -84,7 +85,7 @@ class CpuPlatform(Platform):
         return zeroed_host_tensor(shape, dtype, prefault=prefault)
 
     def prepare_kv_for_transfer(self, kv_caches: list[torch.Tensor]) -> None:
-        # Another instance reads these blocks with process_vm_readv, ~1.5x faster from huge pages.
+        # Another instance reads these blocks with process_vm_readv, faster from huge pages (advise_huge_pages).
         advised = sum(advise_huge_pages(cache) for cache in kv_caches)
         logger.info("KV cache on transparent huge pages for transfers: %d of %d layers", advised, len(kv_caches))
 

@@ -25,8 +25,8 @@ def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: b
     RSS follows the blocks in use). ``prefault`` writes every page now, on huge pages (fewer TLB misses for
     the attention's scattered block reads, cheaper ``process_vm_readv`` for a KV connector). A page's first
     write is a fault paid by the step touching it, and on a KVM guest whose host backs memory on first touch
-    it is dear: 0.1-7.7 s per GiB measured on one machine by the host's state, with 4 KiB and 2 MiB pages
-    alike, so a lazily mapped KV cache spent a third of a fresh 200-request run in faults. ``huge_pages``
+    it is dear, by the host's state, with 4 KiB and 2 MiB pages alike: a lazily mapped KV cache spent a large
+    share of a fresh 200-request run in faults (figures: docs/performance.md). ``huge_pages``
     asks for transparent huge pages (where the kernel allows them), the tensor starting on a 2 MiB boundary;
     lazily mapped, they round resident memory up by up to 2 MiB per layer half, and a lazily mapped KV cache
     has them only when another process reads it (``advise_huge_pages``, under a KV connector).
@@ -54,9 +54,9 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
     """Ask the kernel to back ``t``'s memory (its whole 2 MiB pages) with transparent huge pages from now on.
 
     For a KV cache that another process reads with ``process_vm_readv`` (NIXL over UCX's cma transport): the
-    kernel pins and maps the source one page at a time, so on 4 KiB pages the call takes ~1.5x as long
-    (measured: 69 MiB of bf16 blocks in 17 ms on 4 KiB pages, 11.5 ms on huge ones, Intel Xeon, 2 cores). Pages already
-    touched stay small until khugepaged merges them. False where the kernel refuses (THP off, not Linux).
+    kernel pins and maps the source one page at a time, so on 4 KiB pages the call takes longer (figures:
+    docs/performance.md). Pages already touched stay small until khugepaged merges them. False where the kernel
+    refuses (THP off, not Linux).
     """
     libc = _libc()
     if libc is None or not hasattr(mmap, "MADV_HUGEPAGE"):

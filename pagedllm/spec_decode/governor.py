@@ -2,11 +2,12 @@
 
 Speculation trades extra work per step (the drafter's run, k more query tokens to verify) for more tokens per
 step. Which side wins depends on the CPU, the model, the method, the batch size and the prompts (n-gram lookup on
-grounded text accepts often; a layer-skip drafter on a small model can cost 2.5x what it saves), so no static rule
-holds on every machine. The governor compares, per batch-size bucket, the tokens per second of decode steps that
-verified drafts against steps that did not, and stops drafting in a bucket where drafting is more than
-``max_loss`` slower. Every ``probe_every`` steps it leaves one step without drafts, so both rates stay current;
-after ``cooldown_steps`` with drafting off in a bucket it tries again, since the workload may have changed.
+grounded text accepts often; a layer-skip drafter on a small model can cost more than it saves:
+docs/performance.md), so no static rule holds on every machine. The governor compares, per batch-size bucket,
+the tokens per second of decode steps that verified drafts against steps that did not, and stops drafting in a
+bucket where drafting is more than ``max_loss`` slower. Every ``probe_every`` steps it leaves one step without
+drafts, so both rates stay current; after ``cooldown_steps`` with drafting off in a bucket it tries again, since
+the workload may have changed.
 
 Only pure decode steps are measured (every request yields tokens, none computes prompt tokens): a step that
 also prefills says nothing about the cost of drafting. No torch here.

@@ -1,12 +1,13 @@
 """CPU step graphs: the decode forward's kernel calls recorded once per batch size, replayed from C++.
 
 On two cores a batch-1 decode step of the default model is ~300 kernel calls, and the Python and torch
-dispatch between them cost about a third of the step. While a step graph records, every C++ kernel keeps its
-arguments and runs as usual (``kernels/csrc/step_graph.h``); a replay calls the same kernels on the same tensors
-in one C++ loop, with the GIL released. The CUDA graphs' buffers and padding (``DecodeGraphRunner``) carry over:
-inputs live in persistent tensors, a step of ``n`` decodes is padded to the next recorded size. With speculative
-decoding, steps verifying k drafts per request (k + 1 tokens each, the same kernels) get graphs of their own
-(``StepGraphSet``), for every k up to the drafts per step and batches of up to ``VERIFY_GRAPH_MAX_TOKENS``.
+dispatch between them cost a large share of the step (docs/performance.md). While a step graph records, every
+C++ kernel keeps its arguments and runs as usual (``kernels/csrc/step_graph.h``); a replay calls the same kernels
+on the same tensors in one C++ loop, with the GIL released. The CUDA graphs' buffers and padding
+(``DecodeGraphRunner``) carry over: inputs live in persistent tensors, a step of ``n`` decodes is padded to the
+next recorded size. With speculative decoding, steps verifying k drafts per request (k + 1 tokens each, the same
+kernels) get graphs of their own (``StepGraphSet``), for every k up to the drafts per step and batches of up to
+``VERIFY_GRAPH_MAX_TOKENS``.
 
 A recording is only replayed when it is the whole computation: while it records, any torch op that computes
 outside a kernel (an add, a copy, a fill, a oneDNN matmul of a bf16 model) refuses the capture, and so does a
@@ -31,9 +32,9 @@ from pagedllm.worker.cuda_graphs import DecodeGraphRunner, padded_batch_size
 logger = init_logger(__name__)
 
 # Batch sizes recorded: exact sizes up to 8, then 12 and 16 (a recording costs one forward and keeps that size's
-# activations, and padding a CPU step costs real compute, unlike on a GPU). Measured on the AVX2 EPYC with the default
-# GGUF: 13 decodes padded to 16 still ran 1.15x the eager step, 20 padded to 24 no faster, and 32 recorded exactly
-# only 1.08x; bigger decode batches spend most of their time in the kernels anyway.
+# activations, and padding a CPU step costs real compute, unlike on a GPU): past 16 a padded graph gained nothing
+# over the eager step and even an exact one little (docs/performance.md); bigger decode batches spend most of
+# their time in the kernels anyway.
 CPU_GRAPH_SIZES = [*range(1, 9), 12, 16]
 
 

@@ -195,8 +195,8 @@ class ModelRunner:
     def _logits_out(self, rows: int) -> torch.Tensor | None:
         """A reused [rows, vocab] float32 buffer for this step's logits on CPU, or None (allocate fresh).
 
-        At 200 rows of a 49k vocabulary the logits are ~40 MB; a fresh tensor every step cost ~25 ms of
-        page faults and TLB misses in the LM head (2 cores), a reused one on huge pages does not. Big
+        At 200 rows of a 49k vocabulary the logits are ~40 MB; a fresh tensor every step paid page faults and
+        TLB misses in the LM head (measured: docs/performance.md), a reused one on huge pages does not. Big
         prompt-logprob batches (over LOGITS_BUFFER_ROWS rows) still allocate, so the buffer stays small.
         """
         if not self.platform.reuses_logits_buffer or rows > LOGITS_BUFFER_ROWS:

@@ -69,19 +69,15 @@ def kernel_split(plan: AttentionPlan, max_fresh_len: int, max_chunk_len: int) ->
 
 
 # Longest fresh prompt the paged CPU kernel attends; beyond it SDPA's blocked matmuls (or the causal kernels,
-# ``_causal_kernel``) are faster. One layer of the default model, 2 cores: 16 x 128 tokens 9.5 ms (kernel) vs 13.2 ms
-# (SDPA); 4 x 512: 27.6 vs 24.3; 2 x 1024: 66 vs 31.
+# ``_causal_kernel``) are faster (the crossover: docs/performance.md).
 FRESH_PROMPT_KERNEL_MAX_LEN = 256
 # Longest chunk with earlier context (a later prefill chunk, a prefix-cache hit's rest) the paged kernel attends;
 # longer ones go to SDPA (or the causal kernels) over K/V gathered from the cache, whose blocked matmuls reuse each
-# key across query rows. One request, one layer of the default model (Intel Xeon, 2 cores), kernel vs SDPA: float32
-# 64 tokens over 1,024 1.2 vs 0.9 ms, 128 over 512 1.0 vs 0.8, 952 over 3,000 60 vs 27; bf16 128 over 512 1.1 vs 0.4,
-# 952 over 3,000 45 vs 12.5; at 8-16 tokens the kernel is faster.
+# key across query rows; at 8-16 tokens the kernel is faster (the crossover: docs/performance.md).
 CONTEXT_CHUNK_KERNEL_MAX_LEN = 128
 # The limits for a bf16 query on a CPU with native bf16 (oneDNN's: AMX or AVX512-BF16), where SDPA's blocked bf16
-# matmuls win from shorter queries. One layer of the default model (Intel Xeon with AMX, 2 cores), kernel vs SDPA:
-# one fresh prompt of 64 tokens 0.07 vs 0.06 ms (the SDPA path's host work makes that even), 128 0.23 vs 0.10,
-# 16 prompts x 128 3.4 vs 1.35; a chunk of 32 tokens over 1,024 keys 0.7 vs 0.5, of 64 1.4 vs 0.6.
+# matmuls win from shorter queries; at 64 tokens the SDPA path's host work makes the two about even (measured on AMX
+# tiles: docs/performance.md).
 BF16_FRESH_PROMPT_KERNEL_MAX_LEN = 64
 BF16_CONTEXT_CHUNK_KERNEL_MAX_LEN = 32
 
@@ -147,14 +143,12 @@ def _causal_kernel(kernels: Any, query: torch.Tensor, *kv: torch.Tensor) -> str 
     """The ``encoder_attention`` kernel that attends ``query``'s long prompts and chunks causally here, or None: SDPA.
 
     float32: the generic kernel where it is built for AVX-512 (blocks of 8 rows x 16 keys, skipping the keys past
-    each block's last row). Against SDPA (AMD Zen 4, 2 threads, one layer of the default model): fresh prompts of
-    512 tokens 2.1 vs 4.0 ms, 2,048 32 vs 40, 4,096 126 vs 140; a chunk of 1,024 over 1,024 of context 24 vs 36, of
-    2,048 over 2,048 91 vs 159. Built for AVX2 (blocks of 4 rows) it is slower: on the same CPU with torch, MKL
-    and the kernels held to AVX2 it lost from 2,048 tokens on (58 vs 39 ms; a chunk of 2,048 over 6,144 466 vs
-    307), so there SDPA keeps them (``PAGEDLLM_PROMPT_ATTENTION_FLOAT32`` forces either path). bf16: the
-    dot-product kernel where the CPU has one and no AMX tiles (``bf16_kernel``). The kernel reads the query (and
-    ``kv``, a fresh prompt's own K/V; a chunk's are gathered in the query's dtype) in place: each token's heads must
-    be contiguous, as views of a fused projection have them, and K/V must be in the query's dtype."""
+    each block's last row), faster than SDPA on fresh prompts and chunks with context alike. Built for AVX2 (blocks
+    of 4 rows) it is slower: with torch, MKL and the kernels held to AVX2 it lost to SDPA from 2,048 tokens on, so
+    there SDPA keeps them (``PAGEDLLM_PROMPT_ATTENTION_FLOAT32`` forces either path; figures: docs/performance.md).
+    bf16: the dot-product kernel where the CPU has one and no AMX tiles (``bf16_kernel``). The kernel reads the
+    query (and ``kv``, a fresh prompt's own K/V; a chunk's are gathered in the query's dtype) in place: each token's
+    heads must be contiguous, as views of a fused projection have them, and K/V must be in the query's dtype."""
     if any(t.dtype != query.dtype for t in kv) or \
             not all(_heads_contiguous(t) for t in (query, *kv)):
         return None
@@ -191,9 +185,8 @@ def _attend_chunks_in_kernel(query: torch.Tensor, kv_cache: torch.Tensor, meta: 
                              scale: float, out: torch.Tensor, kernels: Any, kernel: str) -> None:
     """Requests ``rows`` with earlier context (long later chunks, long rests of prefix-cache hits) through the C++
     causal attention kernel (``kernel``), one call each over K/V gathered through its block table: its q_len queries
-    are the last q_len of its seq_len positions. Against SDPA with the chunk's mask (AMD Zen 4, 2 threads, one layer
-    of the default model in bf16): 2,048 queries over 4,096 keys 39.5 against 146 ms, 256 over 1,280 1.8 against
-    5.7 ms."""
+    are the last q_len of its seq_len positions. Faster than SDPA with the chunk's mask (figures:
+    docs/performance.md)."""
     qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     for i in rows:
         start, end, seq_len = qsl[i], qsl[i + 1], seq_lens[i]

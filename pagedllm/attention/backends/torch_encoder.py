@@ -26,9 +26,8 @@ ENCODER_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 BUCKET_STEP = 16  # sequences up to MIN_POW2_BUCKET tokens are bucketed by multiples of this
 MIN_POW2_BUCKET = 128  # longer ones by powers of two (few buckets even with long-tail lengths)
 # Longest sequence the C++ encoder kernel's generic path attends; SDPA's blocked matmuls win beyond it (the bf16
-# kernels, AMX tiles or AVX-512 BF16 dot products, take any length). Whisper's 1500-position encoder, 4 x tiny.en
-# on 2 shared cores: 9.5-11.8 s through SDPA vs 13-14 s through the generic kernel. BERT's prompts (<= 512) keep
-# the kernel.
+# kernels, AMX tiles or AVX-512 BF16 dot products, take any length): Whisper's 1500-position encoder ran slower
+# through the generic kernel than through SDPA (docs/performance.md). BERT's prompts (<= 512) keep the kernel.
 ENCODER_KERNEL_MAX_LEN = 512
 
 
@@ -115,7 +114,8 @@ def bucketed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     offset = 0
     for b in plan.buckets:
         n, length = b.num_seqs, b.length
-        # index_select, not x[idx]: on CPU the advanced-indexing gather is ~10x slower for these shapes.
+        # index_select, not x[idx]: on CPU the advanced-indexing gather is far slower for these shapes
+        # (docs/performance.md).
         q = query.index_select(0, b.gather).view(n, length, num_heads, head_dim).transpose(1, 2)  # [n, H, L, D]
         k = key.index_select(0, b.gather).view(n, length, num_kv_heads, head_dim).transpose(1, 2)
         v = value.index_select(0, b.gather).view(n, length, num_kv_heads, head_dim).transpose(1, 2)
@@ -131,9 +131,9 @@ def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """The backends' encoder path. query: [T, H, D]; key/value: [T, Hkv, D] -> [T, H, D].
 
     With the C++ CPU kernels (``kernels``) each (sequence, head) is attended in place, with no gather, padding or
-    mask: a bf16 query of any length in a bf16 kernel where the CPU has one (``bf16_kernel``: AMX tiles, ~1.6x
-    torch's flash attention on Whisper's 1,500 positions on an Intel Xeon; AVX-512 BF16 dot products, ~2.5x on an
-    AMD Zen 4), float32 and bf16 of at most ``ENCODER_KERNEL_MAX_LEN`` tokens in the generic kernel
+    mask: a bf16 query of any length in a bf16 kernel where the CPU has one (``bf16_kernel``: AMX tiles or AVX-512
+    BF16 dot products, either faster than torch's flash attention on Whisper's 1,500 positions; figures:
+    docs/performance.md), float32 and bf16 of at most ``ENCODER_KERNEL_MAX_LEN`` tokens in the generic kernel
     (``encoder_attention.cpp``); otherwise the length buckets above.
     """
     if kernels is not None and query.dtype in ENCODER_KERNEL_DTYPES:
@@ -149,10 +149,8 @@ def bf16_kernel(kernels: Any, query: torch.Tensor, causal: bool = False) -> str 
 
     ``causal``: a decoder's prompts and their later chunks (``encoder_attention(..., causal=True)``), which the AMX
     kernel does not run, taken only on CPUs without AMX tiles unless the switch names ``avx512_bf16``: there torch's
-    SDPA runs its bf16 products on the same AVX-512 BF16 dot products plus an accurate exp, 2.5-4.6x slower than the
-    kernel (AMD Zen 4, 2 threads, 9 heads of 64: 16 prompts x 128 tokens 1.4 vs 6.5 ms a layer, one of 2,048 14.5 vs
-    41.3, one of 3,000 33 vs 83; a chunk of 2,048 over 2,048 of context 39.5 vs 146 with its mask); with tiles its
-    blocked matmuls run on them (Intel Xeon: 16 x 128 in 1.35 ms).
+    SDPA runs its bf16 products on the same AVX-512 BF16 dot products plus an accurate exp, several times slower
+    than the kernel; with tiles its blocked matmuls run on them (figures for both: docs/performance.md).
     """
     choice = envs.PAGEDLLM_ENCODER_ATTENTION_BF16
     if choice == "off" or query.dtype != torch.bfloat16:

@@ -150,7 +150,7 @@ def _attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
     gqa = num_heads != num_kv_heads
     starts = [meta.query_start_loc_cpu[i] for i in rows]
     # 4-D [batch, heads, L, D] inputs throughout: torch's CPU SDPA takes a much slower path for 3-D ones
-    # (one 2048-token prompt, one layer of the default model: 360 ms as [H, L, D] vs 58 ms as [1, H, L, D]).
+    # (docs/performance.md).
     if starts == list(range(starts[0], starts[0] + q_len * len(rows), q_len)):
         # Contiguous in the flat batch: one batched call on views, no copy.
         span = slice(starts[0], starts[0] + q_len * len(rows))

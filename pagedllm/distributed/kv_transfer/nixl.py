@@ -54,7 +54,7 @@ logger = init_logger(__name__)
 HANDSHAKE_TIMEOUT_S = 5.0
 TRANSFER_TIMEOUT_S = 30.0
 # NIXL's Python agent runs its progress thread with no pause between passes (nixl_agent sets pthrDelay = 0): an
-# idle connector spins one core (measured: 5.0 s of CPU in 5 s idle), on a CPU instance a core taken from the
+# idle connector spins one core (measured: docs/performance.md), on a CPU instance a core taken from the
 # model. The thread is needed (a READ completes, and a peer's wire-up is answered, only while the UCX worker
 # progresses), so host-memory caches keep it with this pause, microseconds; a DRAM READ itself is copied when it
 # is posted (UCX's cma transport: process_vm_readv), so only its completion waits for the next pass.

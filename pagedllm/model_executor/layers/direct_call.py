@@ -1,9 +1,9 @@
 """Cheaper calls into model layers.
 
-A decode step of a small model on a CPU is short (~5 ms for the default model) and makes ~300 layer calls.
-torch's ``nn.Module.__call__`` (hook and tracing checks) and ``nn.Module.__getattr__`` (submodules and
-parameters live in ``_modules`` / ``_parameters``, reached only after the normal attribute lookup fails) took
-~0.8 ms of it. The layers here take neither path: ``DirectCall`` makes calling a layer run its ``forward``,
+A decode step of a small model on a CPU is short and makes ~300 layer calls. torch's ``nn.Module.__call__``
+(hook and tracing checks) and ``nn.Module.__getattr__`` (submodules and parameters live in ``_modules`` /
+``_parameters``, reached only after the normal attribute lookup fails) took a noticeable share of it (figures:
+docs/performance.md). The layers here take neither path: ``DirectCall`` makes calling a layer run its ``forward``,
 and ``promote_attributes`` puts each module's submodules and parameters in its instance ``__dict__``.
 
 What that gives up: forward hooks (``register_forward_hook`` and friends) do not fire on these layers. The

@@ -23,7 +23,7 @@ def _gguf_tokenizer(path: str) -> Any:
     """Tokenizer from GGUF metadata.
 
     ``AutoTokenizer.from_pretrained(gguf_file=...)`` also parses the whole file for the model config with
-    ``GGUFReader`` (~8 s here); building from the metadata alone takes about a second.
+    ``GGUFReader``, several times slower than building from the metadata alone (docs/performance.md).
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 

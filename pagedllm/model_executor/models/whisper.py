@@ -41,9 +41,9 @@ LAYER_NORM_EPS = 1e-5
 
 class TimeMajorConv1d(nn.Conv1d):
     """``nn.Conv1d`` (its parameters and names) run as one matmul on time-major input, each output step's
-    ``kernel_size`` input frames gathered by ``unfold``. On Whisper's shapes ~3x faster than oneDNN's bf16
-    convolution (which first copies its input into another layout) and ~1.5x in float32; the output comes out
-    [time, channels], the layout the encoder layers read."""
+    ``kernel_size`` input frames gathered by ``unfold``. On Whisper's shapes faster than oneDNN's convolution
+    (which first copies its input into another layout), in bf16 and float32 (figures: docs/performance.md); the
+    output comes out [time, channels], the layout the encoder layers read."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -170,7 +170,8 @@ class WhisperEncoder(DirectCall, nn.Module):
         if x.shape[1] != self.num_positions:
             raise ValueError(f"audio_features: {features.shape[2]} frames give {x.shape[1]} encoder positions; "
                              f"Whisper takes {2 * self.num_positions} frames (30 s)")
-        # Row-major [n * P, d] from here: the layers' adds and norms run ~4x slower on a transposed stream.
+        # Row-major [n * P, d] from here: the layers' adds and norms run several times slower on a transposed stream
+        # (docs/performance.md).
         x = (x + self.embed_positions.weight).view(n * self.num_positions, -1)
         lens = [self.num_positions] * n
         meta = build_attention_metadata(lens, lens, np.zeros((n, 1), dtype=np.int32), 1, x.device)
