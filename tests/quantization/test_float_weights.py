@@ -22,6 +22,7 @@ from pagedllm.model_executor.layers.quantization.float_weights import (
     pack_weight,
 )
 from pagedllm.model_executor.layers.quantization.unquantized import bind_float_weight, onednn_bf16_available
+from pagedllm.model_executor.layers.quantization.weight_only import Int8Config
 from pagedllm.platforms import platform_for
 
 KERNELS = platform_for(torch.device("cpu")).cpu_kernels(torch.float32)
@@ -209,3 +210,16 @@ def test_any_bound_weight_can_stand_in_a_layer() -> None:
     x = torch.randn(3, K)
     assert torch.equal(layer(x), base.matmul(x, b) + (x @ a.T) @ up.T)
     assert layer.weight_nbytes() == base.nbytes() + (4 * K + N * 4) * 4 + N * 4
+
+
+@needs_kernels
+def test_a_quantized_layers_call_is_its_kernel_or_the_dequantized_product() -> None:
+    torch.manual_seed(6)
+    layer = Linear(K, N, bias=True, quant_config=Int8Config())
+    layer.weight.weight_loader(layer.weight, torch.randn(N, K))
+    layer.bias.data.normal_()
+    layer.process_weights_after_loading()
+    x = torch.randn(3, K)
+    assert torch.equal(layer(x), layer.qpanels.cpu_matmul()(x, layer.bias, None))  # float32: the bound kernel
+    x64 = x.double()  # activations the kernel does not take: the dequantized weight, as PackedWeight.matmul
+    assert torch.equal(layer(x64), F.linear(x64, layer.qpanels.dequantize().double(), layer.bias.double()))

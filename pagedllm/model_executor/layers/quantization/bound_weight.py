@@ -18,8 +18,9 @@ from pagedllm.model_executor.layers.quantization.base import CpuMatmul
 
 
 class BoundWeight:
-    """One weight ``out_features`` x ``in_features`` (N x K), its kernel bound. Immutable: a new choice of kernel
-    is a new object (``Linear.bind_weight`` makes it the layer's)."""
+    """One weight ``out_features`` x ``in_features`` (N x K), its kernel bound. The autotuner's choice of kernels
+    per bucket of rows is a new float object (``with_choices``) or a quantized weight's kernel rebound
+    (``PackedWeight.rebind``); ``Linear.bind_weight`` makes it the layer's."""
 
     out_features: int
     in_features: int
