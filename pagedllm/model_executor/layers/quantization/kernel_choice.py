@@ -160,8 +160,8 @@ def _quantized_tuning(weight: QPanels) -> LayerTuning | None:
 def _float_tuning(weight: Float32Panels | Bf16Weight) -> LayerTuning | None:
     """A float weight's two kernels: float32 panels against BLAS on the plain rows (``blas``, MKL or oneDNN
     through ``torch.addmm``; Intel's libraries may win where the panels were not tuned), or a bf16 weight's oneDNN
-    layout against the C++ bf16 panels (``panels``: AVX-512 BF16 dot products on a weight streamed in order;
-    measured 3-5x oneDNN at one row on an AMD EPYC Zen 4)."""
+    layout against the C++ bf16 panels (``panels``: AVX-512 BF16 dot products on a weight streamed in order,
+    which win for few rows)."""
     makers = weight.candidates()
     if makers is None:
         return None

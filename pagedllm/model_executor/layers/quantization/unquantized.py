@@ -1,10 +1,9 @@
 """Unquantized linear layers: the weight as loaded, then bound to the float form its platform runs fastest.
 
 ``bind_float_weight`` is the one place that asks the platform: float32 on a CPU with the C++ kernels ->
-``Float32Panels`` (``float_weights.py``; measured on the default model's shapes, 2 cores: 1.1-1.4x MKL at 200
-rows, ~2.5x at 1-32 rows); bfloat16 on a CPU with native bf16 -> ``Bf16Weight`` (``bf16_weights.py``: oneDNN's
-prepacked layout, bf16 panels where the autotuner chooses them); elsewhere (GPU, float16, no compiler)
-``PlainWeight``, ``F.linear`` on the layer's parameter.
+``Float32Panels`` (``float_weights.py``: packed once, where BLAS repacks per call); bfloat16 on a CPU with native
+bf16 -> ``Bf16Weight`` (``bf16_weights.py``: oneDNN's prepacked layout, bf16 panels where the autotuner
+chooses them); elsewhere (GPU, float16, no compiler) ``PlainWeight``, ``F.linear`` on the layer's parameter.
 """
 
 from __future__ import annotations
