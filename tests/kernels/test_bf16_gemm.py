@@ -92,7 +92,7 @@ def test_bf16_linear_autotuned_between_onednn_and_panels(own_cache, panels_to: i
     layer = Linear(96, 40, bias=True, dtype=torch.bfloat16)
     w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
     layer.process_weights_after_loading()
-    assert layer.onednn_weight is not None and layer._bf16_plain is not None
+    assert layer.packed.onednn is not None and layer.packed.source is not None
     xs = [torch.randn(rows, 96).bfloat16() for rows in (1, 5, 20, 100, 300)]
 
     def timer(kernel, x):  # the panels win the first `panels_to` buckets
@@ -101,11 +101,11 @@ def test_bf16_linear_autotuned_between_onednn_and_panels(own_cache, panels_to: i
     model = _Model([layer])
     kernel_choice.autotune_model(model, "on", timer)
     kernel_choice.release_tuning_state(model)
-    assert layer._bf16_plain is None
+    assert layer.packed.source is None
     (entry,) = json.loads(autotune.default_path().read_text())["entries"].values()
     assert entry["choices"] == ["panels"] * panels_to + ["onednn"] * (5 - panels_to)
-    assert layer.bf16_panels is not None
-    assert (layer.onednn_weight is None) == (panels_to == 5)  # oneDNN's copy goes when no bucket runs it
+    assert layer.packed.panels is not None
+    assert (layer.packed.onednn is None) == (panels_to == 5)  # oneDNN's copy goes when no bucket runs it
     for x in xs:
         ref = _reference(x, w, b)
         _close(layer(x), ref)
@@ -125,5 +125,5 @@ def test_bf16_linear_stays_on_onednn_when_not_tuned() -> None:
     model = _Model([layer])
     kernel_choice.autotune_model(model, "off")
     kernel_choice.release_tuning_state(model)
-    assert layer._bf16_plain is None and layer.bf16_panels is None and layer._bf16_matmul is None
-    assert layer.onednn_weight is not None
+    assert layer.packed.source is None and layer.packed.panels is None and set(layer.packed.choices) == {"onednn"}
+    assert layer.packed.onednn is not None

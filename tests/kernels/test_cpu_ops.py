@@ -72,14 +72,14 @@ def test_linear_packs_its_weight_and_keeps_its_output(kernels) -> None:
     with torch.no_grad():
         expected = layer(x)
         layer.process_weights_after_loading()
-        assert layer.weight is None and layer.packed_weight is not None
+        assert layer.weight is None and layer.packed.panels is not None
         torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_linear_stays_plain_where_the_kernels_do_not_apply() -> None:
     layer = Linear(16, 8, dtype=torch.float16)
     layer.process_weights_after_loading()
-    assert layer.weight is not None and layer.packed_weight is None and layer.onednn_weight is None
+    assert layer.weight is not None and layer.packed.in_layer_parameters  # the plain parameter, F.linear
 
 
 @pytest.mark.parametrize("m", [1, 7, 300])
@@ -91,7 +91,7 @@ def test_bf16_linear_packed_for_onednn_with_fused_activations(m: int) -> None:
     layer = Linear(96, 40, bias=True, dtype=torch.bfloat16)
     w, b = layer.weight.detach().float().clone(), layer.bias.detach().float().clone()
     layer.process_weights_after_loading()
-    assert layer.weight is None and layer.onednn_weight is not None
+    assert layer.weight is None and layer.packed.onednn is not None
     assert layer.weight_nbytes() == 96 * 40 * 2 + 40 * 2
     x = torch.randn(m, 96).bfloat16()
     ref = F.linear(x.float(), w, b)

@@ -57,7 +57,7 @@ def test_prefill_matches_transformers_fp32(variant) -> None:
     model = _load(path, "float32")
     # On CPU the fp32 matmuls run on weights repacked for the C++ kernel; the logits must not notice.
     if load_cpu_kernels() is not None:
-        assert model.model.layers[0].mlp.gate_up_proj.packed_weight is not None
+        assert model.model.layers[0].mlp.gate_up_proj.packed.describe() == "float32"  # Float32Panels
     ids = _token_ids(20, seed=1)
     ours = prefill_logits(model, ids, block_size=4)
     assert ours.dtype == torch.float32 and ours.shape == (20, 256)

@@ -18,6 +18,7 @@ from pagedllm.model_executor.layers.quantization.qpanels import (
     quantize_q4,
     quantize_q8,
 )
+from pagedllm.model_executor.layers.quantization.weight_only import Int4Config
 from pagedllm.platforms import platform_for
 
 KERNELS = platform_for(torch.device("cpu")).cpu_kernels(torch.float32)
@@ -105,10 +106,9 @@ def test_table_saves_reloads_and_ignores_another_machine(tmp_path) -> None:
 
 def _q4_linear(n: int = 40, k: int = 64, layout: str = "dot8", seed: int = 0) -> Linear:
     torch.manual_seed(seed)
-    layer = Linear(k, n, bias=True)
+    layer = Linear(k, n, bias=True, quant_config=Int4Config(32))
     layer.bias.data.normal_()
-    layer.qpanels = QPanels.pack_q4(*quantize_q4(torch.randn(n, k), 32), layout)
-    layer._cpu_matmul = layer.qpanels.cpu_matmul()
+    layer.bind_weight(QPanels.pack_q4(*quantize_q4(torch.randn(n, k), 32), layout))  # as layer.qpanels
     return layer
 
 
@@ -220,9 +220,9 @@ def test_a_forced_table_decides_and_is_never_written(tmp_path, monkeypatch) -> N
 
 def test_off_and_bad_modes() -> None:
     layer = _q4_linear()
-    kernel = layer._cpu_matmul
+    kernel = layer.packed.cpu_matmul()
     kernel_choice.autotune_model(_Model([layer]), "off", lambda kernel, x: 1 / 0)
-    assert layer._cpu_matmul is kernel
+    assert layer.packed.cpu_matmul() is kernel
     with pytest.raises(ValueError, match="cpu_kernel_autotune"):
         kernel_choice.autotune_model(_Model([layer]), "sometimes")
 
@@ -239,7 +239,7 @@ def _float_linear(seed: int = 0) -> Linear:
 @pytest.mark.parametrize("blas_from", [2, 0], ids=["mixed", "blas-everywhere"])
 def test_float32_panels_against_blas(blas_from: int) -> None:
     layer = _float_linear()
-    assert layer.packed_weight is not None
+    assert layer.packed.panels is not None
     xs = [torch.randn(rows, 64) for rows in (1, 5, 20, 100, 300)]
     expected = [layer(x) for x in xs]
 
@@ -254,6 +254,6 @@ def test_float32_panels_against_blas(blas_from: int) -> None:
         torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(layer(x.unsqueeze(0)), want.unsqueeze(0), rtol=1e-5, atol=1e-5)  # 3-D path
     if blas_from == 0:
-        assert layer.packed_weight is None and layer.weight is not None  # one copy: the plain weight
+        assert layer.packed.panels is None and layer.packed.rows is not None  # one copy: the plain weight
     else:
-        assert layer.packed_weight is not None
+        assert layer.packed.panels is not None

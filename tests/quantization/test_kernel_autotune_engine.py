@@ -42,7 +42,7 @@ def test_mixed_layouts_by_row_count_keep_greedy_outputs(default_model_path, tmp_
     llm = LLM(default_model_path, kv_cache_memory="64MiB", cpu_kernel_autotune="on")
     layers = _layers(llm)
     # Every 4-bit layer dispatches by row count, its dot8 copy the weight of few-row steps.
-    assert layers and all(m._cpu_matmul.__qualname__ == "by_rows.<locals>.run" for m in layers)
+    assert layers and all(m.packed.cpu_matmul().__qualname__ == "by_rows.<locals>.run" for m in layers)
     assert {m.qpanels.layout for m in layers} == {"dot8"}
     alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]  # dot8 rows
     batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS * 4, params, use_tqdm=False)]  # pairs rows

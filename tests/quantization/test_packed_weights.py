@@ -155,7 +155,7 @@ def test_a_platform_that_packs_by_rows_gets_rows(config, cls, monkeypatch: pytes
     layer = Linear(K, N, bias=True, dtype=torch.float32, quant_config=config)
     layer.weight.weight_loader(layer.weight, torch.randn(N, K))
     layer.process_weights_after_loading()
-    assert type(layer.qpanels) is cls and layer._cpu_matmul is None
+    assert type(layer.qpanels) is cls and layer.packed.cpu_matmul() is None
     x = torch.randn(3, K)
     torch.testing.assert_close(layer(x), F.linear(x, layer.qpanels.dequantize(), layer.bias), atol=1e-3, rtol=1e-3)
 
@@ -164,5 +164,5 @@ def test_a_quantized_linear_calls_its_weights_bound_kernel() -> None:
     layer = Linear(K, N, bias=False, dtype=torch.float32, quant_config=Int8Config())
     layer.weight.weight_loader(layer.weight, torch.randn(N, K))
     layer.process_weights_after_loading()
-    assert layer._cpu_matmul is layer.qpanels.cpu_matmul() is not None
+    assert layer.packed is layer.qpanels and layer.packed.cpu_matmul() is not None
     assert layer.weight_nbytes() == layer.qpanels.nbytes()  # the method counts its packed weight

@@ -90,10 +90,9 @@ def test_a_quantized_linear_runs_on_the_row_layout(config) -> None:
     # CPU kernel is bound either).
     panels = layer.qpanels
     w = panels.dequantize()
-    layer.qpanels = (QRows.pack_q4(*quantize_q4(w, panels.group)) if panels.is_q4
-                     else QRows.pack_q8(*quantize_q8(w, panels.group)))
-    layer._cpu_matmul = layer.quant_method.cpu_matmul(layer)
-    assert layer._cpu_matmul is None
+    layer.bind_weight(QRows.pack_q4(*quantize_q4(w, panels.group)) if panels.is_q4
+                      else QRows.pack_q8(*quantize_q8(w, panels.group)))  # as layer.qpanels
+    assert layer.quant_method.cpu_matmul(layer) is None
     torch.testing.assert_close(layer(x), F.linear(x, layer.qpanels.dequantize(), layer.bias), atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(layer(x), expected, atol=0.05 * expected.abs().max().item(), rtol=0.05)
 

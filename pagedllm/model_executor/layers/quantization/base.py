@@ -10,16 +10,24 @@ fused layer (q, k, v = 0, 1, 2; gate, up = 0, 1), None for an unfused one. ``loa
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
 from pagedllm.platforms import platform_for
 
+if TYPE_CHECKING:
+    from pagedllm.model_executor.layers.quantization.bound_weight import BoundWeight
+
 
 class LinearMethod:
-    """How one ``Linear`` stores and multiplies its weight. Subclasses implement a scheme."""
+    """How one ``Linear`` stores and multiplies its weight. Subclasses implement a scheme.
+
+    After ``process_weights_after_loading`` the layer's weight is one ``BoundWeight`` (``bound_weight.py``) that
+    the method keeps on the layer and hands out through ``bound_weight``; multiplying, fusing an activation,
+    the C++ kernel of a step graph and the bytes held are that object's.
+    """
 
     #: Scheme name used in logs ("unquantized", "int8", "int4", "gguf:Q4_1", ...).
     name = "unquantized"
@@ -31,10 +39,19 @@ class LinearMethod:
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Repack the loaded weights into the kernel's layout (may replace or drop parameters)."""
 
+    def bound_weight(self, layer: nn.Module) -> BoundWeight | None:
+        """The layer's weight as bound for its kernel, or None before ``process_weights_after_loading``."""
+        return None
+
+    def set_bound_weight(self, layer: nn.Module, weight: BoundWeight) -> None:
+        """Make ``weight`` (the same weight, another kernel choice: ``kernel_choice.py``) the layer's. Only
+        ``Linear.bind_weight`` calls it, which also rebinds the layer's call."""
+        raise NotImplementedError
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
               out: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] -> [M, N] (+ bias). ``out``: optional [M, N] float32 destination, returned when used."""
-        raise NotImplementedError
+        return self.bound_weight(layer).matmul(x, bias, out)
 
     def scheme(self, layer: nn.Module) -> str:
         """Name for the memory report (a GGUF layer names its block type)."""
@@ -43,17 +60,20 @@ class LinearMethod:
     def apply_activation(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
                          activation: str) -> torch.Tensor | None:
         """activation(x [M, K] @ W^T + bias) in one fused call ("gelu", "gelu_tanh", "relu"), or None where the
-        method has no fused form (the caller then applies the activation itself)."""
-        return None
+        weight has no fused form (the caller then applies the activation itself)."""
+        weight = self.bound_weight(layer)
+        return weight.matmul_activation(x, bias, activation) if weight is not None else None
 
     def cpu_matmul(self, layer: nn.Module) -> CpuMatmul | None:
-        """``apply`` with its choices made once, for float32 CPU inputs: ``(x [M, K], bias, out) -> [M, N]``,
-        or None where no C++ kernel serves the layer. Called after ``process_weights_after_loading``."""
-        return None
+        """The layer's C++ kernel for float32 CPU inputs: ``(x [M, K], bias, out) -> [M, N]``, or None where no
+        C++ kernel serves the layer. Called after ``process_weights_after_loading``."""
+        weight = self.bound_weight(layer)
+        return weight.cpu_matmul() if weight is not None else None
 
     def packed_nbytes(self, layer: nn.Module) -> int:
         """Bytes of the layer's weights the method keeps outside its parameters and buffers (packed copies)."""
-        return 0
+        weight = self.bound_weight(layer)
+        return 0 if weight is None or weight.in_layer_parameters else weight.nbytes()
 
     def bias_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype of the layer's bias for activations of ``dtype``: the quantized kernels add a float32 one."""
@@ -64,15 +84,15 @@ class PackedLinearMethod(LinearMethod):
     """A quantized method whose loaded weight ends as one ``PackedWeight`` in ``layer.qpanels`` (panels for
     the CPU kernels, rows for Triton; ``packed_weight.py``), which multiplies by itself."""
 
+    def bound_weight(self, layer: nn.Module) -> BoundWeight | None:
+        return layer.qpanels
+
+    def set_bound_weight(self, layer: nn.Module, weight: BoundWeight) -> None:
+        layer.qpanels = weight
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
               out: torch.Tensor | None) -> torch.Tensor:
         return layer.qpanels.matmul(x, bias, out)
-
-    def cpu_matmul(self, layer: nn.Module) -> CpuMatmul | None:
-        return layer.qpanels.cpu_matmul() if layer.qpanels is not None else None
-
-    def packed_nbytes(self, layer: nn.Module) -> int:
-        return layer.qpanels.nbytes() if layer.qpanels is not None else 0
 
 
 class QuantizationConfig:

@@ -20,7 +20,6 @@ from torch import nn
 
 from pagedllm.logger import init_logger
 from pagedllm.model_executor.layers.quantization.base import (
-    CpuMatmul,
     LinearMethod,
     PackedLinearMethod,
     QuantizationConfig,
@@ -28,10 +27,11 @@ from pagedllm.model_executor.layers.quantization.base import (
     set_weight_loader,
     shard_range,
 )
+from pagedllm.model_executor.layers.quantization.bound_weight import BoundWeight
 from pagedllm.model_executor.layers.quantization.layouts import layout_for
 from pagedllm.model_executor.layers.quantization.qpanels import quantize_q8
 from pagedllm.model_executor.layers.quantization.registry import register_quantization_config
-from pagedllm.model_executor.layers.quantization.unquantized import UnquantizedLinearMethod
+from pagedllm.model_executor.layers.quantization.unquantized import bind_float_weight
 
 logger = init_logger(__name__)
 
@@ -170,7 +170,7 @@ class GGUFLinearMethod(PackedLinearMethod):
         layer.weight = set_weight_loader(weight, lambda p, w, shard_id=None: self._load(layer, w, shard_id))
         layer.gguf_shards = {}
         layer.qpanels = None
-        layer.gguf_float = None  # the unquantized method, for a float matrix kept float
+        layer.gguf_float = None  # a float matrix kept float: its bound float form (unquantized.bind_float_weight)
         layer.gguf_scheme = "gguf"
         layer.gguf_dtype = dtype  # float matrices stay float in this dtype (float32 on the CPU, bf16/fp16 on CUDA)
 
@@ -193,13 +193,13 @@ class GGUFLinearMethod(PackedLinearMethod):
         if types == {None} and layer.prefix != "lm_head":
             # F32 / F16 / BF16 matrices stay float (fp32 panels): kept quantized means as stored, never coarser.
             # (The tied head is built from the embedding's dequantized rows: int8 below, as a quantized file's.)
-            layer.gguf_float = UnquantizedLinearMethod()
             dtype = getattr(layer, "gguf_dtype", torch.float32)
             layer.weight = nn.Parameter(torch.cat([s.float() for s in shards]).to(device, dtype), requires_grad=False)
             if layer.bias is not None:  # F.linear takes the bias in the activations' dtype
                 layer.bias = nn.Parameter(layer.bias.data.to(dtype), requires_grad=False)
-            layer.packed_weight, layer.onednn_weight, layer._kernels = None, None, None
-            layer.gguf_float.process_weights_after_loading(layer)
+            layer.gguf_float = bind_float_weight(layer.weight)
+            if not layer.gguf_float.in_layer_parameters:
+                layer.weight = None  # the packed copy replaces it
             layer.gguf_scheme = f"gguf float (kept {str(dtype).removeprefix('torch.')})"
             layer.gguf_shards = {}
             return
@@ -225,22 +225,19 @@ class GGUFLinearMethod(PackedLinearMethod):
     def _k_quant_fits(layer: nn.Module, types: set[int | None]) -> bool:
         return not types & {Q4_K, Q6_K} or layer.in_features % SUPER_BLOCK == 0
 
-    # A float matrix kept float (``layer.gguf_float``) is the unquantized method's to multiply and count.
+    # A float matrix kept float is ``layer.gguf_float``; a quantized one ``layer.qpanels``.
+    def bound_weight(self, layer: nn.Module) -> BoundWeight | None:
+        return layer.gguf_float if layer.gguf_float is not None else layer.qpanels
+
+    def set_bound_weight(self, layer: nn.Module, weight: BoundWeight) -> None:
+        if layer.gguf_float is not None:
+            layer.gguf_float = weight
+        else:
+            layer.qpanels = weight
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
               out: torch.Tensor | None) -> torch.Tensor:
-        if layer.gguf_float is not None:
-            return layer.gguf_float.apply(layer, x, bias, out)
-        return super().apply(layer, x, bias, out)
-
-    def cpu_matmul(self, layer: nn.Module) -> CpuMatmul | None:
-        if layer.gguf_float is not None:
-            return layer.gguf_float.cpu_matmul(layer)
-        return super().cpu_matmul(layer)
-
-    def packed_nbytes(self, layer: nn.Module) -> int:
-        if layer.gguf_float is not None:
-            return layer.gguf_float.packed_nbytes(layer)
-        return super().packed_nbytes(layer)
+        return self.bound_weight(layer).matmul(x, bias, out)
 
     def scheme(self, layer: nn.Module) -> str:
         return layer.gguf_scheme

@@ -1,4 +1,7 @@
-"""Which kernel each quantized linear layer runs on this CPU, chosen by measurement (``kernels/autotune.py``).
+"""Which kernel each linear layer runs on this CPU, chosen by measurement (``kernels/autotune.py``).
+
+The autotuner only chooses: each layer's weight (a ``BoundWeight``) builds the weight that runs the choice per
+bucket of rows, and the layer binds it (``Linear.bind_weight``).
 
 The candidates of a weight compute the same product within float rounding (each is tested against the others),
 so a choice changes speed only:
@@ -9,7 +12,9 @@ so a choice changes speed only:
   choose both keeps both copies (4-bit: ~1.2x the bytes); one that chooses one layout keeps only that one;
 - for 8-bit weights on a CPU with AVX-512 VNNI, both layouts: ``panels`` (float activations) and ``dot4``
   (activations split into two int8 terms, VNNI byte dot products: bound by the weight's bytes, not by widening
-  them; the default model's tied Q8_0 LM head at one row measured 0.54 against 0.75 ms on an Intel Xeon).
+  them; the default model's tied Q8_0 LM head at one row measured 0.54 against 0.75 ms on an Intel Xeon);
+- for float32 weights, the C++ panels and BLAS on the plain rows; for bf16 weights, oneDNN's layout and the C++
+  bf16 panels (``float_weights.py``, ``bf16_weights.py``). A mix keeps both copies.
 
 Layers of one shape class (format, N, K, group) share one measurement; the table of choices is logged and saved
 per machine fingerprint, so later starts only read it.
@@ -27,6 +32,9 @@ from torch import nn
 from pagedllm.kernels import autotune
 from pagedllm.kernels.cpu import cpu_isa, kernels_name, sources_digest
 from pagedllm.logger import init_logger
+from pagedllm.model_executor.layers.quantization.bf16_weights import Bf16Weight
+from pagedllm.model_executor.layers.quantization.bound_weight import BoundWeight
+from pagedllm.model_executor.layers.quantization.float_weights import Float32Panels
 from pagedllm.model_executor.layers.quantization.packed_weight import PackedWeight
 from pagedllm.model_executor.layers.quantization.qpanels import (
     AMX_ISA,
@@ -116,18 +124,19 @@ def shape_key(weight: PackedWeight) -> str:
 
 @dataclass
 class LayerTuning:
-    """What the autotuner can do with one layer: its shape class, its candidates (name -> a maker of the
-    candidate's kernel, made only when timed or chosen) and how to bind a choice per bucket."""
+    """What the autotuner can do with one layer's weight: its shape class, its candidates (name -> a maker of the
+    candidate's kernel, made only when timed or chosen) and how to build the weight that runs a choice per
+    bucket."""
 
     key: str
     in_features: int
     kernels: dict[str, Callable[[], autotune.Kernel | None]]
-    apply: Callable[[list[str]], int]  # binds one choice per bucket; returns the bytes a second copy costs
+    #: one choice per bucket -> (the weight bound to run them, the bytes of the second copy it keeps, if any)
+    build: Callable[[list[str]], tuple[BoundWeight, int]]
     dtype: torch.dtype = torch.float32  # of the activations the candidates are timed on
 
 
-def _quantized_tuning(layer: nn.Module) -> LayerTuning | None:
-    weight = layer.qpanels
+def _quantized_tuning(weight: QPanels) -> LayerTuning | None:
     makers = candidates(weight)
     if len(makers) < 2:
         return None
@@ -136,123 +145,54 @@ def _quantized_tuning(layer: nn.Module) -> LayerTuning | None:
         packed, isa = makers[name]()
         return packed.bind(isa) if packed is not None else None
 
-    def apply(choices: list[str]) -> int:
+    def build(choices: list[str]) -> tuple[BoundWeight, int]:
         made = {name: makers[name]() for name in dict.fromkeys(choices)}
         bound = {name: w.bind(isa) for name, (w, isa) in made.items()}
         primary = made[choices[0]][0]  # the layout few-row steps run stays the layer's weight
-        object.__setattr__(primary, "_kernel", autotune.by_rows([bound[name] for name in choices]))
-        layer.qpanels = primary
-        layer._cpu_matmul = primary.cpu_matmul()
+        primary.rebind(autotune.by_rows([bound[name] for name in choices]))
         copies = {id(w): w for w, _ in made.values()}
-        return sum(w.nbytes() for w in copies.values() if w is not primary)
+        return primary, sum(w.nbytes() for w in copies.values() if w is not primary)
 
     return LayerTuning(shape_key(weight), weight.in_features, {name: lambda n=name: kernel(n) for name in makers},
-                       apply)
+                       build)
 
 
-def _float_tuning(layer: nn.Module) -> LayerTuning | None:
-    """A float32 layer in the C++ kernel's panels: those (``panels``) against BLAS on the plain weight (``blas``,
-    MKL or oneDNN through ``F.linear``; Intel's libraries may win where the panels were not tuned)."""
-    packed = getattr(layer, "packed_weight", None)
-    if packed is None or packed.dtype != torch.float32:
+def _float_tuning(weight: Float32Panels | Bf16Weight) -> LayerTuning | None:
+    """A float weight's two kernels: float32 panels against BLAS on the plain rows (``blas``, MKL or oneDNN
+    through ``torch.addmm``; Intel's libraries may win where the panels were not tuned), or a bf16 weight's oneDNN
+    layout against the C++ bf16 panels (``panels``: AVX-512 BF16 dot products on a weight streamed in order,
+    which win for few rows)."""
+    makers = weight.candidates()
+    if makers is None:
         return None
-    n, k = layer.out_features, layer.in_features
-    plain: list[torch.Tensor] = []
 
-    def weight() -> torch.Tensor:
-        if not plain:
-            plain.append(_rows(packed, n).contiguous())
-        return plain[0]
+    def build(choices: list[str]) -> tuple[BoundWeight, int]:
+        chosen = weight.with_choices(choices)
+        return chosen, chosen.extra_copy_nbytes()
 
-    gemm = layer._kernels.packed_gemm
-
-    def panels(x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
-        return gemm(x, packed, n, bias, out)
-
-    def blas_kernel() -> autotune.Kernel:
-        w = weight()
-
-        def blas(x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
-            return torch.addmm(bias, x, w.T, out=out) if bias is not None else torch.mm(x, w.T, out=out)
-
-        return blas
-
-    def apply(choices: list[str]) -> int:
-        if set(choices) == {"panels"}:
-            return 0
-        kinds = {"panels": panels, "blas": blas_kernel()}
-        layer._cpu_matmul = autotune.by_rows([kinds[name] for name in choices])
-        if "panels" in choices:
-            return weight().numel() * 4  # both copies are kept
-        layer.packed_weight = None  # BLAS everywhere: the plain weight replaces the panels
-        layer.weight = nn.Parameter(weight(), requires_grad=False)
-        return 0
-
-    return LayerTuning(f"Float32Panels:{n}x{k}", k, {"panels": lambda: panels, "blas": blas_kernel}, apply)
-
-
-def _bf16_tuning(layer: nn.Module) -> LayerTuning | None:
-    """A bf16 layer in oneDNN's packed layout (``onednn``) against the C++ kernel's bf16 panels (``panels``:
-    AVX-512 BF16 dot products on a weight streamed in order; measured 3-5x oneDNN at one row on an AMD EPYC Zen 4).
-    The plain weight the panels are packed from is kept by the layer until ``release_tuning_state``."""
-    plain = getattr(layer, "_bf16_plain", None)
-    onednn = getattr(layer, "onednn_weight", None)
-    if plain is None or onednn is None:
-        return None
-    from pagedllm.model_executor.layers.quantization.unquantized import pack_bf16_weight
-
-    n, k = layer.out_features, layer.in_features
-    gemm = layer._kernels.bf16_gemm
-    packed: list[torch.Tensor] = []
-
-    def onednn_kernel(x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
-        y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), onednn, bias, "none", [], "")
-        return out.copy_(y) if out is not None else y
-
-    def panels_kernel() -> autotune.Kernel:
-        if not packed:
-            packed.append(pack_bf16_weight(plain))
-        weight = packed[0]
-
-        def panels(x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
-            if out is None or out.dtype == torch.bfloat16:
-                return gemm(x, weight, n, bias, out)
-            return out.copy_(gemm(x, weight, n, bias, None))  # a float32 destination (the LM head's logits)
-
-        return panels
-
-    def apply(choices: list[str]) -> int:
-        if "panels" not in choices:
-            return 0
-        kinds = {"onednn": onednn_kernel, "panels": panels_kernel()}
-        layer._bf16_matmul = autotune.by_rows([kinds[name] for name in choices])
-        layer._bf16_panel_buckets = tuple(name == "panels" for name in choices)
-        layer.bf16_panels = packed[0]
-        if "onednn" in choices:
-            return packed[0].numel() * packed[0].element_size()  # both copies are kept
-        layer.onednn_weight = None  # the panels everywhere: they replace oneDNN's copy
-        return 0
-
-    return LayerTuning(f"Bf16:{n}x{k}", k, {"onednn": lambda: onednn_kernel, "panels": panels_kernel}, apply,
-                       torch.bfloat16)
+    dtype = torch.bfloat16 if isinstance(weight, Bf16Weight) else torch.float32
+    return LayerTuning(weight.tuning_key(), weight.in_features, makers, build, dtype)
 
 
 def release_tuning_state(model: nn.Module) -> None:
-    """Drops what layers kept only for the autotuner (the plain bf16 weights), tuned or not."""
+    """Drops what layers' weights kept only for the autotuner (the plain bf16 weights), tuned or not."""
+    from pagedllm.model_executor.layers.linear import Linear
+
     for module in model.modules():
-        if getattr(module, "_bf16_plain", None) is not None:
-            module._bf16_plain = None
+        if isinstance(module, Linear) and module.packed is not None:
+            released = module.packed.without_tuning_state()
+            if released is not module.packed:
+                module.bind_weight(released)
 
 
 def tuning_for(layer: nn.Module) -> LayerTuning | None:
-    """The autotuner's plan for a linear layer on the CPU, or None where it has one kernel only."""
-    if getattr(layer, "_bf16_plain", None) is not None:
-        return _bf16_tuning(layer)
-    if getattr(layer, "_cpu_matmul", None) is None:
-        return None
-    if isinstance(getattr(layer, "qpanels", None), QPanels):
-        return _quantized_tuning(layer)
-    return _float_tuning(layer)
+    """The autotuner's plan for a linear layer (a ``Linear``) on the CPU, or None where it has one kernel only."""
+    weight = layer.packed
+    if isinstance(weight, QPanels):
+        return _quantized_tuning(weight) if weight.cpu_matmul() is not None else None
+    if isinstance(weight, Float32Panels | Bf16Weight):
+        return _float_tuning(weight)
+    return None
 
 
 def autotune_model(model: nn.Module, mode: str, timer: Callable[..., float] = autotune.time_once) -> None:
@@ -264,11 +204,11 @@ def autotune_model(model: nn.Module, mode: str, timer: Callable[..., float] = au
         raise ValueError(f"cpu_kernel_autotune: must be one of {list(autotune.MODES)}, got {mode!r}")
     if mode == "off":
         return
-    groups: dict[str, list[LayerTuning]] = {}
+    groups: dict[str, list[tuple[Linear, LayerTuning]]] = {}
     for module in model.modules():
         plan = tuning_for(module) if isinstance(module, Linear) else None
         if plan is not None:
-            groups.setdefault(plan.key, []).append(plan)
+            groups.setdefault(plan.key, []).append((module, plan))
     if not groups:
         return
     table = autotune.AutotuneTable.open(autotune.fingerprint(f"{kernels_name()}-{sources_digest()}"))
@@ -276,13 +216,14 @@ def autotune_model(model: nn.Module, mode: str, timer: Callable[..., float] = au
         logger.info("cpu kernel autotune: the saved table was measured on another machine or build; measuring")
 
     def missing() -> list[str]:
-        return [key for key, plans in groups.items() if mode == "force" or not _valid(table.choices(key), plans[0])]
+        return [key for key, plans in groups.items()
+                if mode == "force" or not _valid(table.choices(key), plans[0][1])]
 
     if missing():
         with autotune.measuring_lock(table):
             todo = missing()  # another process may have measured meanwhile
             for key in todo:
-                plan = groups[key][0]
+                plan = groups[key][0][1]
                 made = {name: make() for name, make in plan.kernels.items()}
                 timed = {name: kernel for name, kernel in made.items() if kernel is not None}
                 choices, timings = autotune.choose(timed, plan.in_features, timer, dtype=plan.dtype)
@@ -292,10 +233,12 @@ def autotune_model(model: nn.Module, mode: str, timer: Callable[..., float] = au
     extra = 0
     for key, plans in groups.items():
         choices = table.choices(key)
-        if not _valid(choices, plans[0]):
+        if not _valid(choices, plans[0][1]):
             continue  # a forced table without this shape: the default kernel stays
-        for plan in plans:
-            extra += plan.apply(choices)
+        for layer, plan in plans:
+            weight, copy_nbytes = plan.build(choices)
+            layer.bind_weight(weight)  # the layer rebinds: the autotuner only chose
+            extra += copy_nbytes
         _log(key, choices, table.entries[key].get("ms", {}), len(plans))
     if extra:
         logger.info("cpu kernel autotune: layers keeping two copies of their weight (one per kernel) add %s",

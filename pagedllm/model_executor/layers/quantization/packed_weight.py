@@ -1,5 +1,5 @@
 """``PackedWeight``: one quantized weight [N, K] in the layout of the kernel that reads it, with that kernel
-bound once.
+bound once (the quantized ``BoundWeight`` forms; ``bound_weight.py``).
 
 Every format is its own subclass (``qpanels.py``: the C++ CPU kernels' panels; ``qrows.py``: the Triton
 kernel's rows). A subclass knows how its bytes dequantize and which kernel multiplies by them; the choice of
@@ -17,10 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.model_executor.layers.quantization.base import CpuMatmul
+from pagedllm.model_executor.layers.quantization.bound_weight import BoundWeight
 
 
 @dataclass(frozen=True, eq=False)
-class PackedWeight:
+class PackedWeight(BoundWeight):
     """``qweight`` (the quantized levels in the subclass's layout), ``scales`` and, for 4-bit formats,
     ``mins`` per (row, group of ``group`` inputs); ``out_features`` x ``in_features`` = N x K. Frozen: the
     bound kernel holds these tensors."""
@@ -47,6 +48,12 @@ class PackedWeight:
         kernels' ISA code, default ``cpu_isa()``; unused by other kernels), or None where none serves it."""
         raise NotImplementedError
 
+    def rebind(self, kernel: CpuMatmul) -> PackedWeight:
+        """This weight with ``kernel`` as its bound kernel instead (the autotuner's choice per bucket of rows, which
+        reads this weight's tensors and those of its other layouts); returns itself."""
+        object.__setattr__(self, "_kernel", kernel)
+        return self
+
     def takes(self, x: torch.Tensor) -> bool:
         """Whether the bound kernel multiplies activations like ``x`` (dtype)."""
         return True
@@ -70,6 +77,9 @@ class PackedWeight:
         return out.copy_(y) if out is not None else y
 
     def cpu_matmul(self) -> CpuMatmul | None:
-        """The bound C++ kernel for float32 CPU activations (what ``Linear`` calls directly for flat batches),
-        or None where the weight is not read by one."""
+        """The bound C++ kernel for float32 CPU activations (what a CPU step graph records), or None where the
+        weight is not read by one."""
         return None
+
+    def describe(self) -> str:
+        return self.layout

@@ -113,6 +113,16 @@ class QPanels(PackedWeight):
     def cpu_matmul(self) -> CpuMatmul | None:
         return self._kernel
 
+    def fast_matmul(self) -> CpuMatmul:
+        kernel, matmul = self._kernel, self.matmul
+        if kernel is None:
+            return matmul
+
+        def run(x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+            return kernel(x, bias, out) if x.dtype == torch.float32 else matmul(x, bias, out)
+
+        return run
+
     def _levels(self) -> torch.Tensor:
         """The quantized levels as float32 [P, K, 16]."""
         raise NotImplementedError
