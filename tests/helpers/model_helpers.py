@@ -105,11 +105,13 @@ def cpu_tensors_get_cuda_elementwise_ops(monkeypatch) -> None:  # noqa: ANN001 -
 
 
 def cpu_tensors_get_triton_attention(monkeypatch) -> None:  # noqa: ANN001 - pytest's MonkeyPatch
-    """Make layers without an engine-bound backend attend through the Triton backend (interpreted) on CPU
-    tensors, as CUDA tensors do."""
-    from pagedllm.attention.backends import selector
+    """Make the CPU platform's "auto" attention backend the Triton one (interpreted), as CUDA's is: for layers
+    without an engine-bound backend and for an engine's layers alike."""
+    from pagedllm.attention.backends import registry
     from pagedllm.attention.backends.torch_sdpa import TorchPagedAttentionBackend
     from pagedllm.attention.backends.triton_paged import TritonPagedAttentionBackend
+    from pagedllm.platforms import platform_for
 
+    # The CPU platform's "auto" backend, for layers that ask per call (the selector) and for an engine's worker.
     triton = TritonPagedAttentionBackend(TorchPagedAttentionBackend())
-    monkeypatch.setattr(selector, "get_attention_backend", lambda platform, name="auto": triton)
+    monkeypatch.setattr(registry, "_MADE", {(platform_for("cpu"), "auto"): triton})
