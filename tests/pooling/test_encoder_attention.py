@@ -122,6 +122,26 @@ def test_attention_layer_with_encoder_spec(dtype):
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
 
 
+def test_a_dtype_the_kernels_lack_is_bucketed_on_a_step_prepared_for_them():
+    """float16 on a CPU with the kernels: the step is prepared for the kernels (offsets, no buckets), and a query
+    they cannot take is attended by the length buckets all the same, equal to each sequence alone."""
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C++ CPU kernels on this machine (no compiler)")
+    torch.manual_seed(3)
+    lengths = [4, 30, 9]
+    qsl = _offsets(lengths)
+    heads, dim = 4, 16
+    q, k, v = (torch.randn(qsl[-1], heads, dim, dtype=torch.float16) for _ in range(3))
+    meta = prepared(build_attention_metadata(lengths, lengths, [[] for _ in lengths], 16), AttentionSpec.encoder(),
+                    kernels=kernels)
+    assert torch_state(meta).encoder_plan is None  # prepared for the kernels: offsets only
+    out = encoder_attention(q, k, v, meta, dim ** -0.5, kernels)
+    assert out.dtype == torch.float16 and out.shape == q.shape
+    ref = _reference(q.float(), k.float(), v.float(), qsl)
+    torch.testing.assert_close(out.float().view(qsl[-1], -1), ref, atol=2e-3, rtol=2e-3)
+
+
 def test_chunked_sequences_are_refused():
     meta = build_attention_metadata([4, 8], [4, 12], [[], []], 16)
     with pytest.raises(ValueError, match="whole in one step"):  # preparing the step refuses it, for either path

@@ -140,9 +140,10 @@ def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         if kernel is not None or meta.max_query_len <= ENCODER_KERNEL_MAX_LEN:
             return kernels.encoder_attention(query, key, value, _query_start_cpu(meta), scale, kernel or "generic")
     elif kernels is not None and meta.max_query_len <= ENCODER_KERNEL_MAX_LEN:
-        # The step was prepared for the kernels, which take every float32 and bf16 step this short.
-        raise ValueError(f"encoder attention on the CPU kernels takes float32 or bfloat16 queries, not {query.dtype} "
-                         "(--attention-backend torch serves any dtype)")
+        # A dtype the kernels lack (float16) on a step prepared for them, which take every float32 and bf16 step
+        # this short: bucketed here, per layer, as the prepared state holds no buckets for it.
+        plan = plan_encoder_attention(meta.query_start_loc_cpu, meta.query_start_loc.device)
+        return bucketed_attention(query, key, value, plan, scale).view(query.shape)
     return bucketed_attention(query, key, value, encoder_plan(meta), scale).view(query.shape)
 
 
