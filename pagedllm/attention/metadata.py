@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeVar, cast
 
 import numpy as np
 import torch
 
 from pagedllm.host_to_device import tensor_on, to_device
+
+StateT = TypeVar("StateT")
 
 
 @dataclass
@@ -42,9 +44,10 @@ class AttentionMetadata:
     # A model with several KV cache groups: every group's metadata, this one (group 0) first; the groups
     # differ only in block_tables and slot_mapping. None: one group, or all groups share this table.
     group_metadata: list[AttentionMetadata] | None = field(default=None, repr=False)
-    # What a backend derives from this step once and every layer reuses (its plan of the batch), under the
-    # backend's own key: the metadata describes the step, each backend keeps its own state here.
-    backend_state: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
+    # What a backend derives from this step once and every layer reuses (its plan of the batch), keyed by the
+    # backend's state class (``AttentionBackend.state_type``): the metadata describes the step, each backend keeps
+    # its own state here. Written by ``AttentionBackend.prepare_step`` only; read through ``step_state``.
+    backend_state: dict[type, object] = field(default_factory=dict, init=False, repr=False)
     _max_query_len: int | None = field(default=None, init=False, repr=False)
 
     @classmethod
@@ -141,6 +144,20 @@ class AttentionMetadata:
         if group and self.group_metadata is not None:
             return self.group_metadata[group]
         return self
+
+    def step_state(self, state_type: type[StateT]) -> StateT:
+        """The per-step state of type ``state_type`` that a backend's ``prepare_step`` built for this step.
+
+        Raises RuntimeError when none was prepared: whoever builds metadata and runs layers over it prepares the
+        step first (``model_executor.layers.attention``: ``prepare_step_states``, ``attention_step``).
+        """
+        state = self.backend_state.get(state_type)
+        if state is None:
+            raise RuntimeError(
+                f"attention: this step's metadata holds no {state_type.__name__}; the step was not prepared. "
+                "Whoever builds AttentionMetadata and runs layers over it calls prepare_step_states(meta, "
+                "step_readers(model)) (or enters attention_step(meta, readers)) before the forward")
+        return cast(StateT, state)  # prepare_step keys each state by its own class
 
     @property
     def num_reqs(self) -> int:

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.attention.forward_context import forward_context
 from pagedllm.attention.metadata import build_attention_metadata
 from pagedllm.host_to_device import index_rows, tensor_on
+from pagedllm.model_executor.layers.attention import StepReaders, attention_step, step_readers
 from pagedllm.sample.draw import draw_drafts
 from pagedllm.sampling_params import SAMPLING_EPS
 from pagedllm.spec_decode.proposer import DraftJob, Proposals, Proposer
@@ -54,18 +54,25 @@ class ModelDrafter(Proposer):
 
     Random requests draw drafts from softmax(logits / temperature) and keep that distribution
     (``Proposals.probs``) for the verifier; greedy requests take the argmax (the sampler's ``draw_drafts``).
+    ``layers``: the module whose attention layers ``forward`` runs (the draft model, or the target for layer-skip);
+    each pass prepares their backends' state for its metadata, as the model runner does for its steps. None: a
+    ``forward`` with no attention layers.
     """
 
     writes_kv = True
 
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  compute_logits: Callable[[torch.Tensor], torch.Tensor], block_size: int,
-                 device: torch.device, catches_up_all: bool = False) -> None:
+                 device: torch.device, catches_up_all: bool = False, layers: nn.Module | None = None) -> None:
         self.forward = forward
         self.compute_logits = compute_logits
         self.block_size = block_size
         self.device = device
         self.catches_up_all = catches_up_all
+        self.layers = layers
+        # Who reads each pass's metadata (step_readers of ``layers``): found at the first pass, once the engine has
+        # bound the layers' backends and caches.
+        self._readers: StepReaders | None = None
 
     def _run(self, input_ids: torch.Tensor, parts: list[tuple[int, int, list[int]]]) -> torch.Tensor:
         """input_ids [T] (requests' tokens back to back, decodes first); parts: (first position, number of
@@ -76,7 +83,9 @@ class ModelDrafter(Proposer):
                                         self.device)
         positions = tensor_on([p for start, n, _ in parts for p in range(start, start + n)], torch.long,
                               self.device)
-        with forward_context(meta):
+        if self._readers is None:
+            self._readers = step_readers(self.layers) if self.layers is not None else []
+        with attention_step(meta, self._readers):
             return self.forward(input_ids, positions)
 
     @torch.inference_mode()
@@ -123,9 +132,11 @@ class ModelDrafter(Proposer):
 
 def make_draft_model_drafter(draft_model: Any, block_size: int, device: torch.device) -> ModelDrafter:
     """A separate draft model: it catches up on every token the target computed (its own KV cache)."""
-    return ModelDrafter(draft_model, draft_model.compute_logits, block_size, device, catches_up_all=True)
+    return ModelDrafter(draft_model, draft_model.compute_logits, block_size, device, catches_up_all=True,
+                        layers=draft_model)
 
 
 def make_layer_skip_drafter(target: Any, num_layers: int, block_size: int, device: torch.device) -> ModelDrafter:
     """The target's first ``num_layers`` layers and its head (those layers' K/V is the target's own)."""
-    return ModelDrafter(layer_skip_forward(target, num_layers), target.compute_logits, block_size, device)
+    return ModelDrafter(layer_skip_forward(target, num_layers), target.compute_logits, block_size, device,
+                        layers=target)

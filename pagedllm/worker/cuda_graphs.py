@@ -21,10 +21,11 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
-from pagedllm.attention.forward_context import forward_context
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.logger import init_logger
+from pagedllm.model_executor.layers.attention import StepReaders, attention_step, step_readers
 
 logger = init_logger(__name__)
 
@@ -85,6 +86,9 @@ class DecodeGraphRunner:
         self.hidden = torch.zeros(tokens, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None
+        # Who reads the buffers' metadata (step_readers of the model; none for a plain callable): found at the
+        # first forward, after the engine bound the layers' caches and backends.
+        self._readers: StepReaders | None = None
 
     @property
     def num_kv_groups(self) -> int:
@@ -127,7 +131,10 @@ class DecodeGraphRunner:
             self.seq_lens[n:size].fill_(q)
 
     def _forward(self, size: int) -> torch.Tensor:
-        with forward_context(self._metadata(size)):
+        """An ordinary forward over the buffers' first ``size`` rows (a capture records it), its step prepared."""
+        if self._readers is None:
+            self._readers = step_readers(self.model) if isinstance(self.model, nn.Module) else []
+        with attention_step(self._metadata(size), self._readers):
             tokens = size * self.query_len
             return self.model(self.input_ids[:tokens], self.positions[:tokens])
 

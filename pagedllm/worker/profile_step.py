@@ -56,6 +56,7 @@ def run_profile_step(runner: Any, query_lens: list[int], block_size: int, max_sa
         num_tokens = sum(query_lens)
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
         positions = torch.from_numpy(token_positions(query_lens, query_lens)).to(device)
+        runner.prepare_attention(meta)
         with forward_context(meta):
             hidden = runner.model(input_ids, positions)
         if runner.pooling is not None:

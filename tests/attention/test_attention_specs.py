@@ -11,6 +11,8 @@ from pagedllm.attention.backends.torch_sdpa import TorchPagedAttentionBackend
 from pagedllm.attention.metadata import build_attention_metadata
 from pagedllm.attention.spec import AttentionSpec, common_sliding_window, layer_attention_specs
 
+from helpers.step_state import prepared
+
 H, HKV, D, BS = 4, 2, 8, 4
 
 
@@ -43,7 +45,7 @@ def test_sliding_window_matches_dense_reference(window: int) -> None:
     new_v = torch.cat([full_v[i][s - q:] for i, (q, s) in enumerate(zip(query_lens, seq_lens))])
     query = torch.randn(sum(query_lens), H, D)
     spec = AttentionSpec.sliding(window)
-    out = TorchPagedAttentionBackend().forward(query, new_k, new_v, cache, meta, spec, D ** -0.5)
+    out = TorchPagedAttentionBackend().forward(query, new_k, new_v, cache, prepared(meta, spec), spec, D ** -0.5)
     start = 0
     for i, (q, s) in enumerate(zip(query_lens, seq_lens)):
         ref = _dense_reference(query[start:start + q], full_k[i], full_v[i], torch.arange(s - q, s), s, window)
@@ -62,7 +64,8 @@ def test_encoder_attends_both_ways_without_a_cache() -> None:
     torch.manual_seed(0)
     meta = build_attention_metadata([5, 3], [5, 3], [[], []], BS)
     q, k, v = torch.randn(8, H, D), torch.randn(8, HKV, D), torch.randn(8, HKV, D)
-    out = TorchPagedAttentionBackend().forward(q, k, v, None, meta, AttentionSpec.encoder(), 0.5)
+    out = TorchPagedAttentionBackend().forward(q, k, v, None, prepared(meta, AttentionSpec.encoder()),
+                                               AttentionSpec.encoder(), 0.5)
     for a, b in ((0, 5), (5, 8)):
         ref = F.scaled_dot_product_attention(q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None],
                                              v[a:b].transpose(0, 1)[None], scale=0.5, enable_gqa=True)

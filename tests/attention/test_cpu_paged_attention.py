@@ -11,6 +11,13 @@ from pagedllm.attention.backends.torch_sdpa import _attend_with_context
 from pagedllm.attention.metadata import build_attention_metadata
 from pagedllm.kernels.cpu import load_cpu_kernels
 
+from helpers.step_state import prepared
+
+
+def _prepared_metadata(*args, **kwargs):
+    """A step's metadata with its causal layers' state built, as the runner prepares each step."""
+    return prepared(build_attention_metadata(*args, **kwargs))
+
 
 def _scattered_tables(seq_lens: list[int], block_size: int, rng: random.Random, num_ids: int) -> list[list[int]]:
     """Block tables over ids 1 .. num_ids - 1 in shuffled order: non-contiguous, out-of-order physical blocks."""
@@ -28,8 +35,8 @@ def _batch(query_lens: list[int], seq_lens: list[int], block_size: int, cache_dt
            num_heads: int = 9, num_kv_heads: int = 3, head_dim: int = 64):
     """(metadata, random caches [2, blocks, block_size, Hkv, D], random query [T, H, D]) for a step of these lengths."""
     num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
-    meta = build_attention_metadata(query_lens, seq_lens, _scattered_tables(seq_lens, block_size, rng, num_blocks),
-                                    block_size)
+    meta = _prepared_metadata(query_lens, seq_lens, _scattered_tables(seq_lens, block_size, rng, num_blocks),
+                              block_size)
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(cache_dtype)
     return meta, cache, torch.randn(sum(query_lens), num_heads, head_dim)
 
@@ -258,7 +265,7 @@ def test_backend_routes_fresh_prompts_by_length(monkeypatch, cache_dtype: torch.
     query_lens = [1, 1, 1, 9, 5, 40, 41, 70]
     seq_lens = [30, 17, 64, 50, 5, 40, 41, 70]  # the last four are fresh prompts (seq_len == q_len)
     tables = _scattered_tables(seq_lens, block_size, rng, 200)
-    meta = build_attention_metadata(query_lens, seq_lens, tables, block_size)
+    meta = _prepared_metadata(query_lens, seq_lens, tables, block_size)
     tokens = sum(query_lens)
     query = torch.randn(tokens, num_heads, head_dim)
     key, value = torch.randn(tokens, num_kv_heads, head_dim), torch.randn(tokens, num_kv_heads, head_dim)
@@ -278,7 +285,7 @@ def test_backend_routes_fresh_prompts_by_length(monkeypatch, cache_dtype: torch.
     takes = choice == "kernel" or (choice == "auto" and kernels.built_for_avx512)
     assert kernels.causal_calls == (in_kernel if takes else [])
     expected = backend.paged_attention(query, key, value, cache.clone(),
-                                       build_attention_metadata(query_lens, seq_lens, tables, block_size),
+                                       _prepared_metadata(query_lens, seq_lens, tables, block_size),
                                        head_dim ** -0.5)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
 
@@ -319,7 +326,7 @@ def test_long_fresh_prompt_attends_to_its_kv_as_the_cache_keeps_it(monkeypatch) 
     monkeypatch.setattr(backend, "FRESH_PROMPT_KERNEL_MAX_LEN", 8)
     torch.manual_seed(1)
     q_len, num_heads, num_kv_heads, head_dim = 40, 4, 2, 32
-    meta = build_attention_metadata([q_len], [q_len], [[1, 2, 3]], 16)
+    meta = _prepared_metadata([q_len], [q_len], [[1, 2, 3]], 16)
     query = torch.randn(q_len, num_heads, head_dim)
     key, value = torch.randn(q_len, num_kv_heads, head_dim), torch.randn(q_len, num_kv_heads, head_dim)
     cache = torch.zeros(2, 4, 16, num_kv_heads, head_dim, dtype=torch.bfloat16)
@@ -355,7 +362,7 @@ def test_bf16_queries_leave_shorter_prompts_and_chunks_to_sdpa(monkeypatch) -> N
     assert split.kernel_rows.tolist() == [0, 1, 2, 4] and split.long_chunks == [3] and split.long_fresh == {70: [5]}
     got = backend.paged_attention(query.bfloat16(), key, value, cache.clone(), meta, 0.125, load_cpu_kernels())
     expected = backend.paged_attention(query.bfloat16().float(), key.float(), value.float(), cache.float(),
-                                       build_attention_metadata(query_lens, seq_lens, meta.block_tables.tolist(), 16),
+                                       _prepared_metadata(query_lens, seq_lens, meta.block_tables.tolist(), 16),
                                        0.125)
     torch.testing.assert_close(got.float(), expected, rtol=2 ** -7, atol=4e-3)
 
@@ -394,7 +401,7 @@ def test_bf16_fresh_prompts_go_to_the_causal_kernel_without_amx(monkeypatch, cho
     key, value = (torch.randn(tokens, 3, 64).bfloat16() for _ in range(2))
     got = backend.paged_attention(query.bfloat16(), key, value, cache.clone(), meta, 0.125, kernels)
     expected = backend.paged_attention(query.bfloat16().float(), key.float(), value.float(), cache.float(),
-                                       build_attention_metadata(query_lens, seq_lens, meta.block_tables.tolist(), 16),
+                                       _prepared_metadata(query_lens, seq_lens, meta.block_tables.tolist(), 16),
                                        0.125)
     torch.testing.assert_close(got.float(), expected, rtol=2 ** -7, atol=4e-3)
     able = kernels.encoder_attention_kernels(query.bfloat16(), True)
@@ -417,7 +424,7 @@ def test_queries_with_heads_apart_go_through_the_paged_kernel() -> None:
 
     kernels = load_cpu_kernels()
     assert kernels is not None
-    meta = build_attention_metadata([1, 12], [40, 12], [[0, 1, 2], [3]], 16)
+    meta = _prepared_metadata([1, 12], [40, 12], [[0, 1, 2], [3]], 16)
     for dtype in (torch.float32, torch.bfloat16):
         torch.manual_seed(4)
         query = torch.randn(4, 13, 64).to(dtype).transpose(0, 1)  # [T, H, D] with the heads 13 rows apart
@@ -435,7 +442,7 @@ def test_bf16_fresh_prompts_with_other_layouts_stay_in_sdpa(monkeypatch) -> None
 
     monkeypatch.setenv("PAGEDLLM_ENCODER_ATTENTION_BF16", "avx512_bf16")
     kernels = _KernelsSpy(load_cpu_kernels())
-    meta = build_attention_metadata([80], [80], [[0, 1, 2, 3, 4]], 16)
+    meta = _prepared_metadata([80], [80], [[0, 1, 2, 3, 4]], 16)
     torch.manual_seed(3)
     query = torch.randn(4, 80, 64).bfloat16().transpose(0, 1)  # [T, H, D] with the heads 80 rows apart
     key, value = (torch.randn(80, 2, 64).bfloat16() for _ in range(2))

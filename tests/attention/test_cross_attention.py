@@ -9,8 +9,11 @@ import torch.nn.functional as F
 
 from pagedllm.attention.backends.cross_attention import cross_attention
 from pagedllm.attention.metadata import build_attention_metadata
+from pagedllm.attention.spec import AttentionSpec
 from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.worker.encoder_decoder import EncoderDecoderRunner
+
+from helpers.step_state import prepared
 
 BLOCK, POSITIONS, HEADS, DIM = 16, 100, 4, 16
 
@@ -36,7 +39,7 @@ def test_cross_attention_equals_unmasked_attention(use_kernels: bool, cache_dtyp
         encoder_kv.append((k, v))
     query_lens = [1, 1, 5]  # two decodes, one prompt of 5 tokens
     decoder = build_attention_metadata(query_lens, [7, 3, 5], [[0], [0], [0]], BLOCK)
-    meta = runner.cross_metadata(tables, decoder)
+    meta = prepared(runner.cross_metadata(tables, decoder), AttentionSpec.cross(), kernels=kernels)
     query = torch.randn(sum(query_lens), HEADS, DIM)
     out = cross_attention(query, cache, meta, DIM ** -0.5, kernels)
     start = 0

@@ -159,7 +159,7 @@ def test_layer_with_rotary_writing_kv_equals_the_torch_backend(monkeypatch: pyte
     from pagedllm.attention.backends import triton_paged
     from pagedllm.attention.backends.torch_sdpa import TorchPagedAttentionBackend
     from pagedllm.attention.backends.triton_paged import TritonPagedAttentionBackend
-    from pagedllm.attention.forward_context import forward_context
+    from pagedllm.model_executor.layers.attention import attention_step, step_readers
     from pagedllm.model_executor.layers.rotary_embedding import RopeStep, RotaryEmbedding
     from pagedllm.model_executor.models.blocks import RotaryAttention
 
@@ -188,7 +188,7 @@ def test_layer_with_rotary_writing_kv_equals_the_torch_backend(monkeypatch: pyte
         x = torch.randn(sum(query_lens), 48).to(DEVICE)
         outs = []
         for layer in layers:
-            with forward_context(meta):
+            with attention_step(meta, step_readers(layer)):
                 outs.append(layer(x, RopeStep(emb, positions)))
         torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(caches[1], caches[0], atol=1e-6, rtol=1e-6)

@@ -9,9 +9,8 @@ from typing import Any
 
 import torch
 
-from pagedllm.attention.forward_context import forward_context
 from pagedllm.attention.metadata import build_attention_metadata
-from pagedllm.model_executor.layers.attention import bind_kv_caches
+from pagedllm.model_executor.layers.attention import attention_step, bind_kv_caches, step_readers
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -78,7 +77,7 @@ def paged_step(model: Any, token_ids: list[list[int]], seq_lens: list[int], bloc
     input_ids = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long)
     positions = torch.tensor([p for q, s in zip(query_lens, seq_lens, strict=True) for p in range(s - q, s)],
                              dtype=torch.long)
-    with forward_context(meta):
+    with attention_step(meta, step_readers(model)):  # prepared as the model runner prepares a step
         hidden = model(input_ids, positions)
     return model.compute_logits(hidden)
 

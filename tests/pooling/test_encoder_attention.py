@@ -11,14 +11,15 @@ from pagedllm.attention.backends.torch_encoder import (
     bucket_length,
     bucketed_attention,
     encoder_attention,
-    encoder_plan,
     plan_encoder_attention,
 )
-from pagedllm.attention.forward_context import forward_context
+from pagedllm.attention.backends.torch_state import torch_state
 from pagedllm.attention.metadata import build_attention_metadata
 from pagedllm.attention.spec import AttentionSpec
 from pagedllm.kernels.cpu import load_cpu_kernels
-from pagedllm.model_executor.layers.attention import Attention
+from pagedllm.model_executor.layers.attention import Attention, attention_step, step_readers
+
+from helpers.step_state import prepared
 
 LENGTHS = [[5], [16, 16, 16], [1, 3, 17, 40, 9, 16, 2, 33, 100], [64, 1], [7, 300, 129, 128, 250, 12]]
 
@@ -109,23 +110,44 @@ def test_attention_layer_with_encoder_spec(dtype):
     qkv = torch.randn(qsl[-1], 3 * heads * dim, dtype=dtype)
     q, k, v = qkv.split(heads * dim, dim=-1)
     meta = build_attention_metadata(lengths, lengths, [[] for _ in lengths], 16)
-    with forward_context(meta):
+    with attention_step(meta, step_readers(layer)):
         out = layer(q, k, v)
-        plan = encoder_plan(meta)
-        assert encoder_plan(meta) is plan
+        state = torch_state(meta)
+        built = (state.encoder_plan, state.encoder_query_start)  # the buckets, or the kernel's offsets
+        assert any(piece is not None for piece in built)
         torch.testing.assert_close(layer(q, k, v), out)
+        assert torch_state(meta) is state and state.encoder_plan is built[0] and state.encoder_query_start is built[1]
     ref = _reference(*(t.reshape(-1, heads, dim) for t in (q, k, v)), qsl)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
 
 
+def test_a_dtype_the_kernels_lack_is_bucketed_on_a_step_prepared_for_them():
+    """float16 on a CPU with the kernels: the step is prepared for the kernels (offsets, no buckets), and a query
+    they cannot take is attended by the length buckets all the same, equal to each sequence alone."""
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C++ CPU kernels on this machine (no compiler)")
+    torch.manual_seed(3)
+    lengths = [4, 30, 9]
+    qsl = _offsets(lengths)
+    heads, dim = 4, 16
+    q, k, v = (torch.randn(qsl[-1], heads, dim, dtype=torch.float16) for _ in range(3))
+    meta = prepared(build_attention_metadata(lengths, lengths, [[] for _ in lengths], 16), AttentionSpec.encoder(),
+                    kernels=kernels)
+    assert torch_state(meta).encoder_plan is None  # prepared for the kernels: offsets only
+    out = encoder_attention(q, k, v, meta, dim ** -0.5, kernels)
+    assert out.dtype == torch.float16 and out.shape == q.shape
+    ref = _reference(q.float(), k.float(), v.float(), qsl)
+    torch.testing.assert_close(out.float().view(qsl[-1], -1), ref, atol=2e-3, rtol=2e-3)
+
+
 def test_chunked_sequences_are_refused():
     meta = build_attention_metadata([4, 8], [4, 12], [[], []], 16)
+    with pytest.raises(ValueError, match="whole in one step"):  # preparing the step refuses it, for either path
+        prepared(meta, AttentionSpec.encoder())
     with pytest.raises(ValueError, match="whole in one step"):
-        encoder_plan(meta)
-    q = torch.randn(12, 2, 8)
-    with pytest.raises(ValueError, match="whole in one step"):
-        encoder_attention(q, q, q, meta, 1.0)
+        prepared(meta, AttentionSpec.encoder(), kernels=_KernelSpy())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -319,8 +341,9 @@ def test_routing_between_bf16_kernels_generic_kernel_and_buckets(monkeypatch, ch
     """Long bf16 steps go to the bf16 kernel PAGEDLLM_ENCODER_ATTENTION_BF16 picks among those the CPU has (auto:
     the fastest), else to SDPA's buckets; short steps to the generic kernel where no bf16 kernel takes them."""
     monkeypatch.setenv("PAGEDLLM_ENCODER_ATTENTION_BF16", choice)
-    long_meta = build_attention_metadata([600], [600], [[]], 16)
-    short_meta = build_attention_metadata([40], [40], [[]], 16)
+    encoder = AttentionSpec.encoder()
+    long_meta = prepared(build_attention_metadata([600], [600], [[]], 16), encoder, kernels=_KernelSpy())
+    short_meta = prepared(build_attention_metadata([40], [40], [[]], 16), encoder, kernels=_KernelSpy())
     q_long, q_short = torch.randn(600, 2, 32).bfloat16(), torch.randn(40, 2, 32).bfloat16()
     spy = _KernelSpy("amx", "avx512_bf16")
     out = encoder_attention(q_long, q_long, q_long, long_meta, 1.0, spy)

@@ -8,9 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from pagedllm.attention.forward_context import forward_context
 from pagedllm.attention.metadata import build_attention_metadata
-from pagedllm.model_executor.layers.attention import bind_kv_caches
+from pagedllm.model_executor.layers.attention import attention_step, bind_kv_caches, step_readers
 from pagedllm.model_executor.layers.rotary_embedding import RopeStep
 from pagedllm.model_executor.models.llama import LlamaForCausalLM
 from pagedllm.sampling_params import SamplingParams
@@ -129,7 +128,7 @@ def test_layer_skip_runs_the_models_own_forward_over_its_first_layers(tiny_targe
     inner = tiny_target.model
     ids, positions = torch.tensor([1, 7, 30, 4, 99, 5]), torch.arange(6)
     meta = build_attention_metadata([6], [6], [[1]], 16)
-    with torch.inference_mode(), forward_context(meta):
+    with torch.inference_mode(), attention_step(meta, step_readers(tiny_target)):
         got = layer_skip_forward(tiny_target, 2)(ids, positions)
         # What layer skip carried before: the Llama forward written out over the first two layers.
         x, rope, residual = inner.embed_tokens(ids), RopeStep(inner.rotary_emb, positions), None

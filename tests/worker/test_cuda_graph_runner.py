@@ -8,10 +8,9 @@ import os
 import pytest
 import torch
 
-from pagedllm.attention.forward_context import forward_context
 from pagedllm.attention.metadata import build_attention_metadata
 from pagedllm.config import ModelConfig
-from pagedllm.model_executor.layers.attention import bind_kv_caches
+from pagedllm.model_executor.layers.attention import attention_step, bind_kv_caches, step_readers
 from pagedllm.model_executor.loader import load_model
 from pagedllm.worker.cuda_graphs import DecodeGraphRunner, graph_batch_sizes, padded_batch_size
 
@@ -87,7 +86,7 @@ def test_captured_graphs_replay_like_the_eager_step(tmp_path) -> None:
     tables = [[1, 2], [3], [4, 5, 6]]
     lens = [len(p) for p in prompts]
     positions = [p for n in lens for p in range(n)]
-    with forward_context(build_attention_metadata(lens, lens, tables, block_size, dev)):
+    with attention_step(build_attention_metadata(lens, lens, tables, block_size, dev), step_readers(model)):
         model(torch.tensor([t for p in prompts for t in p], device=dev), torch.tensor(positions, device=dev))
 
     runner = DecodeGraphRunner(model, dev, [1, 2, 4, 8], max_blocks_per_seq=5, block_size=block_size,
@@ -100,7 +99,7 @@ def test_captured_graphs_replay_like_the_eager_step(tmp_path) -> None:
         ids = torch.tensor(tokens, device=dev)
         pos = torch.tensor([s - 1 for s in step_lens], device=dev)
         meta = build_attention_metadata([1] * len(tokens), step_lens, step_tables, block_size, dev)
-        with forward_context(meta):
+        with attention_step(meta, step_readers(model)):
             expected = model(ids, pos).clone()  # writes the same K/V the replay writes again
         got = runner.run(ids, pos, meta)
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

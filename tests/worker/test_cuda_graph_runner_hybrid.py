@@ -7,11 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.attention.forward_context import forward_context
 from pagedllm.attention.metadata import AttentionMetadata, build_attention_metadata
 from pagedllm.attention.spec import kv_cache_groups
 from pagedllm.config import ModelConfig
-from pagedllm.model_executor.layers.attention import attention_layers, bind_kv_caches
+from pagedllm.model_executor.layers.attention import attention_layers, attention_step, bind_kv_caches, step_readers
 from pagedllm.model_executor.loader import load_model
 from pagedllm.worker.cuda_graphs import DecodeGraphRunner
 
@@ -51,11 +50,11 @@ def test_padded_hybrid_decode_equals_plain_step(gemma3) -> None:
     tables = [[[1, 2], [3], [4, 5, 6]], [[9, 10], [11], [12, 13, 14]]]
     lens = [len(p) for p in prompts]
     meta, ids, pos = group_step(model, prompts, lens, tables)
-    with torch.inference_mode(), forward_context(meta):
+    with torch.inference_mode(), attention_step(meta, step_readers(model)):
         model(ids, pos)  # fill both groups' caches
     seq_lens = [n + 1 for n in lens]
     meta, ids, pos = group_step(model, [[21], [22], [23]], seq_lens, tables)
-    with torch.inference_mode(), forward_context(meta):
+    with torch.inference_mode(), attention_step(meta, step_readers(model)):
         expected = model(ids, pos).clone()  # writes the K/V the runner writes again, to the same slots
 
     runner = DecodeGraphRunner(model, torch.device("cpu"), [1, 2, 4], max_blocks_per_seq=5, block_size=BLOCK,

@@ -5,26 +5,26 @@ each layer's ``AttentionSpec``; a backend that cannot serve a spec falls back to
 ``forward``.
 
 Per-step state. What a backend derives from a step's metadata once and every layer reuses (the torch and CPU
-backends' plan of the batch, the encoder's buckets) lives in ``meta.backend_state[backend.state_key]``. The
-model runner has it built once per eagerly run step, right after it builds the metadata: ``prepare_step``
-for each backend its layers are bound to, with the specs of the layers that read that metadata
-(``model_executor.layers.attention.prepare_step_states``); ``build_state`` makes it. Metadata that a caller
-builds and runs itself (tests, the draft model, Whisper's encoder, the GPU profiling step) gets each piece from
-the first layer that asks, through the same functions.
+backends' plan of the batch, the encoder's buckets) is an object of its ``state_type``, kept in
+``meta.backend_state`` under that class and read with ``meta.step_state(state_type)``. ``prepare_step`` builds it
+(``build_state``), once per step and before the forward, for the specs of the layers that will read that
+metadata. Everything that builds metadata and runs layers over it goes through it the same way
+(``model_executor.layers.attention``: ``step_readers`` + ``prepare_step_states``, or ``attention_step``): the
+model runner and the pooling runner for each eagerly run step, the GPU profiling step, the draft model, Whisper's
+encoder, the graph captures, the tests. A forward never builds state: over metadata nobody prepared it raises.
 
 Graphs. ``graph_safe``: the forward reads no tensor value on the host, so a step can be captured as a CUDA
 graph; ``records_step_graphs``: the forward of a decode step is nothing but calls of the C++ kernels, which a CPU
 step graph records (``worker/cpu_graphs.py``). The graph runners need nothing more from a backend: a capture is
-an ordinary forward over the buffers' metadata (its state built there, from host lists that describe shapes
-only: decodes, one token each), and a replay repeats the captured kernels without calling the backend, so the
-runner prepares no state for a replayed step.
+an ordinary forward over the buffers' metadata, prepared like any other (from host lists that describe shapes
+only: requests of ``query_len`` tokens each), and a replay repeats the captured kernels without calling the
+backend, so the runner prepares no state for a replayed step.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Collection
-from typing import Any
 
 import torch
 
@@ -39,8 +39,8 @@ class AttentionBackend(ABC):
     graph_safe: bool = False
     #: A decode step's forward through it is only C++ kernel calls, so a CPU step graph can record it.
     records_step_graphs: bool = False
-    #: The key of this backend's per-step state in ``meta.backend_state``; None: it keeps none.
-    state_key: str | None = None
+    #: The class of this backend's per-step state (its key in ``meta.backend_state``); None: it keeps none.
+    state_type: type | None = None
 
     @abstractmethod
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor | None,
@@ -63,15 +63,15 @@ class AttentionBackend(ABC):
         cache (``triton_ops.rotary_and_write_kv_``) and then attends with key = value = None."""
         return False
 
-    def build_state(self, meta: AttentionMetadata, specs: Collection[AttentionSpec]) -> Any:
-        """This backend's state for ``meta``'s step, for layers of ``specs`` reading it (only what they will
-        use); None: nothing to keep."""
+    def build_state(self, meta: AttentionMetadata, specs: Collection[AttentionSpec]) -> object | None:
+        """This backend's state (a ``state_type``) for ``meta``'s step, for layers of ``specs`` reading it (only
+        what they will use); None: nothing to keep."""
         return None
 
     def prepare_step(self, meta: AttentionMetadata, specs: Collection[AttentionSpec]) -> None:
-        """Build this step's state once, before the forward, and keep it under ``state_key``."""
-        if self.state_key is None:
+        """Build this step's state once, before the forward, and keep it under ``state_type``."""
+        if self.state_type is None:
             return
         state = self.build_state(meta, specs)
         if state is not None:
-            meta.backend_state[self.state_key] = state
+            meta.backend_state[self.state_type] = state

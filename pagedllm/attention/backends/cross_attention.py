@@ -16,29 +16,31 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.backends.paged_kv import gather_tokens
-from pagedllm.attention.backends.torch_state import torch_state
+from pagedllm.attention.backends.torch_state import missing, torch_state
 from pagedllm.attention.metadata import AttentionMetadata
 
 
-def cross_layout(meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
+def build_cross_layout(meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
     """(query_start [T + 1], seq_lens [T], block_tables [T, nb], rows [T]) int32: one kernel request per query
-    token (built once per step, in the backends' state: every cross-attention layer of the step asks)."""
-    state = torch_state(meta)
-    layout = state.cross_layout
+    token (built once per step, before the forward, by the backend's ``build_state``)."""
+    device = meta.block_tables.device
+    num_tokens = meta.num_actual_tokens
+    rows = torch.arange(num_tokens, dtype=torch.int32, device=device)
+    if meta.num_decodes == meta.num_reqs:  # one query each already
+        return meta.query_start_loc, meta.seq_lens, meta.block_tables, rows
+    qsl = meta.query_start_loc_cpu
+    counts = torch.tensor([qsl[i + 1] - qsl[i] for i in range(meta.num_reqs)], device=device)
+    row_of_token = torch.repeat_interleave(torch.arange(meta.num_reqs, device=device), counts)
+    seq = torch.full((num_tokens,), meta.seq_lens_cpu[0], dtype=torch.int32, device=device)
+    starts = torch.arange(num_tokens + 1, dtype=torch.int32, device=device)
+    return starts, seq, meta.block_tables.index_select(0, row_of_token).contiguous(), rows
+
+
+def cross_layout(meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
+    """The step's kernel layout, as ``build_cross_layout`` prepared it (RuntimeError if nobody did)."""
+    layout = torch_state(meta).cross_layout
     if layout is None:
-        device = meta.block_tables.device
-        num_tokens = meta.num_actual_tokens
-        rows = torch.arange(num_tokens, dtype=torch.int32, device=device)
-        if meta.num_decodes == meta.num_reqs:  # one query each already
-            layout = (meta.query_start_loc, meta.seq_lens, meta.block_tables, rows)
-        else:
-            qsl = meta.query_start_loc_cpu
-            counts = torch.tensor([qsl[i + 1] - qsl[i] for i in range(meta.num_reqs)], device=device)
-            row_of_token = torch.repeat_interleave(torch.arange(meta.num_reqs, device=device), counts)
-            seq = torch.full((num_tokens,), meta.seq_lens_cpu[0], dtype=torch.int32, device=device)
-            starts = torch.arange(num_tokens + 1, dtype=torch.int32, device=device)
-            layout = (starts, seq, meta.block_tables.index_select(0, row_of_token).contiguous(), rows)
-        state.cross_layout = layout
+        raise missing("cross-attention layout")
     return layout
 
 

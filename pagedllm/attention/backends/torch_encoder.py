@@ -6,8 +6,8 @@ Sequences are bucketed by length (multiples of ``BUCKET_STEP`` up to ``MIN_POW2_
 above), each bucket is gathered into a padded [n, H, L, D] block and run through one SDPA call with a
 key-padding mask. A step of many short sentences thus costs a handful of SDPA calls per layer (not one
 per sentence), padding wastes little, and no token attends to padding or to another sequence. The plan
-depends only on the step's sequence lengths, so it is built once per step (in the backends' state,
-``torch_state``) and shared by all layers.
+depends only on the step's sequence lengths, so it is built once per step, before the forward (in the backends'
+state, ``encoder_state``), and shared by all layers.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm import envs
-from pagedllm.attention.backends.torch_state import torch_state
+from pagedllm.attention.backends.torch_state import missing, torch_state
 from pagedllm.attention.metadata import AttentionMetadata
 
 ENCODER_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -92,12 +92,11 @@ def _check_whole_sequences(meta: AttentionMetadata) -> None:
 
 
 def encoder_plan(meta: AttentionMetadata) -> EncoderAttentionPlan:
-    """The step's plan, built once per step (``prepare_encoder_state``, else the first encoder layer that asks)."""
-    state = torch_state(meta)
-    if state.encoder_plan is None:
-        _check_whole_sequences(meta)
-        state.encoder_plan = plan_encoder_attention(meta.query_start_loc_cpu, meta.query_start_loc.device)
-    return state.encoder_plan
+    """The step's buckets, as ``encoder_state`` prepared them (RuntimeError if it did not)."""
+    plan = torch_state(meta).encoder_plan
+    if plan is None:
+        raise missing("encoder buckets")
+    return plan
 
 
 def bucketed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: EncoderAttentionPlan,
@@ -140,6 +139,11 @@ def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         kernel = bf16_kernel(kernels, query)
         if kernel is not None or meta.max_query_len <= ENCODER_KERNEL_MAX_LEN:
             return kernels.encoder_attention(query, key, value, _query_start_cpu(meta), scale, kernel or "generic")
+    elif kernels is not None and meta.max_query_len <= ENCODER_KERNEL_MAX_LEN:
+        # A dtype the kernels lack (float16) on a step prepared for them, which take every float32 and bf16 step
+        # this short: bucketed here, per layer, as the prepared state holds no buckets for it.
+        plan = plan_encoder_attention(meta.query_start_loc_cpu, meta.query_start_loc.device)
+        return bucketed_attention(query, key, value, plan, scale).view(query.shape)
     return bucketed_attention(query, key, value, encoder_plan(meta), scale).view(query.shape)
 
 
@@ -162,19 +166,22 @@ def bf16_kernel(kernels: Any, query: torch.Tensor, causal: bool = False) -> str 
 
 
 def _query_start_cpu(meta: AttentionMetadata) -> torch.Tensor:
-    """The step's sequence offsets as an int32 host tensor (built once per step: every layer asks)."""
-    state = torch_state(meta)
-    if state.encoder_query_start is None:
-        _check_whole_sequences(meta)
-        state.encoder_query_start = torch.tensor(meta.query_start_loc_cpu, dtype=torch.int32)
-    return state.encoder_query_start
+    """The step's sequence offsets as an int32 host tensor, as ``encoder_state`` prepared them."""
+    offsets = torch_state(meta).encoder_query_start
+    if offsets is None:
+        raise missing("encoder offsets")
+    return offsets
 
 
-def prepare_encoder_state(meta: AttentionMetadata, kernels: Any | None) -> None:
-    """Before the forward: what ``encoder_attention`` will ask for on this step, the kernels' offsets or the
-    buckets. A long step the kernels take only in some dtypes (AMX: bf16) builds its buckets at the first layer
-    that needs them."""
-    if kernels is not None:
-        _query_start_cpu(meta)
-    else:
-        encoder_plan(meta)
+def encoder_state(meta: AttentionMetadata, kernels: Any | None
+                  ) -> tuple[torch.Tensor | None, EncoderAttentionPlan | None]:
+    """Before the forward: what ``encoder_attention`` will read on this step, (the kernels' offsets, the buckets).
+    With ``kernels`` the offsets, and the buckets too for a step longer than ``ENCODER_KERNEL_MAX_LEN`` (only a bf16
+    kernel takes those, and the query's dtype is known at the layer only); without, the buckets."""
+    _check_whole_sequences(meta)
+    if kernels is None:
+        return None, plan_encoder_attention(meta.query_start_loc_cpu, meta.query_start_loc.device)
+    offsets = torch.tensor(meta.query_start_loc_cpu, dtype=torch.int32)
+    if meta.max_query_len <= ENCODER_KERNEL_MAX_LEN:
+        return offsets, None
+    return offsets, plan_encoder_attention(meta.query_start_loc_cpu, meta.query_start_loc.device)

@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.backends.base import AttentionBackend
-from pagedllm.attention.backends.cross_attention import cross_attention, cross_layout
+from pagedllm.attention.backends.cross_attention import build_cross_layout, cross_attention
 from pagedllm.attention.backends.paged_kv import as_stored, gather_tokens, write_kv
-from pagedllm.attention.backends.torch_encoder import encoder_attention, prepare_encoder_state
-from pagedllm.attention.backends.torch_state import TORCH_STATE_KEY, TorchStepState, torch_state
+from pagedllm.attention.backends.torch_encoder import encoder_attention, encoder_state
+from pagedllm.attention.backends.torch_state import TorchStepState, missing, torch_state
 from pagedllm.attention.backends.torch_windowed import sliding_window_attention
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.spec import AttentionSpec
@@ -37,13 +37,15 @@ class AttentionPlan:
     with_context: list[int]
     with_context_tensor: torch.Tensor  # [n] int32
     query_lens: list[int]
-    #: What backends derive from the plan once per step for every layer (the CPU backend's kernel split).
+    #: What backends derive from the plan and the query's dtype once per step for every layer (the CPU backend's
+    #: kernel split, whose limits depend on the dtype): worked out at the first layer, memoized here.
     memo: dict[Any, Any] = field(default_factory=dict)
     _chunk_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def chunk_mask(self, i: int, meta: AttentionMetadata) -> torch.Tensor:
         """[q_len, seq_len] bool for request i with context: its query j sits at position seq_len - q_len + j and
-        sees keys up to and including itself. Built once per step: every layer asks."""
+        sees keys up to and including itself. Memoized: every layer asks for the same (which requests need one
+        depends on the path the query's dtype takes, known at the first layer)."""
         mask = self._chunk_masks.get(i)
         if mask is None:
             seq_len, device = meta.seq_lens_cpu[i], meta.seq_lens.device
@@ -52,22 +54,27 @@ class AttentionPlan:
         return mask
 
 
+def plan_step(meta: AttentionMetadata) -> AttentionPlan:
+    """Split ``meta``'s requests into fresh prompts (by query length) and requests with earlier context (what
+    ``build_state`` keeps as the step's ``paged_plan``)."""
+    qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    fresh: dict[int, list[int]] = {}
+    other: list[int] = []
+    query_lens = [qsl[i + 1] - qsl[i] for i in range(meta.num_reqs)]
+    for i, q_len in enumerate(query_lens):
+        if q_len > 1 and seq_lens[i] == q_len:
+            fresh.setdefault(q_len, []).append(i)
+        else:
+            other.append(i)
+    return AttentionPlan(fresh, other, torch.tensor(other, dtype=torch.int32, device=meta.seq_lens.device), query_lens)
+
+
 def step_plan(meta: AttentionMetadata) -> AttentionPlan:
-    """The step's plan (built once per step: by ``build_state``, else by the first layer that asks)."""
-    state = torch_state(meta)
-    if state.paged_plan is None:
-        qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-        fresh: dict[int, list[int]] = {}
-        other: list[int] = []
-        query_lens = [qsl[i + 1] - qsl[i] for i in range(meta.num_reqs)]
-        for i, q_len in enumerate(query_lens):
-            if q_len > 1 and seq_lens[i] == q_len:
-                fresh.setdefault(q_len, []).append(i)
-            else:
-                other.append(i)
-        state.paged_plan = AttentionPlan(fresh, other, torch.tensor(other, dtype=torch.int32,
-                                                                    device=meta.seq_lens.device), query_lens)
-    return state.paged_plan
+    """The step's plan, as ``build_state`` prepared it (RuntimeError if it did not)."""
+    plan = torch_state(meta).paged_plan
+    if plan is None:
+        raise missing("paged plan")
+    return plan
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -176,7 +183,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
     """
 
     name = "torch"
-    state_key = TORCH_STATE_KEY
+    state_type = TorchStepState
 
     def _kernels(self, tensor: torch.Tensor) -> Any | None:
         """The C++ kernels that the encoder and cross-attention paths take for this step's tensors (the CPU
@@ -189,16 +196,17 @@ class TorchPagedAttentionBackend(AttentionBackend):
         return paged_attention(query, key, value, kv_cache, meta, scale)
 
     def build_state(self, meta: AttentionMetadata, specs: Collection[AttentionSpec]) -> TorchStepState:
-        """The pieces the layers of ``specs`` will ask for: the paged plan (causal layers, and sliding ones
-        this step is not longer than), the encoder's offsets or buckets, the kernel's cross-attention layout."""
+        """The pieces the layers of ``specs`` will read: the paged plan (causal layers, and sliding ones this
+        step is not longer than), the encoder's offsets or buckets, the kernel's cross-attention layout."""
         kernels = self._kernels(meta.seq_lens)
+        state = TorchStepState()
         if any(s.kind in ("causal", "sliding") and s.window_for(meta.max_seq_len) is None for s in specs):
-            step_plan(meta)
+            state.paged_plan = plan_step(meta)
         if any(s.kind == "encoder" for s in specs):
-            prepare_encoder_state(meta, kernels)
+            state.encoder_query_start, state.encoder_plan = encoder_state(meta, kernels)
         if kernels is not None and any(s.kind == "cross" for s in specs):
-            cross_layout(meta)
-        return torch_state(meta)
+            state.cross_layout = build_cross_layout(meta)
+        return state
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor | None,
                 meta: AttentionMetadata, spec: AttentionSpec, scale: float) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -9,7 +11,7 @@ from torch import nn
 
 from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.attention.backends.selector import DeviceAttentionBackend
-from pagedllm.attention.forward_context import get_attn_metadata
+from pagedllm.attention.forward_context import forward_context, get_attn_metadata
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.spec import AttentionSpec
 from pagedllm.model_executor.layers.direct_call import DirectCall
@@ -103,6 +105,18 @@ def step_readers(model: nn.Module) -> StepReaders:
 
 
 def prepare_step_states(meta: AttentionMetadata, readers: StepReaders) -> None:
-    """Each backend's per-step state, built once before the forward (``AttentionBackend.prepare_step``)."""
+    """Each backend's per-step state, built once before the forward (``AttentionBackend.prepare_step``): what
+    every caller does after building a step's metadata and before running layers over it (a forward over metadata
+    nobody prepared raises)."""
     for group, backend, specs in readers:
         backend.prepare_step(meta.for_group(group), specs)
+
+
+@contextmanager
+def attention_step(meta: AttentionMetadata, readers: StepReaders) -> Iterator[AttentionMetadata]:
+    """A step that its caller builds and runs itself (the draft model, Whisper's encoder, the profiling step,
+    graph captures, tests): the backends' state prepared (``prepare_step_states``), then ``meta`` in the forward
+    context for the layers, until the block ends."""
+    prepare_step_states(meta, readers)
+    with forward_context(meta):
+        yield meta

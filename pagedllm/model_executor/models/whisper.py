@@ -24,10 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention.forward_context import forward_context
 from pagedllm.attention.metadata import build_attention_metadata
 from pagedllm.attention.spec import AttentionSpec
-from pagedllm.model_executor.layers.attention import Attention
+from pagedllm.model_executor.layers.attention import Attention, attention_step, step_readers
 from pagedllm.model_executor.layers.direct_call import DirectCall
 from pagedllm.model_executor.layers.layernorm import LayerNorm
 from pagedllm.model_executor.models.base import CausalLM
@@ -176,7 +175,8 @@ class WhisperEncoder(DirectCall, nn.Module):
         lens = [self.num_positions] * n
         meta = build_attention_metadata(lens, lens, np.zeros((n, 1), dtype=np.int32), 1, x.device)
         residual = None
-        with forward_context(meta):  # n whole sequences, bidirectional: the encoder attention path
+        # n whole sequences, bidirectional: the encoder attention path, its step prepared like any other.
+        with attention_step(meta, step_readers(self)):
             for layer in self.layers:
                 x, residual = layer(x, residual)
         return self.layer_norm(x, residual)[0]
