@@ -4,7 +4,7 @@ carried across the engine-process boundary as raw bytes + shape.
 The features are float32 [n_mels, 3000]: one 30 s window of log-mel, as transformers' ``WhisperFeatureExtractor``
 makes it. Across ZMQ they travel as the array's bytes (960 kB for 80 mels) and its shape in the ``ADD`` message
 (``EngineCoreRequest.encoder_input``): msgpack copies bytes as they are, and the engine side wraps them in an
-array without another copy (``tests/engine/test_encoder_inputs.py`` times the round trip).
+array without another copy.
 """
 
 from __future__ import annotations
