@@ -7,12 +7,12 @@ The candidates of a weight compute the same product within float rounding (each 
 so a choice changes speed only:
 - every ISA the kernels have for this CPU (AVX-512 where present, AVX2; ``PAGEDLLM_CPU_ISA`` forces one);
 - for 4-bit weights, both panel layouts: ``dot8`` (activations split into two int8 terms, byte dot products:
-  the fastest for few rows, where a step is bound by weight bytes) and ``pairs`` (float activations: measured
-  2x faster than dot8 for 64+ rows on an AVX2 EPYC, where a step is compute-bound). A layer whose buckets
+  the fastest for few rows, where a step is bound by weight bytes) and ``pairs`` (float activations: faster for
+  many rows on AVX2, where a step is compute-bound; figures in docs/performance.md). A layer whose buckets
   choose both keeps both copies (4-bit: ~1.2x the bytes); one that chooses one layout keeps only that one;
 - for 8-bit weights on a CPU with AVX-512 VNNI, both layouts: ``panels`` (float activations) and ``dot4``
   (activations split into two int8 terms, VNNI byte dot products: bound by the weight's bytes, not by widening
-  them; the default model's tied Q8_0 LM head at one row measured 0.54 against 0.75 ms on an Intel Xeon);
+  them: faster for the default model's tied Q8_0 LM head at one row; figures in docs/performance.md);
 - for float32 weights, the C++ panels and BLAS on the plain rows; for bf16 weights, oneDNN's layout and the C++
   bf16 panels (``float_weights.py``, ``bf16_weights.py``). A mix keeps both copies.
 
