@@ -31,10 +31,8 @@ register_kernel_family("triton", _triton_ops)
 register_kernel_family("triton-interpreter", _interpreted_triton_ops)
 
 
-def kernels_for(family: str | None) -> Any | None:
-    """The module of kernel family ``family`` (a name a platform answered with), or None: none, or not
-    available here."""
-    return kernel_module(family)
+#: The module of kernel family ``family`` (a name a platform answered with), or None: none, or not available here.
+kernels_for = kernel_module
 
 
 def family_available(family: str) -> bool:

@@ -1,8 +1,8 @@
 """Fused element-wise ops of a decoder layer for CUDA, as Triton kernels: RMSNorm (+ the residual add
 before it), SiLU-and-mul, and rotary embedding in place inside the fused qkv output.
 
-They mirror the CPU kernels' calling conventions (``kernels/csrc/fused_ops.cpp``), so a layer asks its
-tensor's platform (``platform_of(x).elementwise_kernels(x.dtype)``) and calls the same names on either
+They mirror the CPU kernels' calling conventions (``kernels/csrc/fused_ops.cpp``), so a layer binds the family
+its tensors' platform names (``model_executor/layers/kernel_binding.py``) and calls the same names on either
 device. Eager PyTorch spends 4-8 kernel launches on each of these ops; here each is one. Statistics are
 taken in float32 whatever the dtype.
 """

@@ -17,6 +17,8 @@ from pagedllm.model_executor.layers.quantization.unquantized import pack_bf16_we
 from pagedllm.platforms import platform_for
 from pagedllm.platforms.cpu_probes import onednn_bf16_available
 
+from helpers.autotune import LayersModel, use_own_autotune_cache
+
 KERNELS = platform_for(torch.device("cpu")).cpu_kernels(torch.float32)
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="the C++ CPU kernels did not build here")
 HAS_BF16_DOT = KERNELS is not None and KERNELS.bf16_gemm_supported()
@@ -74,14 +76,7 @@ def test_bad_shapes_are_refused() -> None:
 
 @pytest.fixture
 def own_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("PAGEDLLM_CPU_KERNEL_AUTOTUNE_TABLE", raising=False)
-
-
-class _Model(torch.nn.Module):
-    def __init__(self, layers: list[Linear]) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(layers)
+    use_own_autotune_cache(tmp_path, monkeypatch)
 
 
 @pytest.mark.skipif(not (HAS_BF16_DOT and onednn_bf16_available()),
@@ -98,7 +93,7 @@ def test_bf16_linear_autotuned_between_onednn_and_panels(own_cache, panels_to: i
     def timer(kernel, x):  # the panels win the first `panels_to` buckets
         return 0.5 if (kernel.__name__ == "panels") == (autotune.bucket_index(x.shape[0]) < panels_to) else 1.0
 
-    model = _Model([layer])
+    model = LayersModel([layer])
     kernel_choice.autotune_model(model, "on", timer)
     kernel_choice.release_tuning_state(model)
     assert layer.packed.source is None
@@ -122,7 +117,7 @@ def test_bf16_linear_autotuned_between_onednn_and_panels(own_cache, panels_to: i
 def test_bf16_linear_stays_on_onednn_when_not_tuned() -> None:
     layer = Linear(96, 40, bias=False, dtype=torch.bfloat16)
     layer.process_weights_after_loading()
-    model = _Model([layer])
+    model = LayersModel([layer])
     kernel_choice.autotune_model(model, "off")
     kernel_choice.release_tuning_state(model)
     assert layer.packed.source is None and layer.packed.panels is None and set(layer.packed.choices) == {"onednn"}

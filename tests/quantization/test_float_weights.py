@@ -26,6 +26,8 @@ from pagedllm.model_executor.layers.quantization.weight_only import Int8Config
 from pagedllm.platforms import platform_for
 from pagedllm.platforms.cpu_probes import onednn_bf16_available
 
+from helpers.autotune import LayersModel, use_own_autotune_cache
+
 KERNELS = platform_for(torch.device("cpu")).cpu_kernels(torch.float32)
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="the C++ CPU kernels did not build here")
 HAS_BF16_PANELS = KERNELS is not None and KERNELS.bf16_gemm_supported() and onednn_bf16_available()
@@ -37,14 +39,7 @@ N, K = 40, 96
 
 @pytest.fixture(autouse=True)
 def own_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("PAGEDLLM_CPU_KERNEL_AUTOTUNE_TABLE", raising=False)
-
-
-class _Model(torch.nn.Module):
-    def __init__(self, layers: list[Linear]) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(layers)
+    use_own_autotune_cache(tmp_path, monkeypatch)
 
 
 def _loaded(dtype: torch.dtype, seed: int = 0) -> tuple[Linear, torch.Tensor, torch.Tensor]:
@@ -117,7 +112,7 @@ def test_the_autotuners_choice_rebinds_the_layer() -> None:
     def timer(kernel, x):  # BLAS wins from 33 rows on
         return 0.5 if (kernel.__name__ == "blas") == (autotune.bucket_index(x.shape[0]) >= 3) else 1.0
 
-    kernel_choice.autotune_model(_Model([layer]), "on", timer)
+    kernel_choice.autotune_model(LayersModel([layer]), "on", timer)
     (entry,) = json.loads(autotune.default_path().read_text())["entries"].values()
     assert entry["choices"] == ["panels"] * 3 + ["blas"] * 2
     assert set(vars(layer)) == names  # the layer holds what it held: a new weight object, bound by the layer

@@ -21,14 +21,15 @@ from pagedllm.model_executor.layers.quantization.qpanels import (
 from pagedllm.model_executor.layers.quantization.weight_only import Int4Config
 from pagedllm.platforms import platform_for
 
+from helpers.autotune import LayersModel, use_own_autotune_cache
+
 KERNELS = platform_for(torch.device("cpu")).cpu_kernels(torch.float32)
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="the C++ CPU kernels did not build here")
 
 
 @pytest.fixture(autouse=True)
 def own_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("PAGEDLLM_CPU_KERNEL_AUTOTUNE_TABLE", raising=False)
+    use_own_autotune_cache(tmp_path, monkeypatch)
 
 
 def test_bucket_edges() -> None:
@@ -141,12 +142,6 @@ def test_every_candidate_computes_the_same_product(index: int) -> None:
                                        msg=f"{name} at {rows} rows")
 
 
-class _Model(torch.nn.Module):
-    def __init__(self, layers: list[Linear]) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(layers)
-
-
 @needs_kernels
 def test_autotune_binds_per_bucket_and_results_stay_equal(monkeypatch) -> None:
     layers = [_q4_linear(seed=s) for s in range(3)]  # one shape class: measured once
@@ -169,7 +164,7 @@ def test_autotune_binds_per_bucket_and_results_stay_equal(monkeypatch) -> None:
         return kernel
 
     monkeypatch.setattr(QPanels, "bind", naming_bind)
-    model = _Model(layers)
+    model = LayersModel(layers)
     kernel_choice.autotune_model(model, "on", timer)
     isas = len(kernel_choice._isas(KERNELS))
     # Five buckets x two layouts x ISAs, for the one shape class, in turns of at least 2 rounds.
@@ -184,9 +179,9 @@ def test_autotune_binds_per_bucket_and_results_stay_equal(monkeypatch) -> None:
 
     # A second model of the same shapes reads the saved table: nothing is timed again; "force" times again.
     timed.clear()
-    kernel_choice.autotune_model(_Model([_q4_linear(seed=9)]), "on", timer)
+    kernel_choice.autotune_model(LayersModel([_q4_linear(seed=9)]), "on", timer)
     assert timed == []
-    kernel_choice.autotune_model(_Model([_q4_linear(seed=9)]), "force", timer)
+    kernel_choice.autotune_model(LayersModel([_q4_linear(seed=9)]), "force", timer)
     assert len(timed) >= 5 * 2 * 2 * isas
 
 
@@ -194,7 +189,7 @@ def test_autotune_binds_per_bucket_and_results_stay_equal(monkeypatch) -> None:
 def test_one_layout_everywhere_keeps_only_that_copy() -> None:
     layer = _q4_linear(layout="dot8")
     original = layer.qpanels
-    kernel_choice.autotune_model(_Model([layer]), "on", lambda kernel, x: 1.0)  # ties: the first candidate
+    kernel_choice.autotune_model(LayersModel([layer]), "on", lambda kernel, x: 1.0)  # ties: the first candidate
     assert layer.qpanels is original  # dot8 everywhere: no second copy made
 
 
@@ -212,7 +207,7 @@ def test_a_forced_table_decides_and_is_never_written(tmp_path, monkeypatch) -> N
     def never(kernel, x):
         raise AssertionError("a forced table is not measured")
 
-    kernel_choice.autotune_model(_Model([layer]), "on", never)
+    kernel_choice.autotune_model(LayersModel([layer]), "on", never)
     assert layer.qpanels.layout == "pairs"  # pairs everywhere: only that copy is kept
     torch.testing.assert_close(layer(x), expected, rtol=2e-4, atol=2e-4 * expected.abs().max().item())
     assert not autotune.default_path().exists()
@@ -221,10 +216,10 @@ def test_a_forced_table_decides_and_is_never_written(tmp_path, monkeypatch) -> N
 def test_off_and_bad_modes() -> None:
     layer = _q4_linear()
     kernel = layer.packed.cpu_matmul()
-    kernel_choice.autotune_model(_Model([layer]), "off", lambda kernel, x: 1 / 0)
+    kernel_choice.autotune_model(LayersModel([layer]), "off", lambda kernel, x: 1 / 0)
     assert layer.packed.cpu_matmul() is kernel
     with pytest.raises(ValueError, match="cpu_kernel_autotune"):
-        kernel_choice.autotune_model(_Model([layer]), "sometimes")
+        kernel_choice.autotune_model(LayersModel([layer]), "sometimes")
 
 
 def _float_linear(seed: int = 0) -> Linear:
@@ -247,7 +242,7 @@ def test_float32_panels_against_blas(blas_from: int) -> None:
         blas = kernel.__name__ == "blas"
         return 0.5 if blas == (autotune.bucket_index(x.shape[0]) >= blas_from) else 1.0
 
-    kernel_choice.autotune_model(_Model([layer]), "on", timer)
+    kernel_choice.autotune_model(LayersModel([layer]), "on", timer)
     (entry,) = json.loads(autotune.default_path().read_text())["entries"].values()
     assert entry["choices"] == ["panels"] * blas_from + ["blas"] * (5 - blas_from)
     for x, want in zip(xs, expected):
