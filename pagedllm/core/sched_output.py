@@ -73,8 +73,8 @@ class ModelRunnerOutput:
     # req_id -> pooled vector (a float32 CPU tensor) for pooling requests whose prompt is now complete.
     pooler_output: dict[str, Any] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    # Times the draft governor turned drafting off since start-up (spec_decode/governor.py).
-    spec_num_auto_disabled: int = 0
+    # The draft governor's decisions since start-up (spec_decode/governor.py): "<batch bucket>:<on|off>" -> times.
+    spec_governor_decisions: dict[str, int] = field(default_factory=dict)
     # The KV connector worker half's report (distributed/kv_transfer/base.KVConnectorOutput), or None.
     kv_connector_output: Any = None
 

@@ -309,7 +309,8 @@ class Scheduler:
         outputs, self._pending_outputs = self._pending_outputs, []
         if self.remote_kv is not None:
             self.remote_kv.update(result.kv_connector_output)
-        self.spec_stats.num_auto_disabled = max(self.spec_stats.num_auto_disabled, result.spec_num_auto_disabled)
+        if result.spec_governor_decisions:
+            self.spec_stats.governor_decisions = dict(result.spec_governor_decisions)
         for req_id in sched.num_scheduled_tokens:
             self._isolate.discard(req_id)  # it ran without failing
             request = self.requests.get(req_id)

@@ -27,7 +27,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
-    spec_num_auto_disabled: int = 0
+    spec_governor_decisions: dict[str, int] = {}  # "<batch-size bucket>:<on|off>" -> times
     # Cumulative prompt tokens by where their KV came from (core/remote_kv.PROMPT_TOKEN_SOURCES), and KV
     # transfers that failed (their prompts were recomputed).
     prompt_tokens_by_source: dict[str, int] = {}
@@ -57,7 +57,7 @@ def make_scheduler_stats(core: Any, engine_index: int = 0,
         spec_num_draft_tokens=spec.num_draft_tokens if spec is not None else 0,
         spec_num_accepted_tokens=spec.num_accepted_tokens if spec is not None else 0,
         spec_accepted_per_pos=list(spec.accepted_per_pos) if spec is not None else [],
-        spec_num_auto_disabled=spec.num_auto_disabled if spec is not None else 0,
+        spec_governor_decisions=dict(spec.governor_decisions) if spec is not None else {},
         first_scheduled=newly_scheduled or {},
         prompt_tokens_by_source=dict(getattr(sched, "prompt_tokens_by_source", {})),
         num_kv_transfer_failures=sched.remote_kv.num_failed_transfers if getattr(sched, "remote_kv", None) else 0)

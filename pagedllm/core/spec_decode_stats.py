@@ -12,7 +12,8 @@ class SpecDecodingStats:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    num_auto_disabled: int = 0  # times the draft governor turned drafting off at some batch size
+    # The draft governor's decisions: "<batch-size bucket>:<on|off>" -> times (spec_decode/governor.py).
+    governor_decisions: dict[str, int] = field(default_factory=dict)
     # accepted_per_pos[i]: drafts whose token at position i (0-based) was accepted.
     accepted_per_pos: list[int] = field(default_factory=list)
 
@@ -24,6 +25,11 @@ class SpecDecodingStats:
             self.accepted_per_pos.extend([0] * (num_draft_tokens - len(self.accepted_per_pos)))
         for i in range(num_accepted):
             self.accepted_per_pos[i] += 1
+
+    @property
+    def num_auto_disabled(self) -> int:
+        """Times the governor turned drafting off, at any batch size."""
+        return sum(n for key, n in self.governor_decisions.items() if key.endswith(":off"))
 
     @property
     def mean_acceptance_length(self) -> float:

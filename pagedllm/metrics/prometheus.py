@@ -133,10 +133,11 @@ class _EngineFamilies:
         self.spec_decode_accepted_per_pos = Counter(
             "vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft.",
             [*labels, "position"], registry=r)
-        self.spec_decode_auto_disabled = Counter(
-            "pagedllm:spec_decode_auto_disabled",
-            "Times drafting was turned off at a batch size where it measured slower than not drafting.",
-            labels, registry=r)
+        self.spec_decode_governor_decisions = Counter(
+            "pagedllm:spec_decode_governor_decisions",
+            "The draft governor's decisions: drafting turned off where it measured slower than not drafting, and "
+            "on again for a retry, by batch-size bucket (1, 2, 4, 8, ...).",
+            [*labels, "batch_size", "decision"], registry=r)
         # Disaggregated prefill / decode: where prompt tokens' KV came from (vLLM's), failed transfers (ours).
         self.prompt_tokens_by_source = Counter(
             "vllm:prompt_tokens_by_source", "Prompt tokens by where their KV came from: local_compute, "
@@ -163,13 +164,15 @@ class EngineSeries:
         self.spec_decode_num_drafts = families.spec_decode_num_drafts.labels(model_name, engine)
         self.spec_decode_num_draft_tokens = families.spec_decode_num_draft_tokens.labels(model_name, engine)
         self.spec_decode_num_accepted_tokens = families.spec_decode_num_accepted_tokens.labels(model_name, engine)
-        self.spec_decode_auto_disabled = families.spec_decode_auto_disabled.labels(model_name, engine)
         self.kv_transfer_failures = families.kv_transfer_failures.labels(model_name, engine)
         for source in ("local_compute", "local_cache_hit", "external_kv_transfer"):
             families.prompt_tokens_by_source.labels(model_name, engine, source)  # shown from the start
 
     def prompt_tokens_from(self, source: str, count: int) -> None:
         self._families.prompt_tokens_by_source.labels(*self._labels, source).inc(count)
+
+    def spec_decode_governor_decided(self, bucket: str, decision: str, count: int) -> None:
+        self._families.spec_decode_governor_decisions.labels(*self._labels, bucket, decision).inc(count)
 
     def spec_decode_accepted_at(self, position: int, count: int) -> None:
         self._families.spec_decode_accepted_per_pos.labels(*self._labels, str(position)).inc(count)

@@ -52,6 +52,8 @@ class StatsRecorder:
         # Speculative decoding: the interval's drafts.
         self._interval_drafts = 0
         self._interval_accepted = 0
+        self._interval_draft_tokens = 0
+        self._interval_per_pos: list[int] = []  # accepted drafts by position, this interval
 
     def add_request(self, request_id: str, kind: OutputKind, n: int) -> None:
         """Right after the engine accepted the request."""
@@ -83,6 +85,12 @@ class StatsRecorder:
         d_accepted = stats.spec_num_accepted_tokens - prev.spec_num_accepted_tokens
         self._interval_drafts += d_drafts
         self._interval_accepted += d_accepted
+        self._interval_draft_tokens += stats.spec_num_draft_tokens - prev.spec_num_draft_tokens
+        for pos, count in enumerate(stats.spec_accepted_per_pos):
+            seen = prev.spec_accepted_per_pos[pos] if pos < len(prev.spec_accepted_per_pos) else 0
+            if pos >= len(self._interval_per_pos):
+                self._interval_per_pos.append(0)
+            self._interval_per_pos[pos] += count - seen
         stepped = stats.num_steps != prev.num_steps
         if self.metrics is not None:
             m = self.metrics.engine(stats.engine_index)
@@ -93,7 +101,11 @@ class StatsRecorder:
             m.kv_cache_usage_perc.set(stats.kv_cache_usage)
             m.kv_cache_sliding_usage_perc.set(stats.sliding_kv_cache_usage or 0.0)
             _inc(m.num_preemptions, stats.num_preemptions - prev.num_preemptions)
-            _inc(m.spec_decode_auto_disabled, stats.spec_num_auto_disabled - prev.spec_num_auto_disabled)
+            for key, count in stats.spec_governor_decisions.items():
+                seen = prev.spec_governor_decisions.get(key, 0)
+                if count > seen:
+                    bucket, decision = key.split(":")
+                    m.spec_decode_governor_decided(bucket, decision, count - seen)
             _inc(m.prefix_cache_queries, d_q)
             _inc(m.prefix_cache_hits, d_h)
             for source, count in stats.prompt_tokens_by_source.items():
@@ -215,13 +227,20 @@ class StatsRecorder:
                         "" if not sliding else f" (sliding-window layers: {sum(sliding) / len(sliding) * 100:.1f}%)",
                         hit_rate * 100, per_engine)
             if self._interval_drafts:
-                logger.info("Speculative decoding: mean acceptance length %.2f tokens per step (%d drafts, "
-                            "%d draft tokens accepted)", 1 + self._interval_accepted / self._interval_drafts,
-                            self._interval_drafts, self._interval_accepted)
+                # vLLM's line: the acceptance rate of draft tokens and, per position, the share of drafts
+                # whose token at that position was accepted.
+                per_pos = ", ".join(f"{n / self._interval_drafts:.2f}" for n in self._interval_per_pos)
+                logger.info("Speculative decoding: mean acceptance length %.2f tokens per step, accepted %d of %d "
+                            "draft tokens (%.1f%%) in %d drafts, per-position acceptance rate: %s",
+                            1 + self._interval_accepted / self._interval_drafts, self._interval_accepted,
+                            self._interval_draft_tokens,
+                            100 * self._interval_accepted / max(self._interval_draft_tokens, 1),
+                            self._interval_drafts, per_pos)
         self._last_log = now
         self._interval_prompt_tokens = self._interval_gen_tokens = 0
         self._interval_queries = self._interval_hits = 0
-        self._interval_drafts = self._interval_accepted = 0
+        self._interval_drafts = self._interval_accepted = self._interval_draft_tokens = 0
+        self._interval_per_pos = []
 
 
 def _take_stats(engine: Any) -> list[SchedulerStats]:

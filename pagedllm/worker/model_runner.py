@@ -302,7 +302,7 @@ class ModelRunner:
             if decoding:  # what the draft governor compares: tokens per second with and without drafts
                 self.spec_decoder.observe_step(len(states), sum(map(len, result.sampled_token_ids.values())),
                                                time.perf_counter() - began, bool(verify_jobs))
-            result.spec_num_auto_disabled = self.spec_decoder.governor.num_turned_off
+            result.spec_governor_decisions = self.spec_decoder.governor.decision_counts()
         return result
 
     def _verify(self, hidden: torch.Tensor, rows: list[int], jobs: list, result: ModelRunnerOutput) -> None:

@@ -7,7 +7,8 @@ from conftest import ENGINE
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.spec_decode.config import parse_speculative_config
-from pagedllm.spec_decode.governor import MIN_DRAFTED_SAMPLES, DraftGovernor, bucket_of
+from pagedllm.spec_decode import governor
+from pagedllm.spec_decode.governor import MIN_DRAFTED_STEPS, DraftGovernor, bucket_of
 from pagedllm.spec_decode.spec_decoder import SpecDecoder
 
 
@@ -21,21 +22,74 @@ def _run(gov: DraftGovernor, steps: int, num_requests: int, drafted_tps: float, 
     return decisions
 
 
+def _replay(gov: DraftGovernor, accepted: list[int], plain_s: float = 0.010, drafted_s: float = 0.012,
+            noisy: dict[int, float] | None = None) -> list[bool]:
+    """One request decoding: step i, if it drafts, yields 1 + accepted[i] tokens in ``drafted_s`` (a plain step
+    one token in ``plain_s``); ``noisy`` {step: seconds} overrides a step's time (the machine disturbed it)."""
+    decisions = []
+    for i, extra in enumerate(accepted):
+        drafting = gov.drafting(1)
+        decisions.append(drafting)
+        seconds = (noisy or {}).get(i, drafted_s if drafting else plain_s)
+        gov.observe(1, 1 + extra if drafting else 1, seconds, drafting)
+    return decisions
+
+
 def test_buckets_are_powers_of_two() -> None:
     assert [bucket_of(n) for n in (1, 2, 3, 4, 5, 8, 9, 200)] == [1, 2, 4, 4, 8, 8, 16, 256]
 
 
-def test_slow_drafting_turns_off_then_retries_after_cooldown() -> None:
-    gov = DraftGovernor(probe_every=4, cooldown_steps=40)
-    decisions = _run(gov, 60, 2, drafted_tps=50.0, plain_tps=100.0)
+def test_a_slow_start_before_copying_keeps_drafting_on() -> None:
+    """An answer whose first 60 steps accept nothing, then copies (4 of 4 drafts accepted): drafting stays on."""
+    gov = DraftGovernor()
+    decisions = _replay(gov, [0] * 60 + [4] * 300)
+    assert gov.num_turned_off == 0
+    assert decisions[-50:].count(True) >= 48  # only the probes run without drafts
+
+
+def test_bimodal_acceptance_is_judged_by_total_throughput() -> None:
+    """Seven steps in ten accept nothing and three accept all four drafts: the median step is slower than a plain
+    one, but the tokens per second over the window are 1.8x: drafting stays on."""
+    gov = DraftGovernor()
+    _replay(gov, [0, 0, 4, 0, 0, 4, 0, 0, 4, 0] * 50)
+    assert gov.num_turned_off == 0
+
+
+def test_one_disturbed_step_does_not_turn_drafting_off() -> None:
+    gov = DraftGovernor()
+    accepted = [1, 0, 1, 0] * 100  # 1.25x plain: a modest win
+    _replay(gov, accepted, noisy={100: 2.0, 101: 1.5})  # two steps 150x slower than the rest
+    assert gov.num_turned_off == 0
+
+
+def test_drafting_that_never_accepts_turns_off_then_backs_off() -> None:
+    gov = DraftGovernor(cooldown_steps=128, max_cooldown_steps=512)
+    decisions = _replay(gov, [0] * 200)
     assert gov.num_turned_off == 1
-    # Drafting (with one probe in four) until enough of both rates were measured, then off for the cooldown.
-    judged = decisions.index(False, 8) + 1
-    assert decisions[:judged].count(True) >= MIN_DRAFTED_SAMPLES
-    assert not any(decisions[judged:judged + 40])
-    assert decisions[judged + 40]  # tried again after the cooldown...
-    _run(gov, 20, 2, drafted_tps=50.0, plain_tps=100.0)
-    assert gov.num_turned_off == 2  # ...and turned off again: still slower
+    off_at = max(i for i, d in enumerate(decisions) if d) + 1
+    assert decisions[:off_at].count(True) >= MIN_DRAFTED_STEPS  # judged on enough evidence
+    decisions = decisions + _replay(gov, [0] * 1000)
+    # Runs of steps without drafts longer than a probe: the cooldowns, doubling after each loss in a row.
+    gaps, run = [], 0
+    for drafting in decisions[off_at:]:
+        if drafting:
+            if run > 1:
+                gaps.append(run)
+            run = 0
+        else:
+            run += 1
+    assert gaps[:3] == [128 + 1, 256, 512]  # the cooldowns (the first judged at a probe step: one more)
+    assert gov.num_turned_off == 3 and gov.decisions[1, "on"] == 3  # the last retry still being judged
+    assert gov.buckets[1].cooldown == 512  # capped at max_cooldown_steps
+
+
+def test_a_retry_that_pays_resets_the_cooldown() -> None:
+    gov = DraftGovernor(cooldown_steps=64)
+    _replay(gov, [0] * 150)  # off
+    _replay(gov, [0] * 64)  # waits out the cooldown
+    _replay(gov, [4] * 200)  # retried: now the text copies
+    assert gov.num_turned_off == 1
+    assert gov.buckets[1].enabled and gov.buckets[1].cooldown == 0
 
 
 def test_drafting_that_pays_stays_on_with_probes() -> None:
@@ -47,16 +101,17 @@ def test_drafting_that_pays_stays_on_with_probes() -> None:
 
 def test_loss_within_tolerance_keeps_drafting() -> None:
     gov = DraftGovernor(max_loss=0.10, probe_every=4)
-    _run(gov, 200, 1, drafted_tps=95.0, plain_tps=100.0)  # 5% slower: not worth a decision on noisy timings
+    _run(gov, 400, 1, drafted_tps=95.0, plain_tps=100.0)  # 5% slower: not worth a decision on noisy timings
     assert gov.num_turned_off == 0
 
 
 def test_batch_size_buckets_are_judged_apart() -> None:
     gov = DraftGovernor(probe_every=4)
-    _run(gov, 80, 1, drafted_tps=200.0, plain_tps=100.0)  # pays alone
-    _run(gov, 80, 16, drafted_tps=500.0, plain_tps=1000.0)  # costs in a large batch
+    _run(gov, 200, 1, drafted_tps=200.0, plain_tps=100.0)  # pays alone
+    _run(gov, 200, 16, drafted_tps=500.0, plain_tps=1000.0)  # costs in a large batch
     assert gov.drafting(16) is False
     assert any(gov.drafting(1) for _ in range(3))
+    assert gov.decision_counts() == {"16:off": 1}
 
 
 def test_auto_disable_false_always_drafts() -> None:
@@ -90,6 +145,7 @@ def test_engine_turns_a_losing_drafter_off_and_outputs_stay_equal(tiny_models, m
     plain = LLM(tiny_models["target"], **ENGINE)
     llm = LLM(tiny_models["target"], **ENGINE, speculative_config=cfg)
     llm.engine.core.worker.runner.spec_decoder.governor.probe_every = 4  # plain samples sooner than 1 in 32
+    monkeypatch.setattr(governor, "MIN_DRAFTED_STEPS", 8)  # judged within one short answer
     prompts = [{"prompt_token_ids": [5, 17, 300, 42]}]  # one stream: every decode step in one batch-size bucket
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     ids = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -40,10 +40,18 @@ def test_counters_and_mean_acceptance_length(caplog) -> None:
     per_pos = {line.split('position="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
                for line in text.splitlines() if line.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total{")}
     assert per_pos == {"0": 3, "1": 2, "2": 1, "3": 1}
-    assert _value(text, "pagedllm:spec_decode_auto_disabled_total") == 0
-    stats.num_auto_disabled = 2  # the draft governor turned drafting off twice
+    assert "pagedllm:spec_decode_governor_decisions_total{" not in text
+    # The draft governor turned drafting off twice at batch size ~1 and once at ~8, and on again once at ~1.
+    stats.governor_decisions = {"1:off": 2, "1:on": 1, "8:off": 1}
     recorder.record_step(engine, [], 0.0)
-    assert _value(metrics.render().decode(), "pagedllm:spec_decode_auto_disabled_total") == 2
+    stats.governor_decisions = {"1:off": 3, "1:on": 1, "8:off": 1}
+    recorder.record_step(engine, [], 0.0)
+    text = metrics.render().decode()
+    decisions = {(line.split('batch_size="')[1].split('"')[0], line.split('decision="')[1].split('"')[0]):
+                 float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                 if line.startswith("pagedllm:spec_decode_governor_decisions_total{")}
+    assert decisions == {("1", "off"): 3, ("1", "on"): 1, ("8", "off"): 1}
+    assert stats.num_auto_disabled == 4
     logger = logging.getLogger("pagedllm.metrics")
     logger.addHandler(caplog.handler)  # the package logger does not propagate to the root
     try:
@@ -51,4 +59,6 @@ def test_counters_and_mean_acceptance_length(caplog) -> None:
     finally:
         logger.removeHandler(caplog.handler)
     assert "mean acceptance length 3.33" in caplog.text  # 1 + 7 / 3
+    assert "accepted 7 of 11 draft tokens" in caplog.text
+    assert "per-position acceptance rate: 1.00, 0.67, 0.33, 0.33" in caplog.text
     assert stats.mean_acceptance_length == 1 + 7 / 3
