@@ -6,8 +6,8 @@ import pytest
 from conftest import ENGINE
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.spec_decode.config import parse_speculative_config
 from pagedllm.spec_decode import governor
+from pagedllm.spec_decode.config import parse_speculative_config
 from pagedllm.spec_decode.governor import MIN_DRAFTED_STEPS, DraftGovernor, bucket_of
 from pagedllm.spec_decode.spec_decoder import SpecDecoder
 
