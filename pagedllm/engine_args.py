@@ -177,8 +177,10 @@ class EngineArgs:
         group.add_argument("--speculative-config", default=None,
                            help="Speculative decoding as JSON with vLLM's keys, e.g. "
                                 '\'{"method": "ngram", "num_speculative_tokens": 4}\'; methods: ngram '
-                                "(prompt_lookup_min/max), draft_model (model), layer_skip (num_draft_layers); "
-                                "disable_by_batch_size turns drafting off in steps with more requests. "
+                                "(prompt_lookup_min/max), suffix (suffix decoding: suffix_decoding_max_tree_depth, "
+                                "_max_cached_requests, _max_spec_factor, _min_token_prob), draft_model (model), "
+                                "layer_skip (num_draft_layers); disable_by_batch_size turns drafting off in steps "
+                                "with more requests, auto_disable (default true) where it measures slower. "
                                 "Output is the same as without it (see docs/speculative_decoding.md).")
         group.add_argument("--kv-events-config", default=None,
                            help="Publish KV cache events (BlockStored / BlockRemoved / AllBlocksCleared) as JSON "

@@ -23,6 +23,7 @@ class DraftJob:
     num_drafts: int
     temperature: float
     generator: torch.Generator | None
+    num_prompt_tokens: int = 0  # the first tokens of ``token_ids`` that are the prompt
 
 
 @dataclass
@@ -44,6 +45,10 @@ class Proposer(ABC):
     #: Every token the target computed is also run through the proposer (a separate draft model keeps its own
     #: KV cache in step with the target's), not only the newest one.
     catches_up_all: bool = False
+
+    def forget(self, req_id: str) -> None:
+        """The request finished or was aborted: drop what is kept for it (a proposer that learns from
+        finished outputs takes them here)."""
 
     @abstractmethod
     def propose_batch(self, jobs: list[DraftJob]) -> Proposals:

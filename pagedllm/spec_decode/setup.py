@@ -52,7 +52,9 @@ def attach_spec_decoder(runner: Any, cfg: SpeculativeConfig, device: Any) -> Non
     runner.spec_decoder = SpecDecoder(cfg, runner.model, draft, runner.block_size, device)
     detail = {"ngram": f"prompt lookup n={cfg.prompt_lookup_min}..{cfg.prompt_lookup_max}",
               "draft_model": f"draft model {cfg.model}",
-              "layer_skip": f"the first {cfg.num_draft_layers} layers"}[cfg.method]
+              "layer_skip": f"the first {cfg.num_draft_layers} layers",
+              "suffix": f"suffix trees of depth {cfg.suffix.max_tree_depth} over each request and the last "
+                        f"{cfg.suffix.max_cached_requests} outputs"}[cfg.method]
     init_logger(__name__).info("speculative decoding: %s, %d tokens per step (%s)%s", cfg.method,
                                cfg.num_speculative_tokens, detail,
                                f", off in steps with more than {cfg.disable_by_batch_size} requests"

@@ -21,6 +21,7 @@ from pagedllm.spec_decode.governor import DraftGovernor
 from pagedllm.spec_decode.model_drafter import make_draft_model_drafter, make_layer_skip_drafter
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.spec_decode.proposer import DraftJob, Proposer
+from pagedllm.spec_decode.suffix_proposer import SuffixProposer
 
 logger = init_logger(__name__)
 
@@ -41,6 +42,8 @@ class SpecDecoder:
         self.proposer: Proposer
         if config.method == "ngram":
             self.proposer = NgramProposer(self.k, config.prompt_lookup_min, config.prompt_lookup_max)
+        elif config.method == "suffix":
+            self.proposer = SuffixProposer(self.k, config.suffix)
         elif config.method == "layer_skip":
             self.proposer = make_layer_skip_drafter(target, config.num_draft_layers, block_size, device)
         else:
@@ -51,6 +54,7 @@ class SpecDecoder:
 
     def forget(self, req_id: str) -> None:
         self.draft_probs.pop(req_id, None)
+        self.proposer.forget(req_id)
 
     # ---- verification ------------------------------------------------------------------------------
     def verify(self, logits: torch.Tensor, jobs: list[tuple[Any, list[int], int]], sampling: SamplingBatch,
@@ -127,7 +131,7 @@ class SpecDecoder:
         if num == 0 and not self.proposer.catches_up_all:
             return None
         return DraftJob(state.req_id, state.token_ids, state.block_ids[0], begin, end, num,
-                        state.params.temperature, state.generator)
+                        state.params.temperature, state.generator, len(state.prompt_token_ids))
 
     def propose(self, states: list[Any], starts: list[int], query_lens: list[int], sampled: set[str]
                 ) -> dict[str, list[int]]:
