@@ -39,8 +39,9 @@ class SpeculativeConfig:
     """How the engine drafts tokens for the target model to verify.
 
     ``method``: ``ngram`` (prompt lookup), ``suffix`` (suffix decoding over the request and recent outputs,
-    ``suffix``'s settings; ``num_speculative_tokens`` defaults to the tree depth, as in vLLM), ``draft_model`` (a second, smaller model with the same
-    tokenizer, ``model``) or ``layer_skip`` (the target's first ``num_draft_layers`` layers + its head).
+    ``suffix``'s settings; ``num_speculative_tokens`` defaults to the tree depth, as in vLLM), ``draft_model``
+    (a second, smaller model with the same tokenizer, ``model``) or ``layer_skip`` (the target's first
+    ``num_draft_layers`` layers + its head).
     ``disable_by_batch_size``: no drafts in a step with more than this many requests (None: always draft;
     default DEFAULT_DISABLE_BY_BATCH_SIZE when the key is absent).
     ``auto_disable``: measure as the engine runs and stop drafting at batch sizes where it costs more than it

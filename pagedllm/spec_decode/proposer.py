@@ -49,6 +49,7 @@ class Proposer(ABC):
     def forget(self, req_id: str) -> None:
         """The request finished or was aborted: drop what is kept for it (a proposer that learns from
         finished outputs takes them here)."""
+        return None
 
     @abstractmethod
     def propose_batch(self, jobs: list[DraftJob]) -> Proposals:
