@@ -10,9 +10,11 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from pagedllm.config import DEFAULT_POOLING_MODEL
+from pagedllm.core.scheduler_stats import make_scheduler_stats
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
 from pagedllm.engine_args import EngineArgs
+from pagedllm.metrics.reader import Metric, engine_metrics
 from pagedllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -137,6 +139,12 @@ class LLM:
         finally:
             bar.close()
         return [results[i] for i in ids]
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's counters now, under /metrics' names (vLLM's ``LLM.get_metrics``): requests running and
+        waiting, KV cache use, preemptions, prefix-cache queries and hits, and speculative decoding's drafts,
+        draft tokens, accepted tokens (in all and by position) and the draft governor's decisions."""
+        return engine_metrics([make_scheduler_stats(self.engine.core)])  # read, not taken from a stats logger
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes (blocks in use keep their data)."""

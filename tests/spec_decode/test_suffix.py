@@ -183,3 +183,19 @@ def test_drafts_all_rejected_leave_the_output_unchanged(plain_and_suffix, monkey
     drafts, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
     assert _ids(suffix, prompt, params) == _ids(plain, prompt, params)
     assert stats.num_draft_tokens > drafts and stats.num_accepted_tokens == accepted
+
+
+def test_get_metrics_reports_acceptance(plain_and_suffix) -> None:
+    """The offline counters (vLLM's ``LLM.get_metrics``): accepted <= drafted <= drafts x k, and the accepted
+    count by position falls with the position."""
+    _, suffix = plain_and_suffix
+    _ids(suffix, PROMPTS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    metrics = {m.name: m for m in suffix.get_metrics()}
+    drafts = metrics["vllm:spec_decode_num_drafts"].value
+    drafted = metrics["vllm:spec_decode_num_draft_tokens"].value
+    accepted = metrics["vllm:spec_decode_num_accepted_tokens"].value
+    per_pos = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"].values
+    assert 0 < accepted <= drafted <= drafts * SUFFIX["num_speculative_tokens"]
+    assert sum(per_pos) == accepted
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))
+    assert metrics["vllm:num_requests_running"].value == 0
