@@ -35,6 +35,34 @@ def test_bench_latency_grounded_with_speculation(tiny_full_vocab: str, tmp_path)
     assert result["mean_acceptance_length"] >= 1.0
 
 
+def test_bench_spec_runs_methods_side_by_side(tiny_full_vocab: str, tmp_path) -> None:
+    out = tmp_path / "spec.json"
+    rc = main(["bench", "spec", "--model", tiny_full_vocab, "--workloads", "repeat,code-edit", "--methods",
+               'off,suffix,ng={"method": "ngram", "num_speculative_tokens": 2}', "--num-conversations", "2",
+               "--concurrency", "2", "--output-len", "8", "--rounds", "1", "--kv-cache-memory", "16MiB",
+               "--max-model-len", "512", "--disable-log-stats", "--disable-tqdm", "--output-json", str(out)])
+    assert rc in (0, None)
+    result = json.loads(out.read_text())
+    for workload in ("repeat", "code-edit"):
+        rows = result["workloads"][workload]
+        assert set(rows) == {"off", "suffix", "ng"}
+        assert rows["off"]["speedup"] == 1.0 and rows["off"]["mean_acceptance_length"] == 0.0
+        assert all(row["same_text_as_first_method"] and row["output_tokens"] == 16 for row in rows.values())
+
+
+def test_agent_loop_turns_carry_the_answers_and_the_same_tool_output() -> None:
+    from pagedllm.benchmarks.spec_workloads import conversations
+
+    conv = conversations("agent-loop", 1)[0]
+    assert len(conv.turns) == 5
+    messages = conv.messages(["first answer", "second answer"])
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant", "user"]
+    assert messages[1]["content"] == "first answer" and messages[3]["content"] == "second answer"
+    tool = messages[0]["content"].split("\n\n", 1)[1]
+    assert tool in messages[2]["content"] and tool in messages[4]["content"]
+    assert conversations("random-words", 2, seed=3)[1].turns == conversations("random-words", 2, seed=3)[1].turns
+
+
 def test_grounded_prompts_hold_the_passage() -> None:
     if default_model_path() is None:
         pytest.skip("default model not installed")

@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_module_command(bench_sub, "mixed-load", "pagedllm.benchmarks.mixed_load",
                         "Decode streams' inter-token latency while long prompts keep arriving (one instance or a "
                         "disaggregating proxy).")
+    _add_module_command(bench_sub, "spec", "pagedllm.benchmarks.spec",
+                        "Speculative decoding side by side (off, ngram, suffix) on chat workloads: repeat a "
+                        "passage, edit code, an agent loop, random words.")
     _add_module_command(bench_sub, "transcription", "pagedllm.benchmarks.transcription",
                         "Speech-to-text clips per second and real-time factor, sequential and concurrent.")
     bench.set_defaults(func=lambda args: _print_help(bench))
