@@ -72,7 +72,7 @@ class SuffixIndex:
         and so never matches itself.
         """
         end = self._length
-        best = Draft([], 0.0)
+        best, best_m = Draft([], 0.0), 0
         if not pattern or end == 0:
             return best
         first = self._positions.get(pattern[-1])
@@ -81,17 +81,40 @@ class SuffixIndex:
         ends = np.asarray(first, dtype=np.int64)  # positions where the last m tokens of the pattern end
         ends = ends[ends < end - 1]  # something must follow (this also drops the sequence's own end)
         tokens = self.tokens
-        for m in range(1, min(len(pattern), max_depth - 1) + 1):
+        longest = min(len(pattern), max_depth - 1)
+        matches: list[tuple[int, int, np.ndarray]] = []  # (draft limit, m, occurrences' ends)
+        m = 1
+        while m <= longest:
             if m > 1:
                 starts = ends - (m - 1)
                 ends = ends[(starts >= 0) & (tokens[np.maximum(starts, 0)] == pattern[-m])]
             if ends.size == 0:
                 break
-            limit = min(max_tokens, int(max_spec_factor * m), max_depth - m)
+            if ends.size == 1:  # one occurrence left: how far back it matches, in one comparison
+                e = int(ends[0])
+                span = min(longest, e + 1)
+                back = tokens[e + 1 - span:e + 1][::-1] != np.asarray(pattern[len(pattern) - span:][::-1])
+                mismatch = np.flatnonzero(back)
+                upto = int(mismatch[0]) if mismatch.size else span
+                matches += [(self._limit(n, max_tokens, max_spec_factor, max_depth), n, ends)
+                            for n in range(m, upto + 1)]
+                break
+            matches.append((self._limit(m, max_tokens, max_spec_factor, max_depth), m, ends))
+            m += 1
+        # A walk's score is at most its limit (each probability is at most 1): walk the longest limits first and
+        # skip a match that cannot beat the best so far (on a tie the shorter match wins, as walking in order of m).
+        for limit, m, ends in sorted(matches, key=lambda x: (-x[0], x[1])):
+            if limit < best.score or (limit == best.score and m > best_m):
+                continue
             found = self._walk(ends, limit, min_token_prob)
-            if found.score > best.score:
-                best = found
+            if found.score > best.score or (found.score == best.score and m < best_m):
+                best, best_m = found, m
         return best
+
+    @staticmethod
+    def _limit(m: int, max_tokens: int, max_spec_factor: float, max_depth: int) -> int:
+        """Drafts a match of m tokens may make: the factor's share, within the tree's depth."""
+        return min(max_tokens, int(max_spec_factor * m), max_depth - m)
 
     def _walk(self, ends: np.ndarray, limit: int, min_token_prob: float) -> Draft:
         """Follow the most frequent continuation of the occurrences ending at ``ends`` for up to ``limit`` tokens."""
@@ -99,6 +122,13 @@ class SuffixIndex:
         drafted: list[int] = []
         prob, score = 1.0, 0.0
         for depth in range(1, limit + 1):
+            if ends.size == 1:  # one occurrence left: its next tokens, each as likely as the path so far
+                run = tokens[ends[0] + depth:min(ends[0] + limit + 1, end)].tolist()
+                if SEPARATOR in run:
+                    run = run[:run.index(SEPARATOR)]
+                drafted += run
+                score += prob * len(run)
+                break
             at = ends + depth
             ends = ends[at < end]
             if ends.size == 0:
