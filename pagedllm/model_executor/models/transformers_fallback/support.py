@@ -1,0 +1,80 @@
+"""Whether transformers can run an architecture for pagedllm, and which of its classes: the fallback's checks.
+
+A model runs through the fallback when transformers has a causal-LM class for it (in the library, or in the
+model folder's own code under ``--trust-remote-code``) whose attention layers call the attention interface
+(``_supports_attention_backend``): only then can pagedllm's paged attention take their place. Anything else gets
+a ValueError naming the architecture and the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _refuse(architecture: str, why: str) -> ValueError:
+    return ValueError(f"model: architecture {architecture} cannot run: pagedllm has no native implementation and "
+                      f"the transformers fallback cannot run it: {why}")
+
+
+def remote_code_class_ref(hf_config: Any) -> str | None:
+    """The folder's own causal-LM class reference (``config.json``'s ``auto_map``), or None."""
+    auto_map = getattr(hf_config, "auto_map", None) or {}
+    return auto_map.get("AutoModelForCausalLM")
+
+
+def transformers_causal_lm_class(hf_config: Any, architecture: str, trust_remote_code: bool = False) -> type:
+    """The transformers class that runs ``architecture`` (a name in ``config.architectures``); ValueError with
+    the reason when there is none that pagedllm's attention can drive."""
+    import transformers
+
+    ref = remote_code_class_ref(hf_config)
+    cls = None
+    if ref is not None and trust_remote_code:
+        from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+        folder = getattr(hf_config, "_name_or_path", "")
+        cls = get_class_from_dynamic_module(ref, folder, local_files_only=True)
+    if cls is None:  # the library's class (preferred, as transformers does, when remote code is not trusted)
+        cls = getattr(transformers, architecture, None)
+        if not isinstance(cls, type):
+            from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+            cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config))
+    if cls is None:
+        if ref is not None:
+            raise _refuse(architecture, f"its folder ships its own modeling code ({ref}); pass --trust-remote-code "
+                                        "(trust_remote_code=True) to run it")
+        raise _refuse(architecture, f"transformers {transformers.__version__} has no causal-LM class for it "
+                                    f"(model_type {getattr(hf_config, 'model_type', '?')!r})")
+    compatible = getattr(cls, "is_backend_compatible", None)
+    if not (compatible() if callable(compatible) else getattr(cls, "_supports_attention_backend", False)):
+        raise _refuse(architecture, f"its transformers class {cls.__name__} does not support the attention "
+                                    "interface (_supports_attention_backend), so its attention cannot be "
+                                    "replaced by pagedllm's paged attention")
+    if getattr(hf_config, "is_encoder_decoder", False):
+        raise _refuse(architecture, "encoder-decoder models are not supported by the fallback")
+    return cls
+
+
+def unreadable_config_error(architectures: list[str], model_type: str | None, has_remote_code: bool,
+                            trust_remote_code: bool, cause: Exception) -> ValueError:
+    """The error for a config.json transformers cannot read (an unknown ``model_type``)."""
+    import transformers
+
+    arch = ", ".join(architectures) or "(none listed)"
+    if has_remote_code and not trust_remote_code:
+        why = "its folder ships its own modeling code (config.json's auto_map); pass --trust-remote-code to run it"
+    else:
+        why = (f"model_type {model_type!r} is unknown to transformers {transformers.__version__} ({cause}); "
+               "a newer transformers may know it")
+    return _refuse(arch, why)
+
+
+def check_fallback_settings(architecture: str, quantization: str | None, hf_config: Any) -> None:
+    """Refuse what the fallback cannot give: its linear layers are transformers' own ``nn.Linear``, not pagedllm's
+    packed or quantized ones."""
+    stored = getattr(hf_config, "quantization_config", None)
+    if quantization not in (None, "none") or stored:
+        what = f"--quantization {quantization}" if quantization not in (None, "none") else "a quantized checkpoint"
+        raise ValueError(f"quantization: {what} is not supported through the transformers fallback "
+                         f"({architecture} has no native implementation; the fallback runs float weights only)")
