@@ -78,3 +78,21 @@ def check_fallback_settings(architecture: str, quantization: str | None, hf_conf
         what = f"--quantization {quantization}" if quantization not in (None, "none") else "a quantized checkpoint"
         raise ValueError(f"quantization: {what} is not supported through the transformers fallback "
                          f"({architecture} has no native implementation; the fallback runs float weights only)")
+
+
+def transformers_causal_lm_architectures(skip: set[str]) -> list[tuple[str, str, bool]]:
+    """(architecture, model_type, whether its class supports the attention interface) for every causal LM of the
+    installed transformers not in ``skip``. Imports every class (about 20 s): for ``pagedllm models --fallback``."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    rows = []
+    for model_type, name in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()):
+        if not isinstance(name, str) or name in skip:
+            continue
+        try:
+            cls = getattr(transformers, name)
+        except (ImportError, AttributeError):  # a class whose optional dependency is missing
+            continue
+        rows.append((name, model_type, bool(cls.is_backend_compatible())))
+    return rows
