@@ -48,12 +48,13 @@ def _load_hf_config(folder: str, trust_remote_code: bool = False) -> Any:
         with open(os.path.join(folder, "config.json")) as f:
             raw = json.load(f)
         archs = raw.get("architectures") or []
-        from pagedllm.model_executor.models.registry import native_architecture
+        from pagedllm.model_executor.models.registry import native_architecture, supported_architectures
         from pagedllm.model_executor.models.transformers_fallback.support import unreadable_config_error
 
         if not native_architecture(archs):
-            raise unreadable_config_error(archs, raw.get("model_type"), bool(raw.get("auto_map")),
-                                          trust_remote_code, e) from e
+            error = unreadable_config_error(archs, raw.get("model_type"), bool(raw.get("auto_map")),
+                                            trust_remote_code, e)
+            raise ValueError(f"{error} (native architectures: {', '.join(supported_architectures())})") from e
         raise ValueError(f"model: cannot read {folder}/config.json: {e}") from e
 
 

@@ -94,5 +94,8 @@ def choose_model_impl(architectures: list[str], model_impl: str, hf_config: Any,
     if not hf_folder:
         raise ValueError(f"model_impl: the transformers fallback loads Hugging Face safetensors folders only, not "
                          f"this model's format ({archs[0]})")
-    transformers_causal_lm_class(hf_config, archs[0], trust_remote_code)
+    try:
+        transformers_causal_lm_class(hf_config, archs[0], trust_remote_code)
+    except ValueError as e:
+        raise ValueError(f"{e} (native architectures: {', '.join(supported_architectures())})") from None
     return archs[0], "transformers"
