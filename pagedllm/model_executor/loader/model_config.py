@@ -147,20 +147,21 @@ def _resolve_runner(mc: ModelConfig, folder: str | None) -> int | None:
     )
     from pagedllm.model_executor.models.registry import get_model_cls
 
-    if mc.model_impl == "transformers":  # a causal decoder (the fallback's checks); generate only, for now
-        if mc.runner == "pooling":
-            raise ValueError(f"runner: pooling through the transformers fallback is not supported "
-                             f"({mc.architecture} has no native implementation)")
-        mc.runner = "generate"
-        return None
-    model_cls = get_model_cls([mc.architecture])
-    mc.is_encoder_only = bool(getattr(model_cls, "is_encoder_only", False))
-    mc.is_encoder_decoder = bool(getattr(model_cls, "is_encoder_decoder", False))
+    if mc.model_impl == "transformers":  # a causal decoder, or an encoder (pooling only) of transformers'
+        from pagedllm.model_executor.models.transformers_fallback.support import is_fallback_encoder
+
+        mc.is_encoder_only = is_fallback_encoder(mc.hf_config, mc.architecture)
+        mc.is_encoder_decoder = False
+        default_pooling_type = "CLS" if mc.is_encoder_only else "LAST"
+    else:
+        model_cls = get_model_cls([mc.architecture])
+        mc.is_encoder_only = bool(getattr(model_cls, "is_encoder_only", False))
+        mc.is_encoder_decoder = bool(getattr(model_cls, "is_encoder_decoder", False))
+        default_pooling_type = getattr(model_cls, "default_pooling_type", "LAST")
     mc.runner = resolve_runner(mc.runner, mc.is_encoder_only, folder, mc.architecture)
     if not mc.is_pooling:
         return None
-    mc.pooler_config = resolve_pooler_config(folder, mc.hf_config,
-                                             getattr(model_cls, "default_pooling_type", "LAST"), mc.pooler_config)
+    mc.pooler_config = resolve_pooler_config(folder, mc.hf_config, default_pooling_type, mc.pooler_config)
     logger.info("pooling runner: %s pooling%s", mc.pooler_config.pooling_type,
                 ", normalized" if mc.pooler_config.normalize else "")
     return sentence_transformers_max_len(folder)

@@ -102,14 +102,15 @@ def _load_transformers_fallback(mc: ModelConfig, device: torch.device, dtype: to
         iter_safetensors,
         safetensors_files,
     )
-    from pagedllm.model_executor.models.transformers_fallback.build import build_transformers_causal_lm
-    from pagedllm.model_executor.models.transformers_fallback.support import transformers_causal_lm_class
+    from pagedllm.model_executor.models.transformers_fallback.build import build_transformers_model
+    from pagedllm.model_executor.models.transformers_fallback.support import transformers_model_class
 
-    cls = transformers_causal_lm_class(mc.hf_config, mc.architecture, mc.trust_remote_code)
+    cls = transformers_model_class(mc.hf_config, mc.architecture, mc.trust_remote_code)
     files = safetensors_files(mc.model_path)
     weights = _with_progress(iter_safetensors(files), count_safetensors(files), "Loading weights")
-    model = build_transformers_causal_lm(cls, mc.hf_config, mc.architecture, dtype, device, weights)
-    layers = model.attn_layers
+    model = build_transformers_model(cls, mc.hf_config, mc.architecture, dtype, device, weights,
+                                     encoder=mc.is_encoder_only)
+    layers = list(model.attn_layers)
     windows = sorted({m.spec.window for m in layers if m.spec.window})
     logger.info("loaded %s (%s, %s) through the transformers fallback (%s with pagedllm's paged attention: %d "
                 "layers, %d KV heads of %d%s) in %.2f s; weights use %s on %s; a native implementation would be "

@@ -80,7 +80,7 @@ def choose_model_impl(architectures: list[str], model_impl: str, hf_config: Any,
     (the fallback: transformers' class, attention on pagedllm's backends) or ``auto`` (native where it exists, else
     the fallback). ``hf_folder``: the model is an HF safetensors folder (the only thing the fallback loads).
     ValueError naming the architecture and the reason when neither can run it."""
-    from pagedllm.model_executor.models.transformers_fallback.support import transformers_causal_lm_class
+    from pagedllm.model_executor.models.transformers_fallback.support import transformers_model_class
 
     if model_impl not in MODEL_IMPLS:
         raise ValueError(f"model_impl: must be one of {', '.join(MODEL_IMPLS)}, got {model_impl!r}")
@@ -95,7 +95,7 @@ def choose_model_impl(architectures: list[str], model_impl: str, hf_config: Any,
         raise ValueError(f"model_impl: the transformers fallback loads Hugging Face safetensors folders only, not "
                          f"this model's format ({archs[0]})")
     try:
-        transformers_causal_lm_class(hf_config, archs[0], trust_remote_code)
+        transformers_model_class(hf_config, archs[0], trust_remote_code)
     except ValueError as e:
         raise ValueError(f"{e} (native architectures: {', '.join(supported_architectures())})") from None
     return archs[0], "transformers"

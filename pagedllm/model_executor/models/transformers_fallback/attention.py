@@ -50,9 +50,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         raise RuntimeError("the pagedllm attention implementation runs only inside a pagedllm fallback model's "
                            "forward")
     layer_idx = getattr(module, "layer_idx", None)
-    if layer_idx is None:
-        raise RuntimeError(f"{type(module).__name__} has no layer_idx: pagedllm cannot tell which layer's KV cache "
-                           "it uses")
+    if layer_idx is None:  # met by the probe at load, so a model that lacks it never starts
+        raise ValueError(f"model: the transformers fallback cannot run this architecture: its {type(module).__name__} "
+                         "has no layer_idx, so pagedllm cannot tell which layer's KV cache it uses")
     return _handler.attend(int(layer_idx), module, query, key, value, kwargs), None
 
 
@@ -75,6 +75,8 @@ class LayerCall:
     is_causal: bool
 
     def spec(self) -> AttentionSpec:
+        if not self.is_causal:
+            return AttentionSpec.encoder()
         return AttentionSpec.sliding(self.sliding_window) if self.sliding_window else AttentionSpec.causal()
 
 
@@ -117,7 +119,7 @@ class PagedLayers:
     def attend(self, layer_idx: int, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
         layer = self.layers[layer_idx]
-        if layer.kv_cache is None:
+        if layer.kv_cache is None and layer.spec.uses_kv_cache:
             raise RuntimeError(f"no KV cache bound to attention layer {layer_idx}")
         # [1, H, T, D] -> [T, H, D], each token's heads one row (what the kernels read and the cache stores).
         q = query[0].transpose(0, 1).contiguous()

@@ -16,24 +16,28 @@ from pagedllm.model_executor.models.transformers_fallback.attention import (
     ATTN_IMPLEMENTATION,
     register_paged_attention,
 )
-from pagedllm.model_executor.models.transformers_fallback.model import TransformersForCausalLM
+from pagedllm.model_executor.models.transformers_fallback.model import (
+    TransformersEncoderModel,
+    TransformersForCausalLM,
+)
 
 
-def build_transformers_causal_lm(cls: type, hf_config: Any, architecture: str, dtype: torch.dtype,
-                                 device: torch.device, weights: Iterable[tuple[str, torch.Tensor]]
-                                 ) -> TransformersForCausalLM:
-    """``cls`` (a transformers causal-LM class) built for ``hf_config`` in ``dtype`` on ``device``, filled with
-    ``weights`` (checkpoint name, tensor), its attention on pagedllm's backends."""
+def build_transformers_model(cls: type, hf_config: Any, architecture: str, dtype: torch.dtype,
+                             device: torch.device, weights: Iterable[tuple[str, torch.Tensor]],
+                             encoder: bool = False) -> TransformersForCausalLM | TransformersEncoderModel:
+    """``cls`` (a transformers causal-LM class, or an encoder's base class with ``encoder``) built for
+    ``hf_config`` in ``dtype`` on ``device``, filled with ``weights`` (checkpoint name, tensor), its attention on
+    pagedllm's backends."""
     register_paged_attention()
     config = copy.deepcopy(hf_config)  # transformers writes dtype and the attention implementation into it
     with torch.device("meta"):
         hf_model = cls._from_config(config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
     hf_model = hf_model.to_empty(device=device)
     hf_model.tie_weights()  # to_empty gives each tied parameter its own storage: tie them again
-    load_checkpoint(hf_model, weights, architecture)
+    load_checkpoint(hf_model, weights, architecture, encoder=encoder)
     hf_model.initialize_weights()  # only what the checkpoint did not fill: non-persistent buffers (rotary tables)
     hf_model.eval().requires_grad_(False)
-    model = TransformersForCausalLM(hf_model, architecture)
+    model = (TransformersEncoderModel if encoder else TransformersForCausalLM)(hf_model, architecture)
     model.build_attention_layers()
     return model
 
@@ -68,10 +72,15 @@ def checkpoint_renamer(model: nn.Module, architecture: str) -> Callable[[str], s
 
 
 @torch.no_grad()
-def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], architecture: str) -> None:
+def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], architecture: str,
+                    encoder: bool = False) -> None:
     """Copy each (name, tensor) into the parameter or persistent buffer of that name (a checkpoint saved from the
     bare decoder gets the ``base_model_prefix``). Marks what it fills as initialized (transformers'
-    ``_is_hf_initialized``). ValueError for a tensor with no home, a shape mismatch, or a parameter never filled."""
+    ``_is_hf_initialized``). ValueError for a tensor with no home, a shape mismatch, or a parameter never filled.
+
+    ``encoder``: ``model`` is an encoder's base model and the checkpoint may be a task model's (``bert.`` names and
+    a masked-LM or classifier head, dropped); transformers' own pooler (unused: pagedllm's pooler pools) may be
+    absent from it."""
     targets: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     non_persistent = set(dict(model.named_non_persistent_buffers()) if hasattr(
         model, "named_non_persistent_buffers") else {})
@@ -81,9 +90,11 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
     filled: set[int] = set()
     for name, tensor in weights:
         name = rename(name)
-        target = name if name in targets else f"{prefix}.{name}" if f"{prefix}.{name}" in targets else None
+        candidates = (name, f"{prefix}.{name}", name.removeprefix(f"{prefix}.") if prefix else name)
+        target = next((c for c in candidates if c in targets), None)
         if target is None:
-            if _ignored(model, name):
+            if _ignored(model, name) or (encoder and not name.startswith(tuple(
+                    f"{child}." for child, _ in model.named_children()))):
                 continue
             raise ValueError(f"model: {architecture}: checkpoint tensor {name!r} matches no parameter of "
                              f"transformers' {type(model).__name__}")
@@ -94,7 +105,8 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
         dest.copy_(tensor)
         dest._is_hf_initialized = True
         filled.add(id(dest))
-    missing = [n for n, p in model.named_parameters() if id(p) not in filled]
+    missing = [n for n, p in model.named_parameters() if id(p) not in filled
+               and not (encoder and n.startswith("pooler."))]
     if missing:
         more = " ..." if len(missing) > 8 else ""
         raise ValueError(f"model: {architecture}: weights missing from the checkpoint: {missing[:8]}{more}")

@@ -1,4 +1,5 @@
-"""``TransformersForCausalLM``: a transformers causal LM run by pagedllm's engine (``--model-impl transformers``).
+"""``TransformersForCausalLM`` / ``TransformersEncoderModel``: a transformers causal LM (or, for ``--runner pooling``,
+an encoder) run by pagedllm's engine (``--model-impl transformers``).
 
 The transformers model keeps its own layers (norms, MLPs, rotary, QK norms, multipliers); only its attention calls
 go to pagedllm's paged attention (``attention.py``). The engine sees what it sees of a native model:
@@ -10,9 +11,14 @@ go to pagedllm's paged attention (``attention.py``). The engine sees what it see
   applies after it (Cohere's ``logit_scale``, Granite's ``logits_scaling``, Gemma 2's final soft cap).
 - one pagedllm ``Attention`` per layer (``attn_layers``), whose heads, head size, scale and window come from a
   probe forward (``build_attention_layers``): the worker sizes and binds the KV cache through them.
+
+An encoder (BERT-like, ``is_encoder_only``) keeps no KV cache: its layers are encoder-kind ``Attention`` layers
+over whole prompts, each request's tokens attending to its own (the pooling runner's metadata).
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from torch import nn
@@ -29,12 +35,13 @@ from pagedllm.model_executor.models.transformers_fallback.attention import (
 logger = init_logger(__name__)
 
 
-class TransformersForCausalLM(nn.Module):
-    """A transformers ``*ForCausalLM`` (``hf_model``, weights loaded) driven through pagedllm's paged attention."""
+class _TransformersModel(nn.Module):
+    """What the causal and the encoder fallbacks share: the probe, the attention layers, the forward."""
 
     #: What the worker reads: decode steps run eagerly (the transformers forward is Python and torch ops that
     #: neither a CUDA graph capture without compilation nor a CPU step graph of C++ kernels can record).
     model_impl = "transformers"
+    is_encoder_only = False
 
     def __init__(self, hf_model: nn.Module, architecture: str) -> None:
         super().__init__()
@@ -44,6 +51,12 @@ class TransformersForCausalLM(nn.Module):
         self.dtype = next(hf_model.parameters()).dtype
         self.attn_layers = nn.ModuleList()
         self._paged = PagedLayers([])
+        self.position_offset = 0  # added to each token's position (RoBERTa's start after the padding index)
+        # No transformers KV cache (pagedllm's is paged) and a ModelOutput, where the forward takes them.
+        params = inspect.signature(self.base_model().forward).parameters
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        self._extra_kwargs = {k: v for k, v in (("use_cache", False), ("return_dict", True))
+                              if takes_any or k in params}
 
     def base_model(self) -> nn.Module:
         """The decoder stack (transformers' ``base_model``: embeddings, layers, final norm)."""
@@ -63,9 +76,13 @@ class TransformersForCausalLM(nn.Module):
             raise ValueError(f"model: {self.architecture} through the transformers fallback: its attention layers "
                              f"reported layer indices {sorted(probe.calls)}, not 0..n-1")
         calls = [probe.calls[i] for i in range(num_layers)]
-        if not all(c.is_causal for c in calls):
-            raise ValueError(f"model: {self.architecture} through the transformers fallback: its attention is not "
-                             "causal (an encoder); text generation needs a causal decoder")
+        if any(c.is_causal == self.is_encoder_only for c in calls):
+            want = "bidirectional (an encoder)" if self.is_encoder_only else "causal (a decoder)"
+            raise ValueError(f"model: {self.architecture} through the transformers fallback: not every attention "
+                             f"layer is {want}, as this model class expects")
+        if self.is_encoder_only and any(c.sliding_window for c in calls):
+            raise ValueError(f"model: {self.architecture} through the transformers fallback: local (sliding-window) "
+                             "attention in an encoder is not supported by pagedllm's encoder attention")
         if len({(c.num_kv_heads, c.head_size) for c in calls}) > 1:
             raise ValueError(f"model: {self.architecture} through the transformers fallback: its layers differ in "
                              "KV heads or head size, which pagedllm's KV cache (one shape for all layers) cannot hold")
@@ -76,8 +93,9 @@ class TransformersForCausalLM(nn.Module):
         return calls
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        out = self.base_model()(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
-                                use_cache=False, return_dict=True)
+        position_ids = positions + self.position_offset if self.position_offset else positions
+        out = self.base_model()(input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),
+                                **self._extra_kwargs)
         return out.last_hidden_state[0]
 
     @torch.inference_mode()
@@ -87,6 +105,10 @@ class TransformersForCausalLM(nn.Module):
         Must run inside ``forward_context(attn_metadata)`` with KV caches bound (``bind_kv_caches``)."""
         with use_attention_handler(self._paged):
             return self._run(input_ids, positions)
+
+
+class TransformersForCausalLM(_TransformersModel):
+    """A transformers ``*ForCausalLM`` (``hf_model``, weights loaded) driven through pagedllm's paged attention."""
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -103,3 +125,19 @@ class TransformersForCausalLM(nn.Module):
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits[:, :cfg.vocab_size] if logits.shape[-1] > cfg.vocab_size else logits
+
+
+class TransformersEncoderModel(_TransformersModel):
+    """A transformers encoder's base model (``BertModel``, ``RobertaModel``, ...) for the pooling runner: hidden
+    states of whole prompts, no KV cache, no logits."""
+
+    is_encoder_only = True
+
+    def __init__(self, hf_model: nn.Module, architecture: str) -> None:
+        super().__init__(hf_model, architecture)
+        # RoBERTa-style embeddings number positions from padding_idx + 1 (transformers derives them from the ids).
+        padding_idx = getattr(getattr(hf_model, "embeddings", None), "padding_idx", None)
+        self.position_offset = padding_idx + 1 if isinstance(padding_idx, int) else 0
+
+    def base_model(self) -> nn.Module:
+        return self.hf_model  # built from the base class already (AutoModel's)

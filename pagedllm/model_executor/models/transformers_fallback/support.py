@@ -16,30 +16,45 @@ def _refuse(architecture: str, why: str) -> ValueError:
                       f"the transformers fallback cannot run it: {why}")
 
 
-def remote_code_class_ref(hf_config: Any) -> str | None:
-    """The folder's own causal-LM class reference (``config.json``'s ``auto_map``), or None."""
+def is_fallback_encoder(hf_config: Any, architecture: str) -> bool:
+    """Whether the fallback runs this model as an encoder (pooling only): its model type is a masked-LM encoder's
+    (BERT, RoBERTa, ...) and the architecture is not one of its causal heads."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    return (getattr(hf_config, "model_type", None) in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+            and not architecture.endswith(("ForCausalLM", "LMHeadModel")))
+
+
+def remote_code_class_ref(hf_config: Any, encoder: bool = False) -> str | None:
+    """The folder's own model class reference (``config.json``'s ``auto_map``), or None."""
     auto_map = getattr(hf_config, "auto_map", None) or {}
-    return auto_map.get("AutoModelForCausalLM")
+    return auto_map.get("AutoModel" if encoder else "AutoModelForCausalLM")
 
 
-def transformers_causal_lm_class(hf_config: Any, architecture: str, trust_remote_code: bool = False) -> type:
-    """The transformers class that runs ``architecture`` (a name in ``config.architectures``); ValueError with
-    the reason when there is none that pagedllm's attention can drive."""
+def transformers_model_class(hf_config: Any, architecture: str, trust_remote_code: bool = False) -> type:
+    """The transformers class that runs ``architecture`` (a name in ``config.architectures``): its causal LM, or
+    for an encoder (``is_fallback_encoder``) its base model; ValueError with the reason when there is none that
+    pagedllm's attention can drive."""
     import transformers
 
-    ref = remote_code_class_ref(hf_config)
+    encoder = is_fallback_encoder(hf_config, architecture)
+    ref = remote_code_class_ref(hf_config, encoder)
     cls = None
     if ref is not None and trust_remote_code:
         from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
         folder = getattr(hf_config, "_name_or_path", "")
         cls = get_class_from_dynamic_module(ref, folder, local_files_only=True)
+    if cls is None and encoder:
+        from transformers import MODEL_MAPPING
+
+        cls = MODEL_MAPPING.get(type(hf_config), None)
     if cls is None:  # the library's class (preferred, as transformers does, when remote code is not trusted)
         cls = getattr(transformers, architecture, None)
         if not isinstance(cls, type):
             from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
-            cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config))
+            cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)
     if cls is None:
         if ref is not None:
             raise _refuse(architecture, f"its folder ships its own modeling code ({ref}); pass --trust-remote-code "
