@@ -69,6 +69,13 @@ def test_what_the_fallback_cannot_give_is_refused(olmo2: str, overrides: dict, m
         EngineArgs(model=olmo2, **overrides).create_engine_config()
 
 
+def test_chunked_attention_is_refused(tmp_path: Path) -> None:
+    config = fallback_config("Olmo2ForCausalLM")
+    config.attention_chunk_size = 8  # a mask transformers would build from the config, pagedllm's backends not
+    with pytest.raises(ValueError, match=r"Olmo2ForCausalLM cannot run.*chunked attention"):
+        resolve_model_config(ModelConfig(model=_save(config, tmp_path)))
+
+
 def test_attention_soft_capping_is_refused_at_load(tmp_path: Path) -> None:
     config = fallback_config("Gemma2ForCausalLM")
     config.attn_logit_softcapping = 50.0

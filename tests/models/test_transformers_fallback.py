@@ -120,3 +120,22 @@ def test_ngram_speculation_and_structured_outputs_through_the_fallback(llama_fol
         assert spec.engine.core.scheduler.spec_stats.num_draft_tokens > 0
     finally:
         spec.engine.core.close()
+
+
+def test_a_fallback_model_as_the_draft(llama_folder: str, tmp_path) -> None:
+    """A draft model without native code (OLMo 2, same vocabulary) drafts for a native target: outputs unchanged."""
+    draft, _ = save_fallback_tiny("Olmo2ForCausalLM", tmp_path)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12] * 4
+    native = LLM(model=llama_folder, **ENGINE)
+    try:
+        expected = _generate(native, [prompt])[0].outputs[0].token_ids
+    finally:
+        native.engine.core.close()
+    spec = LLM(model=llama_folder, **ENGINE,
+               speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3})
+    try:
+        assert spec.engine.config.speculative.draft_model_config.model_impl == "transformers"
+        assert _generate(spec, [prompt])[0].outputs[0].token_ids == expected
+        assert spec.engine.core.scheduler.spec_stats.num_draft_tokens > 0
+    finally:
+        spec.engine.core.close()

@@ -88,6 +88,11 @@ def unreadable_config_error(architectures: list[str], model_type: str | None, ha
 def check_fallback_settings(architecture: str, quantization: str | None, hf_config: Any) -> None:
     """Refuse what the fallback cannot give: its linear layers are transformers' own ``nn.Linear``, not pagedllm's
     packed or quantized ones."""
+    # Masks transformers builds from the config and pagedllm's backends would not apply (they mask from the step's
+    # metadata: causal, sliding window, encoder).
+    if getattr(hf_config, "attention_chunk_size", None):
+        raise _refuse(architecture, f"chunked attention (attention_chunk_size={hf_config.attention_chunk_size}) "
+                                    "is not among pagedllm's attention masks")
     stored = getattr(hf_config, "quantization_config", None)
     if quantization not in (None, "none") or stored:
         what = f"--quantization {quantization}" if quantization not in (None, "none") else "a quantized checkpoint"
