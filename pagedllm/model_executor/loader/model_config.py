@@ -54,7 +54,8 @@ def _load_hf_config(folder: str, trust_remote_code: bool = False) -> Any:
         if not native_architecture(archs):
             error = unreadable_config_error(archs, raw.get("model_type"), bool(raw.get("auto_map")),
                                             trust_remote_code, e)
-            raise ValueError(f"{error} (native architectures: {', '.join(supported_architectures())})") from e
+            raise ValueError(f"{error} (pagedllm has no native implementation of it; native architectures: "
+                             f"{', '.join(supported_architectures())})") from e
         raise ValueError(f"model: cannot read {folder}/config.json: {e}") from e
 
 

@@ -97,5 +97,6 @@ def choose_model_impl(architectures: list[str], model_impl: str, hf_config: Any,
     try:
         transformers_model_class(hf_config, archs[0], trust_remote_code)
     except ValueError as e:
-        raise ValueError(f"{e} (native architectures: {', '.join(supported_architectures())})") from None
+        native_note = "" if native else "pagedllm has no native implementation of it; "
+        raise ValueError(f"{e} ({native_note}native architectures: {', '.join(supported_architectures())})") from None
     return archs[0], "transformers"

@@ -1,9 +1,9 @@
 """Whether transformers can run an architecture for pagedllm, and which of its classes: the fallback's checks.
 
-A model runs through the fallback when transformers has a causal-LM class for it (in the library, or in the
-model folder's own code under ``--trust-remote-code``) whose attention layers call the attention interface
-(``_supports_attention_backend``): only then can pagedllm's paged attention take their place. Anything else gets
-a ValueError naming the architecture and the reason.
+A model runs through the fallback when transformers has a class for it (a causal LM, or an encoder's base model
+for pooling; in the library, or in the model folder's own code under ``--trust-remote-code``) whose attention
+layers call the attention interface (``_supports_attention_backend``): only then can pagedllm's paged attention
+take their place. Anything else gets a ValueError naming the architecture and the reason.
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from typing import Any
 
 
 def _refuse(architecture: str, why: str) -> ValueError:
-    return ValueError(f"model: architecture {architecture} cannot run: pagedllm has no native implementation and "
-                      f"the transformers fallback cannot run it: {why}")
+    return ValueError(f"model: architecture {architecture} cannot run through the transformers fallback: {why}")
 
 
 def is_fallback_encoder(hf_config: Any, architecture: str) -> bool:
