@@ -141,3 +141,19 @@ def test_remote_code_runs_with_trust_remote_code(remote_code_folder: str) -> Non
 def test_native_architectures_stay_native(tmp_path: Path) -> None:
     path = _save(tiny_config("Qwen3ForCausalLM"), tmp_path)
     assert resolve_model_config(ModelConfig(model=path)).model_impl == "pagedllm"
+
+
+def test_a_remote_code_config_reaches_an_engine_process(remote_code_folder: str, tmp_path: Path) -> None:
+    """Engine processes are spawned: they unpickle the config before they could import the folder's code."""
+    import os
+    import pickle
+    import subprocess
+    import sys
+
+    mc = resolve_model_config(ModelConfig(model=remote_code_folder, trust_remote_code=True))
+    (tmp_path / "mc.pkl").write_bytes(pickle.dumps(mc))
+    code = ("import pickle, sys; mc = pickle.load(open(sys.argv[1], 'rb')); "
+            "print(type(mc.hf_config).__name__, mc.hf_config.hidden_size, mc.model_impl)")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "mc.pkl")], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert out.stdout.split() == ["TinyRemoteConfig", "64", "transformers"], out.stderr[-2000:]

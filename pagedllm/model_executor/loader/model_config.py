@@ -42,7 +42,12 @@ def _load_hf_config(folder: str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
+        if trust_remote_code:
+            from pagedllm.model_executor.models.transformers_fallback.support import make_remote_config_picklable
+
+            make_remote_config_picklable(config)  # engine processes unpickle it
+        return config
     except (ValueError, KeyError) as e:
         # Unknown model_type (or modeling code not trusted): say which architecture and why neither path runs it.
         with open(os.path.join(folder, "config.json")) as f:

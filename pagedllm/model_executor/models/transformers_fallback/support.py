@@ -115,3 +115,27 @@ def transformers_causal_lm_architectures(skip: set[str]) -> list[tuple[str, str,
             continue
         rows.append((name, model_type, bool(cls.is_backend_compatible())))
     return rows
+
+
+def make_remote_config_picklable(hf_config: Any) -> None:
+    """A config whose class comes from a folder's own code (``transformers_modules.*``) pickles as (class
+    reference, folder, values), so an engine process (spawned: it unpickles before it can import that code) rebuilds
+    it by importing the folder's code first. Nothing for a library config."""
+    import copyreg
+
+    cls = type(hf_config)
+    ref = (getattr(hf_config, "auto_map", None) or {}).get("AutoConfig")
+    if not cls.__module__.startswith("transformers_modules") or not ref:
+        return
+    copyreg.pickle(cls, lambda config: (rebuild_remote_config, (ref, config._name_or_path, config.to_dict())))
+
+
+def rebuild_remote_config(ref: str, folder: str, values: dict) -> Any:
+    """The inverse of ``make_remote_config_picklable``'s reduction (in the process that unpickles)."""
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    cls = get_class_from_dynamic_module(ref, folder, local_files_only=True)
+    config = cls.from_dict(values)
+    config._name_or_path = folder
+    make_remote_config_picklable(config)  # handed on again from there (a data-parallel engine's ranks)
+    return config
