@@ -157,3 +157,22 @@ def test_a_remote_code_config_reaches_an_engine_process(remote_code_folder: str,
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "mc.pkl")], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert out.stdout.split() == ["TinyRemoteConfig", "64", "transformers"], out.stderr[-2000:]
+
+
+def test_extra_checkpoint_tensors_are_left_out_and_missing_ones_refused(olmo2: str, tmp_path: Path, caplog) -> None:
+    """As transformers does: a tensor no parameter takes is logged and skipped; a parameter nobody fills fails."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(Path(olmo2) / "model.safetensors"))
+    extra, short = tmp_path / "extra", tmp_path / "short"
+    for folder, changed in ((extra, {**tensors, "model.layers.0.self_attn.masked_bias": torch.zeros(1)}),
+                            (short, {k: v for k, v in tensors.items() if "layers.1.mlp.up_proj" not in k})):
+        shutil.copytree(olmo2, folder)
+        save_file(changed, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    llm = LLM(model=str(extra), **ENGINE)
+    llm.engine.core.close()
+    assert "1 checkpoint tensors match no parameter" in caplog.text and "masked_bias" in caplog.text
+    with pytest.raises(ValueError, match=r"weights missing from the checkpoint: \['model.layers.1.mlp.up_proj"):
+        LLM(model=str(short), **ENGINE)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.logger import init_logger
 from pagedllm.model_executor.models.transformers_fallback.attention import (
     ATTN_IMPLEMENTATION,
     register_paged_attention,
@@ -20,6 +21,8 @@ from pagedllm.model_executor.models.transformers_fallback.model import (
     TransformersEncoderModel,
     TransformersForCausalLM,
 )
+
+logger = init_logger(__name__)
 
 
 def build_transformers_model(cls: type, hf_config: Any, architecture: str, dtype: torch.dtype,
@@ -76,7 +79,8 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
                     encoder: bool = False) -> None:
     """Copy each (name, tensor) into the parameter or persistent buffer of that name (a checkpoint saved from the
     bare decoder gets the ``base_model_prefix``). Marks what it fills as initialized (transformers'
-    ``_is_hf_initialized``). ValueError for a tensor with no home, a shape mismatch, or a parameter never filled.
+    ``_is_hf_initialized``). ValueError for a shape mismatch or a parameter never filled; a tensor with no home
+    is logged and left out, as transformers does.
 
     ``encoder``: ``model`` is an encoder's base model and the checkpoint may be a task model's (``bert.`` names and
     a masked-LM or classifier head, dropped); transformers' own pooler (unused: pagedllm's pooler pools) may be
@@ -88,16 +92,16 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
     prefix = getattr(model, "base_model_prefix", "")
     rename = checkpoint_renamer(model, architecture)
     filled: set[int] = set()
+    unexpected: list[str] = []
     for name, tensor in weights:
         name = rename(name)
         candidates = (name, f"{prefix}.{name}", name.removeprefix(f"{prefix}.") if prefix else name)
         target = next((c for c in candidates if c in targets), None)
         if target is None:
-            if _ignored(model, name) or (encoder and not name.startswith(tuple(
-                    f"{child}." for child, _ in model.named_children()))):
-                continue
-            raise ValueError(f"model: {architecture}: checkpoint tensor {name!r} matches no parameter of "
-                             f"transformers' {type(model).__name__}")
+            if not (_ignored(model, name) or (encoder and not name.startswith(tuple(
+                    f"{child}." for child, _ in model.named_children())))):
+                unexpected.append(name)
+            continue
         dest = targets[target]
         if dest.shape != tensor.shape:
             raise ValueError(f"model: {architecture}: shape mismatch for {name!r}: checkpoint "
@@ -109,4 +113,9 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
                and not (encoder and n.startswith("pooler."))]
     if missing:
         more = " ..." if len(missing) > 8 else ""
-        raise ValueError(f"model: {architecture}: weights missing from the checkpoint: {missing[:8]}{more}")
+        hint = f" (the checkpoint also holds tensors no parameter takes: {unexpected[:8]})" if unexpected else ""
+        raise ValueError(f"model: {architecture}: weights missing from the checkpoint: {missing[:8]}{more}{hint}")
+    if unexpected:  # transformers drops them too (with a warning); every parameter was filled
+        logger.warning("%s: %d checkpoint tensors match no parameter of transformers' %s and are not loaded: %s%s",
+                       architecture, len(unexpected), type(model).__name__, unexpected[:8],
+                       " ..." if len(unexpected) > 8 else "")

@@ -23,7 +23,6 @@ import inspect
 import torch
 from torch import nn
 
-from pagedllm.logger import init_logger
 from pagedllm.model_executor.layers.attention import Attention
 from pagedllm.model_executor.models.transformers_fallback.attention import (
     AttentionProbe,
@@ -31,8 +30,6 @@ from pagedllm.model_executor.models.transformers_fallback.attention import (
     PagedLayers,
     use_attention_handler,
 )
-
-logger = init_logger(__name__)
 
 
 class _TransformersModel(nn.Module):

@@ -58,7 +58,7 @@ def transformers_model_class(hf_config: Any, architecture: str, trust_remote_cod
         if ref is not None:
             raise _refuse(architecture, f"its folder ships its own modeling code ({ref}); pass --trust-remote-code "
                                         "(trust_remote_code=True) to run it")
-        raise _refuse(architecture, f"transformers {transformers.__version__} has no causal-LM class for it "
+        raise _refuse(architecture, f"transformers {transformers.__version__} has no model class for it "
                                     f"(model_type {getattr(hf_config, 'model_type', '?')!r})")
     compatible = getattr(cls, "is_backend_compatible", None)
     if not (compatible() if callable(compatible) else getattr(cls, "_supports_attention_backend", False)):
