@@ -65,7 +65,7 @@ def register_paged_attention() -> None:
 
 @dataclass(frozen=True)
 class LayerCall:
-    """What one transformers attention layer passed: its heads, head size, scale, window and soft cap."""
+    """What one transformers attention layer passed: its heads, head size, scale, window and causality."""
 
     num_heads: int
     num_kv_heads: int
