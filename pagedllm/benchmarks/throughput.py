@@ -92,7 +92,8 @@ def _load_hf_model(engine_args: EngineArgs) -> tuple[Any, Any, Any]:
                                                      gguf_file=os.path.basename(mc.gguf_file),
                                                      torch_dtype=dtype, local_files_only=True)
     else:
-        model = AutoModelForCausalLM.from_pretrained(mc.model_path, torch_dtype=dtype, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(mc.model_path, torch_dtype=dtype, local_files_only=True,
+                                                     trust_remote_code=mc.trust_remote_code)
     from pagedllm.worker.worker import resolve_device
 
     model = model.to(dtype).to(resolve_device(config.device.device)).eval()

@@ -18,6 +18,9 @@ def resolve_speculative_config(raw: Any, target: ModelConfig) -> SpeculativeConf
     if cfg is None:
         return None
     if cfg.method == "layer_skip":
+        if target.model_impl == "transformers":
+            raise ValueError(f"speculative_config.method: layer_skip runs a native model's first layers; "
+                             f"{target.architecture} runs through the transformers fallback (use ngram)")
         num_layers = getattr(target.hf_config, "num_hidden_layers", None)
         if num_layers is not None and cfg.num_draft_layers >= num_layers:
             raise ValueError(f"speculative_config.num_draft_layers: {cfg.num_draft_layers} must be smaller than "

@@ -256,6 +256,11 @@ class Worker:
             return  # a pooling model's steps run through the pooling runner, never a decode graph
         if getattr(self.runner, "encoder_decoder", None) is not None:
             return  # the cross-attention group's metadata is built per step, outside the recorded graphs
+        if getattr(self.runner.model, "model_impl", "pagedllm") == "transformers":
+            logger.info("%s runs through the transformers fallback: decode steps run eagerly (no %s graphs; "
+                        "transformers' layers are Python and torch ops that are not recorded)",
+                        self.config.model.architecture, "CUDA" if self.platform.supports_graphs else "CPU step")
+            return
         if self.platform.supports_graphs:
             _capture_cuda_graphs(self)
         elif self.platform.step_graph_kernels(self.dtype) is not None:

@@ -44,3 +44,23 @@ def test_gguf_architectures_match_the_registry() -> None:
     from pagedllm.model_executor.models.registry import architecture_infos
 
     assert {a.gguf_arch for a in architecture_infos() if "gguf" in a.formats} == set(supported_gguf_architectures())
+
+
+def test_listing_names_the_implementation_and_the_fallback(capsys, monkeypatch) -> None:
+    assert main(["models", "--json"]) == 0
+    assert {a["model_impl"] for a in json.loads(capsys.readouterr().out)} == {"pagedllm"}
+    assert main(["models"]) == 0
+    assert "transformers fallback" in capsys.readouterr().out
+    # --fallback over a short list of transformers' causal LMs (the whole list imports every class)
+    import transformers.models.auto.modeling_auto as auto
+
+    monkeypatch.setattr(auto, "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+                        {"olmo2": "Olmo2ForCausalLM", "stablelm": "StableLmForCausalLM", "llama": "LlamaForCausalLM"})
+    assert main(["models", "--fallback", "--json"]) == 0
+    rows = {a["architecture"]: a for a in json.loads(capsys.readouterr().out)}
+    assert rows["LlamaForCausalLM"]["model_impl"] == "pagedllm"  # native: listed once, as native
+    assert rows["Olmo2ForCausalLM"]["model_impl"] == "transformers"
+    assert rows["StableLmForCausalLM"]["model_impl"] is None
+    assert main(["models", "--fallback"]) == 0
+    out = capsys.readouterr().out
+    assert "Olmo2ForCausalLM" in out and "no (no attention-interface support)" in out

@@ -38,19 +38,29 @@ def _eos_ids(folder: str, hf_config: Any, gguf_metadata: dict[str, Any] | None) 
     return ids
 
 
-def _load_hf_config(folder: str) -> Any:
+def _load_hf_config(folder: str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(folder, local_files_only=True)
-    except (ValueError, KeyError) as e:
-        # Unknown model_type: still report the architecture so the error names what is supported.
-        with open(os.path.join(folder, "config.json")) as f:
-            archs = json.load(f).get("architectures") or []
-        if archs:
-            from pagedllm.model_executor.models.registry import get_model_cls
+        config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
+        if trust_remote_code:
+            from pagedllm.model_executor.models.transformers_fallback.support import make_remote_config_picklable
 
-            get_model_cls(archs)
+            make_remote_config_picklable(config)  # engine processes unpickle it
+        return config
+    except (ValueError, KeyError) as e:
+        # Unknown model_type (or modeling code not trusted): say which architecture and why neither path runs it.
+        with open(os.path.join(folder, "config.json")) as f:
+            raw = json.load(f)
+        archs = raw.get("architectures") or []
+        from pagedllm.model_executor.models.registry import native_architecture, supported_architectures
+        from pagedllm.model_executor.models.transformers_fallback.support import unreadable_config_error
+
+        if not native_architecture(archs):
+            error = unreadable_config_error(archs, raw.get("model_type"), bool(raw.get("auto_map")),
+                                            trust_remote_code, e)
+            raise ValueError(f"{error} (pagedllm has no native implementation of it; native architectures: "
+                             f"{', '.join(supported_architectures())})") from e
         raise ValueError(f"model: cannot read {folder}/config.json: {e}") from e
 
 
@@ -60,7 +70,7 @@ def resolve_model_config(mc: ModelConfig) -> ModelConfig:
 
     Raises ValueError for a missing model, an unsupported architecture or a too-long ``max_model_len``.
     """
-    from pagedllm.model_executor.models.registry import get_model_cls
+    from pagedllm.model_executor.models.registry import choose_model_impl
 
     source = find_model_source(mc.model)
     gguf_metadata = None
@@ -83,13 +93,19 @@ def resolve_model_config(mc: ModelConfig) -> ModelConfig:
         mc.gguf_file = None
         mc.ct2_file = source.ct2_file
     else:
-        hf_config = _load_hf_config(source.folder)
+        hf_config = _load_hf_config(source.folder, mc.trust_remote_code)
         mc.model_path = source.folder
         mc.gguf_file = None
         mc.ct2_file = None
     archs = list(getattr(hf_config, "architectures", None) or [])
-    get_model_cls(archs)  # fails early, naming the supported architectures
-    mc.architecture = archs[0] if len(archs) == 1 else next(a for a in archs if _supported(a))
+    # Fails early, naming the architecture and why neither the native code nor the fallback runs it.
+    mc.architecture, mc.model_impl = choose_model_impl(archs, mc.model_impl, hf_config,
+                                                       trust_remote_code=mc.trust_remote_code,
+                                                       hf_folder=not (mc.gguf_file or mc.ct2_file))
+    if mc.model_impl == "transformers":
+        from pagedllm.model_executor.models.transformers_fallback.support import check_fallback_settings
+
+        check_fallback_settings(mc.architecture, mc.quantization, hf_config)
     mc.hf_config = hf_config
     mc.vocab_size = int(hf_config.vocab_size)
     mc.eos_token_ids = _eos_ids(source.folder, hf_config, gguf_metadata)
@@ -127,12 +143,6 @@ def resolve_model_config(mc: ModelConfig) -> ModelConfig:
     return mc
 
 
-def _supported(arch: str) -> bool:
-    from pagedllm.model_executor.models.registry import supported_architectures
-
-    return arch in supported_architectures()
-
-
 def _resolve_runner(mc: ModelConfig, folder: str | None) -> int | None:
     """Fill ``runner``, ``is_encoder_only`` and (pooling) ``pooler_config``; returns the sentence-transformers
     maximum input length of a pooling model, if its folder names one."""
@@ -143,14 +153,21 @@ def _resolve_runner(mc: ModelConfig, folder: str | None) -> int | None:
     )
     from pagedllm.model_executor.models.registry import get_model_cls
 
-    model_cls = get_model_cls([mc.architecture])
-    mc.is_encoder_only = bool(getattr(model_cls, "is_encoder_only", False))
-    mc.is_encoder_decoder = bool(getattr(model_cls, "is_encoder_decoder", False))
+    if mc.model_impl == "transformers":  # a causal decoder, or an encoder (pooling only) of transformers'
+        from pagedllm.model_executor.models.transformers_fallback.support import is_fallback_encoder
+
+        mc.is_encoder_only = is_fallback_encoder(mc.hf_config, mc.architecture)
+        mc.is_encoder_decoder = False
+        default_pooling_type = "CLS" if mc.is_encoder_only else "LAST"
+    else:
+        model_cls = get_model_cls([mc.architecture])
+        mc.is_encoder_only = bool(getattr(model_cls, "is_encoder_only", False))
+        mc.is_encoder_decoder = bool(getattr(model_cls, "is_encoder_decoder", False))
+        default_pooling_type = getattr(model_cls, "default_pooling_type", "LAST")
     mc.runner = resolve_runner(mc.runner, mc.is_encoder_only, folder, mc.architecture)
     if not mc.is_pooling:
         return None
-    mc.pooler_config = resolve_pooler_config(folder, mc.hf_config,
-                                             getattr(model_cls, "default_pooling_type", "LAST"), mc.pooler_config)
+    mc.pooler_config = resolve_pooler_config(folder, mc.hf_config, default_pooling_type, mc.pooler_config)
     logger.info("pooling runner: %s pooling%s", mc.pooler_config.pooling_type,
                 ", normalized" if mc.pooler_config.normalize else "")
     return sentence_transformers_max_len(folder)

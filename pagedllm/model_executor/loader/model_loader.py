@@ -40,6 +40,8 @@ def load_model(mc: ModelConfig, device: torch.device | str = "cpu") -> nn.Module
     device = torch.device(device)
     dtype = torch_dtype(mc.dtype)
     start = time.perf_counter()
+    if mc.model_impl == "transformers":
+        return _load_transformers_fallback(mc, device, dtype, start)
     model_cls = get_model_cls([mc.architecture])
     quant_config = get_quantization_config(mc.quantization, mc.hf_config, mc.gguf_file)
     if quant_config is not None:
@@ -89,6 +91,33 @@ def load_model(mc: ModelConfig, device: torch.device | str = "cpu") -> nn.Module
                 format_bytes(model_weight_bytes(model)), device)
     for scheme, (count, nbytes) in sorted(weight_bytes_by_scheme(model).items()):
         logger.info("  %-28s %4d tensors/layers  %s", scheme, count, format_bytes(nbytes))
+    return model
+
+
+def _load_transformers_fallback(mc: ModelConfig, device: torch.device, dtype: torch.dtype, start: float) -> nn.Module:
+    """The transformers class for ``mc.architecture``, weights from the folder's safetensors, attention on
+    pagedllm's paged backends (``models/transformers_fallback``)."""
+    from pagedllm.model_executor.loader.safetensors_weights import (
+        count_safetensors,
+        iter_safetensors,
+        safetensors_files,
+    )
+    from pagedllm.model_executor.models.transformers_fallback.build import build_transformers_model
+    from pagedllm.model_executor.models.transformers_fallback.support import transformers_model_class
+
+    cls = transformers_model_class(mc.hf_config, mc.architecture, mc.trust_remote_code)
+    files = safetensors_files(mc.model_path)
+    weights = _with_progress(iter_safetensors(files), count_safetensors(files), "Loading weights")
+    model = build_transformers_model(cls, mc.hf_config, mc.architecture, dtype, device, weights,
+                                     encoder=mc.is_encoder_only)
+    layers = list(model.attn_layers)
+    windows = sorted({m.spec.window for m in layers if m.spec.window})
+    logger.info("loaded %s (%s, %s) through the transformers fallback (%s with pagedllm's paged attention: %d "
+                "layers, %d KV heads of %d%s) in %.2f s; weights use %s on %s; a native implementation would be "
+                "faster (docs/models.md)", mc.architecture, mc.model_path, mc.dtype, type(model.hf_model).__name__,
+                len(layers), layers[0].num_kv_heads, layers[0].head_size,
+                f", sliding windows {windows}" if windows else "", time.perf_counter() - start,
+                format_bytes(model_weight_bytes(model)), device)
     return model
 
 

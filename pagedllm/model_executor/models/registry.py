@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from pagedllm.config import MODEL_IMPLS
 
 
 @dataclass(frozen=True)
@@ -64,3 +67,36 @@ def get_model_cls(architectures: list[str]) -> type:
             return getattr(module, info.class_name)
     raise ValueError(f"model architecture {list(architectures or [])} is not supported; "
                      f"supported architectures: {', '.join(supported_architectures())}")
+
+
+def native_architecture(architectures: list[str]) -> str | None:
+    """The first of ``architectures`` pagedllm implements natively, or None."""
+    return next((a for a in architectures or [] if a in _BY_NAME), None)
+
+
+def choose_model_impl(architectures: list[str], model_impl: str, hf_config: Any, *, trust_remote_code: bool = False,
+                      hf_folder: bool = True) -> tuple[str, str]:
+    """(architecture, implementation) for ``--model-impl``: ``pagedllm`` (native: must exist), ``transformers``
+    (the fallback: transformers' class, attention on pagedllm's backends) or ``auto`` (native where it exists, else
+    the fallback). ``hf_folder``: the model is an HF safetensors folder (the only thing the fallback loads).
+    ValueError naming the architecture and the reason when neither can run it."""
+    from pagedllm.model_executor.models.transformers_fallback.support import transformers_model_class
+
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"model_impl: must be one of {', '.join(MODEL_IMPLS)}, got {model_impl!r}")
+    archs = list(architectures or [])
+    native = native_architecture(archs)
+    if model_impl == "pagedllm" or (model_impl == "auto" and (native or not hf_folder)):
+        get_model_cls(archs)  # raises, naming the supported architectures, when none is native
+        return native, "pagedllm"
+    if not archs:
+        raise ValueError("model: config.json lists no architectures; the transformers fallback needs one")
+    if not hf_folder:
+        raise ValueError(f"model_impl: the transformers fallback loads Hugging Face safetensors folders only, not "
+                         f"this model's format ({archs[0]})")
+    try:
+        transformers_model_class(hf_config, archs[0], trust_remote_code)
+    except ValueError as e:
+        native_note = "" if native else "pagedllm has no native implementation of it; "
+        raise ValueError(f"{e} ({native_note}native architectures: {', '.join(supported_architectures())})") from None
+    return archs[0], "transformers"
