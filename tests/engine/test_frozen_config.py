@@ -25,9 +25,9 @@ from pagedllm.engine.mp_engine import layout_from_ready
 from helpers.arch_configs import save_tiny
 
 
-def _config(**parallel: object) -> EngineConfig:
+def _config(device: str = "auto", **parallel: object) -> EngineConfig:
     return EngineConfig(model=ModelConfig(), cache=CacheConfig(block_size=4), scheduler=SchedulerConfig(),
-                        device=DeviceConfig(), parallel=ParallelConfig(**parallel))
+                        device=DeviceConfig(device=device), parallel=ParallelConfig(**parallel))
 
 
 @pytest.mark.parametrize(("part", "field", "value"), [
@@ -87,13 +87,15 @@ def test_the_router_hands_the_engines_a_copy() -> None:
 
 def test_tensor_parallel_turns_graphs_off_in_a_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     import pagedllm.platforms
+    import pagedllm.worker.worker  # noqa: F401  (imported before the patch: it binds the real platform_for)
     from pagedllm.executor import eager_across_ranks
 
-    config = _config(tensor_parallel_size=2)
+    # A named device: "auto" would ask the stand-in platform whether CUDA is there.
+    config = _config("cpu", tensor_parallel_size=2)
     monkeypatch.setattr(pagedllm.platforms, "platform_for", lambda device: SimpleNamespace(supports_graphs=True))
     eager = eager_across_ranks(config)
     assert eager.device.enforce_eager and not config.device.enforce_eager
-    assert eager_across_ranks(_config()) == _config()  # one rank: unchanged
+    assert eager_across_ranks(_config("cpu")) == _config("cpu")  # one rank: unchanged
     monkeypatch.setattr(pagedllm.platforms, "platform_for", lambda device: SimpleNamespace(supports_graphs=False))
     assert eager_across_ranks(config) is config
 
