@@ -349,7 +349,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         print(f"{len(errors)} requests failed; first error: {errors[0]}")
     # JSON has no infinity: write the rate as a string then.
     rate: float | str = "inf" if math.isinf(args.request_rate) else args.request_rate
-    metrics.update(backend="openai-completions", base_url=args.base_url, endpoint=args.endpoint,
+    backend = ("openai-chat" if args.endpoint.endswith("/chat/completions") else
+               "openai-responses" if args.endpoint.endswith("/responses") else "openai-completions")
+    metrics.update(backend=backend, base_url=args.base_url, endpoint=args.endpoint,
                    model=args.model, num_prompts=args.num_prompts, request_rate=rate,
                    max_concurrency=args.max_concurrency, input_len=args.input_len, output_len=args.output_len,
                    prefix_len=args.prefix_len, num_prefixes=args.num_prefixes, prompt_format=args.prompt_format,

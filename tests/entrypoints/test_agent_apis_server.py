@@ -89,6 +89,15 @@ def test_stream_events_in_order_and_deltas_join(client) -> None:
     assert client.responses.retrieve(final.id).output_text == text
 
 
+def test_text_format_json_schema(client) -> None:
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+              "additionalProperties": False}
+    resp = client.responses.create(model="m", input=QUESTION, temperature=0, max_output_tokens=30, text={
+        "format": {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}})
+    assert resp.status == "completed" and isinstance(json.loads(resp.output_text)["answer"], int)
+    assert resp.text.format.type == "json_schema"
+
+
 def test_retrieve_input_items_delete(client) -> None:
     items = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
              {"role": "user", "content": QUESTION}]
@@ -197,6 +206,20 @@ def test_background_runs_and_cancel_frees_blocks(client, agent_server) -> None:
         time.sleep(0.05)
     with pytest.raises(openai.BadRequestError, match="background"):
         client.responses.cancel(plain.id)
+
+
+def test_streamed_response_closed_by_its_client_frees_blocks(agent_server) -> None:
+    body = {"model": "m", "input": "Write a long story.", "max_output_tokens": 1500, "text": {"format": LONG},
+            "stream": True}
+    with httpx.Client(timeout=60) as http, http.stream("POST", f"{agent_server.url}/v1/responses",
+                                                       json=body) as resp:
+        lines = resp.iter_lines()
+        assert any("response.output_text.delta" in next(lines) for _ in range(40))
+        assert _kv_usage(agent_server) > 0
+    deadline = time.monotonic() + 10
+    while _kv_usage(agent_server) != 0:
+        assert time.monotonic() < deadline, "a disconnected response kept its KV blocks"
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("body, status, param", [

@@ -92,3 +92,38 @@ def test_bad_budget_is_400(client) -> None:
     with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
         client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=5,
                                        extra_body={"thinking_token_budget": -2})
+
+
+def test_responses_reasoning_item_and_events(client) -> None:
+    kwargs = dict(model="m", input=MESSAGES[0]["content"], temperature=0, max_output_tokens=14,
+                  extra_body={"thinking_token_budget": 4})
+    resp = client.responses.create(**kwargs)
+    chat = client.chat.completions.create(model="m", messages=MESSAGES, temperature=0, max_tokens=14,
+                                          extra_body={"thinking_token_budget": 4}).choices[0].message
+    assert [item.type for item in resp.output] == ["reasoning", "message"]
+    assert resp.output[0].content[0].text == chat.model_extra["reasoning"] and resp.output_text == chat.content
+    assert resp.usage.output_tokens_details.reasoning_tokens >= 4
+    events = list(client.responses.create(stream=True, **kwargs))
+    kinds = [e.type for e in events]
+    last_reasoning = max(i for i, k in enumerate(kinds) if k == "response.reasoning_text.delta")
+    assert last_reasoning < kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == \
+        chat.model_extra["reasoning"]
+    assert events[-1].response.output_text == chat.content
+
+
+def test_messages_thinking_block(reasoning_server, client) -> None:
+    import anthropic
+
+    ac = anthropic.Anthropic(base_url=reasoning_server.url, api_key="EMPTY", max_retries=0)
+    chat = client.chat.completions.create(model="m", messages=MESSAGES, temperature=0, max_tokens=14,
+                                          extra_body={"thinking_token_budget": 4}).choices[0].message
+    kwargs = dict(model="m", max_tokens=14, messages=MESSAGES, thinking={"type": "enabled", "budget_tokens": 4},
+                  extra_body={"temperature": 0})
+    msg = ac.messages.create(**kwargs)
+    assert [b.type for b in msg.content] == ["thinking", "text"]
+    assert msg.content[0].thinking == chat.model_extra["reasoning"] and msg.content[1].text == chat.content
+    events = list(ac.messages.create(stream=True, **kwargs))
+    thinking = "".join(e.delta.thinking for e in events if e.type == "content_block_delta"
+                       and e.delta.type == "thinking_delta")
+    assert thinking == msg.content[0].thinking
