@@ -175,11 +175,15 @@ def test_store_evicts_the_least_recently_used(client) -> None:
         client.responses.retrieve(unstored.id)
 
 
-def _kv_usage(server) -> float:
+def _metric(server, name: str) -> float:
     for line in httpx.get(f"{server.url}/metrics").text.splitlines():
-        if line.startswith("vllm:kv_cache_usage_perc"):
+        if line.startswith(name):
             return float(line.split()[-1])
-    raise AssertionError("no kv usage metric")
+    raise AssertionError(f"no {name} metric")
+
+
+def _kv_usage(server) -> float:
+    return _metric(server, "vllm:kv_cache_usage_perc")
 
 
 def test_background_runs_and_cancel_frees_blocks(client, agent_server) -> None:
@@ -220,6 +224,23 @@ def test_streamed_response_closed_by_its_client_frees_blocks(agent_server) -> No
     while _kv_usage(agent_server) != 0:
         assert time.monotonic() < deadline, "a disconnected response kept its KV blocks"
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
+def test_client_gone_before_a_non_streamed_answer_aborts_it(agent_server, path) -> None:
+    if path == "/v1/responses":
+        body = {"model": "m", "input": "Write a long story.", "max_output_tokens": 1500, "text": {"format": LONG}}
+    else:
+        body = {"model": "m", "max_tokens": 1500, "messages": [{"role": "user", "content": "Write a long story."}],
+                "output_config": {"format": {"type": "json_schema", "schema": LONG["schema"]}}}
+    before = _metric(agent_server, "vllm:generation_tokens_total")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{agent_server.url}{path}", json=body, timeout=httpx.Timeout(60, read=1.5))
+    deadline = time.monotonic() + 10
+    while _kv_usage(agent_server) != 0:
+        assert time.monotonic() < deadline, "the request ran on after its client left"
+        time.sleep(0.05)
+    assert _metric(agent_server, "vllm:generation_tokens_total") - before < 600
 
 
 @pytest.mark.parametrize("body, status, param", [

@@ -74,12 +74,14 @@ class ServingMessages:
         model = self.chat.models.check(req.model)
         prepared = self._prepare(req)
         message_id = f"msg_{random_uuid().replace('-', '')}"
-        outputs = await self.chat.start(prepared, message_id, stream=req.stream)
         if req.stream:
+            outputs = await self.chat.start(prepared, message_id, stream=True)
             return StreamingResponse(self._stream(prepared, outputs, message_id, model),
                                      media_type="text/event-stream")
 
         async def collect() -> dict[str, Any]:
+            # The only output is the last: watch for the client leaving from the start (it aborts the request).
+            outputs = await self.chat.start(prepared, message_id, stream=False)
             final = None
             async for out in outputs:
                 final = out

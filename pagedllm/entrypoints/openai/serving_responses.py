@@ -258,12 +258,14 @@ class ServingResponses:
             self._background[response_id] = task
             task.add_done_callback(lambda _: self._background.pop(response_id, None))
             return JSONResponse(shell.snapshot())
-        outputs = await self.chat.start(prepared, response_id, stream=req.stream)
         if req.stream:
+            outputs = await self.chat.start(prepared, response_id, stream=True)
             return StreamingResponse(self._stream(req, prepared, outputs, shell, input_items, context),
                                      media_type="text/event-stream")
 
         async def collect() -> dict[str, Any]:
+            # The only output is the last: watch for the client leaving from the start (it aborts the request).
+            outputs = await self.chat.start(prepared, response_id, stream=False)
             return await self._collect(req, prepared, outputs, shell, input_items, context)
 
         result = await until_disconnect(raw_request, collect())
