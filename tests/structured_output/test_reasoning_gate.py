@@ -56,12 +56,18 @@ def test_bad_budget_names_the_field() -> None:
         ReasoningParams(end_token_ids=END, thinking_token_budget=-1)
 
 
+@pytest.fixture(scope="module")
+def llm():
+    from pagedllm import LLM
+
+    return LLM(kv_cache_memory="64MiB", max_model_len=512)
+
+
 @pytest.mark.slow
-def test_budget_then_schema_on_the_default_model() -> None:
-    from pagedllm import LLM, SamplingParams
+def test_budget_then_schema_on_the_default_model(llm) -> None:
+    from pagedllm import SamplingParams
     from pagedllm.structured_output.params import StructuredOutputsParams
 
-    llm = LLM(kv_cache_memory="64MiB", max_model_len=512)
     end_ids = llm.get_tokenizer().encode("</think>", add_special_tokens=False)
     schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
               "additionalProperties": False}
@@ -105,3 +111,26 @@ def test_manager_rows_forced_and_opening_tokens() -> None:
     forced_row = manager._fill([object()], Backend().allocate_bitmask(2), forced=[33], extra={0: 31})
     assert forced_row[0].tolist() == [-(1 << 31), 0]  # the matcher's row plus token 31 (the sign bit)
     assert forced_row[1].tolist() == [0, 2]  # only token 33
+
+
+@pytest.mark.slow
+def test_start_marker_opens_thinking_before_a_grammar(llm) -> None:
+    """qwen3-style: the first token may open <think> (besides the grammar's own tokens); once opened the rest of
+    the marker is forced, the budget ends the thinking and the grammar holds for the answer. Steered with a
+    logit bias on the marker's first token: pushed up, the thinking path is taken; pushed down, the answer
+    starts at once."""
+    from pagedllm import SamplingParams
+    from pagedllm.structured_output.params import StructuredOutputsParams
+
+    tok = llm.get_tokenizer()
+    start, end = (tok.encode(t, add_special_tokens=False) for t in ("<think>", "</think>"))
+    reasoning = ReasoningParams(end_token_ids=end, start_token_ids=start, thinking_token_budget=3)
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    params = [SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=choice, reasoning=reasoning,
+                             logit_bias={start[0]: bias}) for bias in (100.0, -100.0)]
+    thinks, answers = llm.generate(["Is the sky blue?"] * 2, params, use_tqdm=False)
+    ids = thinks.outputs[0].token_ids
+    assert ids[:len(start)] == start and ids[len(start) + 3:len(start) + 3 + len(end)] == end
+    assert thinks.outputs[0].text.split("</think>", 1)[1] in ("yes", "no")
+    assert thinks.outputs[0].finish_reason == "stop"
+    assert answers.outputs[0].text in ("yes", "no") and answers.outputs[0].finish_reason == "stop"
