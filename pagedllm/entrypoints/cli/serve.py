@@ -12,7 +12,8 @@ from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 DESCRIPTION = """Start the OpenAI-compatible HTTP server.
 
-Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /version,
+Endpoints: /v1/completions, /v1/chat/completions, /v1/responses (OpenAI's Responses API), /v1/messages
+(Anthropic's Messages API), /v1/models, /tokenize, /detokenize, /health, /version,
 /metrics (Prometheus, vLLM metric names), /reset_prefix_cache, /v1/kv_cache/snapshot (the block map), and a
 browser playground at / (chat + a live map of the paged KV cache; --disable-frontend turns it off); with a
 pooling model (--runner pooling, e.g. all-MiniLM-L6-v2) /v1/embeddings, /pooling and /score instead of
@@ -77,8 +78,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "for retrieve, input_items and previous_response_id; at most this many, the least "
                             f"recently used dropped first; 0 stores none (default: {DEFAULT_MAX_ENTRIES}).")
     group.add_argument("--responses-store-max-bytes", type=int, default=DEFAULT_MAX_BYTES,
-                       help="... and at most this many bytes of them (their JSON size: responses, their input "
-                            f"items and the conversation they continue; default: {DEFAULT_MAX_BYTES // 2**20} MiB).")
+                       help="The Responses API's store keeps at most this many bytes of responses (their "
+                            "JSON size: responses, their input items and the conversation they continue; "
+                            f"default: {DEFAULT_MAX_BYTES // 2**20} MiB).")
     group.add_argument("--responses-store-ttl", type=float, default=DEFAULT_TTL_S,
                        help="Seconds a stored response is kept after it was stored; 0 keeps it until evicted "
                             f"(default: {int(DEFAULT_TTL_S)}, a day).")
