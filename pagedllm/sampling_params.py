@@ -105,6 +105,31 @@ class StructuredOutputsParams:
         return cls(**{k: v for k, v in data.items() if v is not None})
 
 
+@dataclass
+class ReasoningParams:
+    """Where a reasoning model's thinking ends, so constraints wait for the answer and a budget can end it.
+
+    ``end_token_ids``: the token ids of the end marker (``</think>``). ``start_token_ids``: None when the
+    output is reasoning from its first token (the prompt opened it, as DeepSeek-R1's template does); else the
+    output reasons only if it starts with these ids. ``thinking_token_budget``: after this many reasoning
+    tokens the end marker is forced and the answer follows (vLLM's name); None = no limit.
+    """
+
+    end_token_ids: list[int]
+    start_token_ids: list[int] | None = None
+    thinking_token_budget: int | None = None
+
+    def __post_init__(self) -> None:
+        self.end_token_ids = list(self.end_token_ids)
+        if not self.end_token_ids:
+            raise ValueError("reasoning: end_token_ids must not be empty")
+        if self.start_token_ids is not None:
+            self.start_token_ids = list(self.start_token_ids)
+        budget = self.thinking_token_budget
+        if budget is not None and (not _is_int(budget) or budget < 0):
+            raise ValueError(f"thinking_token_budget must be a non-negative integer, got {budget!r}")
+
+
 class SamplingType(enum.IntEnum):
     GREEDY = 0
     RANDOM = 1
@@ -146,6 +171,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = field(default=None)
     # Constrain the output to a JSON schema / regex / choice / grammar (a dict is converted).
     structured_outputs: StructuredOutputsParams | None = None
+    # A reasoning model's think markers: structured outputs apply after them, a budget may end them early.
+    reasoning: ReasoningParams | None = None
     # Not sampling: data for other parts of the engine (vLLM's name); "kv_transfer_params" for a KV connector
     # (distributed/kv_transfer/).
     extra_args: dict | None = None

@@ -46,7 +46,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--base-url", default="http://127.0.0.1:8000",
                        help="Server address (default: http://127.0.0.1:8000).")
     group.add_argument("--endpoint", default="/v1/completions",
-                       help="Completions path (default: /v1/completions).")
+                       help="API path: /v1/completions (default), /v1/chat/completions or /v1/responses (the "
+                            "prompt as one user message's text; every request still runs to --output-len).")
     group.add_argument("--model", default="smollm2",
                        help="Model name sent in each request (default: smollm2).")
     group.add_argument("--tokenizer", default=None,
@@ -119,14 +120,27 @@ async def send_completion(client: Any, url: str, payload: dict[str, Any], prompt
                     usage_tokens = data["usage"].get("completion_tokens", usage_tokens)
                     # Text prompts are re-tokenized by the server: trust its count of the prompt too.
                     result.prompt_len = data["usage"].get("prompt_tokens") or result.prompt_len
-                choices = data.get("choices") or []
-                if not choices:
+                if data.get("type") == "response.completed":  # the Responses API's last event
+                    usage = data["response"].get("usage") or {}
+                    usage_tokens = usage.get("output_tokens", usage_tokens)
+                    result.prompt_len = usage.get("input_tokens") or result.prompt_len
                     continue
-                text = choices[0].get("text") or ""
-                # A chunk with only a finish_reason carries no token; one with empty text and no
-                # finish_reason still does (the detokenizer held back a partial character).
-                if not text and choices[0].get("finish_reason") is not None:
-                    continue
+                if data.get("type") is not None:
+                    if data["type"] != "response.output_text.delta":
+                        continue
+                    text = data.get("delta") or ""
+                else:
+                    choices = data.get("choices") or []
+                    if not choices:
+                        continue
+                    choice = choices[0]
+                    text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                    # A chunk with only a finish_reason carries no token; one with empty text and no
+                    # finish_reason still does (the detokenizer held back a partial character); a chat
+                    # stream's first chunk carries only the role.
+                    if not text and (choice.get("finish_reason") is not None
+                                     or (choice.get("delta") or {}).get("role")):
+                        continue
                 if num_chunks == 0:
                     result.ttft = now - start
                 else:
@@ -146,10 +160,19 @@ async def send_completion(client: Any, url: str, payload: dict[str, Any], prompt
 
 
 def build_payload(model: str, request: SampledRequest, prompt_format: str, tokenizer: Any,
-                  temperature: float) -> dict[str, Any]:
+                  temperature: float, endpoint: str = "/v1/completions") -> dict[str, Any]:
     prompt: Any = request.prompt_token_ids
-    if prompt_format == "text":
+    if prompt_format == "text" or not endpoint.endswith("/completions") or endpoint.endswith("/chat/completions"):
         prompt = tokenizer.decode(request.prompt_token_ids)
+    # vLLM-style extra body: run every request to max_tokens so all servers do the same work.
+    same_work = {"ignore_eos": True, "min_tokens": request.expected_output_len}
+    if endpoint.endswith("/chat/completions"):
+        return {"model": model, "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": request.expected_output_len, "temperature": temperature, "stream": True,
+                "stream_options": {"include_usage": True}, **same_work}
+    if endpoint.endswith("/responses"):
+        return {"model": model, "input": prompt, "max_output_tokens": request.expected_output_len,
+                "temperature": temperature, "stream": True, **same_work}
     return {
         "model": model, "prompt": prompt, "max_tokens": request.expected_output_len,
         "temperature": temperature, "stream": True, "stream_options": {"include_usage": True},
@@ -302,7 +325,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = _load_tokenizer(args.tokenizer, args.model)
     requests = random_requests(tokenizer, args.num_prompts, args.input_len, args.output_len,
                                prefix_len=args.prefix_len, seed=args.seed, num_prefixes=args.num_prefixes)
-    payloads = [build_payload(args.model, r, args.prompt_format, tokenizer, args.temperature)
+    payloads = [build_payload(args.model, r, args.prompt_format, tokenizer, args.temperature, args.endpoint)
                 for r in requests]
     delays = arrival_delays(len(requests), args.request_rate, args.seed)
     url = args.base_url.rstrip("/") + args.endpoint
@@ -326,7 +349,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         print(f"{len(errors)} requests failed; first error: {errors[0]}")
     # JSON has no infinity: write the rate as a string then.
     rate: float | str = "inf" if math.isinf(args.request_rate) else args.request_rate
-    metrics.update(backend="openai-completions", base_url=args.base_url, endpoint=args.endpoint,
+    backend = ("openai-chat" if args.endpoint.endswith("/chat/completions") else
+               "openai-responses" if args.endpoint.endswith("/responses") else "openai-completions")
+    metrics.update(backend=backend, base_url=args.base_url, endpoint=args.endpoint,
                    model=args.model, num_prompts=args.num_prompts, request_rate=rate,
                    max_concurrency=args.max_concurrency, input_len=args.input_len, output_len=args.output_len,
                    prefix_len=args.prefix_len, num_prefixes=args.num_prefixes, prompt_format=args.prompt_format,

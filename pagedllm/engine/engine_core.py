@@ -102,8 +102,9 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         self._unscheduled.add(request.request_id)
-        if getattr(request.sampling_params, "structured_outputs", None) is not None:  # pooling: none
-            if self.structured_output is None:
+        params = request.sampling_params
+        if getattr(params, "structured_outputs", None) is not None or getattr(params, "reasoning", None):
+            if self.structured_output is None:  # (pooling requests have neither)
                 raise ValueError("structured_outputs: this engine has no structured-output backend")
             self.scheduler.add_request(request)
             self.structured_output.add_request(request)  # WAITING_FOR_GRAMMAR until compiled

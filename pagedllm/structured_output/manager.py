@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from pagedllm.core.request import RequestStatus
 from pagedllm.logger import init_logger
 from pagedllm.structured_output.params import GrammarKey, StructuredOutputsParams
+from pagedllm.structured_output.reasoning_gate import ReasoningGate
 
 if TYPE_CHECKING:
     from pagedllm.core.request import Request
@@ -53,6 +54,8 @@ class StructuredOutputManager:
         self.num_compiles = 0
         self._waiting: dict[str, tuple[Request, Future]] = {}
         self._matchers: dict[str, Any] = {}
+        # Requests of a reasoning model (SamplingParams.reasoning): their grammar waits for the thinking to end.
+        self._gates: dict[str, ReasoningGate] = {}
         # overlap_fill: fill the bitmask on a thread during the forward pass (False: before it; None: when
         # a CPU is spare, decided at the first fill).
         self.overlap_fill = overlap_fill
@@ -107,6 +110,8 @@ class StructuredOutputManager:
     # ---- engine loop --------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Start compiling its grammar; the request waits in WAITING_FOR_GRAMMAR until it is ready."""
+        if request.sampling_params.reasoning is not None:
+            self._gates[request.request_id] = ReasoningGate(request.sampling_params.reasoning)
         params = request.sampling_params.structured_outputs
         if params is None:
             return
@@ -145,30 +150,52 @@ class StructuredOutputManager:
 
         With ``overlap_fill`` the bitmask is a Future of that tensor, filling while the forward runs
         (``resolve_bitmask`` waits for it); it stays valid until the next call."""
-        if not self._matchers:
+        if not self._matchers and not self._gates:
             return
-        rows = []
+        rows, forced_rows, forced, extra = [], [], [], {}
         for req_id in sched.num_scheduled_tokens:
             request = requests.get(req_id)
-            if req_id in self._matchers and request is not None and request.num_computed_tokens >= request.num_tokens:
+            if request is None or request.num_computed_tokens < request.num_tokens:
+                continue
+            gate = self._gates.get(req_id)
+            if gate is not None and not gate.done:
+                # Thinking: no grammar yet, unless a marker must be finished; before the first token the
+                # grammar's tokens and the start marker are both allowed.
+                token = gate.forced_token()
+                if token is not None:
+                    forced_rows.append(req_id)
+                    forced.append(token)
+                elif gate.opening_token() is not None and req_id in self._matchers:
+                    extra[len(rows)] = gate.opening_token()
+                    rows.append(req_id)
+            elif req_id in self._matchers:
                 rows.append(req_id)
-        if not rows:
+        if not rows and not forced_rows:
             return
         self._wait_for_fill()  # the buffer is free again (the last step's fill is long done in practice)
-        bitmask = self._bitmask_rows(len(rows))
+        bitmask = self._bitmask_rows(len(rows) + len(forced_rows))
         matchers = [self._matchers[req_id] for req_id in rows]
-        sched.structured_output_request_ids = rows
+        sched.structured_output_request_ids = rows + forced_rows
         if self.overlap_fill is None:
             self.overlap_fill = _cpu_is_spare()
             logger.info("grammar bitmask fill %s the forward pass", "overlaps" if self.overlap_fill else "precedes")
         if self.overlap_fill:
-            self._pending_fill = self._fill_pool.submit(self._fill, matchers, bitmask)
+            self._pending_fill = self._fill_pool.submit(self._fill, matchers, bitmask, forced, extra)
             sched.grammar_bitmask = self._pending_fill
         else:
-            sched.grammar_bitmask = self._fill(matchers, bitmask)
+            sched.grammar_bitmask = self._fill(matchers, bitmask, forced, extra)
 
-    def _fill(self, matchers: list[Any], bitmask: Any) -> Any:
-        self.backend().fill_bitmask(matchers, bitmask)
+    def _fill(self, matchers: list[Any], bitmask: Any, forced: list[int] | None = None,
+              extra: dict[int, int] | None = None) -> Any:
+        """Rows of the grammar ``matchers`` (row -> one more allowed token in ``extra``), then one row per
+        ``forced`` token id that allows only it."""
+        if matchers:
+            self.backend().fill_bitmask(matchers, bitmask[:len(matchers)])
+        for row, token in (extra or {}).items():
+            bitmask[row, token // 32] |= _bit(token)
+        for row, token in enumerate(forced or (), start=len(matchers)):
+            bitmask[row].zero_()
+            bitmask[row, token // 32] = _bit(token)
         return bitmask
 
     def _bitmask_rows(self, rows: int) -> Any:
@@ -189,8 +216,15 @@ class StructuredOutputManager:
         rejected: the engine finishes them with "stop")."""
         self._wait_for_fill()
         ended = set()
-        for req_id, matcher in self._matchers.items():
-            for token in result.sampled_token_ids.get(req_id) or ():
+        for req_id in list(self._gates) + [r for r in self._matchers if r not in self._gates]:
+            tokens = result.sampled_token_ids.get(req_id) or ()
+            gate = self._gates.get(req_id)
+            if gate is not None:
+                tokens = [t for token in tokens for t in gate.accept(token)]  # the answer's tokens only
+            matcher = self._matchers.get(req_id)
+            if matcher is None:
+                continue
+            for token in tokens:
                 if not matcher.accept_token(token):
                     logger.warning("request %s: token %d is not allowed by its grammar; ending it", req_id, token)
                     ended.add(req_id)
@@ -204,6 +238,8 @@ class StructuredOutputManager:
         """Drop matchers of requests that finished or were aborted (no longer in ``live``)."""
         for req_id in [r for r in self._matchers if r not in live]:
             del self._matchers[req_id]
+        for req_id in [r for r in self._gates if r not in live]:
+            del self._gates[req_id]
 
     def num_matchers(self) -> int:
         return len(self._matchers)
@@ -211,6 +247,11 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._fill_pool.shutdown(wait=True)
+
+
+def _bit(token: int) -> int:
+    """The int32 word value with only ``token``'s bit set (bit 31 is the sign bit)."""
+    return (1 << (token % 32)) - (1 << 32 if token % 32 == 31 else 0)
 
 
 def resolve_bitmask(bitmask: Any) -> Any:

@@ -178,6 +178,46 @@ def test_run_benchmark_against_fake_sse_server() -> None:
     assert m["completed"] == 6 and m["total_output_tokens"] == 30 and m["total_input_tokens"] == 72
 
 
+def _chat_and_responses_server(tokens_per_request: int) -> httpx.MockTransport:
+    """Fake chat and Responses streams, as the server sends them (a role chunk first; typed events)."""
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        assert body["stream"] is True and body["ignore_eos"] is True and body["min_tokens"] == tokens_per_request
+        if request.url.path.endswith("/responses"):
+            assert isinstance(body["input"], str) and body["max_output_tokens"] == tokens_per_request
+            events = [{"type": "response.created"}, {"type": "response.output_item.added"}]
+            events += [{"type": "response.output_text.delta", "delta": f" t{i}"} for i in range(tokens_per_request)]
+            events += [{"type": "response.output_text.done", "text": "x"}, {"type": "response.completed", "response": {
+                "usage": {"input_tokens": 12, "output_tokens": tokens_per_request}}}]
+            text = "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events)
+        else:
+            assert body["messages"][0]["role"] == "user" and body["max_tokens"] == tokens_per_request
+            events = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}]
+            events += [{"choices": [{"index": 0, "delta": {"content": f" t{i}"}, "finish_reason": None}]}
+                       for i in range(tokens_per_request)]
+            events += [{"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]},
+                       {"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": tokens_per_request}}]
+            text = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        return httpx.Response(200, content=text.encode(), headers={"content-type": "text/event-stream"})
+    return httpx.MockTransport(handler)
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/responses"])
+def test_chat_and_responses_endpoints_are_timed_alike(endpoint: str) -> None:
+    class Decoder(_Sized):
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    reqs = random_requests(_Sized(1000, [0]), num_prompts=3, input_len=12, output_len=5, seed=0)
+    payloads = [bench_serve.build_payload("m", r, "ids", Decoder(1000, [0]), 1.0, endpoint) for r in reqs]
+    results, _ = asyncio.run(bench_serve.run_benchmark(
+        f"http://test{endpoint}", payloads, [r.prompt_len for r in reqs], [0.0] * 3, transport=
+        _chat_and_responses_server(5), use_tqdm=False))
+    assert all(r.success for r in results), [r.error for r in results]
+    assert [r.output_len for r in results] == [5] * 3 and all(len(r.itl) == 4 for r in results)
+    assert results[0].generated_text == " t0 t1 t2 t3 t4" and results[0].prompt_len == 12
+
+
 def test_failed_request_is_counted_not_fatal() -> None:
     transport = httpx.MockTransport(lambda request: httpx.Response(503, text="overloaded"))
     results, _ = asyncio.run(bench_serve.run_benchmark(

@@ -40,6 +40,22 @@ def test_api_key_required_on_v1(auth_server):
     assert httpx.get(f"{url}/metrics").status_code == 200
 
 
+def test_agent_apis_behind_the_key(auth_server):
+    """The Messages API takes the key as Anthropic's clients send it (x-api-key) and refuses in its own shape;
+    the Responses API is behind the key too."""
+    import anthropic
+
+    url = auth_server.url
+    r = httpx.post(f"{url}/v1/messages/count_tokens", headers={"x-api-key": "wrong"},
+                   json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 401 and r.json()["type"] == "error"
+    assert r.json()["error"]["type"] == "authentication_error"
+    model = auth_server.client(api_key=KEY).models.list().data[0].id
+    client = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0)
+    assert client.messages.count_tokens(model=model, messages=[{"role": "user", "content": "hi"}]).input_tokens > 0
+    assert httpx.get(f"{url}/v1/responses/resp_x").status_code == 401
+
+
 def test_body_limit_and_cors(auth_server):
     url, auth = auth_server.url, {"Authorization": f"Bearer {KEY}"}
     r = httpx.post(f"{url}/v1/completions", headers=auth,

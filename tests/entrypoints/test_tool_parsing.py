@@ -135,17 +135,16 @@ def test_tool_template_round_trips_calls_and_results() -> None:
 
 
 def _feed(plan, pieces: list[str], finish: str = "stop"):
-    from pagedllm.entrypoints.openai.serving_chat import ServingChat
+    from pagedllm.entrypoints.openai.chat_output import ChoiceStream
+    from pagedllm.entrypoints.openai.chat_request import PreparedChat
 
-    chat = object.__new__(ServingChat)  # only the tool-streaming logic is exercised
-    chat.configure_tools("hermes")
-    state = {"text": "", "sent": 0}
+    stream = ChoiceStream(PreparedChat([], None, plan, get_tool_parser("hermes"), None))
     content, deltas, reasons = "", [], []
     for i, piece in enumerate(pieces):
-        text, tool_deltas, reason = chat._tool_deltas(plan, state, piece, finish if i == len(pieces) - 1 else None)
-        content += text
-        deltas += tool_deltas
-        reasons.append(reason)
+        delta = stream.feed(piece, finish if i == len(pieces) - 1 else None)
+        content += delta.content
+        deltas += delta.tool_calls
+        reasons.append(delta.finish_reason)
     return content, deltas, reasons[-1]
 
 

@@ -6,11 +6,14 @@ import argparse
 import json
 
 from pagedllm.engine_args import EngineArgs
+from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+from pagedllm.entrypoints.openai.response_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, DEFAULT_TTL_S
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 DESCRIPTION = """Start the OpenAI-compatible HTTP server.
 
-Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /version,
+Endpoints: /v1/completions, /v1/chat/completions, /v1/responses (OpenAI's Responses API), /v1/messages
+(Anthropic's Messages API), /v1/models, /tokenize, /detokenize, /health, /version,
 /metrics (Prometheus, vLLM metric names), /reset_prefix_cache, /v1/kv_cache/snapshot (the block map), and a
 browser playground at / (chat + a live map of the paged KV cache; --disable-frontend turns it off); with a
 pooling model (--runner pooling, e.g. all-MiniLM-L6-v2) /v1/embeddings, /pooling and /score instead of
@@ -64,6 +67,23 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="How tool calls look in the model's output for tool_choice 'auto' (default: the "
                             "format the model's chat template asks for; hermes, <tool_call>{...}</tool_call>, "
                             "when the template knows no tools and the built-in tool ChatML template is used).")
+    group.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                       help="Split a reasoning model's thinking from its answer: chat completions return it as "
+                            "'reasoning' (and 'reasoning_content'), the Responses API as reasoning items; "
+                            "structured outputs and tool calls apply to the answer after it. deepseek_r1: the "
+                            "output thinks until </think>; qwen3: only when it starts with <think> "
+                            "(default: none, the output is all answer).")
+    group.add_argument("--responses-store-max-entries", type=int, default=DEFAULT_MAX_ENTRIES,
+                       help="The Responses API keeps stored responses (store: true, OpenAI's default) in memory "
+                            "for retrieve, input_items and previous_response_id; at most this many, the least "
+                            f"recently used dropped first; 0 stores none (default: {DEFAULT_MAX_ENTRIES}).")
+    group.add_argument("--responses-store-max-bytes", type=int, default=DEFAULT_MAX_BYTES,
+                       help="The Responses API's store keeps at most this many bytes of responses (their "
+                            "JSON size: responses, their input items and the conversation they continue; "
+                            f"default: {DEFAULT_MAX_BYTES // 2**20} MiB).")
+    group.add_argument("--responses-store-ttl", type=float, default=DEFAULT_TTL_S,
+                       help="Seconds a stored response is kept after it was stored; 0 keeps it until evicted "
+                            f"(default: {int(DEFAULT_TTL_S)}, a day).")
     group.add_argument("--max-request-body-bytes", type=int, default=32 * 1024 * 1024,
                        help="Largest accepted request body; bigger ones get 413 (default: 32 MiB). Audio uploads "
                             "have their own limit, --max-audio-file-size-mb.")

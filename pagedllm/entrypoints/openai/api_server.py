@@ -39,10 +39,20 @@ from pagedllm.entrypoints.openai.protocol import (
     ScoreRequest,
     TokenizeRequest,
 )
+from pagedllm.entrypoints.openai.protocol_messages import MessagesCountRequest, MessagesRequest, anthropic_error_body
+from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
+from pagedllm.entrypoints.openai.response_store import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_ENTRIES,
+    DEFAULT_TTL_S,
+    InMemoryResponseStore,
+)
 from pagedllm.entrypoints.openai.serving_chat import ServingChat
 from pagedllm.entrypoints.openai.serving_completion import ServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import ServingEmbedding
+from pagedllm.entrypoints.openai.serving_messages import ServingMessages
 from pagedllm.entrypoints.openai.serving_models import ServingModels
+from pagedllm.entrypoints.openai.serving_responses import ServingResponses
 from pagedllm.entrypoints.openai.serving_tokenization import ServingTokenization
 from pagedllm.entrypoints.openai.serving_transcription import (
     AUDIO_PATHS,
@@ -73,6 +83,11 @@ class ServerOptions:
     allow_credentials: bool = False
     enable_frontend: bool = True  # the browser playground at / (--disable-frontend turns it off)
     tool_call_parser: str | None = None  # None: the parser matching the model's chat template
+    reasoning_parser: str | None = None  # --reasoning-parser: None = the output is all answer
+    # The Responses API's store (--responses-store-max-entries / -max-bytes / -ttl)
+    responses_store_max_entries: int = DEFAULT_MAX_ENTRIES
+    responses_store_max_bytes: int = DEFAULT_MAX_BYTES
+    responses_store_ttl_s: float = DEFAULT_TTL_S
     max_audio_file_bytes: int = int(DEFAULT_MAX_FILE_MB * 2**20)  # /v1/audio/* uploads (--max-audio-file-size-mb)
     max_audio_duration_s: float = DEFAULT_MAX_DURATION_S  # decoded audio (--max-audio-duration-s)
 
@@ -108,11 +123,13 @@ class GuardMiddleware:
 
         async def reply(status: int, message: str) -> None:
             extra = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-            await error_response(message, status, headers=extra)(scope, receive, out_send)
+            await api_error_response(scope["path"], message, status, headers=extra)(scope, receive, out_send)
 
         if self.api_key is not None and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
             given = headers.get("authorization", b"")
             scheme, _, token = given.partition(b" ")
+            if not given and "x-api-key" in headers:  # how Anthropic's clients send the key
+                scheme, token = b"bearer", headers["x-api-key"]
             # Constant-time compare so the key can't be guessed byte by byte from timings.
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
                 return await reply(401, "Unauthorized: a valid API key is required "
@@ -151,6 +168,14 @@ class GuardMiddleware:
         return await self.app(scope, receive, out_send)
 
 
+def api_error_response(path: str, message: str, status: int = 400, param: str | None = None,
+                       headers: dict[str, str] | None = None) -> JSONResponse:
+    """An error in the shape of the API the path belongs to: Anthropic's under /v1/messages, else OpenAI's."""
+    if path.startswith("/v1/messages"):
+        return JSONResponse(anthropic_error_body(message, status), status_code=status, headers=headers)
+    return error_response(message, status, param, headers=headers)
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
@@ -176,7 +201,14 @@ def build_app(engine: AsyncLLM, options: ServerOptions, metrics: PrometheusMetri
     chat = ServingChat(engine, models, tokenizer)
     chat.configure_tools(options.tool_call_parser)
     logger.info("tool_choice 'auto' parses tool calls with the %s parser", chat.tool_parser.name)
+    chat.configure_reasoning(options.reasoning_parser)
+    if chat.reasoning_parser is not None:
+        logger.info("reasoning split off the answer with the %s parser", chat.reasoning_parser.name)
     tokenization = ServingTokenization(chat)
+    store = InMemoryResponseStore(options.responses_store_max_entries, options.responses_store_max_bytes,
+                                  options.responses_store_ttl_s)
+    responses = ServingResponses(chat, store)
+    messages = ServingMessages(chat)
     is_pooling = bool(getattr(core.config.model, "is_pooling", False))
     embedding = ServingEmbedding(engine, models, tokenizer) if is_pooling else None
     audio_metrics = None
@@ -204,37 +236,38 @@ def build_app(engine: AsyncLLM, options: ServerOptions, metrics: PrometheusMetri
     app = FastAPI(title="pagedllm OpenAI-compatible server", version=pagedllm.__version__, lifespan=lifespan)
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.response_store = store
 
     @app.exception_handler(OpenAIError)
-    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return error_response(exc.message, exc.status, exc.param)
+    async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return api_error_response(request.url.path, exc.message, exc.status, exc.param)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return error_response(message, 400, param)
+        return api_error_response(request.url.path, message, 400, param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
-        return error_response(message, exc.status_code, headers=getattr(exc, "headers", None))
+        return api_error_response(request.url.path, message, exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(EngineDeadError)
-    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(str(exc), 503)
+    async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return api_error_response(request.url.path, str(exc), 503)
 
     @app.exception_handler(RequestFailedError)
-    async def _failed(_: Request, exc: RequestFailedError) -> JSONResponse:
-        return error_response(str(exc), 500)
+    async def _failed(request: Request, exc: RequestFailedError) -> JSONResponse:
+        return api_error_response(request.url.path, str(exc), 500)
 
     @app.exception_handler(ValueError)
-    async def _value_error(_: Request, exc: ValueError) -> JSONResponse:
-        return error_response(str(exc), 400, param_of(str(exc)))
+    async def _value_error(request: Request, exc: ValueError) -> JSONResponse:
+        return api_error_response(request.url.path, str(exc), 400, param_of(str(exc)))
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")
-        return error_response(f"Internal server error: {type(exc).__name__}", 500)
+        return api_error_response(request.url.path, f"Internal server error: {type(exc).__name__}", 500)
 
     @app.get("/health")
     async def health() -> Response:
@@ -260,6 +293,38 @@ def build_app(engine: AsyncLLM, options: ServerOptions, metrics: PrometheusMetri
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request):
         runner_check(pooling_endpoint=False)
         return await chat.create(req, raw)
+
+    @app.post("/v1/responses")
+    async def create_response(req: ResponsesRequest, raw: Request):
+        runner_check(pooling_endpoint=False)
+        return await responses.create(req, raw)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> JSONResponse:
+        return await responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> JSONResponse:
+        return await responses.delete(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> JSONResponse:
+        return await responses.cancel(response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, order: str = "desc", limit: int = 20,
+                               after: str | None = None) -> JSONResponse:
+        return await responses.input_items(response_id, order, limit, after)
+
+    @app.post("/v1/messages")
+    async def create_message(req: MessagesRequest, raw: Request):
+        runner_check(pooling_endpoint=False)
+        return await messages.create(req, raw)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(req: MessagesCountRequest) -> JSONResponse:
+        runner_check(pooling_endpoint=False)
+        return await messages.count_tokens(req)
 
     @app.post("/v1/embeddings")
     async def create_embeddings(req: EmbeddingRequest, raw: Request):
@@ -360,6 +425,10 @@ def run_server(args: argparse.Namespace) -> None:
             allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
             allow_credentials=args.allow_credentials, enable_frontend=not getattr(args, "disable_frontend", False),
             tool_call_parser=getattr(args, "tool_call_parser", None),
+            reasoning_parser=getattr(args, "reasoning_parser", None),
+            responses_store_max_entries=getattr(args, "responses_store_max_entries", DEFAULT_MAX_ENTRIES),
+            responses_store_max_bytes=getattr(args, "responses_store_max_bytes", DEFAULT_MAX_BYTES),
+            responses_store_ttl_s=getattr(args, "responses_store_ttl", DEFAULT_TTL_S),
             max_audio_file_bytes=int(getattr(args, "max_audio_file_size_mb", DEFAULT_MAX_FILE_MB) * 2**20),
             max_audio_duration_s=getattr(args, "max_audio_duration_s", DEFAULT_MAX_DURATION_S))
         app = build_app(engine, options, metrics)

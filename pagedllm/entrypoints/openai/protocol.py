@@ -157,6 +157,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # Reasoning models (--reasoning-parser): end the thinking after this many tokens (vLLM's name)
+    thinking_token_budget: int | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -197,6 +199,9 @@ class ChatMessage(OpenAIModel):
     role: str
     content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+    # The thinking of a reasoning model (--reasoning-parser); reasoning_content is the older name of the same.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChoice(OpenAIModel):

@@ -1,0 +1,117 @@
+"""The one conversion from a chat-shaped API request to what the engine runs: prompt token ids (the chat
+template over messages and tools), ``SamplingParams`` (sampling fields, structured outputs, the tool choice's
+grammar, the reasoning gate) and the ``ToolPlan`` that reads the output back.
+
+Chat completions arrive here as they are; the Responses API (``serving_responses.py``) and Anthropic's Messages
+API (``serving_messages.py``) first translate their wire shape into a ``ChatCompletionRequest``, so every
+endpoint builds prompts and parameters the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pagedllm.entrypoints.openai.errors import OpenAIError, param_of
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedllm.entrypoints.openai.reasoning_parsers import ReasoningParser
+from pagedllm.entrypoints.openai.tool_parsers import ToolParser
+from pagedllm.entrypoints.openai.tools import TOOL_CHATML_TEMPLATE, ToolPlan, plan_tools, template_has_tools
+from pagedllm.sampling_params import SamplingParams
+
+
+def flatten_content(content: Any) -> str:
+    """OpenAI allows content as a string or a list of parts; we take the text parts."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                raise OpenAIError("messages: only text content parts are supported", param="messages")
+        return "\n".join(texts)
+    raise OpenAIError("messages: content must be a string or a list of text parts", param="messages")
+
+
+@dataclass
+class PreparedChat:
+    """A chat request ready for the engine, and what reads its output back."""
+
+    token_ids: list[int]
+    params: SamplingParams
+    plan: ToolPlan
+    tool_parser: ToolParser
+    reasoning_parser: ReasoningParser | None
+    cache_salt: str | None = None
+
+
+class ChatConverter:
+    def __init__(self, tokenizer: Any, processor: Any, check_length: Any, tool_parser: ToolParser,
+                 reasoning_parser: ReasoningParser | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.processor = processor
+        self.check_length = check_length  # OpenAIServing.check_length: (num_prompt, max_tokens, where) -> max
+        self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               continue_final_message: bool = False, chat_template: str | None = None,
+               chat_template_kwargs: dict[str, Any] | None = None,
+               tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Messages → prompt token ids via the tokenizer's chat template."""
+        if not messages:
+            raise OpenAIError("messages: must not be empty", param="messages")
+        conv = []
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise OpenAIError("messages: each message needs a string 'role'", param="messages")
+            conv.append({**m, "content": flatten_content(m.get("content"))})
+        uses_tools = bool(tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in conv)
+        if uses_tools and chat_template is None and not template_has_tools(self.tokenizer.chat_template):
+            chat_template = TOOL_CHATML_TEMPLATE  # the model's template would drop the tools silently
+        extra = dict(chat_template_kwargs or {})
+        if tools:
+            extra["tools"] = tools
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conv, tokenize=False, chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message, **extra)
+        except Exception as e:  # template errors are the client's input problem
+            raise OpenAIError(f"messages: could not apply the chat template: {e}", param="messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def prepare(self, req: ChatCompletionRequest) -> PreparedChat:
+        """Prompt ids + sampling parameters + tool plan; raises OpenAIError (400) naming the field."""
+        try:
+            plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        except ValueError as e:
+            raise OpenAIError(str(e), param=param_of(str(e))) from None
+        token_ids = self.render(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                req.chat_template, req.chat_template_kwargs, plan.tools or None)
+        max_tokens = self.check_length(len(token_ids), req.requested_max_tokens(), "messages")
+        try:
+            params = req.to_sampling_params(max_tokens)
+            if plan.constraint is not None:
+                if params.structured_outputs is not None:
+                    raise ValueError("tool_choice: a named or required tool choice cannot be combined with "
+                                     "response_format or structured_outputs")
+                params.structured_outputs = plan.constraint
+            params.reasoning = self._reasoning_gate(req, params)
+            self.processor.validate_params(params, len(token_ids))
+        except ValueError as e:
+            raise OpenAIError(str(e), param=param_of(str(e))) from None
+        return PreparedChat(token_ids, params, plan, self.tool_parser, self.reasoning_parser, req.cache_salt)
+
+    def _reasoning_gate(self, req: ChatCompletionRequest, params: SamplingParams) -> Any:
+        """The engine follows the thinking only where it must: a grammar waits for the answer, or a budget."""
+        budget = req.thinking_token_budget
+        if self.reasoning_parser is None:
+            if budget is not None:
+                raise ValueError("thinking_token_budget: needs a reasoning model served with --reasoning-parser")
+            return None
+        if budget is None and params.structured_outputs is None:
+            return None
+        return self.reasoning_parser.engine_params(self.tokenizer, budget)
