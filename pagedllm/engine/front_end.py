@@ -69,9 +69,13 @@ class EngineFrontEnd(EngineClient):
             return
         if params.structured_outputs is not None:
             self._precompile(params)
-        text, token_ids = self.processor.tokenize(prompt, add_special_tokens)
+        multimodal = self.processor.multimodal_inputs(prompt, add_special_tokens)  # images: the HF processor
+        if multimodal is not None:
+            text, token_ids, mm_features = multimodal
+        else:
+            (text, token_ids), mm_features = self.processor.tokenize(prompt, add_special_tokens), None
         requests = self.processor.make_requests(request_id, token_ids, params, arrival_time, cache_salt,
-                                                encoder_input)
+                                                encoder_input, mm_features)
         self.output_processor.add_request(request_id, text, token_ids, params, kind, arrival_time)
         self._queue(requests)
 
