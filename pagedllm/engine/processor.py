@@ -44,6 +44,8 @@ class Processor:
         """(text, token ids with image placeholders expanded, one feature per image) for a prompt with
         ``multi_modal_data`` ({"prompt": text with one <image> per image, "multi_modal_data": {"image": PIL images}},
         as vLLM takes it); None for a prompt without. ValueError naming the problem."""
+        if isinstance(prompt, dict) and prompt.get("mm_features") is not None:
+            return self._processed_multimodal(prompt)
         data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         if data is None:
             return None
@@ -64,6 +66,15 @@ class Processor:
             sc = self.scheduler_config
             check_images_fit(features, sc.max_num_batched_tokens, sc.encoder_cache_capacity)
         return text, token_ids, features
+
+    def _processed_multimodal(self, prompt: dict) -> tuple[str | None, list[int], list[MultiModalFeature]]:
+        """A prompt ``multimodal_inputs`` already processed (the chat endpoint does it off the event loop):
+        {"prompt_token_ids": ..., "mm_features": ...}."""
+        features = prompt["mm_features"]
+        if not self.model_config.is_multimodal or not all(isinstance(f, MultiModalFeature) for f in features):
+            raise ValueError("mm_features: only the server's own processed prompts carry them")
+        _, token_ids = self.tokenize({"prompt_token_ids": prompt["prompt_token_ids"]})
+        return prompt.get("prompt"), token_ids, list(features)
 
     def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """Accepts a string, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": [...]}."""

@@ -72,7 +72,7 @@ def make_tiny_llava(path: str | os.PathLike, seed: int = 0) -> tuple[str, Any, A
     return str(path), model, processor
 
 
-def test_image(seed: int, size: tuple[int, int] = (40, 48)) -> Any:
+def random_image(seed: int, size: tuple[int, int] = (40, 48)) -> Any:
     """A random RGB picture (PIL), different for each seed."""
     from PIL import Image
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -39,22 +40,9 @@ from pagedllm.entrypoints.openai.tools import (
     template_has_tools,
     tool_call_streamer,
 )
+from pagedllm.multimodal.chat import load_images, parse_chat_messages
+from pagedllm.multimodal.media import MediaPolicy
 from pagedllm.outputs import Logprob, RequestOutput
-
-
-def _flatten_content(content: Any) -> str:
-    """OpenAI allows content as a string or a list of parts; we take the text parts."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-                texts.append(part["text"])
-            else:
-                raise OpenAIError("messages: only text content parts are supported", param="messages")
-        return "\n".join(texts)
-    raise OpenAIError("messages: content must be a string or a list of text parts", param="messages")
 
 
 class ServingChat(OpenAIServing):
@@ -71,14 +59,24 @@ class ServingChat(OpenAIServing):
                continue_final_message: bool = False, chat_template: str | None = None,
                chat_template_kwargs: dict[str, Any] | None = None,
                tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Messages → prompt token ids via the tokenizer's chat template."""
+        """Messages → prompt token ids via the tokenizer's chat template (an image is its one placeholder token
+        here; ``create`` expands it through the model's processor)."""
+        text, _ = self.render_text(messages, add_generation_prompt, continue_final_message, chat_template,
+                                   chat_template_kwargs, tools)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def render_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, chat_template: str | None = None,
+                    chat_template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> tuple[str, list[Any]]:
+        """Messages → (prompt text via the chat template, the image references of its content parts)."""
         if not messages:
             raise OpenAIError("messages: must not be empty", param="messages")
-        conv = []
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise OpenAIError("messages: each message needs a string 'role'", param="messages")
-            conv.append({**m, "content": _flatten_content(m.get("content"))})
+        mc = self.processor.model_config
+        try:
+            conv, images = parse_chat_messages(messages, mc.is_multimodal, mc.name)
+        except ValueError as e:
+            raise OpenAIError(str(e), param="messages") from None
         uses_tools = bool(tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in conv)
         if uses_tools and chat_template is None and not template_has_tools(self.tokenizer.chat_template):
             chat_template = TOOL_CHATML_TEMPLATE  # the model's template would drop the tools silently
@@ -92,7 +90,16 @@ class ServingChat(OpenAIServing):
                 continue_final_message=continue_final_message, **extra)
         except Exception as e:  # template errors are the client's input problem
             raise OpenAIError(f"messages: could not apply the chat template: {e}", param="messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return text, images
+
+    def _multimodal_prompt(self, text: str, image_refs: list[Any]) -> dict[str, Any]:
+        """Images loaded under the server's media policy and run through the model's processor (blocking: called
+        in a worker thread) -> an engine prompt with its placeholders expanded."""
+        mc = self.processor.model_config
+        images = load_images(image_refs, MediaPolicy(mc.allowed_local_media_path, mc.allowed_media_domains))
+        _, token_ids, features = self.processor.multimodal_inputs(
+            {"prompt": text, "multi_modal_data": {"image": images}}, add_special_tokens=False)
+        return {"prompt": text, "prompt_token_ids": token_ids, "mm_features": features}
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request):
         model = self.models.check(req.model)
@@ -100,8 +107,17 @@ class ServingChat(OpenAIServing):
             plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
         except ValueError as e:
             raise OpenAIError(str(e), param=param_of(str(e))) from None
-        token_ids = self.render(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                req.chat_template, req.chat_template_kwargs, plan.tools or None)
+        text, image_refs = self.render_text(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                            req.chat_template, req.chat_template_kwargs, plan.tools or None)
+        if image_refs:
+            try:
+                prompt = await asyncio.to_thread(self._multimodal_prompt, text, image_refs)
+            except ValueError as e:
+                raise OpenAIError(str(e), param="messages") from None
+            token_ids = prompt["prompt_token_ids"]
+        else:
+            token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+            prompt = {"prompt_token_ids": token_ids}
         max_tokens = self.check_length(len(token_ids), req.requested_max_tokens(), "messages")
         try:
             params = req.to_sampling_params(max_tokens)
@@ -116,7 +132,7 @@ class ServingChat(OpenAIServing):
         request_id = self.make_id("chatcmpl")
         created = int(time.time())
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
-        merged = merge_streams([self.engine.generate({"prompt_token_ids": token_ids}, params, request_id,
+        merged = merge_streams([self.engine.generate(prompt, params, request_id,
                                                      kind=kind, cache_salt=req.cache_salt)])
 
         async def outputs() -> AsyncIterator[RequestOutput]:
