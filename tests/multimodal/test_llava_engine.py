@@ -9,7 +9,7 @@ from pagedllm import LLM, SamplingParams
 
 from helpers.vlm_helpers import IMAGE_TOKENS, hf_generate, make_tiny_llava, png_data_url, random_image
 
-TEXT = "t5 t9 <image> t7 t11 t12"  # 2 + 16 image + 3 tokens
+TEXT = "t5 t9 <image> t7 t33 t45"  # 2 + 16 image + 3 tokens
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 BLOCK = 4
@@ -47,7 +47,7 @@ def test_greedy_equals_transformers_and_the_image_changes_the_answer(tiny, llm) 
 
 def test_text_only_prompt_equals_transformers(tiny, llm) -> None:
     _, hf, processor = tiny
-    text = "t5 t9 t7 t11 t12 t40"
+    text = "t5 t9 t7 t33 t45 t40"
     assert _tokens(llm, [text]) == [hf_generate(hf, processor, text, None, MAX_TOKENS)]
 
 
@@ -84,7 +84,7 @@ def test_the_same_image_in_another_place_is_another_block(llm) -> None:
     image = random_image(22)
     llm.reset_prefix_cache()
     llm.generate(_prompt("t5 t9 t3 t4 <image> t7", image), GREEDY, use_tqdm=False)
-    shifted = llm.generate(_prompt("t5 t9 t3 t4 t6 t8 t10 t13 <image> t7", image), GREEDY, use_tqdm=False)[0]
+    shifted = llm.generate(_prompt("t5 t9 t3 t4 t6 t8 t36 t47 <image> t7", image), GREEDY, use_tqdm=False)[0]
     assert shifted.num_cached_tokens == BLOCK  # the text block only
 
 
@@ -92,13 +92,13 @@ def test_chat_content_parts_equal_generate(llm) -> None:
     image = random_image(30)
     messages = [{"role": "user", "content": [{"type": "text", "text": "t5 t9"},
                                               {"type": "image_url", "image_url": {"url": png_data_url(image)}},
-                                              {"type": "text", "text": "t7 t11 t12"}]}]
+                                              {"type": "text", "text": "t7 t33 t45"}]}]
     chat = llm.chat(messages, GREEDY, use_tqdm=False)[0]
-    # The tiny template renders parts as "t5 t9 <image> t7 t11 t12 " (a trailing space the tokenizer drops).
+    # The tiny template renders parts as "t5 t9 <image> t7 t33 t45 " (a trailing space the tokenizer drops).
     assert list(chat.outputs[0].token_ids) == _tokens(llm, [_prompt(TEXT, image)])[0]
     pil = llm.chat([{"role": "user", "content": [{"type": "text", "text": "t5 t9"},
                                                  {"type": "image_pil", "image_pil": image},
-                                                 {"type": "text", "text": "t7 t11 t12"}]}], GREEDY, use_tqdm=False)
+                                                 {"type": "text", "text": "t7 t33 t45"}]}], GREEDY, use_tqdm=False)
     assert list(pil[0].outputs[0].token_ids) == list(chat.outputs[0].token_ids)
 
 
@@ -108,7 +108,7 @@ def test_chunked_prefill_through_images_equals_transformers(tiny) -> None:
     path, hf, processor = tiny
     llm = LLM(model=path, dtype="float32", block_size=BLOCK, kv_cache_memory="4MiB", max_model_len=256,
               max_num_batched_tokens=IMAGE_TOKENS, enable_prefix_caching=False)
-    text = "t5 <image> t9 t7 <image> t11"
+    text = "t5 <image> t9 t7 <image> t33"
     pairs = [(random_image(40), random_image(41)), (random_image(41), random_image(42))]
     got = _tokens(llm, [_prompt(text, *pair) for pair in pairs])
     assert got == [hf_generate(hf, processor, text, list(pair), MAX_TOKENS) for pair in pairs]
@@ -153,3 +153,16 @@ def test_bad_multimodal_inputs_name_the_problem(tiny, llm) -> None:
         limited.generate(_prompt("t5 <image> <image>", random_image(1), random_image(2)), GREEDY, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     assert _tokens(llm, [_prompt(TEXT, random_image(1))])  # still serving
+
+
+def test_an_image_sent_to_a_text_model_is_refused(tmp_path) -> None:
+    from helpers.arch_configs import save_tiny
+
+    path, _ = save_tiny("LlamaForCausalLM", tmp_path / "text")
+    llm = LLM(model=path, dtype="float32", kv_cache_memory="4MiB")
+    with pytest.raises(ValueError, match=r"multi_modal_data: model .* takes text only"):
+        llm.generate(_prompt(TEXT, random_image(1)), GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"image_url: model .* takes text only"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url(
+            random_image(1))}}]}], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
