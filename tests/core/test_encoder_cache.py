@@ -19,7 +19,8 @@ IMG = 999  # placeholder token id
 def _scheduler(budget: int = 32, cache_rows: int = 64, caching: bool = True) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=256,
                                      encoder_cache_size=cache_rows),
-                     CacheConfig(block_size=4, enable_prefix_caching=caching, num_blocks=64, prefix_caching_hash_seed=0))
+                     CacheConfig(block_size=4, enable_prefix_caching=caching, num_blocks=64,
+                                 prefix_caching_hash_seed=0))
 
 
 def _request(rid: str, images: list[tuple[str, int]], text: int = 2) -> Request:
