@@ -295,9 +295,10 @@ class Scheduler:
                 continue
             if self.encoder_cache.has(feature.identifier) or feature.identifier in planned:
                 continue
-            if rows + feature.length > encoder_budget or not self.encoder_cache.can_allocate(rows + feature.length):
+            cost = feature.num_embeds
+            if rows + cost > encoder_budget or not self.encoder_cache.can_allocate(rows + cost):
                 return feature.offset - start, to_encode
-            rows += feature.length
+            rows += cost
             planned.add(feature.identifier)
             to_encode.append(index)
         return num_new, to_encode
@@ -309,8 +310,8 @@ class Scheduler:
             if not feature.overlaps(start, start + num_new):
                 continue
             if index in to_encode and not self.encoder_cache.has(feature.identifier):
-                self.encoder_cache.allocate(feature.identifier, feature.length, request.request_id)
-                rows += feature.length
+                self.encoder_cache.allocate(feature.identifier, feature.num_embeds, request.request_id)
+                rows += feature.num_embeds
             else:
                 self.encoder_cache.use(feature.identifier, request.request_id)
         return rows

@@ -22,6 +22,7 @@ class WireFeature(msgspec.Struct, array_like=True):
     length: int
     modality: str
     arrays: dict[str, WireArray]
+    embed_mask: bytes | None = None
 
 
 def pack_mm_features(features: list[MultiModalFeature]) -> list[WireFeature] | None:
@@ -29,10 +30,10 @@ def pack_mm_features(features: list[MultiModalFeature]) -> list[WireFeature] | N
         return None
     return [WireFeature(f.identifier, f.offset, f.length, f.modality,
                         {name: WireArray(np.ascontiguousarray(a).tobytes(), list(a.shape), a.dtype.str)
-                         for name, a in (f.data or {}).items()}) for f in features]
+                         for name, a in (f.data or {}).items()}, f.embed_mask) for f in features]
 
 
 def unpack_mm_features(wire: list[WireFeature] | None) -> list[MultiModalFeature]:
     return [MultiModalFeature(w.identifier, w.offset, w.length, w.modality,
                               {name: np.frombuffer(a.data, dtype=np.dtype(a.dtype)).reshape(a.shape)
-                               for name, a in w.arrays.items()}) for w in wire or []]
+                               for name, a in w.arrays.items()}, w.embed_mask) for w in wire or []]

@@ -75,11 +75,19 @@ class MultiModalProcessor:
         sizes = [(image.height, image.width) for image in images]
         lengths = list(self.hf_processor._get_num_multimodal_tokens(image_sizes=sizes).num_image_tokens)
         per_image = _split_per_image({k: v for k, v in out.items() if k not in _TEXT_KEYS}, len(images))
-        features, at = [], 0
-        for image, length, data in zip(images, lengths, per_image):
-            offset = _next_run(token_ids, self.image_token_id, at, length)
-            features.append(MultiModalFeature(image_content_hash(image), offset, length, "image", data))
-            at = offset + length
+        positions = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
+        if len(positions) != sum(lengths):
+            raise ValueError(f"prompt: the processor expanded {len(images)} image(s) into {len(positions)} image "
+                             f"tokens, expected {sum(lengths)}")
+        features, used = [], 0
+        for image, count, data in zip(images, lengths, per_image):
+            mine = positions[used:used + count]  # this image's tokens: a span from its first to its last
+            used += count
+            offset, end = mine[0], mine[-1] + 1
+            mask = None
+            if end - offset != count:  # other tokens between its tiles (row / column tags)
+                mask = bytes(int(t == self.image_token_id) for t in token_ids[offset:end])
+            features.append(MultiModalFeature(image_content_hash(image), offset, end - offset, "image", data, mask))
         return token_ids, features
 
 
@@ -94,12 +102,3 @@ def _split_per_image(arrays: dict[str, Any], n: int) -> list[dict[str, np.ndarra
             out[i][name] = np.ascontiguousarray(array[i:i + 1])
     return out
 
-
-def _next_run(token_ids: list[int], image_token_id: int, start: int, length: int) -> int:
-    """Offset of the next run of ``length`` image tokens at or after ``start``."""
-    for i in range(start, len(token_ids)):
-        if token_ids[i] == image_token_id:
-            if token_ids[i:i + length] != [image_token_id] * length:
-                raise ValueError(f"prompt: an image's {length} placeholder tokens are not where the processor said")
-            return i
-    raise ValueError("prompt: fewer image placeholder runs than images")

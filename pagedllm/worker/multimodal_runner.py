@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -39,7 +40,7 @@ class MultiModalRunner:
         """The step's input embeddings [T, hidden] with image rows merged, or None when no scheduled token is an
         image's (the plain text step). ``states[i]`` computes ``query_lens[i]`` tokens from its
         ``num_computed_tokens``, in the order of ``input_ids``."""
-        pieces: list[tuple[int, str, int, int]] = []  # (row in the step, image, first image row, rows)
+        pieces: list[tuple[Any, int, int, int]] = []  # (image, first span position, positions, row in the step)
         missing: dict[str, Any] = {}
         row = 0
         for state, q in zip(states, query_lens):
@@ -47,7 +48,7 @@ class MultiModalRunner:
             for feature in state.mm_features:
                 if feature.overlaps(start, start + q):
                     lo, hi = max(start, feature.offset), min(start + q, feature.end)
-                    pieces.append((row + lo - start, feature.identifier, lo - feature.offset, hi - lo))
+                    pieces.append((feature, lo - feature.offset, hi - lo, row + lo - start))
                     if feature.identifier not in self.cache:
                         missing[feature.identifier] = feature
             row += q
@@ -55,26 +56,30 @@ class MultiModalRunner:
             return None
         self._encode(list(missing.values()))
         embeds = self.model.embed_input_ids(input_ids)
-        for at, identifier, first, rows in pieces:
-            embeds[at:at + rows] = self.cache[identifier][first:first + rows]
+        for feature, first, count, at in pieces:
+            output = self.cache[feature.identifier]
+            if feature.embed_mask is None:
+                embeds[at:at + count] = output[first:first + count]
+                continue
+            # Only the masked positions take rows: row k of the output goes to the k-th masked position.
+            mask = np.frombuffer(feature.embed_mask, dtype=np.uint8).astype(bool)
+            rows = np.cumsum(mask) - 1
+            picked = np.nonzero(mask[first:first + count])[0]
+            if len(picked):
+                embeds[torch.from_numpy(at + picked)] = output[torch.from_numpy(rows[first + picked])]
         return embeds
 
     def _encode(self, features: list[Any]) -> None:
-        """Encode images not in the cache, batched by equal processed shapes."""
-        groups: dict[tuple, list[Any]] = {}
-        for feature in features:
-            key = tuple((name, tuple(getattr(value, "shape", ()))) for name, value in sorted(feature.data.items()))
-            groups.setdefault(key, []).append(feature)
-        for group in groups.values():
-            for start in range(0, len(group), ENCODER_BATCH):
-                batch = group[start:start + ENCODER_BATCH]
-                outputs = self.model.embed_images([f.data for f in batch])
-                self.num_encoder_calls += 1
-                for feature, output in zip(batch, outputs):
-                    if output.shape[0] != feature.length:
-                        raise RuntimeError(f"image {feature.identifier[:12]}: the encoder gave {output.shape[0]} "
-                                           f"embeddings for {feature.length} placeholder tokens")
-                    self.cache[feature.identifier] = output
-                    self.num_encoded_images += 1
+        """Encode images not in the cache, ``ENCODER_BATCH`` at a time (the model batches what it can)."""
+        for start in range(0, len(features), ENCODER_BATCH):
+            batch = features[start:start + ENCODER_BATCH]
+            outputs = self.model.embed_images([f.data for f in batch])
+            self.num_encoder_calls += 1
+            for feature, output in zip(batch, outputs):
+                if output.shape[0] != feature.num_embeds:
+                    raise RuntimeError(f"image {feature.identifier[:12]}: the encoder gave {output.shape[0]} "
+                                       f"embeddings for {feature.num_embeds} placeholder tokens")
+                self.cache[feature.identifier] = output
+                self.num_encoded_images += 1
         if features:
             logger.debug("encoded %d image(s); encoder cache holds %d", len(features), len(self.cache))
