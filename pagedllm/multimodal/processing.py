@@ -73,8 +73,10 @@ class MultiModalProcessor:
         if not images:
             return token_ids, []
         sizes = [(image.height, image.width) for image in images]
-        lengths = list(self.hf_processor._get_num_multimodal_tokens(image_sizes=sizes).num_image_tokens)
-        per_image = _split_per_image({k: v for k, v in out.items() if k not in _TEXT_KEYS}, len(images))
+        counts = self.hf_processor._get_num_multimodal_tokens(image_sizes=sizes)
+        lengths = list(counts.num_image_tokens)
+        per_image = _split_per_image({k: v for k, v in out.items() if k not in _TEXT_KEYS}, len(images),
+                                     getattr(counts, "num_image_patches", None))
         positions = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
         if len(positions) != sum(lengths):
             raise ValueError(f"prompt: the processor expanded {len(images)} image(s) into {len(positions)} image "
@@ -91,14 +93,21 @@ class MultiModalProcessor:
         return token_ids, features
 
 
-def _split_per_image(arrays: dict[str, Any], n: int) -> list[dict[str, np.ndarray]]:
-    """The processor's batched outputs ([n, ...] each) as one dict per image ([1, ...] each)."""
+def _split_per_image(arrays: dict[str, Any], n: int, patches: list[int] | None) -> list[dict[str, np.ndarray]]:
+    """The processor's outputs as one dict per image: [n, ...] arrays by rows (one image each: LLaVA), or the
+    prompt's [1, tiles, ...] arrays by each image's tiles (``patches``: Idefics3); [1, ...] each either way."""
     out: list[dict[str, np.ndarray]] = [{} for _ in range(n)]
     for name, value in arrays.items():
         array = np.asarray(value)
-        if array.ndim == 0 or array.shape[0] != n:
-            raise ValueError(f"prompt: the processor's {name!r} has {array.shape[:1]} rows for {n} images")
-        for i in range(n):
-            out[i][name] = np.ascontiguousarray(array[i:i + 1])
+        if array.ndim and array.shape[0] == n:
+            pieces = [array[i:i + 1] for i in range(n)]
+        elif array.ndim > 1 and array.shape[0] == 1 and patches and sum(patches) == array.shape[1]:
+            bounds = np.cumsum([0, *patches])
+            pieces = [array[:, bounds[i]:bounds[i + 1]] for i in range(n)]
+        else:
+            raise ValueError(f"prompt: the processor's {name!r} of shape {list(array.shape)} does not split into "
+                             f"{n} images")
+        for i, piece in enumerate(pieces):
+            out[i][name] = np.ascontiguousarray(piece)
     return out
 

@@ -10,7 +10,7 @@ from pagedllm.model_executor.models.registry import get_model_cls, supported_arc
 
 EXPECTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
             "Gemma3ForCausalLM", "GPT2LMHeadModel", "BertModel", "WhisperForConditionalGeneration",
-            "LlavaForConditionalGeneration"}
+            "LlavaForConditionalGeneration", "Idefics3ForConditionalGeneration"}
 
 
 def test_cli_lists_every_architecture(capsys) -> None:

@@ -63,11 +63,13 @@ class VisionMLP(DirectCall, nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
-class CLIPEncoderLayer(DirectCall, nn.Module):
-    def __init__(self, cfg: Any, i: int, dtype: torch.dtype) -> None:
+class VisionEncoderLayer(DirectCall, nn.Module):
+    """A pre-norm ViT layer as CLIP and SigLIP have it (their parameter names)."""
+
+    def __init__(self, cfg: Any, i: int, dtype: torch.dtype, prefix: str = "vision_tower.encoder.layers") -> None:
         super().__init__()
         d, heads = cfg.hidden_size, cfg.num_attention_heads
-        prefix = f"vision_tower.encoder.layers.{i}"
+        prefix = f"{prefix}.{i}"
         self.layer_norm1 = LayerNorm(d, cfg.layer_norm_eps, dtype)
         self.self_attn = RotaryAttention(d, heads, heads, d // heads, layer_idx=VISION_LAYER_IDX_BASE + i,
                                          dtype=dtype, spec=AttentionSpec.encoder(), qkv_bias=True, o_bias=True,
@@ -109,16 +111,22 @@ class CLIPVisionTower(DirectCall, nn.Module):
         super().__init__()
         self.embeddings = CLIPVisionEmbeddings(cfg, dtype)
         self.pre_layrnorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype)  # transformers' spelling
-        self.layers = nn.ModuleList(CLIPEncoderLayer(cfg, i, dtype) for i in range(num_layers))
+        self.layers = nn.ModuleList(VisionEncoderLayer(cfg, i, dtype) for i in range(num_layers))
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels: [n, C, H, W] -> hidden states [n, 1 + patches, d] of the last layer built."""
         x = self.embeddings(pixels)
         n, seq, d = x.shape
         x = self.pre_layrnorm(x.reshape(n * seq, d))
-        lens = [seq] * n
-        meta = build_attention_metadata(lens, lens, np.zeros((n, 1), dtype=np.int32), 1, x.device)
-        with attention_step(meta, step_readers(self)):  # each image one bidirectional sequence
-            for layer in self.layers:
-                x = layer(x)
-        return x.view(n, seq, d)
+        return run_vision_layers(self, self.layers, x, n, seq).view(n, seq, d)
+
+
+def run_vision_layers(tower: nn.Module, layers: nn.ModuleList, x: torch.Tensor, n: int, seq: int) -> torch.Tensor:
+    """x: [n * seq, d], n images (tiles) of ``seq`` patches each -> [n * seq, d] after ``layers``, each image one
+    bidirectional sequence on the encoder attention path (metadata built here, as Whisper's encoder does)."""
+    lens = [seq] * n
+    meta = build_attention_metadata(lens, lens, np.zeros((n, 1), dtype=np.int32), 1, x.device)
+    with attention_step(meta, step_readers(tower)):
+        for layer in layers:
+            x = layer(x)
+    return x

@@ -83,6 +83,8 @@ class LlavaForConditionalGeneration(CausalLM):
                                                     bool(getattr(hf_config, "multimodal_projector_bias", True)), dtype)
         # The decoder quantizes like any text model; the vision tower and projector stay in the model dtype.
         self.model = LlamaModel(text, arch, dtype, quant_config)
+        # transformers ties the head by the top-level flag (LLaVA's follows its text model's).
+        text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", text.tie_word_embeddings))
         self._init_head(text, dtype, quant_config)
 
     @torch.inference_mode()

@@ -42,6 +42,10 @@ _ARCHITECTURES = [
                      "LLaVA 1.5 (CLIP vision tower + projector; Llama / Mistral / Qwen2 text)", ("hf",),
                      "images expanded to placeholder tokens; encoder cache keyed by image content",
                      inputs=("text", "image")),
+    ArchitectureInfo("Idefics3ForConditionalGeneration", "idefics3", "Idefics3ForConditionalGeneration",
+                     "Idefics3, SmolVLM (SigLIP tiles + pixel shuffle; SmolLM2 / Llama text)", ("hf",),
+                     "image splitting into tiles by the HF processor; encoder cache keyed by image content",
+                     inputs=("text", "image")),
 ]
 _BY_NAME = {a.name: a for a in _ARCHITECTURES}
 
