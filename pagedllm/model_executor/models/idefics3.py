@@ -55,7 +55,7 @@ class Idefics3VisionTower(DirectCall, nn.Module):
         if seq != self.num_patches:
             raise ValueError(f"image: a {tuple(tiles.shape[2:])} tile gives {seq} patches; the vision tower takes "
                              f"{self.num_patches} (its processor's max_image_size)")
-        x = (x + self.position_embedding.weight).reshape(n * seq, d)
+        x = (x + self.position_embedding.weight).reshape(n * seq, d).contiguous()  # one tile: still transposed
         x = run_vision_layers(self, self.layers, x, n, seq)
         return self.post_layernorm(x).view(n, seq, d)
 
