@@ -62,6 +62,8 @@ class EngineFrontEnd(EngineClient):
             raise ValueError(_wrong_runner_message(self.config.model.name, self.config.model.is_pooling))
         encoder_input = self.processor.encoder_input(prompt)  # audio_features (Whisper), else None
         if isinstance(params, PoolingParams):
+            if isinstance(prompt, dict) and (prompt.get("multi_modal_data") or prompt.get("mm_features")):
+                raise ValueError("multi_modal_data: pooling (embedding) requests take text only")
             text, token_ids = self.processor.tokenize_for_pooling(prompt, params, add_special_tokens)
             request = self.processor.make_pooling_request(request_id, token_ids, params, arrival_time)
             self.output_processor.add_pooling_request(request_id, text, token_ids, arrival_time)

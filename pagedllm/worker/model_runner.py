@@ -21,6 +21,7 @@ from pagedllm.attention.metadata import AttentionMetadata, build_attention_metad
 from pagedllm.attention.spec import common_sliding_window, kv_cache_groups
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.host_to_device import index_rows, tensor_on, to_device
+from pagedllm.logger import init_logger
 from pagedllm.model_executor.layers.attention import (
     StepReaders,
     attention_layers,
@@ -35,6 +36,8 @@ from pagedllm.sample.sampler import Sampler, compute_logprobs_for_targets, logpr
 from pagedllm.sample.stage_base import LogitsStage
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.manager import resolve_bitmask
+
+logger = init_logger(__name__)
 
 # Rows of the reused logits buffer (a decode step samples one row per running request).
 LOGITS_BUFFER_ROWS = 256
@@ -129,6 +132,8 @@ class ModelRunner:
             from pagedllm.worker.multimodal_runner import MultiModalRunner
 
             self.multimodal = MultiModalRunner(model)
+            logger.info("multimodal model: images encoded once each, their outputs kept in an encoder cache keyed "
+                        "by image content")
         # The layers that read a step's metadata, by group and backend (step_readers); found at the first step
         # after the KV caches are bound (which sets each layer's group).
         self._step_readers: StepReaders | None = None

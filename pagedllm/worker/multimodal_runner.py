@@ -82,4 +82,5 @@ class MultiModalRunner:
                 self.cache[feature.identifier] = output
                 self.num_encoded_images += 1
         if features:
-            logger.debug("encoded %d image(s); encoder cache holds %d", len(features), len(self.cache))
+            logger.debug("encoded %d image(s) in %d call(s); the encoder cache holds %d", len(features),
+                         -(-len(features) // ENCODER_BATCH), len(self.cache))

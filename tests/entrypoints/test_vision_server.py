@@ -9,6 +9,8 @@ import pytest
 
 from helpers.vlm_helpers import hf_generate, make_tiny_llava, png_data_url, random_image
 
+pytestmark = pytest.mark.slow  # a server start (~40 s on a busy 2-core machine)
+
 MAX_TOKENS = 6
 
 
@@ -48,6 +50,11 @@ def test_data_url_image_in_chat_equals_transformers_and_bad_inputs_are_400s(vlm)
     assert ids[1] != ids[2]
     again = _chat(client, _messages(png_data_url(random_image(1))))
     assert again.usage.prompt_tokens_details.cached_tokens > 0  # the same image: a prefix-cache hit
+    stream = client.chat.completions.create(model="tiny-vlm", messages=_messages(png_data_url(random_image(1))),
+                                            max_tokens=MAX_TOKENS, temperature=0.0, stream=True,
+                                            extra_body={"ignore_eos": True})
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert streamed == again.choices[0].message.content
 
     bad = {
         "data:image/png;base64,aGVsbG8=": "not an image that can be decoded",
