@@ -20,7 +20,7 @@ import msgspec
 
 from pagedllm.core.sched_output import EngineCoreOutput
 from pagedllm.core.scheduler_stats import SchedulerStats
-from pagedllm.engine.mm_inputs import WireFeature
+from pagedllm.multimodal.wire import WireFeature
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -54,7 +54,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # An encoder-decoder request's encoder input (float32 audio_features): its raw bytes and shape.
     encoder_input: bytes | None = None
     encoder_input_shape: list[int] | None = None
-    # The prompt's images (placeholder runs, content hashes, processed pixels), engine/mm_inputs.py.
+    # The prompt's images (placeholder runs, content hashes, processed pixels), multimodal/wire.py.
     mm_features: list[WireFeature] | None = None
 
 

@@ -38,9 +38,9 @@ from pagedllm.engine.core_messages import (
 )
 from pagedllm.engine.encoder_inputs import unpack_encoder_input
 from pagedllm.engine.engine_snapshot import SnapshotPublisher
-from pagedllm.engine.mm_inputs import unpack_mm_features
 from pagedllm.executor.process_watch import exit_with_parent
 from pagedllm.logger import init_logger
+from pagedllm.multimodal.wire import unpack_mm_features
 from pagedllm.utils import freeze_gc_heap
 
 logger = init_logger(__name__)

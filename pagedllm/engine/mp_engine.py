@@ -38,10 +38,10 @@ from pagedllm.engine.core_messages import (
 from pagedllm.engine.encoder_inputs import pack_encoder_input
 from pagedllm.engine.errors import EngineDeadError
 from pagedllm.engine.front_end import EngineFrontEnd
-from pagedllm.engine.mm_inputs import pack_mm_features
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import Processor
 from pagedllm.logger import init_logger
+from pagedllm.multimodal.wire import pack_mm_features
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.utils import physical_cpu_cores

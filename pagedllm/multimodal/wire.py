@@ -1,6 +1,6 @@
-"""A request's images across the engine-process boundary: each ``MultiModalFeature`` as a msgspec struct with its
-processed arrays as raw bytes + shape + dtype (msgpack copies bytes as they are; the engine side wraps them in
-arrays without another copy)."""
+"""A request's images across process boundaries (the API process -> an engine core, rank 0 -> the other
+tensor-parallel ranks): each ``MultiModalFeature`` as a msgspec struct with its processed arrays as raw bytes + shape
++ dtype (msgpack copies bytes as they are; the receiver wraps them in arrays without another copy)."""
 
 from __future__ import annotations
 
