@@ -166,3 +166,21 @@ def test_an_image_sent_to_a_text_model_is_refused(tmp_path) -> None:
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url(
             random_image(1))}}]}], GREEDY, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_the_encoder_cache_bound_holds_in_the_runner(tiny) -> None:
+    """Room for one image's outputs: requests with different images take turns, the runner drops what the scheduler
+    evicts (never more than the bound), and an evicted image is encoded again when it comes back."""
+    path, hf, processor = tiny
+    llm = LLM(model=path, dtype="float32", block_size=BLOCK, kv_cache_memory="4MiB", max_model_len=256,
+              encoder_cache_size=IMAGE_TOKENS, enable_prefix_caching=False)
+    images = [random_image(60 + i) for i in range(3)]
+    outs = _tokens(llm, [_prompt(TEXT, image) for image in images])
+    runner = llm.engine.core.worker.runner.multimodal
+    assert runner.num_encoded_images == 3
+    assert outs == [hf_generate(hf, processor, TEXT, [image], MAX_TOKENS) for image in images]
+    assert _tokens(llm, [_prompt(TEXT, images[2])]) == [outs[2]]  # still cached: the last one encoded
+    assert runner.num_encoded_images == 3
+    assert _tokens(llm, [_prompt(TEXT, images[0])]) == [outs[0]]  # evicted long ago: encoded again
+    assert runner.num_encoded_images == 4
+    assert len(runner.cache) == 1
