@@ -27,7 +27,7 @@ def parse_chat_messages(messages: list[dict[str, Any]], multimodal: bool, model_
             raise ValueError("messages: each message needs a string 'role'")
         content = message.get("content")
         if content is None or isinstance(content, str):
-            conversation.append({**message, "content": content or ""})
+            conversation.append(dict(message))
             continue
         if not isinstance(content, list):
             raise ValueError("messages: content must be a string or a list of content parts")

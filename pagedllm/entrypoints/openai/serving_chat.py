@@ -77,6 +77,7 @@ class ServingChat(OpenAIServing):
             conv, images = parse_chat_messages(messages, mc.is_multimodal, mc.name)
         except ValueError as e:
             raise OpenAIError(str(e), param="messages") from None
+        conv = [m if m.get("content") is not None else {**m, "content": ""} for m in conv]
         uses_tools = bool(tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in conv)
         if uses_tools and chat_template is None and not template_has_tools(self.tokenizer.chat_template):
             chat_template = TOOL_CHATML_TEMPLATE  # the model's template would drop the tools silently
