@@ -61,6 +61,11 @@ class ModelConfig:
     # the transformers class with pagedllm's paged attention, docs/models.md)
     model_impl: str = "auto"
     trust_remote_code: bool = False  # run modeling code shipped in the model folder (config.json's auto_map)
+    # Multimodal prompts (docs/vision.md): most items per modality in one prompt (--limit-mm-per-prompt,
+    # e.g. {"image": 4}; None: no limit), and where the server may read images from besides data: URLs.
+    limit_mm_per_prompt: dict[str, int] | None = None
+    allowed_local_media_path: str | None = None  # --allowed-local-media-path: file:// URLs under this folder
+    allowed_media_domains: tuple[str, ...] = ()  # --allowed-media-domains: http(s) hosts (none: no fetching)
     # Filled by resolution:
     model_path: str = ""  # folder (HF) or file (GGUF)
     gguf_file: str | None = None
@@ -73,6 +78,8 @@ class ModelConfig:
     # Encoder-decoder (Whisper): prompts carry encoder inputs (audio_features); the encoder runs once per request
     # and its output fills a cross-attention KV cache group (docs/architecture.md).
     is_encoder_decoder: bool = False
+    # Vision-language (LLaVA): prompts may carry images, processed by the model's HF processor (multimodal/).
+    is_multimodal: bool = False
 
     @property
     def is_pooling(self) -> bool:
@@ -172,6 +179,14 @@ class SchedulerConfig:
     # Encoder-decoder models: encoder positions a request's encoder run costs, counted against the step's token
     # budget in the step that admits it (0: no encoder).
     encoder_tokens_per_request: int = 0
+    # Multimodal models: rows (image tokens) of encoder outputs the runner keeps, keyed by image content
+    # (core/encoder_cache.py); 0: max(max_num_batched_tokens, 8192). A step encodes at most max_num_batched_tokens
+    # image tokens.
+    encoder_cache_size: int = 0
+
+    @property
+    def encoder_cache_capacity(self) -> int:
+        return self.encoder_cache_size or max(self.max_num_batched_tokens, 8192)
 
 
 # ``--attention-backend``: ``auto`` is the platform's best (the C++ kernels on a CPU, Triton on CUDA, else

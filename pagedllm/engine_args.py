@@ -76,6 +76,11 @@ class EngineArgs:
     routing_cache_threshold: float = 0.3
     routing_balance_abs_threshold: int = 64
     routing_balance_rel_threshold: float = 1.5
+    # Multimodal prompts (docs/vision.md), vLLM's flags.
+    limit_mm_per_prompt: str | dict | None = None  # JSON or dict, e.g. {"image": 2}
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: list[str] | None = None
+    encoder_cache_size: int = 0  # image tokens of encoder outputs kept; 0: max(max_num_batched_tokens, 8192)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> argparse.ArgumentParser:
@@ -187,6 +192,18 @@ class EngineArgs:
                            help='Pooling overrides as JSON, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' '
                                 "(pooling_type MEAN | CLS | LAST; default: the model's sentence-transformers "
                                 "files).")
+        group.add_argument("--limit-mm-per-prompt", default=None,
+                           help='Most images one prompt may carry, as JSON, e.g. \'{"image": 2}\' (default: no '
+                                "limit). A prompt over it is refused (HTTP 400).")
+        group.add_argument("--allowed-local-media-path", default=None,
+                           help="Folder whose files requests may name as file:// image URLs (default: none; "
+                                "file:// URLs are refused).")
+        group.add_argument("--allowed-media-domains", nargs="+", default=None,
+                           help="Hosts the server may fetch http(s) image URLs from (default: none, the server never "
+                                "fetches URLs; clients send data: URLs).")
+        group.add_argument("--encoder-cache-size", type=int, default=d.encoder_cache_size,
+                           help="Vision-language models: image tokens of encoder outputs kept for reuse, keyed by "
+                                "image content (default 0: max(--max-num-batched-tokens, 8192)).")
         group.add_argument("--speculative-config", default=None,
                            help="Speculative decoding as JSON with vLLM's keys, e.g. "
                                 '\'{"method": "ngram", "num_speculative_tokens": 4}\'; methods: ngram '
@@ -281,7 +298,10 @@ class EngineArgs:
             max_model_len=self.max_model_len, seed=self.seed, served_model_name=self.served_model_name,
             chat_template=self.chat_template, runner=self.runner, pooler_config=self._pooler_config(),
             quantization=self.quantization, device=self.device, cpu_kernel_autotune=autotune,
-            model_impl=self.model_impl, trust_remote_code=bool(self.trust_remote_code)))
+            model_impl=self.model_impl, trust_remote_code=bool(self.trust_remote_code),
+            limit_mm_per_prompt=_limit_mm_per_prompt(self.limit_mm_per_prompt),
+            allowed_local_media_path=self.allowed_local_media_path,
+            allowed_media_domains=tuple(d.lower() for d in self.allowed_media_domains or ())))
         kv_memory = None if self.kv_cache_memory in (None, "", "auto") else parse_size(self.kv_cache_memory)
         cache = CacheConfig(block_size=self.block_size, kv_cache_memory=kv_memory,
                             kv_cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, model.dtype),
@@ -302,7 +322,8 @@ class EngineArgs:
                                     max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill,
                                     is_encoder_only=model.is_encoder_only,
                                     num_lookahead_tokens=0 if speculative is None else
-                                    speculative.num_lookahead_tokens)
+                                    speculative.num_lookahead_tokens,
+                                    encoder_cache_size=int(self.encoder_cache_size))
         from pagedllm.core.encoder_decoder import configure_encoder_decoder
 
         cache, scheduler = configure_encoder_decoder(model, cache, scheduler, speculative)
@@ -349,3 +370,21 @@ class EngineArgs:
         if unknown:
             raise ValueError(f"pooler_config: unknown fields {sorted(unknown)}; known: {sorted(known)}")
         return PoolerConfig(**self.pooler_config)
+
+
+def _limit_mm_per_prompt(value: str | dict | None) -> dict[str, int] | None:
+    """``--limit-mm-per-prompt`` (JSON or dict) as {modality: count}; ValueError naming the flag."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"limit_mm_per_prompt: not JSON ({e}); e.g. '{{\"image\": 2}}'") from None
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+                                              and v >= 0 for k, v in value.items()):
+        raise ValueError("limit_mm_per_prompt: expected {modality: non-negative count}, e.g. {\"image\": 2}")
+    unknown = set(value) - {"image"}
+    if unknown:
+        raise ValueError(f"limit_mm_per_prompt: unknown modality {sorted(unknown)}; known: ['image']")
+    return dict(value)

@@ -6,6 +6,9 @@ import enum
 import time
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.core.block_hash import BlockKeysFn
+from pagedllm.core.multimodal import MultiModalFeature, multimodal_block_keys
+
 if TYPE_CHECKING:
     from pagedllm.pooling_params import PoolingParams
     from pagedllm.sampling_params import SamplingParams
@@ -50,7 +53,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: list[int], max_tokens: int, arrival_time: float | None = None,
                  cache_salt: str | None = None, pooling_params: PoolingParams | None = None,
-                 encoder_input: Any = None) -> None:
+                 encoder_input: Any = None, mm_features: list[MultiModalFeature] | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -63,6 +66,8 @@ class Request:
         self.pooling_params = pooling_params
         # An encoder-decoder request's encoder input (Whisper: float32 log-mel [n_mels, 3000]); opaque here.
         self.encoder_input = encoder_input
+        # The prompt's images, in prompt order (core/multimodal.py); empty for a text prompt.
+        self.mm_features: list[MultiModalFeature] = list(mm_features or [])
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -79,6 +84,13 @@ class Request:
         self.num_external_computed_tokens = 0
         self.num_local_hit_tokens = 0
         self.kv_transfer_failed = False
+
+    @property
+    def block_keys(self) -> BlockKeysFn | None:
+        """The per-block extra keys of its prefix-cache hashes (``core/block_hash.py``), None when it has none."""
+        if not self.mm_features:
+            return None
+        return lambda start, end: multimodal_block_keys(self.mm_features, start, end)
 
     @property
     def num_tokens(self) -> int:

@@ -24,6 +24,8 @@ class NewRequestData:
     pooling_params: Any = None  # PoolingParams for a pooling request
     # An encoder-decoder request's encoder input (audio_features): the runner runs its encoder this step.
     encoder_input: Any = None
+    # The prompt's images (core/multimodal.py MultiModalFeature, with their processed pixels); empty for text.
+    mm_features: list = field(default_factory=list)
 
 
 @dataclass
@@ -51,6 +53,8 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # The KV connector's instructions for its worker half this step (distributed/kv_transfer/), or None.
     kv_connector_metadata: Any = None
+    # Content hashes of images whose encoder outputs the runner drops before this step (core/encoder_cache.py).
+    free_encoder_hashes: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

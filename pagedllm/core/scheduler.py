@@ -12,8 +12,10 @@ from collections import deque
 from collections.abc import Iterable
 
 from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.encoder_cache import EncoderCacheManager
 from pagedllm.core.encoder_decoder import encoder_cost
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.multimodal import check_images_fit
 from pagedllm.core.remote_kv import PROMPT_TOKEN_SOURCES, RemoteKVState, count_prompt_sources
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import (
@@ -60,6 +62,8 @@ class Scheduler:
         self.remote_kv: RemoteKVState | None = None
         # Prompt tokens at first admission by where their KV came from (vllm:prompt_tokens_by_source).
         self.prompt_tokens_by_source = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)
+        # Multimodal prompts: the images whose encoder outputs the runner holds (core/encoder_cache.py).
+        self.encoder_cache = EncoderCacheManager(scheduler_config.encoder_cache_capacity)
 
     def attach_kv_connector(self, connector) -> None:
         """Ask ``connector`` (a ``KVConnectorBase_V1``, scheduler role) for prompt KV and about finished requests."""
@@ -69,6 +73,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises ValueError if it could never run (the engine checks this first)."""
         self.check_fits(request.num_prompt_tokens, pooling=request.pooling_params is not None)
+        check_images_fit(request.mm_features, self.config.max_num_batched_tokens, self.encoder_cache.capacity)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -95,6 +100,7 @@ class Scheduler:
         """Release a finished request (its blocks, unless a KV connector holds them for a transfer); returns the
         connector's ``kv_transfer_params`` for the client, if any."""
         self._isolate.discard(request.request_id)
+        self._release_images(request, everything=True)
         params = None
         hold = False
         if self.remote_kv is not None:
@@ -109,6 +115,7 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        encoder_budget = self.config.max_num_batched_tokens  # image tokens the vision encoder may run this step
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
@@ -123,6 +130,11 @@ class Scheduler:
         while isolated is None and i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens + len(request.spec_token_ids), budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            # Images whose tokens fall in this chunk must be encoded (or cached) first: stop before one that can't.
+            num_new, to_encode = self._plan_images(request, request.num_computed_tokens, num_new, encoder_budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -148,6 +160,7 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break
+            encoder_budget -= self._commit_images(request, request.num_computed_tokens, num_new, to_encode)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             # Drafts that fit the budget are verified this step; the runner proposes fresh ones after it.
@@ -202,6 +215,11 @@ class Scheduler:
             if no_chunking and num_new > step_budget:
                 break
             num_new = min(num_new, step_budget)
+            computed = start + num_hit_tokens + num_external
+            planned, to_encode = self._plan_images(request, computed, num_new, encoder_budget)
+            if planned <= 0 or (planned < num_new and no_chunking):
+                break  # its next image cannot be encoded this step (budget or encoder cache): it waits
+            num_new = planned
             if not self.config.is_encoder_only:  # an encoder keeps no KV cache
                 new_blocks = self._allocate(request, num_new, hits, num_hit_tokens + num_external)
                 if new_blocks is None:
@@ -213,6 +231,7 @@ class Scheduler:
                 self.remote_kv.connector.update_state_after_alloc(
                     request, self.kv.get_block_ids(request.request_id)[0], num_external)
             request.num_computed_tokens = start + num_hit_tokens + num_external
+            encoder_budget -= self._commit_images(request, request.num_computed_tokens, num_new, to_encode)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = request.num_computed_tokens
                 count_prompt_sources(self.prompt_tokens_by_source, request)
@@ -235,6 +254,7 @@ class Scheduler:
             if request.request_id in num_scheduled:
                 request.num_computed_tokens += num_scheduled[request.request_id]
                 self._known_to_runner.add(request.request_id)
+                self._release_images(request)
 
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -244,6 +264,7 @@ class Scheduler:
             finished_req_ids=self._finished_since_last_step,
             preempted_req_ids=preempted,
             scheduled_spec_decode_tokens=spec_tokens,
+            free_encoder_hashes=self.encoder_cache.take_freed(),
         )
         if self.remote_kv is not None:
             out.kv_connector_metadata = self.remote_kv.connector.build_connector_meta(out)
@@ -259,6 +280,47 @@ class Scheduler:
             if blocks is not None:
                 return blocks
         return self.kv.allocate_slots(request, num_new, hits, num_hit_tokens)
+
+    def _plan_images(self, request: Request, start: int, num_new: int, encoder_budget: int) -> tuple[int, list[int]]:
+        """(tokens of ``[start, start + num_new)`` it may compute now, indices of its images to encode first).
+
+        An image with tokens in the chunk is either in the encoder cache already, or is encoded this step if the
+        step's encoder budget and the cache have room; otherwise the chunk stops before that image."""
+        if not request.mm_features:
+            return num_new, []
+        to_encode: list[int] = []
+        rows, planned = 0, set()
+        for index, feature in enumerate(request.mm_features):
+            if not feature.overlaps(start, start + num_new):
+                continue
+            if self.encoder_cache.has(feature.identifier) or feature.identifier in planned:
+                continue
+            cost = feature.num_embeds
+            if rows + cost > encoder_budget or not self.encoder_cache.can_allocate(rows + cost):
+                return feature.offset - start, to_encode
+            rows += cost
+            planned.add(feature.identifier)
+            to_encode.append(index)
+        return num_new, to_encode
+
+    def _commit_images(self, request: Request, start: int, num_new: int, to_encode: list[int]) -> int:
+        """Record the scheduled chunk's images in the encoder cache; returns the image tokens encoded this step."""
+        rows = 0
+        for index, feature in enumerate(request.mm_features):
+            if not feature.overlaps(start, start + num_new):
+                continue
+            if index in to_encode and not self.encoder_cache.has(feature.identifier):
+                self.encoder_cache.allocate(feature.identifier, feature.num_embeds, request.request_id)
+                rows += feature.num_embeds
+            else:
+                self.encoder_cache.use(feature.identifier, request.request_id)
+        return rows
+
+    def _release_images(self, request: Request, everything: bool = False) -> None:
+        """The request no longer needs the encoder outputs of images it has computed past (all, ``everything``)."""
+        for feature in request.mm_features:
+            if everything or feature.end <= request.num_computed_tokens:
+                self.encoder_cache.release(feature.identifier, request.request_id)
 
     def _next_isolated(self) -> Request | None:
         """Move the first request awaiting isolation to the head of the queue and return it."""
@@ -282,6 +344,7 @@ class Scheduler:
             num_computed_tokens=request.num_computed_tokens,
             pooling_params=request.pooling_params,
             encoder_input=request.encoder_input,
+            mm_features=request.mm_features,
         )
 
     def _cap_length(self, request: Request) -> None:
@@ -295,6 +358,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Free a running request's blocks and put it back at the front of the queue (recompute)."""
         self.kv.free(request)
+        self._release_images(request, everything=True)
         self._known_to_runner.discard(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0

@@ -40,6 +40,7 @@ from pagedllm.engine.encoder_inputs import unpack_encoder_input
 from pagedllm.engine.engine_snapshot import SnapshotPublisher
 from pagedllm.executor.process_watch import exit_with_parent
 from pagedllm.logger import init_logger
+from pagedllm.multimodal.wire import unpack_mm_features
 from pagedllm.utils import freeze_gc_heap
 
 logger = init_logger(__name__)
@@ -152,7 +153,8 @@ class EngineCoreProc:
     def _add(self, req: EngineCoreRequest) -> None:
         request = Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_ids,
                           req.max_tokens, req.arrival_time, req.cache_salt, req.pooling_params,
-                          encoder_input=unpack_encoder_input(req.encoder_input, req.encoder_input_shape))
+                          encoder_input=unpack_encoder_input(req.encoder_input, req.encoder_input_shape),
+                          mm_features=unpack_mm_features(req.mm_features))
         try:
             self.core.add_request(request)
         except ValueError as e:  # the API side checked the prompt; anything left fails this request only

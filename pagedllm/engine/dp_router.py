@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import replace
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.block_hash import compute_block_hash_values, root_hash_value
+from pagedllm.core.block_hash import BlockKeysFn, compute_block_hash_values, root_hash_value
 from pagedllm.distributed.kv_events_config import KVEventsConfig
 from pagedllm.engine.router import PrefixAwareRouter, RoundRobinRouter
 from pagedllm.logger import init_logger
@@ -80,15 +80,17 @@ class DataParallelRouter:
         for engine, batch in self._subscriber.poll(0):
             self._prefix.apply_events(engine, batch)
 
-    def choose(self, request_id: str, prompt_token_ids: list[int], cache_salt: str | None, loads: list[int]) -> int:
+    def choose(self, request_id: str, prompt_token_ids: list[int], cache_salt: str | None, loads: list[int],
+               block_keys: BlockKeysFn | None = None) -> int:
         """The engine for a request; ``loads`` are each engine's running + waiting requests (with those routed
-        to it since its last report)."""
+        to it since its last report). ``block_keys``: the request's per-block extra hash keys (its images), so the
+        predicted hashes are the engines' own."""
         if self.num_engines == 1:
             return 0
         if self._prefix is not None:
             self.poll_events()
             hashes = compute_block_hash_values(prompt_token_ids, self.block_size, self.root_value, self.hash_algo,
-                                               cache_salt)
+                                               cache_salt, block_keys)
             return self._prefix.choose(request_id, hashes, loads)
         if self.policy == "round-robin":
             return self._round_robin.choose(request_id, [], loads)

@@ -62,6 +62,8 @@ class EngineFrontEnd(EngineClient):
             raise ValueError(_wrong_runner_message(self.config.model.name, self.config.model.is_pooling))
         encoder_input = self.processor.encoder_input(prompt)  # audio_features (Whisper), else None
         if isinstance(params, PoolingParams):
+            if isinstance(prompt, dict) and (prompt.get("multi_modal_data") or prompt.get("mm_features")):
+                raise ValueError("multi_modal_data: pooling (embedding) requests take text only")
             text, token_ids = self.processor.tokenize_for_pooling(prompt, params, add_special_tokens)
             request = self.processor.make_pooling_request(request_id, token_ids, params, arrival_time)
             self.output_processor.add_pooling_request(request_id, text, token_ids, arrival_time)
@@ -69,9 +71,13 @@ class EngineFrontEnd(EngineClient):
             return
         if params.structured_outputs is not None:
             self._precompile(params)
-        text, token_ids = self.processor.tokenize(prompt, add_special_tokens)
+        multimodal = self.processor.multimodal_inputs(prompt, add_special_tokens)  # images: the HF processor
+        if multimodal is not None:
+            text, token_ids, mm_features = multimodal
+        else:
+            (text, token_ids), mm_features = self.processor.tokenize(prompt, add_special_tokens), None
         requests = self.processor.make_requests(request_id, token_ids, params, arrival_time, cache_salt,
-                                                encoder_input)
+                                                encoder_input, mm_features)
         self.output_processor.add_request(request_id, text, token_ids, params, kind, arrival_time)
         self._queue(requests)
 

@@ -32,7 +32,7 @@ class LLMEngine(EngineFrontEnd):
         self.config = config = self.core.config  # resolved with the KV cache layout
         self.structured_output = self.core.attach_structured_outputs(self.tokenizer)
         self.processor = Processor(config.model, self.tokenizer, config.scheduler.max_model_len,
-                                   self.core.scheduler.check_fits)
+                                   self.core.scheduler.check_fits, config.scheduler)
         self.output_processor = OutputProcessor(self.tokenizer)
         # Async output processing (GPU): a step's outputs are detokenized and handed out while the device
         # computes the next step, instead of between the two. Off on CPUs, where the host is the device.

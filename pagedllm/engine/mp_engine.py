@@ -41,6 +41,7 @@ from pagedllm.engine.front_end import EngineFrontEnd
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import Processor
 from pagedllm.logger import init_logger
+from pagedllm.multimodal.wire import pack_mm_features
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.utils import physical_cpu_cores
@@ -106,7 +107,7 @@ class MultiprocEngine(EngineFrontEnd):
             self.structured_output = StructuredOutputManager(self.tokenizer, config.model.vocab_size,
                                                              config.model.eos_token_ids)  # validation only
             self.processor = Processor(config.model, self.tokenizer, config.scheduler.max_model_len,
-                                       self._check_fits)
+                                       self._check_fits, config.scheduler)
         except BaseException:
             self.client.shutdown()
             self.router.close()
@@ -166,13 +167,14 @@ class MultiprocEngine(EngineFrontEnd):
         # Every sample of one request goes to one engine: they share the prompt's blocks there.
         parent = _parent_id(first.request_id, len(requests))
         loads = [r + s for r, s in zip(self._reported_load, self._sent_since_report)]
-        engine = self.router.choose(parent, first.prompt_token_ids, first.cache_salt, loads)
+        engine = self.router.choose(parent, first.prompt_token_ids, first.cache_salt, loads, first.block_keys)
         encoder_input, encoder_shape = pack_encoder_input(first.encoder_input)
+        mm_features = pack_mm_features(first.mm_features)
         for request in requests:
             self._send(engine, RequestType.ADD, EngineCoreRequest(
                 request.request_id, request.prompt_token_ids, request.sampling_params, list(request.eos_token_ids),
                 request.max_tokens, request.arrival_time, request.cache_salt, request.pooling_params,
-                encoder_input, encoder_shape))
+                encoder_input, encoder_shape, mm_features))
             self._owner[request.request_id] = engine
             self._parent_of[request.request_id] = parent
         self._live_children[parent] = len(requests)

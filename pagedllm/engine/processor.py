@@ -6,7 +6,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pagedllm.config import ModelConfig
+from pagedllm.config import ModelConfig, SchedulerConfig
+from pagedllm.core.multimodal import MultiModalFeature, check_images_fit
 from pagedllm.core.request import Request
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -20,12 +21,60 @@ def child_request_id(parent_id: str, index: int, n: int) -> str:
 
 class Processor:
     def __init__(self, model_config: ModelConfig, tokenizer: Any, max_model_len: int,
-                 check_fits: Callable[..., None]) -> None:
+                 check_fits: Callable[..., None], scheduler_config: SchedulerConfig | None = None) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.check_fits = check_fits
         self.vocab_size = model_config.vocab_size
+        self.scheduler_config = scheduler_config
+        self._mm_processor: Any = None  # the model's HF processor (multimodal/processing.py), loaded at first use
+
+    @property
+    def mm_processor(self) -> Any:
+        if self._mm_processor is None:
+            from pagedllm.multimodal.processing import MultiModalProcessor
+
+            self._mm_processor = MultiModalProcessor(self.model_config.model_path,
+                                                     self.model_config.limit_mm_per_prompt)
+        return self._mm_processor
+
+    def multimodal_inputs(self, prompt: PromptType, add_special_tokens: bool = True
+                          ) -> tuple[str, list[int], list[MultiModalFeature]] | None:
+        """(text, token ids with image placeholders expanded, one feature per image) for a prompt with
+        ``multi_modal_data`` ({"prompt": text with one <image> per image, "multi_modal_data": {"image": PIL images}},
+        as vLLM takes it); None for a prompt without. ValueError naming the problem."""
+        if isinstance(prompt, dict) and prompt.get("mm_features") is not None:
+            return self._processed_multimodal(prompt)
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if data is None:
+            return None
+        mc = self.model_config
+        if not mc.is_multimodal:
+            raise ValueError(f"multi_modal_data: model {mc.name!r} ({mc.architecture}) takes text only; send images to "
+                             "a vision-language model (see `pagedllm models`, INPUTS text+image)")
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ValueError("multi_modal_data: expected {'image': PIL image or list of them}")
+        from pagedllm.multimodal.processing import as_image_list
+
+        images = as_image_list(data.get("image", []))
+        text = prompt.get("prompt")
+        if not isinstance(text, str) or not text:
+            raise ValueError("prompt: a prompt with multi_modal_data needs its text as 'prompt'")
+        token_ids, features = self.mm_processor.process(text, images, add_special_tokens)
+        if self.scheduler_config is not None:
+            sc = self.scheduler_config
+            check_images_fit(features, sc.max_num_batched_tokens, sc.encoder_cache_capacity)
+        return text, token_ids, features
+
+    def _processed_multimodal(self, prompt: dict) -> tuple[str | None, list[int], list[MultiModalFeature]]:
+        """A prompt ``multimodal_inputs`` already processed (the chat endpoint does it off the event loop):
+        {"prompt_token_ids": ..., "mm_features": ...}."""
+        features = prompt["mm_features"]
+        if not self.model_config.is_multimodal or not all(isinstance(f, MultiModalFeature) for f in features):
+            raise ValueError("mm_features: only the server's own processed prompts carry them")
+        _, token_ids = self.tokenize({"prompt_token_ids": prompt["prompt_token_ids"]})
+        return prompt.get("prompt"), token_ids, list(features)
 
     def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """Accepts a string, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": [...]}."""
@@ -68,7 +117,8 @@ class Processor:
 
     def make_requests(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       arrival_time: float | None = None, cache_salt: str | None = None,
-                      encoder_input: Any = None) -> list[Request]:
+                      encoder_input: Any = None, mm_features: list[MultiModalFeature] | None = None
+                      ) -> list[Request]:
         """One engine request per sample (n > 1 fans out; children share prompt blocks via the cache, and an
         encoder-decoder request's children its ``encoder_input``)."""
         max_tokens = self.validate_params(params, len(prompt_token_ids))
@@ -78,7 +128,7 @@ class Processor:
             child = params.child_params(i)
             requests.append(Request(child_request_id(request_id, i, params.n), prompt_token_ids, child,
                                     self.model_config.eos_token_ids, max_tokens, arrival_time, cache_salt,
-                                    encoder_input=encoder_input))
+                                    encoder_input=encoder_input, mm_features=mm_features))
         return requests
 
     # ---- pooling (embedding) requests ---------------------------------------------------------------------

@@ -15,6 +15,8 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
 from pagedllm.engine_args import EngineArgs
 from pagedllm.metrics.reader import Metric, engine_metrics
+from pagedllm.multimodal.chat import load_images, parse_chat_messages
+from pagedllm.multimodal.media import MediaPolicy
 from pagedllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -63,15 +65,24 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        """Apply the model's chat template to one conversation or a list of them, then generate. Content may be a
+        list of OpenAI parts (text, image_url with a data: URL, or image_pil with a PIL image) for a vision-language
+        model."""
         self._check_generative()
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
-        prompts = []
+        mc = self.engine.config.model
+        policy = MediaPolicy(mc.allowed_local_media_path, mc.allowed_media_domains)
+        prompts: list = []
         for conv in conversations:
+            # Content parts: images (image_url / image_pil) become the template's image placeholders.
+            conv, image_refs = parse_chat_messages(conv, mc.is_multimodal, mc.name)
             text = tokenizer.apply_chat_template(conv, tokenize=False, chat_template=chat_template,
                                                  add_generation_prompt=add_generation_prompt)
-            prompts.append(tokenizer.encode(text, add_special_tokens=False))
+            if image_refs:
+                prompts.append({"prompt": text, "multi_modal_data": {"image": load_images(image_refs, policy)}})
+            else:
+                prompts.append(tokenizer.encode(text, add_special_tokens=False))
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         else:

@@ -19,6 +19,7 @@ import zmq
 
 from pagedllm.config import KVCacheLayout
 from pagedllm.core.sched_output import SchedulerOutput
+from pagedllm.multimodal.wire import WireFeature, pack_mm_features, unpack_mm_features
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -36,6 +37,7 @@ class WireNewRequest(msgspec.Struct):
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int
     pooling_params: PoolingParams | None = None
+    mm_features: list[WireFeature] = []  # MultiModalFeature objects again once decoded
 
 
 class WireCachedRequest(msgspec.Struct):
@@ -56,6 +58,7 @@ class WireStep(msgspec.Struct):
     structured_output_request_ids: list[str] = []
     grammar_bitmask: Any = None  # on the wire: [shape, int32 bytes]
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+    free_encoder_hashes: list[str] = []
 
     @property
     def is_empty(self) -> bool:
@@ -101,12 +104,19 @@ def encode_step(sched: SchedulerOutput) -> bytes:
             sched = dataclasses.replace(sched, grammar_bitmask=[list(arr.shape), arr.tobytes()])
         else:
             sched = dataclasses.replace(sched, grammar_bitmask=None)
+    if any(new.mm_features for new in sched.scheduled_new_reqs):  # images: their arrays as bytes
+        sched = dataclasses.replace(sched, scheduled_new_reqs=[
+            dataclasses.replace(new, mm_features=pack_mm_features(new.mm_features) or [])
+            for new in sched.scheduled_new_reqs])
     return _encoder.encode(sched)
 
 
 def decode_step(payload: bytes) -> WireStep:
     """A payload of ``encode_step`` -> a ``WireStep`` that reads as the ``SchedulerOutput`` it was made from."""
     step = _step_decoder.decode(payload)
+    for new in step.scheduled_new_reqs:
+        if new.mm_features:
+            new.mm_features = unpack_mm_features(new.mm_features)
     if step.grammar_bitmask is not None:
         import torch
 

@@ -21,6 +21,7 @@ from pagedllm.attention.metadata import AttentionMetadata, build_attention_metad
 from pagedllm.attention.spec import common_sliding_window, kv_cache_groups
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.host_to_device import index_rows, tensor_on, to_device
+from pagedllm.logger import init_logger
 from pagedllm.model_executor.layers.attention import (
     StepReaders,
     attention_layers,
@@ -35,6 +36,8 @@ from pagedllm.sample.sampler import Sampler, compute_logprobs_for_targets, logpr
 from pagedllm.sample.stage_base import LogitsStage
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.manager import resolve_bitmask
+
+logger = init_logger(__name__)
 
 # Rows of the reused logits buffer (a decode step samples one row per running request).
 LOGITS_BUFFER_ROWS = 256
@@ -88,6 +91,7 @@ class CachedRequestState:
     generator: torch.Generator | None = None
     output_token_ids: list[int] = field(default_factory=list)
     pooling_params: Any = None  # PoolingParams of a pooling request
+    mm_features: list = field(default_factory=list)  # its images (core/multimodal.py), with their pixels
 
 
 class ModelRunner:
@@ -122,6 +126,14 @@ class ModelRunner:
         # An encoder-decoder model (worker/encoder_decoder.py): runs new requests' encoders, builds the
         # cross-attention group's metadata. None for every other model.
         self.encoder_decoder: Any = None
+        # A vision-language model (worker/multimodal_runner.py): the encoder cache and image-row merging; else None.
+        self.multimodal: Any = None
+        if getattr(model, "supports_multimodal", False):
+            from pagedllm.worker.multimodal_runner import MultiModalRunner
+
+            self.multimodal = MultiModalRunner(model)
+            logger.info("multimodal model: images encoded once each, their outputs kept in an encoder cache keyed "
+                        "by image content")
         # The layers that read a step's metadata, by group and backend (step_readers); found at the first step
         # after the KV caches are bound (which sets each layer's group).
         self._step_readers: StepReaders | None = None
@@ -226,7 +238,8 @@ class ModelRunner:
                 token_ids=list(new.prompt_token_ids) + list(new.output_token_ids), params=new.sampling_params,
                 block_ids=tuple(list(ids) for ids in new.block_ids), num_computed_tokens=new.num_computed_tokens,
                 generator=gen,
-                output_token_ids=list(new.output_token_ids), pooling_params=new.pooling_params)
+                output_token_ids=list(new.output_token_ids), pooling_params=new.pooling_params,
+                mm_features=list(new.mm_features))
             if self.pooling is None:
                 added.append((new.req_id, state.params, state.prompt_token_ids, state.output_token_ids, gen))
         if self.pooling is None:
@@ -244,6 +257,8 @@ class ModelRunner:
         before the host waits for its tokens: on a GPU, host work done there hides behind the step's kernels.
         Steps that sample nothing do not call it (the caller does, after)."""
         self._update_states(sched)
+        if self.multimodal is not None:
+            self.multimodal.free(sched.free_encoder_hashes)
         if sched.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
         began = time.perf_counter()
@@ -258,12 +273,17 @@ class ModelRunner:
         if self.encoder_decoder is not None:
             self.encoder_decoder.run_encoders(sched)  # new requests' cross-attention K/V, before the decoder reads
 
-        if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
+        # A step with image tokens: their rows come from the encoder cache (images encoded first, if new).
+        inputs_embeds = (self.multimodal.input_embeddings(states, query_lens, input_ids)
+                         if self.multimodal is not None else None)
+
+        if inputs_embeds is None and self.decode_graphs is not None and self.decode_graphs.can_run(meta):
             hidden = self.decode_graphs.run(input_ids, positions, meta)  # a CUDA or CPU step graph replayed
         else:
             self.prepare_attention(meta)
             with forward_context(meta):
-                hidden = self.model(input_ids, positions)
+                hidden = (self.model(input_ids, positions) if inputs_embeds is None
+                          else self.model(input_ids, positions, inputs_embeds=inputs_embeds))
 
         # Only the last token of a request that has caught up with all its tokens samples.
         qsl = meta.query_start_loc_cpu

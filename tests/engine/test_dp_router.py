@@ -8,6 +8,7 @@ import time
 from pagedllm.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_events import KVEventBatch
+from pagedllm.core.multimodal import MultiModalFeature
 from pagedllm.core.request import Request
 from pagedllm.distributed.kv_events import engine_endpoint, make_event_publisher
 from pagedllm.engine.dp_router import DataParallelRouter
@@ -72,6 +73,26 @@ def test_routes_to_the_engine_whose_events_hold_the_prefix() -> None:
         # A new request with that prefix goes to engine 1 even though engine 0 is idle; another does not.
         assert router.choose("a", prompt + [7, 8, 9], None, [0, 1]) == 1
         assert router.choose("b", list(range(900, 900 + 8 * BLOCK)), None, [0, 1]) == 0
+        # Images: the router's hashes cover them as the engine's do. The same tokens with the same picture go to
+        # engine 1; with another picture only the block before the image matches, and they do not.
+        image_prompt = list(range(500, 500 + 8 * BLOCK))
+        warm = Request("warm-img", image_prompt, SamplingParams(max_tokens=1), [], 1,
+                       mm_features=[MultiModalFeature("picture-a", BLOCK, 2 * BLOCK)])
+        before = router._prefix.num_cached_blocks(1)
+        assert kv.allocate_slots(warm, len(image_prompt)) is not None
+        events = kv.take_events()
+        deadline = time.monotonic() + 10
+        while router._prefix.num_cached_blocks(1) == before:
+            assert time.monotonic() < deadline, "the router never received engine 1's image blocks"
+            publishers[1].publish(KVEventBatch(time.time(), events))
+            time.sleep(0.05)
+            router.poll_events()
+        same = Request("c", image_prompt + [7], SamplingParams(max_tokens=1), [], 1,
+                       mm_features=[MultiModalFeature("picture-a", BLOCK, 2 * BLOCK)])
+        other = Request("d", image_prompt + [7], SamplingParams(max_tokens=1), [], 1,
+                        mm_features=[MultiModalFeature("picture-b", BLOCK, 2 * BLOCK)])
+        assert router.choose("c", same.prompt_token_ids, None, [0, 1], same.block_keys) == 1
+        assert router.choose("d", other.prompt_token_ids, None, [0, 1], other.block_keys) == 0
     finally:
         for p in publishers:
             p.close()

@@ -9,7 +9,8 @@ from pagedllm.entrypoints.openai.serving_models import ServingModels
 from pagedllm.model_executor.models.registry import get_model_cls, supported_architectures
 
 EXPECTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
-            "Gemma3ForCausalLM", "GPT2LMHeadModel", "BertModel", "WhisperForConditionalGeneration"}
+            "Gemma3ForCausalLM", "GPT2LMHeadModel", "BertModel", "WhisperForConditionalGeneration",
+            "LlavaForConditionalGeneration", "Idefics3ForConditionalGeneration"}
 
 
 def test_cli_lists_every_architecture(capsys) -> None:
@@ -17,11 +18,15 @@ def test_cli_lists_every_architecture(capsys) -> None:
     listed = json.loads(capsys.readouterr().out)
     assert {a["architecture"] for a in listed} == EXPECTED
     assert next(a for a in listed if a["architecture"] == "Gemma3ForCausalLM")["formats"] == ["hf", "gguf"]
+    by_name = {a["architecture"]: a for a in listed}
+    assert by_name["LlavaForConditionalGeneration"]["inputs"] == ["text", "image"]
+    assert by_name["LlamaForCausalLM"]["inputs"] == ["text"]
     gguf_archs = {a["gguf_architecture"] for a in listed if "gguf" in a["formats"]}
     assert gguf_archs == {"llama", "qwen2", "qwen3", "phi3", "gemma3", "gpt2"}
     assert main(["models"]) == 0
     out = capsys.readouterr().out
     assert "Qwen3ForCausalLM" in out and "GGUF (qwen3)" in out and "GGUF (phi3)" in out
+    assert "text+image" in out
 
 
 def test_every_listed_architecture_has_a_class() -> None:

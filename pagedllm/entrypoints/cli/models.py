@@ -29,29 +29,30 @@ def main(args: argparse.Namespace) -> int:
         fallback = transformers_causal_lm_architectures({a.name for a in infos})
     if args.json:
         rows = [{"architecture": a.name, "family": a.family, "formats": list(a.formats),
-                 "gguf_architecture": a.gguf_arch or None, "notes": a.notes, "model_impl": "pagedllm"}
-                for a in infos]
+                 "gguf_architecture": a.gguf_arch or None, "inputs": list(a.inputs), "notes": a.notes,
+                 "model_impl": "pagedllm"} for a in infos]
         rows += [{"architecture": name, "family": model_type, "formats": ["hf"], "gguf_architecture": None,
-                  "notes": "" if ok else "no attention-interface support: cannot run",
+                  "inputs": ["text"], "notes": "" if ok else "no attention-interface support: cannot run",
                   "model_impl": "transformers" if ok else None} for name, model_type, ok in fallback]
         print(json.dumps(rows, indent=2))
         return 0
-    rows = [("ARCHITECTURE", "MODELS", "FORMATS", "NOTES")]
+    rows = [("ARCHITECTURE", "MODELS", "FORMATS", "INPUTS", "NOTES")]
     names = {"hf": "HF folder", "ct2": "CTranslate2 folder"}
-    rows += [(a.name, a.family, ", ".join(names.get(f, f"GGUF ({a.gguf_arch})") for f in a.formats), a.notes)
-             for a in infos]
+    rows += [(a.name, a.family, ", ".join(names.get(f, f"GGUF ({a.gguf_arch})") for f in a.formats),
+              "+".join(a.inputs), a.notes) for a in infos]
     _print_table(rows)
     if not fallback:
         print(f"\n{FALLBACK_NOTE}")
         return 0
     print("\nThrough the transformers fallback (--model-impl auto|transformers):")
-    _print_table([("ARCHITECTURE", "MODEL_TYPE", "RUNS", "")] +
-                 [(name, model_type, "fallback" if ok else "no (no attention-interface support)", "")
+    _print_table([("ARCHITECTURE", "MODEL_TYPE", "RUNS", "INPUTS", "")] +
+                 [(name, model_type, "fallback" if ok else "no (no attention-interface support)", "text", "")
                   for name, model_type, ok in fallback])
     return 0
 
 
-def _print_table(rows: list[tuple[str, str, str, str]]) -> None:
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+def _print_table(rows: list[tuple[str, ...]]) -> None:
+    """Columns padded to their widest cell; the last column (notes) as it is."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     for r in rows:
-        print(("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3]).rstrip())
+        print(("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1]).rstrip())

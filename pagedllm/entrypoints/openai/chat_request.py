@@ -9,7 +9,8 @@ endpoint builds prompts and parameters the same way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.entrypoints.openai.errors import OpenAIError, param_of
@@ -17,22 +18,9 @@ from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.reasoning_parsers import ReasoningParser
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser
 from pagedllm.entrypoints.openai.tools import TOOL_CHATML_TEMPLATE, ToolPlan, plan_tools, template_has_tools
+from pagedllm.multimodal.chat import load_images, parse_chat_messages
+from pagedllm.multimodal.media import MediaPolicy
 from pagedllm.sampling_params import SamplingParams
-
-
-def flatten_content(content: Any) -> str:
-    """OpenAI allows content as a string or a list of parts; we take the text parts."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-                texts.append(part["text"])
-            else:
-                raise OpenAIError("messages: only text content parts are supported", param="messages")
-        return "\n".join(texts)
-    raise OpenAIError("messages: content must be a string or a list of text parts", param="messages")
 
 
 @dataclass
@@ -45,6 +33,12 @@ class PreparedChat:
     tool_parser: ToolParser
     reasoning_parser: ReasoningParser | None
     cache_salt: str | None = None
+    # What the engine is given: the token ids, and for images the prompt text and the processed pictures.
+    prompt: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.prompt:
+            self.prompt = {"prompt_token_ids": self.token_ids}
 
 
 class ChatConverter:
@@ -60,14 +54,25 @@ class ChatConverter:
                continue_final_message: bool = False, chat_template: str | None = None,
                chat_template_kwargs: dict[str, Any] | None = None,
                tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Messages → prompt token ids via the tokenizer's chat template."""
+        """Messages → prompt token ids via the tokenizer's chat template (an image counts as its one placeholder
+        token here; ``prepare`` expands it through the model's processor)."""
+        text, _ = self.render_text(messages, add_generation_prompt, continue_final_message, chat_template,
+                                   chat_template_kwargs, tools)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def render_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, chat_template: str | None = None,
+                    chat_template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> tuple[str, list[Any]]:
+        """Messages → (the prompt text via the chat template, the image references of its content parts)."""
         if not messages:
             raise OpenAIError("messages: must not be empty", param="messages")
-        conv = []
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise OpenAIError("messages: each message needs a string 'role'", param="messages")
-            conv.append({**m, "content": flatten_content(m.get("content"))})
+        mc = self.processor.model_config
+        try:
+            conv, images = parse_chat_messages(messages, mc.is_multimodal, mc.name)
+        except ValueError as e:
+            raise OpenAIError(str(e), param="messages") from None
+        conv = [m if m.get("content") is not None else {**m, "content": ""} for m in conv]
         uses_tools = bool(tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in conv)
         if uses_tools and chat_template is None and not template_has_tools(self.tokenizer.chat_template):
             chat_template = TOOL_CHATML_TEMPLATE  # the model's template would drop the tools silently
@@ -81,16 +86,35 @@ class ChatConverter:
                 continue_final_message=continue_final_message, **extra)
         except Exception as e:  # template errors are the client's input problem
             raise OpenAIError(f"messages: could not apply the chat template: {e}", param="messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return text, images
 
-    def prepare(self, req: ChatCompletionRequest) -> PreparedChat:
-        """Prompt ids + sampling parameters + tool plan; raises OpenAIError (400) naming the field."""
+    def _multimodal_prompt(self, text: str, image_refs: list[Any]) -> dict[str, Any]:
+        """Images loaded under the server's media policy and run through the model's processor (blocking: called
+        in a worker thread) → an engine prompt with its placeholders expanded."""
+        mc = self.processor.model_config
+        images = load_images(image_refs, MediaPolicy(mc.allowed_local_media_path, mc.allowed_media_domains))
+        _, token_ids, features = self.processor.multimodal_inputs(
+            {"prompt": text, "multi_modal_data": {"image": images}}, add_special_tokens=False)
+        return {"prompt": text, "prompt_token_ids": token_ids, "mm_features": features}
+
+    async def prepare(self, req: ChatCompletionRequest) -> PreparedChat:
+        """Prompt ids (images loaded and processed off the event loop) + sampling parameters + tool plan; raises
+        OpenAIError (400) naming the field."""
         try:
             plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
         except ValueError as e:
             raise OpenAIError(str(e), param=param_of(str(e))) from None
-        token_ids = self.render(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                req.chat_template, req.chat_template_kwargs, plan.tools or None)
+        text, image_refs = self.render_text(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                            req.chat_template, req.chat_template_kwargs, plan.tools or None)
+        if image_refs:
+            try:
+                prompt = await asyncio.to_thread(self._multimodal_prompt, text, image_refs)
+            except ValueError as e:
+                raise OpenAIError(str(e), param="messages") from None
+            token_ids = prompt["prompt_token_ids"]
+        else:
+            token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+            prompt = {"prompt_token_ids": token_ids}
         max_tokens = self.check_length(len(token_ids), req.requested_max_tokens(), "messages")
         try:
             params = req.to_sampling_params(max_tokens)
@@ -103,7 +127,8 @@ class ChatConverter:
             self.processor.validate_params(params, len(token_ids))
         except ValueError as e:
             raise OpenAIError(str(e), param=param_of(str(e))) from None
-        return PreparedChat(token_ids, params, plan, self.tool_parser, self.reasoning_parser, req.cache_salt)
+        return PreparedChat(token_ids, params, plan, self.tool_parser, self.reasoning_parser, req.cache_salt,
+                            prompt)
 
     def _reasoning_gate(self, req: ChatCompletionRequest, params: SamplingParams) -> Any:
         """The engine follows the thinking only where it must: a grammar waits for the answer, or a budget."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -62,15 +63,15 @@ class ServingChat(OpenAIServing):
         """Messages → prompt token ids via the tokenizer's chat template (``/tokenize``)."""
         return self.converter.render(messages, add_generation_prompt)
 
-    def prepare(self, req: ChatCompletionRequest) -> PreparedChat:
-        return self.converter.prepare(req)
+    async def prepare(self, req: ChatCompletionRequest) -> PreparedChat:
+        return await self.converter.prepare(req)
 
     async def start(self, prepared: PreparedChat, request_id: str, stream: bool) -> AsyncIterator[RequestOutput]:
         """Submit to the engine; the outputs, the first awaited here so that a refused request is a 400.
         Closing the iterator aborts the request (its KV blocks are freed)."""
         kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
-        merged = merge_streams([self.engine.generate({"prompt_token_ids": prepared.token_ids}, prepared.params,
-                                                     request_id, kind=kind, cache_salt=prepared.cache_salt)])
+        merged = merge_streams([self.engine.generate(prepared.prompt, prepared.params, request_id, kind=kind,
+                                                     cache_salt=prepared.cache_salt)])
         try:
             first = await merged.__anext__()
         except ValueError as e:
@@ -89,7 +90,7 @@ class ServingChat(OpenAIServing):
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request):
         model = self.models.check(req.model)
-        prepared = self.prepare(req)
+        prepared = await self.prepare(req)
         request_id = self.make_id("chatcmpl")
         created = int(time.time())
         if req.stream:

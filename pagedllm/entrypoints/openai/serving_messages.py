@@ -50,13 +50,13 @@ class ServingMessages:
     def __init__(self, chat: ServingChat) -> None:
         self.chat = chat
 
-    def _prepare(self, req: MessagesCountRequest) -> PreparedChat:
+    async def _prepare(self, req: MessagesCountRequest) -> PreparedChat:
         self.chat.models.check(req.model)
         try:
             chat_req = to_chat_request(req)
         except ValueError as e:
             raise OpenAIError(str(e), param=param_of(str(e))) from None
-        return self.chat.prepare(chat_req)
+        return await self.chat.prepare(chat_req)
 
     async def count_tokens(self, req: MessagesCountRequest) -> JSONResponse:
         """The prompt's length as ``create`` would build it (no generation)."""
@@ -72,7 +72,7 @@ class ServingMessages:
         if req.max_tokens < 1:
             raise OpenAIError("max_tokens: must be at least 1", param="max_tokens")
         model = self.chat.models.check(req.model)
-        prepared = self._prepare(req)
+        prepared = await self._prepare(req)
         message_id = f"msg_{random_uuid().replace('-', '')}"
         if req.stream:
             outputs = await self.chat.start(prepared, message_id, stream=True)

@@ -247,7 +247,7 @@ class ServingResponses:
             chat_req = to_chat_request(req, earlier + input_items)
         except ValueError as e:
             raise OpenAIError(str(e), param=param_of(str(e))) from None
-        prepared = self.chat.prepare(chat_req)
+        prepared = await self.chat.prepare(chat_req)
         shell = ResponseShell(req, model, _new_id("resp"))
         response_id = shell.body["id"]
         context = earlier + input_items

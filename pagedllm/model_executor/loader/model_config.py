@@ -107,8 +107,10 @@ def resolve_model_config(mc: ModelConfig) -> ModelConfig:
 
         check_fallback_settings(mc.architecture, mc.quantization, hf_config)
     mc.hf_config = hf_config
-    mc.vocab_size = int(hf_config.vocab_size)
-    mc.eos_token_ids = _eos_ids(source.folder, hf_config, gguf_metadata)
+    # A vision-language model's vocabulary, length and stop ids are its text model's.
+    text_config = hf_config.text_config if hasattr(hf_config, "vision_config") else hf_config
+    mc.vocab_size = int(text_config.vocab_size)
+    mc.eos_token_ids = _eos_ids(source.folder, text_config, gguf_metadata)
     from pagedllm.model_executor.layers.quantization import default_gguf_quantization, get_quantization_config
 
     # The defaults follow the device the model runs on, not whether this host has a GPU (--device cpu on one).
@@ -128,7 +130,7 @@ def resolve_model_config(mc: ModelConfig) -> ModelConfig:
     mc.dtype = resolve_dtype(mc.dtype, "cuda" if on_cuda else "cpu")
     st_max_len = _resolve_runner(mc, None if mc.gguf_file else source.folder)
 
-    model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
+    model_max = int(getattr(text_config, "max_position_embeddings", 0) or 0)
     if mc.is_encoder_decoder:
         from pagedllm.model_executor.loader.whisper_config import finish_whisper_config
 
@@ -158,11 +160,13 @@ def _resolve_runner(mc: ModelConfig, folder: str | None) -> int | None:
 
         mc.is_encoder_only = is_fallback_encoder(mc.hf_config, mc.architecture)
         mc.is_encoder_decoder = False
+        mc.is_multimodal = False
         default_pooling_type = "CLS" if mc.is_encoder_only else "LAST"
     else:
         model_cls = get_model_cls([mc.architecture])
         mc.is_encoder_only = bool(getattr(model_cls, "is_encoder_only", False))
         mc.is_encoder_decoder = bool(getattr(model_cls, "is_encoder_decoder", False))
+        mc.is_multimodal = bool(getattr(model_cls, "supports_multimodal", False))
         default_pooling_type = getattr(model_cls, "default_pooling_type", "LAST")
     mc.runner = resolve_runner(mc.runner, mc.is_encoder_only, folder, mc.architecture)
     if not mc.is_pooling:

@@ -71,10 +71,13 @@ class LlamaModel(DirectCall, nn.Module):
         theta, scaling = rope_settings(cfg)
         self.rotary_emb = RotaryEmbedding(head_dim_of(cfg), cfg.max_position_embeddings, theta, scaling, dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions [T] -> hidden [T, hidden] after the final norm. ``num_layers``: run only the
-        first that many decoder layers (layer-skip drafting, ``spec_decode/model_drafter.py``); None: all."""
-        x = self.embed_tokens(input_ids)
+        first that many decoder layers (layer-skip drafting, ``spec_decode/model_drafter.py``); None: all.
+        ``inputs_embeds`` [T, hidden]: the step's input embeddings instead of ``input_ids``'s (a VLM's, with image
+        rows merged in)."""
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         rope = RopeStep(self.rotary_emb, positions)  # once per step, shared by all layers
         residual = None
         for layer in self.layers if num_layers is None else islice(self.layers, num_layers):

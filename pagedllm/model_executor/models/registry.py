@@ -17,6 +17,7 @@ class ArchitectureInfo:
     formats: tuple[str, ...]  # "hf" (safetensors folder), "gguf", "ct2" (a CTranslate2 folder)
     notes: str = ""
     gguf_arch: str = ""  # the GGUF file's general.architecture, where "gguf" is a format
+    inputs: tuple[str, ...] = ("text",)  # what its prompts may carry: text, image, audio
 
 
 _ARCHITECTURES = [
@@ -36,9 +37,18 @@ _ARCHITECTURES = [
                      "learned positions, Conv1D weights", gguf_arch="gpt2"),
     ArchitectureInfo("WhisperForConditionalGeneration", "whisper", "WhisperForConditionalGeneration",
                      "Whisper (speech to text)", ("hf", "ct2"),
-                     "encoder-decoder: audio_features prompts, a cross-attention KV cache group"),
+                     "encoder-decoder: audio_features prompts, a cross-attention KV cache group",
+                     inputs=("audio", "text")),
     ArchitectureInfo("BertModel", "bert", "BertModel", "BERT encoders (all-MiniLM-L6-v2, ...)", ("hf",),
                      "encoder-only: pooling runner (embeddings)"),
+    ArchitectureInfo("LlavaForConditionalGeneration", "llava", "LlavaForConditionalGeneration",
+                     "LLaVA 1.5 (CLIP vision tower + projector; Llama / Mistral / Qwen2 text)", ("hf",),
+                     "images expanded to placeholder tokens; encoder cache keyed by image content",
+                     inputs=("text", "image")),
+    ArchitectureInfo("Idefics3ForConditionalGeneration", "idefics3", "Idefics3ForConditionalGeneration",
+                     "Idefics3, SmolVLM (SigLIP tiles + pixel shuffle; SmolLM2 / Llama text)", ("hf",),
+                     "image splitting into tiles by the HF processor; encoder cache keyed by image content",
+                     inputs=("text", "image")),
 ]
 _BY_NAME = {a.name: a for a in _ARCHITECTURES}
 
@@ -54,6 +64,12 @@ def architecture_formats() -> dict[str, list[str]]:
 
 def architecture_infos() -> list[ArchitectureInfo]:
     return list(_ARCHITECTURES)
+
+
+def architecture_inputs(name: str) -> tuple[str, ...]:
+    """The inputs an architecture's prompts may carry (("text",) for an unknown one)."""
+    info = _BY_NAME.get(name)
+    return info.inputs if info is not None else ("text",)
 
 
 def get_model_cls(architectures: list[str]) -> type:

@@ -44,6 +44,7 @@ export class ChatPane {
     this.getModel = getModel;
     this.announce = announce; // short status messages for screen readers
     this.history = []; // [{role, content}] of the conversation so far (chat mode)
+    this.image = null; // the attached image as a data: URL, sent with the next chat message
     this.controller = null;
     this.transcript = $("transcript");
     $("composer").addEventListener("submit", (e) => {
@@ -55,6 +56,15 @@ export class ChatPane {
       if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
         e.preventDefault();
         this.send();
+      }
+    });
+    $("image-file").addEventListener("change", () => this.attachImage($("image-file").files[0]));
+    $("image-clear").addEventListener("click", () => this.clearImage());
+    $("message").addEventListener("paste", (e) => {
+      const item = [...(e.clipboardData ? e.clipboardData.items : [])].find((i) => i.type.startsWith("image/"));
+      if (item) {
+        e.preventDefault();
+        this.attachImage(item.getAsFile());
       }
     });
     $("stop").addEventListener("click", () => this.stop());
@@ -82,6 +92,7 @@ export class ChatPane {
   clear() {
     if (this.controller) this.stop();
     this.history = [];
+    this.clearImage();
     this.transcript.replaceChildren();
     this.announce("Started a new chat.");
     $("message").focus();
@@ -116,6 +127,34 @@ export class ChatPane {
     return article;
   }
 
+  attachImage(file) {
+    if (!file) return;
+    const reader = new FileReader();
+    reader.onload = () => {
+      this.image = reader.result;
+      $("image-preview").src = this.image;
+      $("image-preview").hidden = false;
+      $("image-clear").hidden = false;
+      this.announce("Image attached.");
+    };
+    reader.onerror = () => this.showError("The image could not be read.");
+    reader.readAsDataURL(file);
+  }
+
+  clearImage() {
+    this.image = null;
+    $("image-file").value = "";
+    $("image-preview").removeAttribute("src");
+    $("image-preview").hidden = true;
+    $("image-clear").hidden = true;
+  }
+
+  /** The user turn's content: the text, or OpenAI content parts with the attached image. */
+  userContent(text) {
+    if (!this.image) return text;
+    return [{ type: "text", text }, { type: "image_url", image_url: { url: this.image } }];
+  }
+
   buildBody(text) {
     const body = { model: this.getModel(), stream: true, stream_options: { include_usage: true } };
     const temperature = numberField("temperature", "Temperature", { min: 0, max: 2 });
@@ -131,8 +170,9 @@ export class ChatPane {
       }
       const system = $("system").value.trim();
       body.messages = [...(system ? [{ role: "system", content: system }] : []), ...this.history,
-                       { role: "user", content: text }];
+                       { role: "user", content: this.userContent(text) }];
     } else {
+      if (this.image) throw new Error("Images are sent in chat mode.");
       body.prompt = text;
     }
     const extra = jsonField("extra-body", "Extra request fields");
@@ -162,9 +202,17 @@ export class ChatPane {
       return;
     }
     $("form-error").textContent = "";
+    const sentContent = chat ? this.userContent(text) : text;
     if (chat) {
       const user = this.addMessage("user", "You");
       user.querySelector(".content").append(renderMarkdown(text));
+      if (this.image) {
+        const img = document.createElement("img");
+        img.className = "attached";
+        img.alt = "Attached image";
+        img.src = this.image;
+        user.querySelector(".content").append(img);
+      }
     }
     const answer = this.addMessage("assistant", chat ? "Assistant" : "Completion");
     const content = answer.querySelector(".content");
@@ -254,7 +302,8 @@ export class ChatPane {
         answer.querySelector(".content").append(err);
       }
       if (chat && !failed) {
-        this.history.push({ role: "user", content: text }, { role: "assistant", content: output });
+        this.history.push({ role: "user", content: sentContent }, { role: "assistant", content: output });
+        this.clearImage();
       } else if (chat && failed) {
         input.value = text; // nothing was answered: give the message back for another try
       }

@@ -1,0 +1,132 @@
+"""The CLIP vision transformer (LLaVA's vision tower) in pagedllm's layers.
+
+    pixels [n, 3, H, W] -> patch conv (no bias) -> [CLS] + patches + learned positions -> LN (pre)
+        -> [ LN -> self-attention (bidirectional, per image) -> + -> LN -> MLP -> + ] x L
+
+Attention is the shared ``Attention`` layer on its encoder path (``AttentionSpec.encoder()``: no KV cache, each image
+one sequence), the path BERT and Whisper's encoder take, with metadata built here for the batch of images. Only
+the layers a VLM reads run (``num_layers``: LLaVA takes the second-to-last layer's output by default), and the
+post-LayerNorm, which no LLaVA reads, is not built. Names follow transformers' ``CLIPVisionModel`` under
+``vision_tower.`` except the fused q/k/v projection and ``o_proj``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.attention.metadata import build_attention_metadata
+from pagedllm.attention.spec import AttentionSpec
+from pagedllm.model_executor.layers.attention import attention_step, step_readers
+from pagedllm.model_executor.layers.direct_call import DirectCall
+from pagedllm.model_executor.layers.layernorm import LayerNorm
+from pagedllm.model_executor.models.blocks import RotaryAttention, make_linear
+
+# Vision layers keep no KV cache; their layer_idx sits past every cached layer's (and Whisper's encoder's).
+VISION_LAYER_IDX_BASE = 1 << 17
+
+
+def vision_activation(name: str) -> Any:
+    """The vision MLP's activation by its config name."""
+    if name == "quick_gelu":
+        return lambda x: x * torch.sigmoid(1.702 * x)
+    if name == "gelu":
+        return F.gelu
+    if name in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
+        return lambda x: F.gelu(x, approximate="tanh")
+    raise ValueError(f"vision hidden_act {name!r} is not supported (quick_gelu, gelu, gelu_pytorch_tanh)")
+
+
+def layers_for_feature_layer(feature_layer: int, num_hidden_layers: int) -> int:
+    """Encoder layers to run so that the last output is transformers' ``hidden_states[feature_layer]`` (index 0
+    is the embeddings after the pre-LayerNorm)."""
+    count = feature_layer if feature_layer >= 0 else num_hidden_layers + 1 + feature_layer
+    if not 0 <= count <= num_hidden_layers:
+        raise ValueError(f"vision_feature_layer {feature_layer} is outside the vision tower's "
+                         f"{num_hidden_layers} layers")
+    return count
+
+
+class VisionMLP(DirectCall, nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act: str, dtype: torch.dtype, prefix: str) -> None:
+        super().__init__()
+        self.fc1 = make_linear(hidden, intermediate, bias=True, dtype=dtype, prefix=f"{prefix}.fc1")
+        self.fc2 = make_linear(intermediate, hidden, bias=True, dtype=dtype, prefix=f"{prefix}.fc2")
+        self.act = vision_activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]."""
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class VisionEncoderLayer(DirectCall, nn.Module):
+    """A pre-norm ViT layer as CLIP and SigLIP have it (their parameter names)."""
+
+    def __init__(self, cfg: Any, i: int, dtype: torch.dtype, prefix: str = "vision_tower.encoder.layers") -> None:
+        super().__init__()
+        d, heads = cfg.hidden_size, cfg.num_attention_heads
+        prefix = f"{prefix}.{i}"
+        self.layer_norm1 = LayerNorm(d, cfg.layer_norm_eps, dtype)
+        self.self_attn = RotaryAttention(d, heads, heads, d // heads, layer_idx=VISION_LAYER_IDX_BASE + i,
+                                         dtype=dtype, spec=AttentionSpec.encoder(), qkv_bias=True, o_bias=True,
+                                         prefix=f"{prefix}.self_attn")
+        self.layer_norm2 = LayerNorm(d, cfg.layer_norm_eps, dtype)
+        self.mlp = VisionMLP(d, cfg.intermediate_size, cfg.hidden_act, dtype, f"{prefix}.mlp")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, d] (all images' tokens, flat) -> [T, d]."""
+        x = x + self.self_attn(self.layer_norm1(x), None)
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class CLIPVisionEmbeddings(DirectCall, nn.Module):
+    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.patch_size = int(cfg.patch_size)
+        self.num_patches = (int(cfg.image_size) // self.patch_size) ** 2
+        self.class_embedding = nn.Parameter(torch.empty(d, dtype=dtype))
+        self.patch_embedding = nn.Conv2d(cfg.num_channels, d, self.patch_size, stride=self.patch_size, bias=False,
+                                         dtype=dtype)
+        self.position_embedding = nn.Embedding(self.num_patches + 1, d, dtype=dtype)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels: [n, C, H, W] (H = W = the config's image_size) -> [n, 1 + patches, d]."""
+        patches = self.patch_embedding(pixels).flatten(2).transpose(1, 2)  # [n, P, d]
+        if patches.shape[1] != self.num_patches:
+            raise ValueError(f"image: {tuple(pixels.shape[2:])} pixels give {patches.shape[1]} patches; the vision "
+                             f"tower takes {self.num_patches} (its image processor's size)")
+        cls = self.class_embedding.expand(patches.shape[0], 1, -1)
+        return torch.cat([cls, patches], dim=1) + self.position_embedding.weight
+
+
+class CLIPVisionTower(DirectCall, nn.Module):
+    """``num_layers``: encoder layers built and run (see ``layers_for_feature_layer``)."""
+
+    def __init__(self, cfg: Any, num_layers: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embeddings = CLIPVisionEmbeddings(cfg, dtype)
+        self.pre_layrnorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype)  # transformers' spelling
+        self.layers = nn.ModuleList(VisionEncoderLayer(cfg, i, dtype) for i in range(num_layers))
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels: [n, C, H, W] -> hidden states [n, 1 + patches, d] of the last layer built."""
+        x = self.embeddings(pixels)
+        n, seq, d = x.shape
+        x = self.pre_layrnorm(x.reshape(n * seq, d))
+        return run_vision_layers(self, self.layers, x, n, seq).view(n, seq, d)
+
+
+def run_vision_layers(tower: nn.Module, layers: nn.ModuleList, x: torch.Tensor, n: int, seq: int) -> torch.Tensor:
+    """x: [n * seq, d], n images (tiles) of ``seq`` patches each -> [n * seq, d] after ``layers``, each image one
+    bidirectional sequence on the encoder attention path (metadata built here, as Whisper's encoder does)."""
+    lens = [seq] * n
+    meta = build_attention_metadata(lens, lens, np.zeros((n, 1), dtype=np.int32), 1, x.device)
+    with attention_step(meta, step_readers(tower)):
+        for layer in layers:
+            x = layer(x)
+    return x

@@ -1,0 +1,137 @@
+"""Idefics3 / SmolVLM: a SigLIP-style vision tower over image tiles, pixel shuffle, one projection, and a Llama-shaped
+decoder (SmolLM2 in SmolVLM).
+
+    image -> the processor's tiles (a grid of crops + the whole picture, each max_image_size square)
+          -> vision tower per tile (patch conv, learned positions, [ LN -> attention -> + -> LN -> MLP -> + ] x L,
+             post-LN) -> pixel shuffle (s x s neighbouring patches into one vector) -> linear -> image_seq_len
+             embeddings per tile
+    prompt: per tile <fake_token_around_image> <row_r_col_c> <image> x image_seq_len ..., the whole picture last
+            (<global-img>); the <image> rows take the tiles' embeddings in order, the tags stay text
+
+The processor does the splitting, resizing and tags; an image's feature spans its first to its last <image> token
+with an embed mask over the tags (``core/multimodal.py``). Tiles the processor padded a batch with (all zeros) are
+dropped, as transformers drops them. Tiles are whole squares when the processor splits images (SmolVLM's default);
+a partly padded tile (splitting off) is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedllm.model_executor.layers.direct_call import DirectCall
+from pagedllm.model_executor.layers.layernorm import LayerNorm
+from pagedllm.model_executor.models.base import CausalLM
+from pagedllm.model_executor.models.blocks import make_linear
+from pagedllm.model_executor.models.clip_vision import VisionEncoderLayer, run_vision_layers
+from pagedllm.model_executor.models.llama import LlamaForCausalLM, LlamaModel
+from pagedllm.model_executor.models.weight_loading import STACKED_QKV_GATE_UP, WeightMapping
+
+_PREFIXES = (("model.text_model.", "model."), ("model.vision_model.", "vision_model."),
+             ("model.connector.", "connector."), ("vision_model.encoder.layers.", "vision_model.layers."),
+             ("vision_model.embeddings.", "vision_model."))
+
+
+class Idefics3VisionTower(DirectCall, nn.Module):
+    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.patch_size = int(cfg.patch_size)
+        self.num_patches = (int(cfg.image_size) // self.patch_size) ** 2
+        self.patch_embedding = nn.Conv2d(cfg.num_channels, d, self.patch_size, stride=self.patch_size, dtype=dtype)
+        self.position_embedding = nn.Embedding(self.num_patches, d, dtype=dtype)
+        self.layers = nn.ModuleList(VisionEncoderLayer(cfg, i, dtype, "vision_model.encoder.layers")
+                                    for i in range(cfg.num_hidden_layers))
+        self.post_layernorm = LayerNorm(d, cfg.layer_norm_eps, dtype)
+
+    def forward(self, tiles: torch.Tensor) -> torch.Tensor:
+        """tiles: [n, C, S, S] (S = the config's image_size) -> [n, patches, d]."""
+        x = self.patch_embedding(tiles).flatten(2).transpose(1, 2)
+        n, seq, d = x.shape
+        if seq != self.num_patches:
+            raise ValueError(f"image: a {tuple(tiles.shape[2:])} tile gives {seq} patches; the vision tower takes "
+                             f"{self.num_patches} (its processor's max_image_size)")
+        x = (x + self.position_embedding.weight).reshape(n * seq, d).contiguous()  # one tile: still transposed
+        x = run_vision_layers(self, self.layers, x, n, seq)
+        return self.post_layernorm(x).view(n, seq, d)
+
+
+class Idefics3Connector(nn.Module):
+    def __init__(self, vision_hidden: int, text_hidden: int, scale_factor: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.scale_factor = scale_factor
+        self.modality_projection = nn.Module()
+        self.modality_projection.proj = make_linear(vision_hidden * scale_factor ** 2, text_hidden, bias=False,
+                                                    dtype=dtype, prefix="connector.modality_projection.proj")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [n, patches, d] -> [n, patches / s^2, text hidden]: each s x s block of neighbouring patches becomes
+        one vector (transformers' pixel shuffle order), then projected."""
+        n, seq, d = x.shape
+        s, side = self.scale_factor, int(seq ** 0.5)
+        x = x.view(n, side, side // s, d * s).permute(0, 2, 1, 3)
+        x = x.reshape(n, side // s, side // s, d * s * s).permute(0, 2, 1, 3).reshape(n, seq // (s * s), d * s * s)
+        return self.modality_projection.proj(x.reshape(-1, d * s * s)).view(n, seq // (s * s), -1)
+
+
+class Idefics3ForConditionalGeneration(CausalLM):
+    """``forward(input_ids, positions, inputs_embeds=None)`` is the decoder step; ``embed_images`` the vision part."""
+
+    supports_multimodal = True
+    weight_mapping = WeightMapping(stacked=STACKED_QKV_GATE_UP, renames=(("self_attn.out_proj.", "self_attn.o_proj."),),
+                                   skip=("rotary_emb.inv_freq",))
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, quant_config: Any = None) -> None:
+        super().__init__()
+        text, vision = hf_config.text_config, hf_config.vision_config
+        if text.model_type not in ("llama",):
+            raise ValueError(f"Idefics3: text model type {text.model_type!r} is not supported (llama)")
+        self.image_token_id = int(hf_config.image_token_id)
+        self.vision_model = Idefics3VisionTower(vision, dtype)
+        self.connector = Idefics3Connector(vision.hidden_size, text.hidden_size, int(hf_config.scale_factor), dtype)
+        self.model = LlamaModel(text, LlamaForCausalLM, dtype, quant_config)
+        # transformers ties the head by the top-level flag, not the text model's.
+        text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self._init_head(text, dtype, quant_config)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, inputs_embeds=inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    @torch.inference_mode()
+    def embed_images(self, images: list[dict[str, np.ndarray]]) -> list[torch.Tensor]:
+        """Each image's processor output ({"pixel_values": [1, tiles, C, S, S], "pixel_attention_mask": [1, tiles,
+        S, S]}) -> its embeddings [real tiles * image_seq_len, text hidden], tiles in the prompt's order."""
+        device = self.embedding().weight.device
+        tiles, counts = [], []
+        for image in images:
+            pixels = torch.as_tensor(np.asarray(image["pixel_values"]))[0]  # [tiles, C, S, S]
+            real = pixels.flatten(1).ne(0).any(dim=1)  # all-zero tiles pad a batch of images
+            mask = image.get("pixel_attention_mask")
+            if mask is not None and not bool(torch.as_tensor(np.asarray(mask))[0][real].all()):
+                raise ValueError("image: a partly padded tile is not supported (keep the processor's image splitting)")
+            tiles.append(pixels[real])
+            counts.append(int(real.sum()))
+        states = self.vision_model(torch.cat(tiles).to(device=device, dtype=self.dtype))
+        embeds = self.connector(states)  # [tiles, image_seq_len, hidden]
+        return [e.reshape(-1, e.shape[-1]) for e in embeds.split(counts)]
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(self._our_names(weights))
+
+    @staticmethod
+    def _our_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            for old, new in _PREFIXES:
+                if name.startswith(old):
+                    name = new + name[len(old):]
+            yield name, tensor

@@ -1,0 +1,26 @@
+"""A vision-language model under tensor parallelism (mp executor, 2 ranks): the images reach every rank with the
+step, the vision tower's attention splits its heads like the decoder's, and greedy output equals transformers."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers.vlm_helpers import hf_generate, make_tiny_llava, random_image
+
+pytestmark = pytest.mark.slow  # two rank processes
+
+
+def test_tp2_llava_equals_transformers(tmp_path) -> None:
+    from pagedllm import LLM, SamplingParams
+
+    path, hf, processor = make_tiny_llava(tmp_path / "llava")
+    text = "t5 t9 <image> t7 t33"
+    images = [random_image(1), random_image(2)]
+    llm = LLM(path, tensor_parallel_size=2, kv_cache_memory="16MiB", max_model_len=128, dtype="float32")
+    try:
+        outs = llm.generate([{"prompt": text, "multi_modal_data": {"image": image}} for image in images],
+                            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.engine.core.close()
+    assert [list(o.outputs[0].token_ids) for o in outs] == [hf_generate(hf, processor, text, [image], 8)
+                                                            for image in images]

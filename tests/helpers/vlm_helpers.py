@@ -1,0 +1,151 @@
+"""Tiny random-weight LLaVA models with their processors (saved as HF folders the engine loads), test images,
+and transformers' greedy output as the reference."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+TEXT_VOCAB = 256  # word tokens t0 .. t255; the image token is the next id
+IMAGE_TOKEN_ID = TEXT_VOCAB
+IMAGE_SIZE, PATCH = 32, 8  # 16 patches: 16 image tokens a picture
+IMAGE_TOKENS = (IMAGE_SIZE // PATCH) ** 2
+# Content parts: text parts as they are, an image as <image>; roles are dropped (a word-level vocabulary).
+CHAT_TEMPLATE = ("{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }} {% else %}"
+                 "{% for c in m['content'] %}{% if c['type'] == 'image' %}<image> {% else %}{{ c['text'] }} "
+                 "{% endif %}{% endfor %}{% endif %}{% endfor %}")
+
+
+def _tokenizer() -> Any:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {**{f"t{i}": i for i in range(TEXT_VOCAB)}, "<image>": IMAGE_TOKEN_ID}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0", bos_token="t1", eos_token="t2",
+                                   pad_token="t0", extra_special_tokens={"image_token": "<image>"})
+
+
+def tiny_llava_config(**text_overrides: Any) -> Any:
+    import transformers as tf
+
+    vision = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                 image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=32)
+    text = tf.LlamaConfig(**{**dict(vocab_size=TEXT_VOCAB + 8, hidden_size=64, intermediate_size=128,
+                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                    max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                    tie_word_embeddings=False), **text_overrides})
+    return tf.LlavaConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN_ID,
+                          architectures=["LlavaForConditionalGeneration"])
+
+
+def make_tiny_llava(path: str | os.PathLike, seed: int = 0) -> tuple[str, Any, Any]:
+    """Save a random tiny LLaVA (weights at std 0.08, so images and tokens move the logits) and its processor
+    to ``path``; returns (path, transformers model, processor)."""
+    import transformers as tf
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    torch.manual_seed(seed)
+    model = tf.LlavaForConditionalGeneration(tiny_llava_config()).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+            elif "norm" in name:
+                p.normal_(1.0, 0.1)
+            else:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(str(path))
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": IMAGE_SIZE},
+                                            crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    processor = tf.LlavaProcessor(image_processor=image_processor, tokenizer=_tokenizer(), patch_size=PATCH,
+                                  vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                  chat_template=CHAT_TEMPLATE)
+    processor.save_pretrained(str(path))
+    processor.tokenizer.save_pretrained(str(path))
+    return str(path), model, processor
+
+
+def random_image(seed: int, size: tuple[int, int] = (40, 48)) -> Any:
+    """A random RGB picture (PIL), different for each seed."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), "RGB")
+
+
+def png_data_url(image: Any) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def hf_generate(model: Any, processor: Any, text: str, images: list | None, max_new_tokens: int) -> list[int]:
+    """transformers' greedy ``generate`` on the processor's inputs; the new token ids."""
+    inputs = processor(text=text, images=images or None, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+# ---- Idefics3 / SmolVLM ----------------------------------------------------------------------------------------
+IDEFICS_TILE, IDEFICS_PATCH, IDEFICS_SCALE = 32, 8, 2  # (32/8)^2 / 2^2 = 4 image tokens a tile
+IDEFICS_TAGS = ["<fake_token_around_image>", "<global-img>", "<end_of_utterance>",
+                *[f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]]
+
+
+def _idefics_tokenizer() -> Any:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(TEXT_VOCAB)}
+    for token in ["<image>", *IDEFICS_TAGS]:
+        vocab[token] = len(vocab)
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0", bos_token="t1", eos_token="t2",
+                                  pad_token="t0")
+    tok.add_special_tokens({"additional_special_tokens": ["<image>", *IDEFICS_TAGS]})  # split out of any word
+    return tok
+
+
+def make_tiny_idefics3(path: str | os.PathLike, seed: int = 0) -> tuple[str, Any, Any]:
+    """Save a random tiny Idefics3 (SmolVLM's design: SigLIP tiles, pixel shuffle, Llama text) and its processor
+    (image splitting on: a 40 x 48 picture becomes 2 x 2 tiles + the whole, 20 image tokens)."""
+    import transformers as tf
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tokenizer = _idefics_tokenizer()
+    vision = tf.Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, image_size=IDEFICS_TILE, patch_size=IDEFICS_PATCH)
+    text = tf.LlamaConfig(vocab_size=len(tokenizer) + 4, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
+                          eos_token_id=2, pad_token_id=0)
+    config = tf.Idefics3Config(vision_config=vision, text_config=text, scale_factor=IDEFICS_SCALE,
+                               image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+                               architectures=["Idefics3ForConditionalGeneration"])
+    torch.manual_seed(seed)
+    model = tf.Idefics3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+            elif "norm" in name:
+                p.normal_(1.0, 0.1)
+            else:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(str(path))
+    image_processor = Idefics3ImageProcessorPil(size={"longest_edge": 2 * IDEFICS_TILE},
+                                                max_image_size={"longest_edge": IDEFICS_TILE}, do_image_splitting=True)
+    seq_len = (IDEFICS_TILE // IDEFICS_PATCH) ** 2 // IDEFICS_SCALE ** 2
+    processor = tf.Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=seq_len,
+                                     chat_template=CHAT_TEMPLATE)
+    processor.save_pretrained(str(path))
+    processor.tokenizer.save_pretrained(str(path))
+    return str(path), model, processor
