@@ -1,7 +1,9 @@
 """Chained block hashes of the prefix cache: the one place that decides how a block's hash is computed.
 
-A full block's hash covers its parent's hash value, its token ids and its extra keys (the cache salt, first
-block only), so equal values mean equal prefixes (hits are still verified against the stored tokens).
+A full block's hash covers its parent's hash value, its token ids and its extra keys, so equal values mean equal
+prefixes (hits are still verified against the stored tokens). The extra keys are the cache salt (first block only)
+and whatever the request adds per block through an ``ExtraKeysFn`` (a LoRA adapter's content digest on its first
+block, say): later blocks inherit a first block's keys through the chain.
 Two algorithms (``--prefix-caching-hash-algo``, vLLM's flag):
 
 - ``builtin``: Python's ``hash()`` of a tuple. Fast, but a salted ``str`` hash makes values differ between
@@ -19,11 +21,14 @@ from __future__ import annotations
 import hashlib
 import random
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 HASH_ALGOS = ("builtin", "sha256")
 _MASK64 = (1 << 64) - 1
+# A request's own keys for block ``index`` covering tokens [start, end): ``(index, start, end) -> tuple`` of str,
+# bytes or int (``Request.block_extra_keys``).
+ExtraKeysFn = Callable[[int, int, int], tuple]
 
 
 @dataclass(frozen=True)
@@ -60,10 +65,14 @@ def root_hash_value(seed: int | None, algo: str) -> int:
     return _digest64(b"pagedllm-root:" + str(seed).encode())
 
 
-def block_extra_keys(block_index: int, cache_salt: str | None) -> tuple:
-    """Extra keys of block ``block_index``: only the first carries the salt; later blocks inherit it through
-    the chain."""
-    return (cache_salt,) if cache_salt and block_index == 0 else ()
+def block_extra_keys(block_index: int, cache_salt: str | None, block_size: int = 0,
+                     extra_keys: ExtraKeysFn | None = None) -> tuple:
+    """Extra keys of block ``block_index``: only the first carries the salt (later blocks inherit it through the
+    chain), then the request's own keys for the block (``extra_keys``)."""
+    keys = (cache_salt,) if cache_salt and block_index == 0 else ()
+    if extra_keys is not None:
+        keys += extra_keys(block_index, block_index * block_size, (block_index + 1) * block_size)
+    return keys
 
 
 def block_hash_value(parent_value: int, token_ids: tuple[int, ...], extra_keys: tuple, algo: str) -> int:
@@ -86,7 +95,8 @@ def hash_block(parent_value: int, token_ids: tuple[int, ...], extra_keys: tuple 
 
 
 def extend_block_hashes(block_hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
-                        root_value: int, algo: str, cache_salt: str | None) -> None:
+                        root_value: int, algo: str, cache_salt: str | None,
+                        extra_keys: ExtraKeysFn | None = None) -> None:
     """Append the hash of every full block of ``token_ids`` past the ``len(block_hashes)`` already there.
 
     Incremental, so the KV cache manager hashes each block of a growing request once.
@@ -95,17 +105,17 @@ def extend_block_hashes(block_hashes: list[BlockHash], token_ids: Sequence[int],
         i = len(block_hashes)
         parent = root_value if i == 0 else block_hashes[i - 1].value
         block_hashes.append(hash_block(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]),
-                                       block_extra_keys(i, cache_salt), algo))
+                                       block_extra_keys(i, cache_salt, block_size, extra_keys), algo))
 
 
 def compute_block_hash_values(token_ids: list[int], block_size: int, root_value: int, algo: str,
-                              cache_salt: str | None) -> list[int]:
+                              cache_salt: str | None, extra_keys: ExtraKeysFn | None = None) -> list[int]:
     """The chained hash values of a prompt's full blocks, exactly as the KV cache manager computes them.
 
     A router reproduces an engine's values with the engine's root (``root_hash_value(seed, "sha256")``).
     """
     hashes: list[BlockHash] = []
-    extend_block_hashes(hashes, token_ids, block_size, root_value, algo, cache_salt)
+    extend_block_hashes(hashes, token_ids, block_size, root_value, algo, cache_salt, extra_keys)
     return [h.value for h in hashes]
 
 

@@ -86,7 +86,7 @@ class KVCacheManager:
         # Checked here first: most calls (decode steps) have no newly filled block.
         if (len(request.block_hashes) + 1) * self.block_size <= request.num_tokens:
             extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, self.root_hash,
-                                self.hash_algo, request.cache_salt)
+                                self.hash_algo, request.cache_salt, request.block_extra_keys)
 
     def get_computed_blocks(self, request: Request) -> tuple[GroupBlocks, int]:
         """Cached full blocks a new request may start from (one list per group), and the tokens they cover.

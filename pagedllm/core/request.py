@@ -50,7 +50,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: list[int], max_tokens: int, arrival_time: float | None = None,
                  cache_salt: str | None = None, pooling_params: PoolingParams | None = None,
-                 encoder_input: Any = None) -> None:
+                 encoder_input: Any = None, lora: Any = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -63,6 +63,8 @@ class Request:
         self.pooling_params = pooling_params
         # An encoder-decoder request's encoder input (Whisper: float32 log-mel [n_mels, 3000]); opaque here.
         self.encoder_input = encoder_input
+        # The LoRA adapter it runs with (``lora.request.AdapterRef``: name, id, path, content digest), or None.
+        self.lora = lora
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -79,6 +81,17 @@ class Request:
         self.num_external_computed_tokens = 0
         self.num_local_hit_tokens = 0
         self.kv_transfer_failed = False
+
+    @property
+    def lora_key(self) -> str | None:
+        """Its adapter's content digest (what the scheduler counts adapters by), None for the base model."""
+        return self.lora.digest if self.lora is not None else None
+
+    def block_extra_keys(self, index: int, start: int, end: int) -> tuple:
+        """This request's own prefix-cache keys for block ``index`` (tokens [start, end); ``core/block_hash``):
+        the adapter's content digest on the first block, so no other adapter, and no base-model request, ever
+        shares its blocks (later blocks inherit it through the chain)."""
+        return ("lora:" + self.lora.digest,) if index == 0 and self.lora is not None else ()
 
     @property
     def num_tokens(self) -> int:

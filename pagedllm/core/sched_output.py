@@ -24,6 +24,7 @@ class NewRequestData:
     pooling_params: Any = None  # PoolingParams for a pooling request
     # An encoder-decoder request's encoder input (audio_features): the runner runs its encoder this step.
     encoder_input: Any = None
+    lora: Any = None  # its LoRA adapter (lora.request.AdapterRef), None for the base model
 
 
 @dataclass

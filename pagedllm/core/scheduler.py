@@ -165,10 +165,16 @@ class Scheduler:
 
         # Then waiting requests, unless we just had to preempt (memory is tight).
         grammar_pending: list[Request] = []  # still compiling their grammar: they keep their place
+        adapters = self._running_adapters()  # LoRA: adapters of the running requests (None: LoRA off)
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.status == RequestStatus.WAITING_FOR_GRAMMAR or (
                     request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not self.remote_kv.ready(request)):
+                grammar_pending.append(self.waiting.popleft())
+                continue
+            if adapters is not None and request.lora_key is not None and request.lora_key not in adapters \
+                    and len(adapters) >= self.config.max_loras:
+                # Every adapter slot is taken by running requests: it waits (keeping its place) until one frees.
                 grammar_pending.append(self.waiting.popleft())
                 continue
             hits, num_hit_tokens = ([], 0)
@@ -220,6 +226,8 @@ class Scheduler:
                 request.first_scheduled_time = now
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if adapters is not None and request.lora_key is not None:
+                adapters.add(request.lora_key)
             num_scheduled[request.request_id] = num_new
             budget -= num_new + encoder
             new_reqs.append(self._new_request_data(request))
@@ -260,6 +268,13 @@ class Scheduler:
                 return blocks
         return self.kv.allocate_slots(request, num_new, hits, num_hit_tokens)
 
+    def _running_adapters(self) -> set[str] | None:
+        """The LoRA adapters (content digests) of the running requests; None when LoRA is off. The worker has
+        ``max_loras`` slots, so the running requests never use more distinct adapters than that."""
+        if not self.config.max_loras:
+            return None
+        return {r.lora_key for r in self.running if r.lora_key is not None}
+
     def _next_isolated(self) -> Request | None:
         """Move the first request awaiting isolation to the head of the queue and return it."""
         if not self._isolate:
@@ -282,6 +297,7 @@ class Scheduler:
             num_computed_tokens=request.num_computed_tokens,
             pooling_params=request.pooling_params,
             encoder_input=request.encoder_input,
+            lora=request.lora,
         )
 
     def _cap_length(self, request: Request) -> None:

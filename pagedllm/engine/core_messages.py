@@ -20,6 +20,7 @@ import msgspec
 
 from pagedllm.core.sched_output import EngineCoreOutput
 from pagedllm.core.scheduler_stats import SchedulerStats
+from pagedllm.lora.request import AdapterRef
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -53,6 +54,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # An encoder-decoder request's encoder input (float32 audio_features): its raw bytes and shape.
     encoder_input: bytes | None = None
     encoder_input_shape: list[int] | None = None
+    lora: AdapterRef | None = None  # its LoRA adapter (name, id, path, content digest)
 
 
 class AbortRequests(msgspec.Struct, array_like=True):

@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import replace
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.block_hash import compute_block_hash_values, root_hash_value
+from pagedllm.core.block_hash import ExtraKeysFn, compute_block_hash_values, root_hash_value
 from pagedllm.distributed.kv_events_config import KVEventsConfig
 from pagedllm.engine.router import PrefixAwareRouter, RoundRobinRouter
 from pagedllm.logger import init_logger
@@ -80,15 +80,17 @@ class DataParallelRouter:
         for engine, batch in self._subscriber.poll(0):
             self._prefix.apply_events(engine, batch)
 
-    def choose(self, request_id: str, prompt_token_ids: list[int], cache_salt: str | None, loads: list[int]) -> int:
+    def choose(self, request_id: str, prompt_token_ids: list[int], cache_salt: str | None, loads: list[int],
+               extra_keys: ExtraKeysFn | None = None) -> int:
         """The engine for a request; ``loads`` are each engine's running + waiting requests (with those routed
-        to it since its last report)."""
+        to it since its last report); ``extra_keys``: the request's own block keys (``Request.block_extra_keys``:
+        its LoRA adapter's digest), so its hashes are the ones its engine computes."""
         if self.num_engines == 1:
             return 0
         if self._prefix is not None:
             self.poll_events()
             hashes = compute_block_hash_values(prompt_token_ids, self.block_size, self.root_value, self.hash_algo,
-                                               cache_salt)
+                                               cache_salt, extra_keys)
             return self._prefix.choose(request_id, hashes, loads)
         if self.policy == "round-robin":
             return self._round_robin.choose(request_id, [], loads)

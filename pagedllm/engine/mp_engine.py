@@ -166,13 +166,13 @@ class MultiprocEngine(EngineFrontEnd):
         # Every sample of one request goes to one engine: they share the prompt's blocks there.
         parent = _parent_id(first.request_id, len(requests))
         loads = [r + s for r, s in zip(self._reported_load, self._sent_since_report)]
-        engine = self.router.choose(parent, first.prompt_token_ids, first.cache_salt, loads)
+        engine = self.router.choose(parent, first.prompt_token_ids, first.cache_salt, loads, first.block_extra_keys)
         encoder_input, encoder_shape = pack_encoder_input(first.encoder_input)
         for request in requests:
             self._send(engine, RequestType.ADD, EngineCoreRequest(
                 request.request_id, request.prompt_token_ids, request.sampling_params, list(request.eos_token_ids),
                 request.max_tokens, request.arrival_time, request.cache_salt, request.pooling_params,
-                encoder_input, encoder_shape))
+                encoder_input, encoder_shape, request.lora))
             self._owner[request.request_id] = engine
             self._parent_of[request.request_id] = parent
         self._live_children[parent] = len(requests)

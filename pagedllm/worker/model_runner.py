@@ -88,6 +88,7 @@ class CachedRequestState:
     generator: torch.Generator | None = None
     output_token_ids: list[int] = field(default_factory=list)
     pooling_params: Any = None  # PoolingParams of a pooling request
+    lora: Any = None  # its LoRA adapter (lora.request.AdapterRef), None for the base model
 
 
 class ModelRunner:
@@ -125,6 +126,8 @@ class ModelRunner:
         # The layers that read a step's metadata, by group and backend (step_readers); found at the first step
         # after the KV caches are bound (which sets each layer's group).
         self._step_readers: StepReaders | None = None
+        # LoRA adapters (lora/model_manager.py): set by the worker with --enable-lora; None runs the base model only.
+        self.lora: Any = None
 
     def add_model_rules_stage(self, stage: LogitsStage) -> None:
         """A model's own decoding rules (Whisper's, ``sample/whisper_rules.py``) as the sampler's first stage, ahead
@@ -226,7 +229,7 @@ class ModelRunner:
                 token_ids=list(new.prompt_token_ids) + list(new.output_token_ids), params=new.sampling_params,
                 block_ids=tuple(list(ids) for ids in new.block_ids), num_computed_tokens=new.num_computed_tokens,
                 generator=gen,
-                output_token_ids=list(new.output_token_ids), pooling_params=new.pooling_params)
+                output_token_ids=list(new.output_token_ids), pooling_params=new.pooling_params, lora=new.lora)
             if self.pooling is None:
                 added.append((new.req_id, state.params, state.prompt_token_ids, state.output_token_ids, gen))
         if self.pooling is None:
@@ -260,6 +263,14 @@ class ModelRunner:
 
         if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
             hidden = self.decode_graphs.run(input_ids, positions, meta)  # a CUDA or CPU step graph replayed
+        elif self.lora is not None:
+            self.lora.begin_step([state.lora for state in states], query_lens)  # the adapters' slots and rows
+            try:
+                self.prepare_attention(meta)
+                with forward_context(meta):
+                    hidden = self.model(input_ids, positions)
+            finally:
+                self.lora.end_step()
         else:
             self.prepare_attention(meta)
             with forward_context(meta):

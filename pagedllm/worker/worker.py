@@ -91,6 +91,13 @@ class Worker:
             attach_encoder_decoder(self.runner, config.cache.cross_group_tokens)
             rules = WhisperDecodingRules.from_config(mc.hf_config, mc.vocab_size)
             self.runner.add_model_rules_stage(WhisperRulesStage(rules))
+        if config.lora is not None:
+            from pagedllm.lora.model_manager import LoRAModelManager
+
+            if mc.is_pooling or mc.is_encoder_decoder:
+                raise ValueError("enable_lora: LoRA adapters are served on decoder (generate) models only")
+            self.runner.lora = LoRAModelManager(model, mc.hf_config, config.lora.max_loras, config.lora.cpu_loras,
+                                                config.lora.max_lora_rank, self.device)
         if config.speculative is not None:
             from pagedllm.spec_decode.setup import attach_spec_decoder
 
@@ -256,6 +263,9 @@ class Worker:
             return  # a pooling model's steps run through the pooling runner, never a decode graph
         if getattr(self.runner, "encoder_decoder", None) is not None:
             return  # the cross-attention group's metadata is built per step, outside the recorded graphs
+        if self.runner.lora is not None:
+            logger.info("LoRA: decode steps run eagerly (a recorded step graph cannot hold the adapters' terms)")
+            return
         if self.platform.supports_graphs:
             _capture_cuda_graphs(self)
         elif self.platform.step_graph_kernels(self.dtype) is not None:
