@@ -117,7 +117,8 @@ class ServingChat(OpenAIServing):
         created = int(time.time())
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
         merged = merge_streams([self.engine.generate({"prompt_token_ids": token_ids}, params, request_id,
-                                                     kind=kind, cache_salt=req.cache_salt)])
+                                                     kind=kind, cache_salt=req.cache_salt,
+                                                     lora_request=self.models.adapter(model))])
 
         async def outputs() -> AsyncIterator[RequestOutput]:
             """The request's outputs, the first awaited here so that a refused request is a 400."""
