@@ -240,9 +240,9 @@ class AsyncLLM:
         arrival_time = arrival_time if arrival_time is not None else time.time()
 
         def add() -> None:
+            adapter = {"lora_request": lora_request} if lora_request is not None else {}
             self.engine.add_request(request_id, prompt, params, arrival_time=arrival_time, kind=kind,
-                                    cache_salt=cache_salt, add_special_tokens=add_special_tokens,
-                                    lora_request=lora_request)
+                                    cache_salt=cache_salt, add_special_tokens=add_special_tokens, **adapter)
             # Registered on the engine thread, so no output can be produced before the stream exists.
             self._streams[request_id] = stream
             if self.stat_logger is not None and not isinstance(params, PoolingParams):
