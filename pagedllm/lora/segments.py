@@ -1,15 +1,19 @@
 """The grouped LoRA term of one step: every adapter's rows in one pair of batched matmuls (Punica's SGMV idea).
 
 Per step, ``plan_step`` sorts the rows that carry an adapter by slot (base rows are left out: they get no term) and
-cuts each slot's run into tiles of ``tile_rows`` rows. Every LoRA layer of the step then computes, with no Python
-loop over adapters::
+lays them out in tiles of L rows, each tile holding rows of one slot (padded up to L). Every LoRA layer of the step
+then computes, with no Python loop over adapters::
 
-    xs = x[rows]                        [tiles * L, K]    (tile t: rows of one slot, padded up to L)
+    xs = x[rows]                        [tiles * L, K]
     h  = bmm(xs, A[slot of t])          [tiles, L, R]     A: [max_loras, K, R] slot buffer
     y[rows] += bmm(h, B[slot of t])     [tiles, L, N]     B: [max_loras, R, N], scaling folded in
 
-The tile length trades padded rows (one long prefill beside short decodes) against per-tile weight copies; the
-plan picks it per step from the run lengths, once for all layers.
+Two layouts, chosen per step once for all layers from the run lengths:
+
+- direct: one tile per slot of a contiguous range lo..hi (a slot of the range with no row gets an all-padding
+  tile), L = the longest run; A and B are then views ``A[lo:hi]``, never copied. Decode steps take it.
+- tiled: runs cut into tiles of a power-of-two L, each tile gathering its slot's A and B; a long prefill beside
+  short decodes takes it (the direct layout would pad every slot to the prefill's length).
 """
 
 from __future__ import annotations
@@ -25,21 +29,24 @@ class LoRAStepPlan:
     """One step's rows by adapter slot, shared by every LoRA layer of the forward.
 
     ``gather`` [tiles * L] int64: the row of x behind each tile position (padding repeats a real row);
-    ``tile_slots`` [tiles] int64: the slot of each tile; ``scatter_pos`` / ``scatter_rows``: the real positions
-    of ``gather`` and their rows of y (None when no position is padding: then they are ``gather`` itself).
+    ``slot_range``: (lo, hi) for the direct layout (tile t is slot lo + t), else None and ``tile_slots`` [tiles]
+    int64 gives each tile's slot; ``scatter_pos`` / ``scatter_rows``: the real positions of ``gather`` and their
+    rows of y (``scatter_pos`` None when no position is padding: then ``scatter_rows`` is ``gather`` itself).
     """
 
     num_tokens: int
     tile_rows: int
+    num_tiles: int
     gather: torch.Tensor
-    tile_slots: torch.Tensor
+    slot_range: tuple[int, int] | None
+    tile_slots: torch.Tensor | None
     scatter_pos: torch.Tensor | None
     scatter_rows: torch.Tensor
 
 
-def choose_tile_rows(run_lengths: list[int], rank_width: int) -> int:
-    """The tile length (a power of two) with the least cost: padded rows plus a tile's weight copy (about
-    ``rank_width`` rows' worth each)."""
+def choose_tile_rows(run_lengths: list[int], rank_width: int) -> tuple[int, int]:
+    """(tile length, cost) of the tiled layout: the power of two with the least padded rows plus weight copies
+    (a tile's copy of A and B costs about ``rank_width`` rows)."""
     longest = max(run_lengths)
     best, best_cost, length = 1, None, 1
     while True:
@@ -48,7 +55,7 @@ def choose_tile_rows(run_lengths: list[int], rank_width: int) -> int:
         if best_cost is None or cost < best_cost:
             best, best_cost = length, cost
         if length >= longest:
-            return best
+            return best, best_cost
         length *= 2
 
 
@@ -64,20 +71,28 @@ def plan_step(request_slots: Sequence[int], query_lens: Sequence[int], rank_widt
         row += num_rows
     if not runs:
         return None
-    tile = choose_tile_rows([len(r) for r in runs.values()], rank_width)
+    lengths = [len(r) for r in runs.values()]
+    tile, tiled_cost = choose_tile_rows(lengths, rank_width)
+    lo, hi = min(runs), max(runs) + 1
+    direct = (hi - lo) * max(lengths) <= tiled_cost
+    if direct:
+        tile = max(lengths)
     gather: list[int] = []
     tile_slots: list[int] = []
     positions: list[int] = []
-    for slot, rows in runs.items():
-        for lo in range(0, len(rows), tile):
-            part = rows[lo:lo + tile]
+    any_row = next(iter(runs.values()))[0]
+    for slot in range(lo, hi) if direct else sorted(runs):
+        rows = runs.get(slot, [])
+        for start in range(0, max(len(rows), 1), tile):
+            part = rows[start:start + tile]
             positions.extend(range(len(gather), len(gather) + len(part)))
-            gather.extend(part + [part[0]] * (tile - len(part)))
+            gather.extend(part + [part[0] if part else any_row] * (tile - len(part)))
             tile_slots.append(slot)
     padded = len(positions) != len(gather)
     gather_t = torch.tensor(gather, dtype=torch.long, device=device)
     pos_t = torch.tensor(positions, dtype=torch.long, device=device) if padded else None
-    return LoRAStepPlan(row, tile, gather_t, torch.tensor(tile_slots, dtype=torch.long, device=device), pos_t,
+    return LoRAStepPlan(row, tile, len(tile_slots), gather_t, (lo, hi) if direct else None,
+                        None if direct else torch.tensor(tile_slots, dtype=torch.long, device=device), pos_t,
                         gather_t.index_select(0, pos_t) if padded else gather_t)
 
 
@@ -88,10 +103,12 @@ def add_lora_term(y: torch.Tensor, x: torch.Tensor, a_slots: torch.Tensor, b_slo
     Returns y (written in place)."""
     if x.shape[0] != plan.num_tokens:
         raise RuntimeError(f"LoRA: the step was planned for {plan.num_tokens} rows but a layer got {x.shape[0]}")
-    xs = x.index_select(0, plan.gather).to(a_slots.dtype)
-    tiles = plan.tile_slots.shape[0]
-    h = torch.bmm(xs.view(tiles, plan.tile_rows, -1), a_slots.index_select(0, plan.tile_slots))
-    delta = torch.bmm(h, b_slots.index_select(0, plan.tile_slots)).view(tiles * plan.tile_rows, -1)
+    if plan.slot_range is not None:
+        a, b = a_slots[plan.slot_range[0]:plan.slot_range[1]], b_slots[plan.slot_range[0]:plan.slot_range[1]]
+    else:
+        a, b = a_slots.index_select(0, plan.tile_slots), b_slots.index_select(0, plan.tile_slots)
+    xs = x.index_select(0, plan.gather).to(a.dtype).view(plan.num_tiles, plan.tile_rows, -1)
+    delta = torch.bmm(torch.bmm(xs, a), b).view(plan.num_tiles * plan.tile_rows, -1)
     if plan.scatter_pos is not None:
         delta = delta.index_select(0, plan.scatter_pos)
     y.index_add_(0, plan.scatter_rows, delta.to(y.dtype))

@@ -24,6 +24,7 @@ def _reference(x, a_slots, b_slots, row_slots):
     ([0, 1, -1, 2], [1, 1, 1, 1]),  # decodes, one base row
     ([1, -1, 1, 0], [37, 5, 1, 1]),  # a long prefill beside decodes: padded tiles
     ([2, 2, 2], [3, 8, 1]),  # one slot, no padding
+    ([2, 0, -1, 2], [2, 1, 1, 1]),  # direct layout over slots 0..2, slot 1 an all-padding tile
 ])
 def test_grouped_term_equals_a_loop(request_slots, query_lens) -> None:
     torch.manual_seed(0)
@@ -45,9 +46,17 @@ def test_no_adapter_row_plans_nothing_and_a_wrong_batch_raises() -> None:
 
 
 def test_tile_length_weighs_padding_against_tiles() -> None:
-    assert choose_tile_rows([1, 1, 1], 48) == 1
-    assert choose_tile_rows([8, 8, 8, 8], 16) == 8
-    assert choose_tile_rows([512, 1, 1], 48) == 128  # 6 tiles, 256 padded rows: less than 8 x 64 or 1 x 512
+    assert choose_tile_rows([1, 1, 1], 48)[0] == 1
+    assert choose_tile_rows([8, 8, 8, 8], 16)[0] == 8
+    assert choose_tile_rows([512, 1, 1], 48)[0] == 128  # 6 tiles, 256 padded rows: less than 8 x 64 or 1 x 512
+
+
+def test_decodes_take_the_direct_layout_and_a_long_prefill_the_tiled_one() -> None:
+    cpu = torch.device("cpu")
+    decode = plan_step([0, 1, 2, 3] * 4, [1] * 16, 48, cpu)
+    assert decode.slot_range == (0, 4) and decode.tile_rows == 4 and decode.tile_slots is None
+    mixed = plan_step([0, 1, 2], [300, 1, 1], 48, cpu)
+    assert mixed.slot_range is None and mixed.tile_slots.tolist() == [0] * 5 + [1, 2]  # 5 tiles of 64 rows
 
 
 def test_fused_layer_bands_keep_shards_apart() -> None:
