@@ -261,10 +261,11 @@ class ModelRunner:
         if self.encoder_decoder is not None:
             self.encoder_decoder.run_encoders(sched)  # new requests' cross-attention K/V, before the decoder reads
 
-        if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
+        adapters = [state.lora for state in states] if self.lora is not None else []
+        if self.decode_graphs is not None and not any(adapters) and self.decode_graphs.can_run(meta):
             hidden = self.decode_graphs.run(input_ids, positions, meta)  # a CUDA or CPU step graph replayed
-        elif self.lora is not None:
-            self.lora.begin_step([state.lora for state in states], query_lens)  # the adapters' slots and rows
+        elif any(adapters):
+            self.lora.begin_step(adapters, query_lens)  # the adapters' slots and rows
             try:
                 self.prepare_attention(meta)
                 with forward_context(meta):

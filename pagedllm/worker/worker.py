@@ -264,8 +264,9 @@ class Worker:
         if getattr(self.runner, "encoder_decoder", None) is not None:
             return  # the cross-attention group's metadata is built per step, outside the recorded graphs
         if self.runner.lora is not None:
-            logger.info("LoRA: decode steps run eagerly (a recorded step graph cannot hold the adapters' terms)")
-            return
+            # Recorded with no adapter in the step: the graphs hold the base model only.
+            logger.info("LoRA: steps with an adapter run eagerly (a recorded graph cannot hold the adapters' "
+                        "terms); base-model decode steps replay graphs")
         if self.platform.supports_graphs:
             _capture_cuda_graphs(self)
         elif self.platform.step_graph_kernels(self.dtype) is not None:

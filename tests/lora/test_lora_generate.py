@@ -58,7 +58,8 @@ def test_each_adapter_changes_the_output_and_equals_peft(setup, llm) -> None:
     _, _, paths, expected = setup
     for path in paths:
         assert expected[path] != expected[None], f"adapter {path} does not change the greedy output"
-    assert _run(llm, PROMPTS, None) == expected[None]
+    assert _run(llm, PROMPTS, None) == expected[None]  # base-only decode steps replay the recorded step graphs
+    assert llm.engine.core.worker.runner.decode_graphs is not None
     for i, path in enumerate(paths):
         assert _run(llm, PROMPTS, LoRARequest(f"a{i}", i + 1, path)) == expected[path]
 
