@@ -19,6 +19,7 @@ import zmq
 
 from pagedllm.config import KVCacheLayout
 from pagedllm.core.sched_output import SchedulerOutput
+from pagedllm.lora.request import AdapterRef
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -36,6 +37,7 @@ class WireNewRequest(msgspec.Struct):
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int
     pooling_params: PoolingParams | None = None
+    lora: AdapterRef | None = None
 
 
 class WireCachedRequest(msgspec.Struct):

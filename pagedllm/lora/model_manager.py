@@ -30,10 +30,6 @@ logger = init_logger(__name__)
 class LoRAModelManager:
     def __init__(self, model: nn.Module, hf_config: object, max_loras: int, max_cpu_loras: int, max_rank: int,
                  device: torch.device) -> None:
-        from pagedllm.distributed.parallel_state import get_tp
-
-        if get_tp().is_parallel:
-            raise ValueError("enable_lora: LoRA adapters with tensor_parallel_size > 1 are not supported yet")
         self.base_shapes = base_module_shapes(hf_config)
         self.max_loras, self.max_cpu_loras, self.max_rank = max_loras, max_cpu_loras, max_rank
         self.device = device
@@ -49,10 +45,11 @@ class LoRAModelManager:
                 weight = LoRAWeight(layer.packed, self.context, max_loras, max_rank, layer.shard_sizes)
                 layer.bind_weight(weight)
                 self.layers[path] = weight
-            rows = self.layers[path].shard_sizes[shard] if shard is not None else layer.out_features
-            if (rows, layer.in_features) != (out_features, in_features):
-                raise ValueError(f"enable_lora: layer {path} has shape {(rows, layer.in_features)} for {module}, "
+            full = _full_shape(layer, shard)
+            if full != (out_features, in_features):
+                raise ValueError(f"enable_lora: layer {path} has shape {full} for {module}, "
                                  f"expected {(out_features, in_features)}")
+        self.linears = {path: linears[path] for path in self.layers}
         self.loaded: OrderedDict[str, dict[str, dict[int | None, LoRAModule]]] = OrderedDict()
         self.slots: list[str | None] = [None] * max_loras
         self._slot_use: OrderedDict[int, None] = OrderedDict((i, None) for i in range(max_loras))
@@ -74,7 +71,7 @@ class LoRAModelManager:
         by_layer = {}
         for module, lora in adapter.modules.items():
             path, shard = layer_target(module)
-            by_layer.setdefault(path, {})[shard] = lora
+            by_layer.setdefault(path, {})[shard] = rank_part(self.linears[path], shard, lora)
         while len(self.loaded) >= self.max_cpu_loras:
             evicted = next((d for d in self.loaded if d not in self.slots), None)
             if evicted is None:
@@ -120,3 +117,34 @@ class LoRAModelManager:
 
     def end_step(self) -> None:
         self.context.plan = None
+
+
+def _full_shape(layer: Linear, shard: int | None) -> tuple[int, int]:
+    """(out, in) of ``layer``'s shard ``shard`` (None: the whole layer) in the checkpoint, before any tensor-parallel
+    split."""
+    parts = getattr(layer, "shard_parts", None)
+    if parts is not None:  # column-parallel: this rank holds rows of each shard
+        rows = parts[shard].full if shard is not None else sum(p.full for p in parts)
+    else:
+        rows = layer.shard_sizes[shard] if shard is not None else layer.out_features
+    part = getattr(layer, "input_part", None)  # row-parallel: this rank holds columns
+    return rows, part.full if part is not None else layer.in_features
+
+
+def rank_part(layer: Linear, shard: int | None, module: LoRAModule) -> LoRAModule:
+    """This tensor-parallel rank's piece of ``module``, split like the layer it sits beside: a column-parallel
+    layer's rows of B (per shard), a row-parallel layer's columns of A (each rank's partial term is summed by the
+    layer's all-reduce, ``x_r A_r^T B^T`` over r being ``x A^T B^T``); the module itself on one rank."""
+    parts = getattr(layer, "shard_parts", None)
+    if parts is not None:
+        if shard is not None:
+            rows = [(parts[shard].start, parts[shard].size)]
+        else:  # the fused matrix whole (Phi-3): each shard's rows of this rank, shard after shard
+            offsets = [sum(p.full for p in parts[:i]) for i in range(len(parts))]
+            rows = [(offset + p.start, p.size) for offset, p in zip(offsets, parts)]
+        b = torch.cat([module.b[start:start + size] for start, size in rows])
+        return LoRAModule(module.a, b.contiguous())
+    part = getattr(layer, "input_part", None)
+    if part is not None:
+        return LoRAModule(module.a[:, part.start:part.start + part.size].contiguous(), module.b)
+    return module

@@ -12,13 +12,14 @@ ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def make_adapter(base_path: str, out_path: str | os.PathLike, r: int = 8, alpha: float = 16.0,
-                 targets: list[str] | None = None, seed: int = 0, scale: float = 0.3, **lora_kwargs: Any) -> str:
+                 targets: list[str] | None = None, seed: int = 0, scale: float = 0.3, model_cls: Any = None,
+                 **lora_kwargs: Any) -> str:
     """Save a random LoRA adapter for the model at ``base_path`` (A and B drawn N(0, scale): big enough to change
-    the greedy output) as a PEFT folder; returns its path."""
+    the greedy output) as a PEFT folder; returns its path. ``model_cls``: the transformers class (Llama's)."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
 
-    base = LlamaForCausalLM.from_pretrained(base_path, torch_dtype=torch.float32)
+    base = (model_cls or LlamaForCausalLM).from_pretrained(base_path, torch_dtype=torch.float32)
     config = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets or ALL_TARGETS, lora_dropout=0.0,
                         init_lora_weights=False, **lora_kwargs)
     model = get_peft_model(base, config)
