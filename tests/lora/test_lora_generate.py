@@ -41,8 +41,8 @@ def setup(tmp_path_factory):
 
 
 def _llm(base: str, **kwargs) -> LLM:
-    return LLM(base, enable_lora=True, dtype="float32", kv_cache_dtype="float32", kv_cache_memory="8MiB",
-               max_model_len=128, **kwargs)
+    kwargs = {"kv_cache_memory": "8MiB", **kwargs}
+    return LLM(base, enable_lora=True, dtype="float32", kv_cache_dtype="float32", max_model_len=128, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +126,15 @@ def test_lora_request_without_enable_lora_names_the_setting(setup) -> None:
     with pytest.raises(ValueError, match="enable_lora"):
         llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=LoRARequest("a", 1, setup[2][0]))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_chunked_prefill_and_preemption_keep_each_adapter(setup) -> None:
+    _, base, paths, _ = setup
+    # 30-token prompts in 64-token steps: the third request's prompt is cut into chunks. Nine usable blocks hold
+    # four requests of two blocks; each needs a third as it passes 32 tokens, so some are preempted (recompute).
+    llm = _llm(base, max_loras=4, max_lora_rank=16, max_num_batched_tokens=64, kv_cache_memory="80KiB")
+    prompt = [1, *range(70, 99)]
+    loras = [LoRARequest("a0", 1, paths[0]), None, LoRARequest("a2", 3, paths[2]), LoRARequest("a3", 4, paths[3])]
+    want = [peft_greedy(base, lora.lora_path if lora else None, prompt, MAX_TOKENS) for lora in loras]
+    assert _run(llm, [prompt] * len(loras), loras) == want
+    assert llm.engine.core.scheduler.num_preemptions > 0
