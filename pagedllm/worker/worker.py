@@ -263,7 +263,7 @@ class Worker:
             return  # a pooling model's steps run through the pooling runner, never a decode graph
         if getattr(self.runner, "encoder_decoder", None) is not None:
             return  # the cross-attention group's metadata is built per step, outside the recorded graphs
-        if self.runner.lora is not None:
+        if getattr(self.runner, "lora", None) is not None:
             # Recorded with no adapter in the step: the graphs hold the base model only.
             logger.info("LoRA: steps with an adapter run eagerly (a recorded graph cannot hold the adapters' "
                         "terms); base-model decode steps replay graphs")
