@@ -52,6 +52,7 @@ def make_scheduler_stats(core: Any, engine_index: int = 0,
     sched = core.scheduler
     kv = sched.kv
     spec = getattr(sched, "spec_stats", None)
+    max_loras = getattr(getattr(sched, "config", None), "max_loras", 0)
     return SchedulerStats(
         engine_index=engine_index, num_running=sched.num_running, num_waiting=sched.num_waiting,
         kv_cache_usage=kv.usage, sliding_kv_cache_usage=kv.sliding_group_usage, num_steps=core.num_steps,
@@ -65,9 +66,9 @@ def make_scheduler_stats(core: Any, engine_index: int = 0,
         first_scheduled=newly_scheduled or {},
         prompt_tokens_by_source=dict(getattr(sched, "prompt_tokens_by_source", {})),
         num_kv_transfer_failures=sched.remote_kv.num_failed_transfers if getattr(sched, "remote_kv", None) else 0,
-        max_loras=sched.config.max_loras,
-        running_lora_adapters=_adapter_names(sched.running) if sched.config.max_loras else [],
-        waiting_lora_adapters=_adapter_names(sched.waiting) if sched.config.max_loras else [])
+        max_loras=max_loras,
+        running_lora_adapters=_adapter_names(sched.running) if max_loras else [],
+        waiting_lora_adapters=_adapter_names(sched.waiting) if max_loras else [])
 
 
 def _adapter_names(requests: Any) -> list[str]:
