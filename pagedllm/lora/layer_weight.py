@@ -32,7 +32,8 @@ class LoRAWeight(BoundWeight):
     """``base`` (N x K) plus, per slot, a low-rank term; ``shard_sizes``: the output rows of each fused shard."""
 
     def __init__(self, base: BoundWeight, context: LoRAStepContext, max_loras: int, max_rank: int,
-                 shard_sizes: Sequence[int], slots: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 shard_sizes: Sequence[int], slots: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 device: torch.device | str = "cpu") -> None:
         self.base = base
         self.context = context
         self.out_features, self.in_features = base.out_features, base.in_features
@@ -41,7 +42,8 @@ class LoRAWeight(BoundWeight):
         self.shard_sizes = tuple(shard_sizes)
         width = len(self.shard_sizes) * max_rank
         if slots is None:
-            slots = (torch.zeros(max_loras, self.in_features, width), torch.zeros(max_loras, width, self.out_features))
+            slots = (torch.zeros(max_loras, self.in_features, width, device=device),
+                     torch.zeros(max_loras, width, self.out_features, device=device))
         self.a_slots, self.b_slots = slots
 
     # ---- the adapters in slots -----------------------------------------------------------------------------

@@ -42,7 +42,7 @@ class LoRAModelManager:
             if layer is None or layer.packed is None:
                 raise ValueError(f"enable_lora: the model has no layer {path} for LoRA module {module}")
             if path not in self.layers:
-                weight = LoRAWeight(layer.packed, self.context, max_loras, max_rank, layer.shard_sizes)
+                weight = LoRAWeight(layer.packed, self.context, max_loras, max_rank, layer.shard_sizes, device=device)
                 layer.bind_weight(weight)
                 self.layers[path] = weight
             full = _full_shape(layer, shard)
