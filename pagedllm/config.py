@@ -183,10 +183,35 @@ class SchedulerConfig:
     # (core/encoder_cache.py); 0: max(max_num_batched_tokens, 8192). A step encodes at most max_num_batched_tokens
     # image tokens.
     encoder_cache_size: int = 0
+    # LoRA: distinct adapters the running requests may use at once (the worker's slots; 0: LoRA off).
+    max_loras: int = 0
 
     @property
     def encoder_cache_capacity(self) -> int:
         return self.encoder_cache_size or max(self.max_num_batched_tokens, 8192)
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (docs/lora.md); vLLM's flags."""
+
+    max_loras: int = 1  # adapters in one batch (slots in every LoRA layer)
+    max_cpu_loras: int | None = None  # adapters kept loaded in the worker (None: max_loras)
+    max_lora_rank: int = 16
+    # Adapters the server starts with: (name, path, base_model_name or None) each (--lora-modules).
+    lora_modules: tuple[tuple[str, str, str | None], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras: must be at least 1, got {self.max_loras}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank: must be at least 1, got {self.max_lora_rank}")
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras or self.max_loras
 
 
 # ``--attention-backend``: ``auto`` is the platform's best (the C++ kernels on a CPU, Triton on CUDA, else
@@ -240,6 +265,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_events: Any = None  # distributed.kv_events_config.KVEventsConfig, or None (no KV cache events)
     kv_transfer: Any = None  # distributed.kv_transfer.config.KVTransferConfig, or None (no KV connector)
+    lora: LoRAConfig | None = None  # None: LoRA off (--enable-lora)
 
     def with_kv_cache_layout(self, layout: KVCacheLayout) -> EngineConfig:
         """A copy of this config resolved by an engine's start-up: the layout's blocks and windows in ``cache``, its

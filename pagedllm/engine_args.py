@@ -19,6 +19,7 @@ from pagedllm.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     PoolerConfig,
@@ -81,6 +82,11 @@ class EngineArgs:
     allowed_local_media_path: str | None = None
     allowed_media_domains: list[str] | None = None
     encoder_cache_size: int = 0  # image tokens of encoder outputs kept; 0: max(max_num_batched_tokens, 8192)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_cpu_loras: int | None = None
+    max_lora_rank: int = 16
+    lora_modules: list | None = None  # name=path strings or {"name", "path", "base_model_name"} dicts
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> argparse.ArgumentParser:
@@ -220,6 +226,21 @@ class EngineArgs:
                                 f"{DEFAULT_KV_EVENTS_TOPIC!r}), hwm. Use with --prefix-caching-hash-algo sha256 "
                                 "and a --prefix-caching-hash-seed so consumers can compute the hashes "
                                 "(see docs/data_parallel.md).")
+        lora = parser.add_argument_group("LoRA adapters (docs/lora.md)")
+        lora.add_argument("--enable-lora", action="store_true",
+                          help="Serve LoRA adapters (PEFT folders) on top of the base model; a request picks one by "
+                               "its model name (server) or lora_request (offline).")
+        lora.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                          help="Adapters to load at start, each name=path or a JSON object "
+                               '{"name": "sql", "path": "/adapters/sql", "base_model_name": "..."}.')
+        lora.add_argument("--max-loras", type=int, default=d.max_loras,
+                          help="Distinct adapters in one batch (slots in every LoRA layer); requests for more "
+                               "adapters wait for a slot (default: 1).")
+        lora.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras,
+                          help="Adapters kept loaded in the worker's memory, least recently used dropped first "
+                               "(default: --max-loras).")
+        lora.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
+                          help="Largest adapter rank accepted; each slot holds this rank (default: 16).")
         tp = parser.add_argument_group("tensor parallelism (docs/distributed.md)")
         tp.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                         help="Ranks each engine's model is split over: every weight matrix and the KV heads are "
@@ -318,12 +339,18 @@ class EngineArgs:
         from pagedllm.spec_decode.setup import resolve_speculative_config
 
         speculative = resolve_speculative_config(self.speculative_config, model)
+        lora = self._lora_config()
+        if lora is not None:
+            from pagedllm.lora.target_modules import base_module_shapes
+
+            base_module_shapes(model.hf_config)  # ValueError now for a model that cannot carry adapters
         scheduler = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
                                     max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill,
                                     is_encoder_only=model.is_encoder_only,
                                     num_lookahead_tokens=0 if speculative is None else
                                     speculative.num_lookahead_tokens,
-                                    encoder_cache_size=int(self.encoder_cache_size))
+                                    encoder_cache_size=int(self.encoder_cache_size),
+                                    max_loras=lora.max_loras if lora is not None else 0)
         from pagedllm.core.encoder_decoder import configure_encoder_decoder
 
         cache, scheduler = configure_encoder_decoder(model, cache, scheduler, speculative)
@@ -358,7 +385,20 @@ class EngineArgs:
                                                 enforce_eager=self.enforce_eager,
                                                 disable_async_output_proc=self.disable_async_output_proc),
                             log_stats=not self.disable_log_stats, speculative=speculative, kv_events=kv_events,
-                            kv_transfer=kv_transfer)
+                            kv_transfer=kv_transfer, lora=lora)
+
+    def _lora_config(self) -> LoRAConfig | None:
+        """The LoRA settings, or None without enable_lora (ValueError when LoRA flags come without it)."""
+        from pagedllm.lora.modules_arg import parse_lora_modules
+
+        modules = parse_lora_modules(self.lora_modules)
+        if not self.enable_lora:
+            if modules:
+                raise ValueError("lora_modules: adapters need --enable-lora")
+            return None
+        return LoRAConfig(max_loras=int(self.max_loras),
+                          max_cpu_loras=None if self.max_cpu_loras is None else int(self.max_cpu_loras),
+                          max_lora_rank=int(self.max_lora_rank), lora_modules=modules)
 
     def _pooler_config(self) -> PoolerConfig | None:
         if self.pooler_config is None or isinstance(self.pooler_config, PoolerConfig):

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from pagedllm.benchmarks.datasets import random_requests
 from pagedllm.benchmarks.grounded import grounded_requests
+from pagedllm.benchmarks.lora_adapters import add_lora_bench_args, random_adapters, spread, with_lora
 from pagedllm.engine_args import EngineArgs
 from pagedllm.utils import gc_heap_frozen
 
@@ -40,6 +41,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="Sampling temperature (default: 1.0, as vLLM's benchmark; 0 = greedy).")
     group.add_argument("--output-json", default=None, help="Write the results to this JSON file.")
     group.add_argument("--disable-tqdm", action="store_true", help="No progress bars.")
+    add_lora_bench_args(parser)
     EngineArgs.add_cli_args(parser)
     return parser
 
@@ -67,8 +69,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.num_iters < 1 or args.num_iters_warmup < 0 or args.batch_size < 1:
         raise ValueError("num_iters and batch_size must be >= 1 and num_iters_warmup >= 0")
-    engine_args = EngineArgs.from_cli_args(args)
+    engine_args = with_lora(EngineArgs.from_cli_args(args), args)
     llm = LLM(**dataclasses.asdict(engine_args))
+    adapters = (random_adapters(llm.engine.config.model.hf_config, args.num_lora_adapters, args.lora_rank, args.seed)
+                if getattr(args, "num_lora_adapters", 0) > 0 else [])
     make = grounded_requests if getattr(args, "dataset", "random") == "grounded" else random_requests
     requests = make(llm.get_tokenizer(), args.batch_size, args.input_len, args.output_len, seed=args.seed)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
@@ -79,7 +83,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         # Prefix caching would turn every iteration after the first into a cache hit; start cold each time.
         llm.reset_prefix_cache()
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=spread(adapters, len(prompts)))
         latency = time.perf_counter() - start
         ttfts = [o.metrics.time_to_first_token for o in outputs if o.metrics and o.metrics.first_token_time]
         # Batch TTFT: when the last request of the batch got its first token.

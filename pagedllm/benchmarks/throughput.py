@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from pagedllm.benchmarks.datasets import SampledRequest, add_dataset_args, random_requests
 from pagedllm.benchmarks.grounded import grounded_requests
+from pagedllm.benchmarks.lora_adapters import add_lora_bench_args, random_adapters, spread, with_lora
 from pagedllm.engine_args import EngineArgs
 from pagedllm.utils import gc_heap_frozen
 
@@ -37,6 +38,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="Skip the short untimed warm-up generation.")
     parser.add_argument("--disable-tqdm", action="store_true", help="No progress bars.")
     add_dataset_args(parser)
+    add_lora_bench_args(parser)
     EngineArgs.add_cli_args(parser)
     return parser
 
@@ -57,7 +59,8 @@ def _summary(requests: list[SampledRequest], num_output_tokens: int, elapsed: fl
 
 
 def run_pagedllm(requests: list[SampledRequest], llm: Any, warmup: bool = True,
-                 use_tqdm: bool = True) -> dict[str, Any]:
+                 use_tqdm: bool = True, loras: list | None = None) -> dict[str, Any]:
+    """``loras``: each request's LoRA adapter (``--num-lora-adapters``), or None for the base model."""
     from pagedllm import SamplingParams
 
     # Same settings as vLLM's benchmark: plain sampling at temperature 1, every request runs to output_len.
@@ -65,9 +68,10 @@ def run_pagedllm(requests: list[SampledRequest], llm: Any, warmup: bool = True,
               for r in requests]
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     if warmup:  # first forward passes pay one-off allocation costs; keep them out of the timing
-        llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+        llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False,
+                     lora_request=loras[:1] if loras else None)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm, lora_request=loras)
     elapsed = time.perf_counter() - start
     num_output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     result = _summary(requests, num_output_tokens, elapsed)
@@ -157,7 +161,7 @@ def _parse_batch_sizes(text: str) -> list[int]:
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
-    engine_args = EngineArgs.from_cli_args(args)
+    engine_args = with_lora(EngineArgs.from_cli_args(args), args)
     use_tqdm = not args.disable_tqdm
 
     def make_requests(tokenizer: Any) -> list[SampledRequest]:
@@ -167,6 +171,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         return random_requests(tokenizer, args.num_prompts, args.input_len, args.output_len,
                                prefix_len=args.prefix_len, seed=args.seed, num_prefixes=args.num_prefixes)
 
+    if args.backend == "hf" and args.num_lora_adapters > 0:
+        raise ValueError("num_lora_adapters: the hf backend runs the base model only")
     if args.backend == "hf":
         from pagedllm.model_executor.loader import load_tokenizer
 
@@ -178,8 +184,12 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
         llm = LLM(**dataclasses.asdict(engine_args))
         requests = make_requests(llm.get_tokenizer())
+        adapters = (random_adapters(llm.engine.config.model.hf_config, args.num_lora_adapters, args.lora_rank,
+                                    args.seed) if args.num_lora_adapters > 0 else [])
         with gc_heap_frozen():  # as in a served engine's core process
-            result = run_pagedllm(requests, llm, args.warmup, use_tqdm)
+            result = run_pagedllm(requests, llm, args.warmup, use_tqdm, spread(adapters, len(requests)))
+        result.update(num_lora_adapters=len(adapters), lora_rank=args.lora_rank if adapters else None,
+                      max_loras=engine_args.max_loras if adapters else None)
     result.update(
         backend=args.backend, model=engine_args.model, num_prompts=args.num_prompts,
         input_len=args.input_len, output_len=args.output_len, prefix_len=args.prefix_len, seed=args.seed,

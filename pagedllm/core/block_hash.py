@@ -1,9 +1,10 @@
 """Chained block hashes of the prefix cache: the one place that decides how a block's hash is computed.
 
 A full block's hash covers its parent's hash value, its token ids and its extra keys (the cache salt, first
-block only, then whatever the request's ``block_keys`` hook adds for the block: the content hash and offset of each
-image with tokens in it, ``core/multimodal.py``), so equal values mean equal prefixes (hits are still verified
-against the stored tokens and keys).
+block only, then whatever the request's ``block_keys`` hook adds for the block: a LoRA adapter's content digest on
+the first block, the content hash and offset of each image with tokens in it, ``core/multimodal.py``), so equal
+values mean equal prefixes (hits are still verified against the stored tokens and keys).
+
 Two algorithms (``--prefix-caching-hash-algo``, vLLM's flag):
 
 - ``builtin``: Python's ``hash()`` of a tuple. Fast, but a salted ``str`` hash makes values differ between

@@ -20,7 +20,7 @@ class BlockStored(KVCacheEvent):
 
     ``parent_block_hash`` is the hash before the first of them (None: the first is a prompt's first block).
     ``token_ids`` holds ``block_size`` tokens per block, concatenated. ``lora_id`` and ``medium`` keep the
-    fields of vLLM's layout (pagedllm has no LoRA and one medium: None).
+    fields of vLLM's layout (None: a LoRA adapter is keyed in the hash itself, by its content digest; one medium).
     """
 
     block_hashes: list[int]

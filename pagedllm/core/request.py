@@ -53,7 +53,8 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: list[int], max_tokens: int, arrival_time: float | None = None,
                  cache_salt: str | None = None, pooling_params: PoolingParams | None = None,
-                 encoder_input: Any = None, mm_features: list[MultiModalFeature] | None = None) -> None:
+                 encoder_input: Any = None, mm_features: list[MultiModalFeature] | None = None,
+                 lora: Any = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -68,6 +69,8 @@ class Request:
         self.encoder_input = encoder_input
         # The prompt's images, in prompt order (core/multimodal.py); empty for a text prompt.
         self.mm_features: list[MultiModalFeature] = list(mm_features or [])
+        # The LoRA adapter it runs with (``lora.request.AdapterRef``: name, id, path, content digest), or None.
+        self.lora = lora
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -86,11 +89,21 @@ class Request:
         self.kv_transfer_failed = False
 
     @property
+    def lora_key(self) -> str | None:
+        """Its adapter's content digest (what the scheduler counts adapters by), None for the base model."""
+        return self.lora.digest if self.lora is not None else None
+
+    @property
     def block_keys(self) -> BlockKeysFn | None:
-        """The per-block extra keys of its prefix-cache hashes (``core/block_hash.py``), None when it has none."""
-        if not self.mm_features:
+        """The per-block extra keys of its prefix-cache hashes (``core/block_hash.py``), None when it has none:
+        the adapter's content digest on the first block (so no other adapter, and no base-model request, ever
+        shares its blocks; later blocks inherit it through the chain), and the images with tokens in a block."""
+        if not self.mm_features and self.lora is None:
             return None
-        return lambda start, end: multimodal_block_keys(self.mm_features, start, end)
+        adapter = ("lora:" + self.lora.digest,) if self.lora is not None else ()
+        features = self.mm_features
+        return lambda start, end: (adapter if start == 0 else ()) + (
+            multimodal_block_keys(features, start, end) if features else ())
 
     @property
     def num_tokens(self) -> int:

@@ -26,6 +26,7 @@ class NewRequestData:
     encoder_input: Any = None
     # The prompt's images (core/multimodal.py MultiModalFeature, with their processed pixels); empty for text.
     mm_features: list = field(default_factory=list)
+    lora: Any = None  # its LoRA adapter (lora.request.AdapterRef), None for the base model
 
 
 @dataclass

@@ -178,10 +178,16 @@ class Scheduler:
 
         # Then waiting requests, unless we just had to preempt (memory is tight).
         grammar_pending: list[Request] = []  # still compiling their grammar: they keep their place
+        adapters = self._running_adapters()  # LoRA: adapters of the running requests (None: LoRA off)
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.status == RequestStatus.WAITING_FOR_GRAMMAR or (
                     request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not self.remote_kv.ready(request)):
+                grammar_pending.append(self.waiting.popleft())
+                continue
+            if adapters is not None and request.lora_key is not None and request.lora_key not in adapters \
+                    and len(adapters) >= self.config.max_loras:
+                # Every adapter slot is taken by running requests: it waits (keeping its place) until one frees.
                 grammar_pending.append(self.waiting.popleft())
                 continue
             hits, num_hit_tokens = ([], 0)
@@ -239,6 +245,8 @@ class Scheduler:
                 request.first_scheduled_time = now
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if adapters is not None and request.lora_key is not None:
+                adapters.add(request.lora_key)
             num_scheduled[request.request_id] = num_new
             budget -= num_new + encoder
             new_reqs.append(self._new_request_data(request))
@@ -321,6 +329,12 @@ class Scheduler:
         for feature in request.mm_features:
             if everything or feature.end <= request.num_computed_tokens:
                 self.encoder_cache.release(feature.identifier, request.request_id)
+    def _running_adapters(self) -> set[str] | None:
+        """The LoRA adapters (content digests) of the running requests; None when LoRA is off. The worker has
+        ``max_loras`` slots, so the running requests never use more distinct adapters than that."""
+        if not self.config.max_loras:
+            return None
+        return {r.lora_key for r in self.running if r.lora_key is not None}
 
     def _next_isolated(self) -> Request | None:
         """Move the first request awaiting isolation to the head of the queue and return it."""
@@ -345,6 +359,7 @@ class Scheduler:
             pooling_params=request.pooling_params,
             encoder_input=request.encoder_input,
             mm_features=request.mm_features,
+            lora=request.lora,
         )
 
     def _cap_length(self, request: Request) -> None:

@@ -35,6 +35,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     # request id -> (time.time() it was first scheduled, seconds it had queued), for the requests first scheduled
     # since the last report.
     first_scheduled: dict[str, tuple[float, float]] = {}
+    # LoRA (0 slots: off): the adapter names of the running and the waiting requests (vllm:lora_requests_info).
+    max_loras: int = 0
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
 
     @property
     def load(self) -> int:
@@ -48,6 +52,7 @@ def make_scheduler_stats(core: Any, engine_index: int = 0,
     sched = core.scheduler
     kv = sched.kv
     spec = getattr(sched, "spec_stats", None)
+    max_loras = getattr(getattr(sched, "config", None), "max_loras", 0)
     return SchedulerStats(
         engine_index=engine_index, num_running=sched.num_running, num_waiting=sched.num_waiting,
         kv_cache_usage=kv.usage, sliding_kv_cache_usage=kv.sliding_group_usage, num_steps=core.num_steps,
@@ -60,4 +65,12 @@ def make_scheduler_stats(core: Any, engine_index: int = 0,
         spec_governor_decisions=dict(spec.governor_decisions) if spec is not None else {},
         first_scheduled=newly_scheduled or {},
         prompt_tokens_by_source=dict(getattr(sched, "prompt_tokens_by_source", {})),
-        num_kv_transfer_failures=sched.remote_kv.num_failed_transfers if getattr(sched, "remote_kv", None) else 0)
+        num_kv_transfer_failures=sched.remote_kv.num_failed_transfers if getattr(sched, "remote_kv", None) else 0,
+        max_loras=max_loras,
+        running_lora_adapters=_adapter_names(sched.running) if max_loras else [],
+        waiting_lora_adapters=_adapter_names(sched.waiting) if max_loras else [])
+
+
+def _adapter_names(requests: Any) -> list[str]:
+    """The distinct adapter names of ``requests``, sorted."""
+    return sorted({r.lora.name for r in requests if getattr(r, "lora", None) is not None})

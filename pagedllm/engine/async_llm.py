@@ -226,7 +226,7 @@ class AsyncLLM:
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
                        kind: OutputKind = OutputKind.DELTA, cache_salt: str | None = None,
                        add_special_tokens: bool = True, arrival_time: float | None = None,
-                       ) -> AsyncIterator[RequestOutput]:
+                       lora_request: Any = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes.
 
         Validation errors (ValueError) are raised by the first ``__anext__`` before any output. Leaving
@@ -240,8 +240,9 @@ class AsyncLLM:
         arrival_time = arrival_time if arrival_time is not None else time.time()
 
         def add() -> None:
+            adapter = {"lora_request": lora_request} if lora_request is not None else {}
             self.engine.add_request(request_id, prompt, params, arrival_time=arrival_time, kind=kind,
-                                    cache_salt=cache_salt, add_special_tokens=add_special_tokens)
+                                    cache_salt=cache_salt, add_special_tokens=add_special_tokens, **adapter)
             # Registered on the engine thread, so no output can be produced before the stream exists.
             self._streams[request_id] = stream
             if self.stat_logger is not None and not isinstance(params, PoolingParams):

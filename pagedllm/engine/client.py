@@ -33,8 +33,9 @@ class EngineClient(ABC):
     @abstractmethod
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
                     arrival_time: float | None = None, kind: OutputKind = OutputKind.FINAL_ONLY,
-                    cache_salt: str | None = None, add_special_tokens: bool = True) -> None:
-        """Validate and queue a request; ValueError naming the bad field."""
+                    cache_salt: str | None = None, add_special_tokens: bool = True, lora_request: Any = None) -> None:
+        """Validate and queue a request; ValueError naming the bad field. ``lora_request``: its adapter
+        (a ``LoRARequest`` or a checked ``AdapterRef``), or None."""
 
     @abstractmethod
     def abort_request(self, request_ids: list[str]) -> None:

@@ -20,6 +20,7 @@ import msgspec
 
 from pagedllm.core.sched_output import EngineCoreOutput
 from pagedllm.core.scheduler_stats import SchedulerStats
+from pagedllm.lora.request import AdapterRef
 from pagedllm.multimodal.wire import WireFeature
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -56,6 +57,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     encoder_input_shape: list[int] | None = None
     # The prompt's images (placeholder runs, content hashes, processed pixels), multimodal/wire.py.
     mm_features: list[WireFeature] | None = None
+    lora: AdapterRef | None = None  # its LoRA adapter (name, id, path, content digest)
 
 
 class AbortRequests(msgspec.Struct, array_like=True):

@@ -154,7 +154,7 @@ class EngineCoreProc:
         request = Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_ids,
                           req.max_tokens, req.arrival_time, req.cache_salt, req.pooling_params,
                           encoder_input=unpack_encoder_input(req.encoder_input, req.encoder_input_shape),
-                          mm_features=unpack_mm_features(req.mm_features))
+                          mm_features=unpack_mm_features(req.mm_features), lora=req.lora)
         try:
             self.core.add_request(request)
         except ValueError as e:  # the API side checked the prompt; anything left fails this request only

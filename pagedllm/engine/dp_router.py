@@ -83,8 +83,8 @@ class DataParallelRouter:
     def choose(self, request_id: str, prompt_token_ids: list[int], cache_salt: str | None, loads: list[int],
                block_keys: BlockKeysFn | None = None) -> int:
         """The engine for a request; ``loads`` are each engine's running + waiting requests (with those routed
-        to it since its last report). ``block_keys``: the request's per-block extra hash keys (its images), so the
-        predicted hashes are the engines' own."""
+        to it since its last report). ``block_keys``: the request's per-block extra hash keys (its LoRA adapter's
+        digest, its images: ``Request.block_keys``), so the predicted hashes are the engines' own."""
         if self.num_engines == 1:
             return 0
         if self._prefix is not None:

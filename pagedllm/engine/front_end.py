@@ -51,8 +51,9 @@ class EngineFrontEnd(EngineClient):
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
                     arrival_time: float | None = None, kind: OutputKind = OutputKind.FINAL_ONLY,
-                    cache_salt: str | None = None, add_special_tokens: bool = True) -> None:
-        """Validate and queue a request; raises ValueError naming the bad field."""
+                    cache_salt: str | None = None, add_special_tokens: bool = True, lora_request: Any = None) -> None:
+        """Validate and queue a request; raises ValueError naming the bad field. ``lora_request``: a
+        ``LoRARequest`` (or a checked ``AdapterRef``) to run the request with, on an engine started with LoRA."""
         if request_id in self.output_processor.parents or request_id in self.output_processor.pooling:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         arrival_time = arrival_time if arrival_time is not None else time.time()
@@ -69,6 +70,7 @@ class EngineFrontEnd(EngineClient):
             self.output_processor.add_pooling_request(request_id, text, token_ids, arrival_time)
             self._queue([request])
             return
+        adapter = self.resolve_lora(lora_request) if lora_request is not None else None
         if params.structured_outputs is not None:
             self._precompile(params)
         multimodal = self.processor.multimodal_inputs(prompt, add_special_tokens)  # images: the HF processor
@@ -77,9 +79,23 @@ class EngineFrontEnd(EngineClient):
         else:
             (text, token_ids), mm_features = self.processor.tokenize(prompt, add_special_tokens), None
         requests = self.processor.make_requests(request_id, token_ids, params, arrival_time, cache_salt,
-                                                encoder_input, mm_features)
+                                                encoder_input, mm_features, adapter)
         self.output_processor.add_request(request_id, text, token_ids, params, kind, arrival_time)
         self._queue(requests)
+
+    def resolve_lora(self, lora_request: Any) -> Any:
+        """The checked ``AdapterRef`` of a ``LoRARequest`` (ValueError naming the field when the engine runs no
+        adapters or the adapter cannot be applied to its model)."""
+        if self.config.lora is None:
+            raise ValueError("lora_request: this engine was started without LoRA; start it with enable_lora=True "
+                             "(--enable-lora)")
+        resolver = getattr(self, "_lora_resolver", None)
+        if resolver is None:
+            from pagedllm.lora.resolver import AdapterResolver
+
+            resolver = self._lora_resolver = AdapterResolver(self.config.model.hf_config,
+                                                             self.config.lora.max_lora_rank)
+        return resolver.resolve(lora_request)
 
     def validate_structured_outputs(self, params: SamplingParams) -> None:
         """Compile the request's grammar (or find it cached); ValueError naming the field if it cannot be.

@@ -174,7 +174,7 @@ class MultiprocEngine(EngineFrontEnd):
             self._send(engine, RequestType.ADD, EngineCoreRequest(
                 request.request_id, request.prompt_token_ids, request.sampling_params, list(request.eos_token_ids),
                 request.max_tokens, request.arrival_time, request.cache_salt, request.pooling_params,
-                encoder_input, encoder_shape, mm_features))
+                encoder_input, encoder_shape, mm_features, request.lora))
             self._owner[request.request_id] = engine
             self._parent_of[request.request_id] = parent
         self._live_children[parent] = len(requests)

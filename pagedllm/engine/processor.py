@@ -117,10 +117,10 @@ class Processor:
 
     def make_requests(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       arrival_time: float | None = None, cache_salt: str | None = None,
-                      encoder_input: Any = None, mm_features: list[MultiModalFeature] | None = None
-                      ) -> list[Request]:
+                      encoder_input: Any = None, mm_features: list[MultiModalFeature] | None = None,
+                      lora: Any = None) -> list[Request]:
         """One engine request per sample (n > 1 fans out; children share prompt blocks via the cache, and an
-        encoder-decoder request's children its ``encoder_input``)."""
+        encoder-decoder request's children its ``encoder_input``). ``lora``: the adapter (``AdapterRef``) or None."""
         max_tokens = self.validate_params(params, len(prompt_token_ids))
         arrival_time = arrival_time if arrival_time is not None else time.time()
         requests = []
@@ -128,7 +128,7 @@ class Processor:
             child = params.child_params(i)
             requests.append(Request(child_request_id(request_id, i, params.n), prompt_token_ids, child,
                                     self.model_config.eos_token_ids, max_tokens, arrival_time, cache_salt,
-                                    encoder_input=encoder_input, mm_features=mm_features))
+                                    encoder_input=encoder_input, mm_features=mm_features, lora=lora))
         return requests
 
     # ---- pooling (embedding) requests ---------------------------------------------------------------------

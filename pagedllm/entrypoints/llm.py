@@ -14,6 +14,7 @@ from pagedllm.core.scheduler_stats import make_scheduler_stats
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
 from pagedllm.engine_args import EngineArgs
+from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.reader import Metric, engine_metrics
 from pagedllm.multimodal.chat import load_images, parse_chat_messages
 from pagedllm.multimodal.media import MediaPolicy
@@ -44,8 +45,11 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Prompts are strings or token-id lists (one, or a list); one params for all or one each."""
+                 use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """Prompts are strings or token-id lists (one, or a list); one params for all or one each.
+        ``lora_request``: one adapter for all prompts, or one (or None: the base model) per prompt; needs
+        ``LLM(..., enable_lora=True)``."""
         self._check_generative()
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                   and isinstance(prompts[0], int)):
@@ -59,15 +63,17 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"sampling_params: got {len(params_list)} for {len(prompts)} prompts")
-        return self._run(prompts, params_list, use_tqdm, add_special_tokens=True)
+        return self._run(prompts, params_list, use_tqdm, add_special_tokens=True,
+                         loras=_per_prompt(lora_request, len(prompts)))
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate. Content may be a
-        list of OpenAI parts (text, image_url with a data: URL, or image_pil with a PIL image) for a vision-language
-        model."""
+             add_generation_prompt: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate (with
+        ``lora_request`` as in ``generate``). Content may be a list of OpenAI parts (text, image_url with a data:
+        URL, or image_pil with a PIL image) for a vision-language model."""
         self._check_generative()
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
@@ -87,7 +93,8 @@ class LLM:
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         else:
             params_list = list(sampling_params)
-        return self._run(prompts, params_list, use_tqdm, add_special_tokens=False)
+        return self._run(prompts, params_list, use_tqdm, add_special_tokens=False,
+                         loras=_per_prompt(lora_request, len(prompts)))
 
     def _check_generative(self) -> None:
         if self.engine.config.model.is_pooling:
@@ -116,15 +123,18 @@ class LLM:
         return list(prompts)
 
     def _run(self, prompts: list, params_list: list[SamplingParams] | list[PoolingParams], use_tqdm: bool,
-             add_special_tokens: bool) -> list[RequestOutput] | list[PoolingRequestOutput]:
+             add_special_tokens: bool, loras: list[LoRARequest | None] | None = None
+             ) -> list[RequestOutput] | list[PoolingRequestOutput]:
         ids = []
+        loras = loras or [None] * len(prompts)
         engine = self.engine
         for params in params_list:
             engine.validate_structured_outputs(params)  # a grammar that cannot compile fails before any is queued
         try:
-            for prompt, params in zip(prompts, params_list):
+            for prompt, params, lora in zip(prompts, params_list, loras):
                 request_id = str(next(self._ids))
-                engine.add_request(request_id, prompt, params, add_special_tokens=add_special_tokens)
+                engine.add_request(request_id, prompt, params, add_special_tokens=add_special_tokens,
+                                   lora_request=lora)
                 ids.append(request_id)
         except Exception:
             engine.abort_request(ids)
@@ -161,3 +171,13 @@ class LLM:
         """Forget all cached prefixes (blocks in use keep their data)."""
         self.engine.reset_prefix_cache()
         return True
+
+
+def _per_prompt(lora_request: LoRARequest | Sequence[LoRARequest | None] | None, n: int) -> list | None:
+    """One adapter (or None) per prompt; ValueError when a list does not match the prompts."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise ValueError(f"lora_request: got {len(loras)} for {n} prompts")
+    return loras

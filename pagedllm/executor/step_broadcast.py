@@ -19,6 +19,7 @@ import zmq
 
 from pagedllm.config import KVCacheLayout
 from pagedllm.core.sched_output import SchedulerOutput
+from pagedllm.lora.request import AdapterRef
 from pagedllm.multimodal.wire import WireFeature, pack_mm_features, unpack_mm_features
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -38,6 +39,7 @@ class WireNewRequest(msgspec.Struct):
     num_computed_tokens: int
     pooling_params: PoolingParams | None = None
     mm_features: list[WireFeature] = []  # MultiModalFeature objects again once decoded
+    lora: AdapterRef | None = None
 
 
 class WireCachedRequest(msgspec.Struct):

@@ -80,6 +80,9 @@ class PrometheusMetrics:
         self.request_time_per_output_token = histogram("vllm:request_time_per_output_token_seconds",
                                                        "Mean time per output token after the first, per request.",
                                                        _LATENCY_BUCKETS)
+        # vLLM's: one series, its labels the adapters in use, its value the time they were reported.
+        self._lora_requests_info = Gauge("vllm:lora_requests_info", "Running stats on LoRA requests.",
+                                         ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r)
         self._engine_families = _EngineFamilies(r, max_num_batched_tokens)
         self._engines: dict[int, EngineSeries] = {}
         self.engine(0)  # show engine 0's series before its first step
@@ -90,6 +93,11 @@ class PrometheusMetrics:
         if series is None:
             series = self._engines[index] = EngineSeries(self._engine_families, self.model_name, str(index))
         return series
+
+    def lora_requests(self, max_loras: int, running: list[str], waiting: list[str], now: float) -> None:
+        """The adapters of the running and the waiting requests now (comma-separated names)."""
+        self._lora_requests_info.clear()
+        self._lora_requests_info.labels(str(max_loras), ",".join(waiting), ",".join(running)).set(now)
 
     def request_success(self, finished_reason: str) -> None:
         self._request_success.labels(self.model_name, finished_reason).inc()

@@ -96,6 +96,9 @@ class StatsRecorder:
             m = self.metrics.engine(stats.engine_index)
             if stepped:
                 m.iteration_tokens.observe(stats.step_tokens)
+            if stats.max_loras:
+                self.metrics.lora_requests(stats.max_loras, stats.running_lora_adapters, stats.waiting_lora_adapters,
+                                           time.time())
             m.num_requests_running.set(stats.num_running)
             m.num_requests_waiting.set(stats.num_waiting)
             m.kv_cache_usage_perc.set(stats.kv_cache_usage)

@@ -92,6 +92,7 @@ class CachedRequestState:
     output_token_ids: list[int] = field(default_factory=list)
     pooling_params: Any = None  # PoolingParams of a pooling request
     mm_features: list = field(default_factory=list)  # its images (core/multimodal.py), with their pixels
+    lora: Any = None  # its LoRA adapter (lora.request.AdapterRef), None for the base model
 
 
 class ModelRunner:
@@ -137,6 +138,8 @@ class ModelRunner:
         # The layers that read a step's metadata, by group and backend (step_readers); found at the first step
         # after the KV caches are bound (which sets each layer's group).
         self._step_readers: StepReaders | None = None
+        # LoRA adapters (lora/model_manager.py): set by the worker with --enable-lora; None runs the base model only.
+        self.lora: Any = None
 
     def add_model_rules_stage(self, stage: LogitsStage) -> None:
         """A model's own decoding rules (Whisper's, ``sample/whisper_rules.py``) as the sampler's first stage, ahead
@@ -239,7 +242,7 @@ class ModelRunner:
                 block_ids=tuple(list(ids) for ids in new.block_ids), num_computed_tokens=new.num_computed_tokens,
                 generator=gen,
                 output_token_ids=list(new.output_token_ids), pooling_params=new.pooling_params,
-                mm_features=list(new.mm_features))
+                mm_features=list(new.mm_features), lora=new.lora)
             if self.pooling is None:
                 added.append((new.req_id, state.params, state.prompt_token_ids, state.output_token_ids, gen))
         if self.pooling is None:
@@ -277,8 +280,19 @@ class ModelRunner:
         inputs_embeds = (self.multimodal.input_embeddings(states, query_lens, input_ids)
                          if self.multimodal is not None else None)
 
-        if inputs_embeds is None and self.decode_graphs is not None and self.decode_graphs.can_run(meta):
+        adapters = [state.lora for state in states] if self.lora is not None else []
+        if (inputs_embeds is None and not any(adapters) and self.decode_graphs is not None
+                and self.decode_graphs.can_run(meta)):
             hidden = self.decode_graphs.run(input_ids, positions, meta)  # a CUDA or CPU step graph replayed
+        elif any(adapters):
+            self.lora.begin_step(adapters, query_lens)  # the adapters' slots and rows
+            try:
+                self.prepare_attention(meta)
+                with forward_context(meta):
+                    hidden = (self.model(input_ids, positions) if inputs_embeds is None
+                              else self.model(input_ids, positions, inputs_embeds=inputs_embeds))
+            finally:
+                self.lora.end_step()
         else:
             self.prepare_attention(meta)
             with forward_context(meta):

@@ -91,6 +91,13 @@ class Worker:
             attach_encoder_decoder(self.runner, config.cache.cross_group_tokens)
             rules = WhisperDecodingRules.from_config(mc.hf_config, mc.vocab_size)
             self.runner.add_model_rules_stage(WhisperRulesStage(rules))
+        if config.lora is not None:
+            from pagedllm.lora.model_manager import LoRAModelManager
+
+            if mc.is_pooling or mc.is_encoder_decoder:
+                raise ValueError("enable_lora: LoRA adapters are served on decoder (generate) models only")
+            self.runner.lora = LoRAModelManager(model, mc.hf_config, config.lora.max_loras, config.lora.cpu_loras,
+                                                config.lora.max_lora_rank, self.device)
         if config.speculative is not None:
             from pagedllm.spec_decode.setup import attach_spec_decoder
 
@@ -261,6 +268,10 @@ class Worker:
                         "transformers' layers are Python and torch ops that are not recorded)",
                         self.config.model.architecture, "CUDA" if self.platform.supports_graphs else "CPU step")
             return
+        if getattr(self.runner, "lora", None) is not None:
+            # Recorded with no adapter in the step: the graphs hold the base model only.
+            logger.info("LoRA: steps with an adapter run eagerly (a recorded graph cannot hold the adapters' "
+                        "terms); base-model decode steps replay graphs")
         if self.platform.supports_graphs:
             _capture_cuda_graphs(self)
         elif self.platform.step_graph_kernels(self.dtype) is not None:

@@ -87,7 +87,7 @@ def test_bad_inputs_get_openai_shaped_400s(embedding_server):
     _assert_error(httpx.post(url, json={"input": "word " * 300}), 400, "input", "maximum context length")
     _assert_error(httpx.post(url, json={"input": "hi", "dimensions": 8}), 400, "dimensions", "matryoshka")
     _assert_error(httpx.post(url, json={"input": "hi", "encoding_format": "int8"}), 400, "encoding_format")
-    _assert_error(httpx.post(url, json={"input": "hi", "model": "nope"}), 400, "model", "does not exist")
+    _assert_error(httpx.post(url, json={"input": "hi", "model": "nope"}), 404, "model", "does not exist")
     _assert_error(httpx.post(url, json={"input": {"a": 1}}), 400, "input")
     _assert_error(httpx.post(url, json={"input": "hi", "truncate_prompt_tokens": 100000}), 400,
                   "truncate_prompt_tokens")

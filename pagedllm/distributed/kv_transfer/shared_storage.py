@@ -62,8 +62,9 @@ class SharedStorageConnector(KVConnectorBase_V1):
 
     # ---- scheduler half ------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        # The request's own block keys (its LoRA adapter's digest) too: another adapter's KV is never loaded.
         keys = compute_block_hash_values(request.prompt_token_ids, self.block_size, self.root, "sha256",
-                                         request.cache_salt)
+                                         request.cache_salt, getattr(request, "block_keys", None))
         self._keys[request.request_id] = keys
         self._num_saved[request.request_id] = 0
         if not self.config.is_kv_consumer:

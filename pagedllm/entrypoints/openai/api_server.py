@@ -35,9 +35,11 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    LoadLoRAAdapterRequest,
     PoolingRequest,
     ScoreRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from pagedllm.entrypoints.openai.protocol_messages import MessagesCountRequest, MessagesRequest, anthropic_error_body
 from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
@@ -195,8 +197,12 @@ def build_app(engine: AsyncLLM, options: ServerOptions, metrics: PrometheusMetri
     core = engine.engine
     tokenizer = copy.deepcopy(core.get_tokenizer())
     model_path = core.config.model.model_path or core.config.model.model
+    lora = getattr(core.config, "lora", None)
     models = ServingModels(options.served_model_names, model_path, core.processor.max_model_len,
-                           getattr(core.config.model, "architecture", "") or None)
+                           getattr(core.config.model, "architecture", "") or None,
+                           resolve_adapter=core.resolve_lora if lora is not None else None)
+    for name, path, _ in lora.lora_modules if lora is not None else ():
+        models.add_adapter(name, path)  # --lora-modules: a bad adapter stops the start-up, saying why
     completion = ServingCompletion(engine, models, tokenizer)
     chat = ServingChat(engine, models, tokenizer)
     chat.configure_tools(options.tool_call_parser)
@@ -361,6 +367,16 @@ def build_app(engine: AsyncLLM, options: ServerOptions, metrics: PrometheusMetri
     async def get_metrics() -> Response:
         body = metrics.render() if metrics is not None else b""
         return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:
+        await models.load_adapter(req.lora_name, req.lora_path)
+        return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> Response:
+        models.unload_adapter(req.lora_name)
+        return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:

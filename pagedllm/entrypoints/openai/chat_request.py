@@ -35,6 +35,7 @@ class PreparedChat:
     cache_salt: str | None = None
     # What the engine is given: the token ids, and for images the prompt text and the processed pictures.
     prompt: dict[str, Any] = field(default_factory=dict)
+    lora_request: Any = None  # the LoRA adapter the request's model names (lora.request.AdapterRef), or None
 
     def __post_init__(self) -> None:
         if not self.prompt:

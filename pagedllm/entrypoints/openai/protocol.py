@@ -234,6 +234,20 @@ class ModelCard(OpenAIModel):
     architecture: str | None = None  # the served model's HF architecture name
 
 
+class LoadLoRAAdapterRequest(OpenAIModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's body)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):
+    """``POST /v1/unload_lora_adapter`` (vLLM's body; ``lora_int_id`` is accepted and not needed)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 class ModelList(OpenAIModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]

@@ -63,14 +63,19 @@ class ServingChat(OpenAIServing):
         return self.converter.render(messages, add_generation_prompt)
 
     async def prepare(self, req: ChatCompletionRequest) -> PreparedChat:
-        return await self.converter.prepare(req)
+        """The engine request of a chat-shaped request (every endpoint's), with the LoRA adapter its ``model``
+        names (None: the base model)."""
+        prepared = await self.converter.prepare(req)
+        prepared.lora_request = self.models.adapter(req.model)
+        return prepared
 
     async def start(self, prepared: PreparedChat, request_id: str, stream: bool) -> AsyncIterator[RequestOutput]:
         """Submit to the engine; the outputs, the first awaited here so that a refused request is a 400.
         Closing the iterator aborts the request (its KV blocks are freed)."""
         kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
         merged = merge_streams([self.engine.generate(prepared.prompt, prepared.params, request_id, kind=kind,
-                                                     cache_salt=prepared.cache_salt)])
+                                                     cache_salt=prepared.cache_salt,
+                                                     lora_request=prepared.lora_request)])
         try:
             first = await merged.__anext__()
         except ValueError as e:

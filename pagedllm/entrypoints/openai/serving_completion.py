@@ -72,7 +72,8 @@ class ServingCompletion(OpenAIServing):
         created = int(time.time())
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
         streams = [self.engine.generate({"prompt_token_ids": p.token_ids}, params, f"{request_id}-{i}",
-                                        kind=kind, cache_salt=req.cache_salt, arrival_time=time.time())
+                                        kind=kind, cache_salt=req.cache_salt, arrival_time=time.time(),
+                                        lora_request=self.models.adapter(model))
                    for i, p in enumerate(prompts)]
         if req.stream:
             outputs = await start_streams(streams)

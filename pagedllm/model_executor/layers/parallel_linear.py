@@ -106,6 +106,7 @@ def column_parallel_linear(input_size: int, shard_parts: Sequence[Slice], *, bia
     sizes = tuple(p.size for p in shard_parts)
     layer = Linear(input_size, sum(sizes), bias=bias, dtype=dtype, quant_config=quant_config,
                    shard_sizes=sizes if len(sizes) > 1 else None, prefix=prefix)
+    layer.shard_parts = tuple(shard_parts)  # what a LoRA term beside it cuts its B rows by (lora/model_manager.py)
     for name, param in list(layer.named_parameters(recurse=False)):
         inner = getattr(param, "weight_loader", None)
         if inner is None:
@@ -142,6 +143,7 @@ def row_parallel_linear(part: Slice, output_size: int, *, bias: bool, dtype: tor
     """A row-parallel layer over input columns ``part`` of the checkpoint's ``part.full`` inputs."""
     layer = RowParallelLinear(part.size, output_size, bias=bias, dtype=dtype, quant_config=quant_config,
                               prefix=prefix)
+    layer.input_part = part  # what a LoRA term beside it cuts its A columns by (lora/model_manager.py)
     rank = get_tp().rank
     for name, param in list(layer.named_parameters(recurse=False)):
         inner = getattr(param, "weight_loader", None)

@@ -1,0 +1,49 @@
+"""Random PEFT LoRA adapters on the tiny Llama (``model_helpers.make_tiny_llama``) and transformers + peft's greedy
+output as the reference."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(base_path: str, out_path: str | os.PathLike, r: int = 8, alpha: float = 16.0,
+                 targets: list[str] | None = None, seed: int = 0, scale: float = 0.3, model_cls: Any = None,
+                 **lora_kwargs: Any) -> str:
+    """Save a random LoRA adapter for the model at ``base_path`` (A and B drawn N(0, scale): big enough to change
+    the greedy output) as a PEFT folder; returns its path. ``model_cls``: the transformers class (Llama's)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    base = (model_cls or LlamaForCausalLM).from_pretrained(base_path, torch_dtype=torch.float32)
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets or ALL_TARGETS, lora_dropout=0.0,
+                        init_lora_weights=False, **lora_kwargs)
+    model = get_peft_model(base, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+    model.save_pretrained(str(out_path))
+    return str(out_path)
+
+
+def peft_greedy(base_path: str, adapter_path: str | None, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation by transformers (+ peft's adapter when given), full forward passes, float32."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(base_path, torch_dtype=torch.float32)
+    if adapter_path is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_path)
+    model.eval()
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
