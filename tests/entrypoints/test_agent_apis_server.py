@@ -23,7 +23,7 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of
                           "required": ["city"], "additionalProperties": False}}
 CHAT_WEATHER = {"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}
 LONG = {"type": "json_schema", "name": "long", "schema": {  # keeps the model busy for hundreds of tokens
-    "type": "object", "properties": {"s": {"type": "string", "minLength": 900}}, "required": ["s"]}}
+    "type": "object", "properties": {"s": {"type": "string", "minLength": 5000}}, "required": ["s"]}}
 
 
 @pytest.fixture(scope="module")
