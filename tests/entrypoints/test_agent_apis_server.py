@@ -365,7 +365,7 @@ def test_tool_use_round_trip(anthropic_client, client, tool_choice) -> None:
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "maybe"},
       "tools": [ANTHROPIC_WEATHER]}, 400),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "tools": [{"name": "t"}]}, 400),
-    ({"max_tokens": 4, "model": "other", "messages": [{"role": "user", "content": "x"}]}, 400),
+    ({"max_tokens": 4, "model": "other", "messages": [{"role": "user", "content": "x"}]}, 404),  # not_found_error
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "output_config": {"format": {
         "type": "json_schema", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}}, 400),
 ])
@@ -374,7 +374,7 @@ def test_bad_messages_are_4xx_in_anthropic_shape(agent_server, body, status) -> 
     assert resp.status_code == status, resp.text
     data = resp.json()
     assert data["type"] == "error" and set(data["error"]) == {"type", "message"}
-    assert data["error"]["type"] == "invalid_request_error"
+    assert data["error"]["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
 
 
 def test_output_config_format_is_a_json_schema(anthropic_client) -> None:
