@@ -9,7 +9,8 @@ from pagedllm.entrypoints.openai.serving_models import ServingModels
 from pagedllm.model_executor.models.registry import get_model_cls, supported_architectures
 
 EXPECTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
-            "Gemma3ForCausalLM", "GPT2LMHeadModel", "BertModel", "WhisperForConditionalGeneration"}
+            "Gemma3ForCausalLM", "GPT2LMHeadModel", "BertModel", "WhisperForConditionalGeneration",
+            "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"}
 
 
 def test_cli_lists_every_architecture(capsys) -> None:

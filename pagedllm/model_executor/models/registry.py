@@ -31,6 +31,12 @@ _ARCHITECTURES = [
                      "5 local : 1 global layers, sliding window", gguf_arch="gemma3"),
     ArchitectureInfo("GPT2LMHeadModel", "gpt2", "GPT2LMHeadModel", "GPT-2", ("hf", "gguf"),
                      "learned positions, Conv1D weights", gguf_arch="gpt2"),
+    ArchitectureInfo("MixtralForCausalLM", "moe", "MixtralForCausalLM", "Mixtral (mixture of experts)", ("hf",),
+                     "softmax then top-k, renormalised; fused experts"),
+    ArchitectureInfo("Qwen2MoeForCausalLM", "moe", "Qwen2MoeForCausalLM", "Qwen1.5-MoE, Qwen2-MoE", ("hf",),
+                     "top-k with norm_topk_prob; shared expert with a sigmoid gate"),
+    ArchitectureInfo("Qwen3MoeForCausalLM", "moe", "Qwen3MoeForCausalLM", "Qwen3-MoE (30B-A3B, 235B-A22B)", ("hf",),
+                     "top-k with norm_topk_prob; per-head q/k RMSNorm"),
     ArchitectureInfo("WhisperForConditionalGeneration", "whisper", "WhisperForConditionalGeneration",
                      "Whisper (speech to text)", ("hf", "ct2"),
                      "encoder-decoder: audio_features prompts, a cross-attention KV cache group"),
@@ -38,6 +44,15 @@ _ARCHITECTURES = [
                      "encoder-only: pooling runner (embeddings)"),
 ]
 _BY_NAME = {a.name: a for a in _ARCHITECTURES}
+
+# Known architectures refused with the reason (instead of the generic "not supported").
+_REFUSED = {
+    "GptOssForCausalLM": "gpt-oss needs attention sinks, which pagedllm's attention backends do not implement",
+    "OlmoeForCausalLM": "OLMoE's q/k RMSNorm over all heads together is not implemented",
+    "GraniteMoeForCausalLM": "Granite-MoE's embedding/residual/logit multipliers are not implemented",
+    "DeepseekV2ForCausalLM": "DeepSeek's multi-head latent attention and grouped routing are not implemented",
+    "DeepseekV3ForCausalLM": "DeepSeek's multi-head latent attention and grouped routing are not implemented",
+}
 
 
 def supported_architectures() -> list[str]:
@@ -62,5 +77,8 @@ def get_model_cls(architectures: list[str]) -> type:
         if info is not None:
             module = importlib.import_module(f"pagedllm.model_executor.models.{info.module}")
             return getattr(module, info.class_name)
+    for arch in architectures or []:
+        if arch in _REFUSED:
+            raise ValueError(f"model architecture {arch} is not supported: {_REFUSED[arch]}")
     raise ValueError(f"model architecture {list(architectures or [])} is not supported; "
                      f"supported architectures: {', '.join(supported_architectures())}")

@@ -1,0 +1,173 @@
+"""Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE) against transformers on tiny random models with 4-16
+experts, top-1 to top-4, with and without renormalisation, a shared expert and a dense layer: whole prompts,
+chunked prefill + paged decodes, greedy tokens through the engine (transformers' ``generate``; a batch of
+mixed-length prompts equals each alone); the output follows the routing; fused-expert checkpoints load; refusals
+name what is not supported."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pagedllm.config import ModelConfig
+from pagedllm.model_executor.layers.attention import bind_kv_caches
+from pagedllm.model_executor.layers.fused_moe import FusedMoE
+from pagedllm.model_executor.loader import load_model, resolve_model_config
+
+from helpers.model_helpers import make_model_kv_caches, paged_step, prefill_logits
+from helpers.moe_configs import MOE_VARIANTS, save_tiny_moe
+
+ATOL = 2e-4
+NEW_TOKENS = 10
+
+
+@pytest.fixture(scope="module", params=list(MOE_VARIANTS))
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    path, hf = save_tiny_moe(request.param, tmp_path_factory.mktemp(request.param))
+    mc = resolve_model_config(ModelConfig(model=path, dtype="float32"))
+    assert mc.architecture == MOE_VARIANTS[request.param][0]
+    return request.param, path, hf, load_model(mc, torch.device("cpu"))
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def _moe_layers(model) -> list[FusedMoE]:
+    return [m for m in model.modules() if isinstance(m, FusedMoE)]
+
+
+def test_prefill_matches_transformers(tiny) -> None:
+    variant, _, hf, model = tiny
+    ids = _ids(40, seed=1)
+    torch.testing.assert_close(prefill_logits(model, ids, block_size=8), _hf_logits(hf, ids), atol=ATOL, rtol=0)
+    expected_moe = 2 if variant.startswith("qwen2moe") else len(hf.model.layers)  # qwen2moe: layer 1 is dense
+    assert len(_moe_layers(model)) == expected_moe
+
+
+def test_chunked_prefill_and_decodes_match_transformers(tiny) -> None:
+    """Request A: prefill in two chunks, then decodes; B joins mid-way and shares the steps (mixed batches)."""
+    _, _, hf, model = tiny
+    bs = 8
+    bind_kv_caches(model, make_model_kv_caches(model, num_blocks=20, block_size=bs))
+    a, b = _ids(30, seed=2), _ids(21, seed=3)
+    table_a, table_b = [7, 2, 9, 4], [1, 11, 13]
+    got_a = [paged_step(model, [a[0:12]], [12], [table_a], bs), paged_step(model, [a[12:27]], [27], [table_a], bs)]
+    got_b = []
+    out = paged_step(model, [a[27:28], b[0:19]], [28, 19], [table_a, table_b], bs)
+    got_a.append(out[:1])
+    got_b.append(out[1:])
+    for pos in (28, 29):
+        out = paged_step(model, [a[pos:pos + 1], b[pos - 9:pos - 8]], [pos + 1, pos - 8], [table_a, table_b], bs)
+        got_a.append(out[:1])
+        got_b.append(out[1:])
+    torch.testing.assert_close(torch.cat(got_a), _hf_logits(hf, a), atol=ATOL, rtol=0)
+    torch.testing.assert_close(torch.cat(got_b), _hf_logits(hf, b), atol=ATOL, rtol=0)
+
+
+def test_output_follows_the_routing(tiny) -> None:
+    """Swapping two experts' weights changes the logits; swapping the router's rows for them too restores them."""
+    _, _, _, model = tiny
+    ids = _ids(24, seed=4)
+    want = prefill_logits(model, ids)
+    layer = _moe_layers(model)[0]
+    block = model.get_submodule(layer.prefix.rsplit(".", 1)[0])
+    swap = torch.tensor([1, 0])
+    try:
+        for p in (layer.gate_up_proj, layer.down_proj):
+            p.data[:2] = p.data[swap].clone()
+        assert (prefill_logits(model, ids) - want).abs().max() > 1e-2
+        router = torch.eye(layer.rule.num_experts)
+        router[:2] = router[swap]  # the router's logits for experts 0 and 1 trade places with their weights
+        original_gate = block.gate.forward
+        block.gate.forward = lambda x, out=None: original_gate(x) @ router.T  # DirectCall: the instance's forward
+        try:
+            torch.testing.assert_close(prefill_logits(model, ids), want, atol=1e-5, rtol=0)
+        finally:
+            del block.gate.forward
+    finally:
+        for p in (layer.gate_up_proj, layer.down_proj):
+            p.data[:2] = p.data[swap].clone()
+    torch.testing.assert_close(prefill_logits(model, ids), want)
+
+
+def test_engine_greedy_equals_transformers_generate_batched_and_alone(tiny) -> None:
+    from pagedllm import LLM, SamplingParams
+
+    _, path, hf, _ = tiny
+    llm = LLM(model=path, dtype="float32", kv_cache_memory="8MiB", block_size=8, max_num_batched_tokens=64)
+    try:
+        prompts = [_ids(n, seed=10 + n) for n in (5, 23, 37)]
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        batched = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for prompt, out in zip(prompts, batched, strict=True):
+            with torch.no_grad():
+                ref = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                  do_sample=False)[0, len(prompt):].tolist()
+            assert list(out.outputs[0].token_ids) == ref
+            alone = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+            assert list(alone.outputs[0].token_ids) == ref
+    finally:
+        llm.engine.core.close()
+
+
+def test_fused_expert_tensors_load_like_per_expert_ones(tmp_path) -> None:
+    """A checkpoint storing each layer's experts as 3D tensors ([E, 2I, H] gate|up, [E, H, I] down) loads to the
+    same model."""
+    path, hf = save_tiny_moe("mixtral-e4-top2", tmp_path / "per_expert")
+    fused_dir = tmp_path / "fused"
+    hf.save_pretrained(fused_dir)
+    tensors = load_file(fused_dir / "model.safetensors")
+    config = json.loads((fused_dir / "config.json").read_text())
+    for layer in range(config["num_hidden_layers"]):
+        pre = f"model.layers.{layer}.block_sparse_moe.experts"
+        experts = range(config["num_local_experts"])
+        gate = [tensors.pop(f"{pre}.{e}.w1.weight") for e in experts]
+        up = [tensors.pop(f"{pre}.{e}.w3.weight") for e in experts]
+        down = [tensors.pop(f"{pre}.{e}.w2.weight") for e in experts]
+        tensors[f"{pre}.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up, strict=True)])
+        tensors[f"{pre}.down_proj"] = torch.stack(down)
+    save_file(tensors, fused_dir / "model.safetensors", metadata={"format": "pt"})
+    ids = _ids(20, seed=5)
+    models = [load_model(resolve_model_config(ModelConfig(model=str(p), dtype="float32"))) for p in (path, fused_dir)]
+    torch.testing.assert_close(prefill_logits(models[1], ids), prefill_logits(models[0], ids), atol=0, rtol=0)
+
+
+def test_unsupported_moe_checkpoints_are_refused_naming_why(tmp_path) -> None:
+    from pagedllm.model_executor.models.registry import get_model_cls
+
+    from helpers.moe_configs import moe_config
+
+    with pytest.raises(ValueError, match="GptOssForCausalLM is not supported: .*attention sinks"):
+        get_model_cls(["GptOssForCausalLM"])
+    cfg = moe_config("qwen3moe-e8-top3")
+    cfg.n_group = 4  # DeepSeek-style grouped routing
+    with pytest.raises(ValueError, match=r"Qwen3MoeForCausalLM: MoE routing setting n_group=4 is not supported"):
+        get_model_cls(["Qwen3MoeForCausalLM"])(cfg)
+    path, _ = save_tiny_moe("qwen3moe-e8-top3", tmp_path / "odd")
+    tensors = load_file(f"{path}/model.safetensors")
+    tensors["model.layers.0.mlp.experts.3.w_in.weight"] = tensors.pop("model.layers.0.mlp.experts.3.up_proj.weight")
+    save_file(tensors, f"{path}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"experts\.3\.w_in\.weight"):
+        load_model(resolve_model_config(ModelConfig(model=path, dtype="float32")))
+
+
+def test_int8_experts_close_to_float(tmp_path) -> None:
+    path, hf = save_tiny_moe("qwen2moe-e8-top4-shared", tmp_path / "m")
+    mc = resolve_model_config(ModelConfig(model=path, dtype="float32", quantization="int8"))
+    model = load_model(mc)
+    layer = _moe_layers(model)[0]
+    assert layer.gate_up_proj.numel() == 0  # the float stacks are gone: packed int8 experts only
+    assert "int8" in layer._quantized[0][0].quant_method.name
+    ids = _ids(30, seed=6)
+    got, want = prefill_logits(model, ids), _hf_logits(hf, ids)
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
