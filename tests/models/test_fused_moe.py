@@ -1,6 +1,6 @@
-"""The fused MoE layer on its own: each routing rule equals transformers' arithmetic, the grouped experts equal the
-plain per-expert loop (float32, bfloat16, odd sizes), a decode token touches only its k experts, and the loader's
-checks name what is wrong."""
+"""The fused MoE layer on its own: each routing rule equals transformers' arithmetic, the grouped experts (the C++
+kernel's panels in float32, torch's grouped matmul in bfloat16, the loop for odd sizes) equal the plain per-expert
+loop, a decode token touches only its k experts, and the loader's checks name what is wrong."""
 
 from __future__ import annotations
 
@@ -12,11 +12,19 @@ from pagedllm.model_executor.layers.fused_moe.grouping import group_by_expert
 from pagedllm.model_executor.layers.fused_moe.reference import reference_moe
 
 
-def _layer(rule: RoutingRule, hidden: int, inter: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> FusedMoE:
-    torch.manual_seed(seed)
-    layer = FusedMoE(rule, hidden, inter, dtype=dtype, prefix="model.layers.0.mlp.experts")
-    layer.gate_up_proj.data.normal_(0, 0.1)
-    layer.down_proj.data.normal_(0, 0.1)
+def _weights(rule: RoutingRule, hidden: int, inter: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random float32 stacks: gate_up [E, 2I, H], down [E, H, I]."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rule.num_experts, 2 * inter, hidden, generator=g) * 0.1,
+            torch.randn(rule.num_experts, hidden, inter, generator=g) * 0.1)
+
+
+def _layer(rule: RoutingRule, gate_up: torch.Tensor, down: torch.Tensor,
+           dtype: torch.dtype = torch.float32) -> FusedMoE:
+    """A loaded layer holding ``gate_up``, ``down`` (fused checkpoint tensors), its weights bound for the platform."""
+    layer = FusedMoE(rule, down.shape[1], down.shape[2], dtype=dtype, prefix="model.layers.0.mlp.experts")
+    layer.gate_up_proj.weight_loader(layer.gate_up_proj, gate_up.to(dtype), None)
+    layer.down_proj.weight_loader(layer.down_proj, down.to(dtype), None)
     layer.process_weights_after_loading()
     return layer
 
@@ -70,22 +78,23 @@ def test_grouping_sorts_rows_by_expert_stably() -> None:
     (RoutingRule(6, 2, "softmax_topk"), 30, 10),  # rows not 16-byte multiples: the loop fallback
 ])
 def test_grouped_experts_equal_the_per_expert_loop(rule: RoutingRule, hidden: int, inter: int) -> None:
-    layer = _layer(rule, hidden, inter)
+    gate_up, down = _weights(rule, hidden, inter)
+    layer = _layer(rule, gate_up, down)
+    assert layer.describe() in ("float32 panels (moe_packed_gemm)", "float32 grouped_mm")
     x = torch.randn(37, hidden)
     logits = torch.randn(37, rule.num_experts)
-    want = reference_moe(x, logits, layer.gate_up_proj, layer.down_proj, rule)
+    want = reference_moe(x, logits, gate_up, down, rule)
     torch.testing.assert_close(layer(x, logits), want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(layer(x[:1], logits[:1]), want[:1], atol=1e-5, rtol=1e-5)  # one decode token
 
 
 def test_bfloat16_experts_close_to_float32() -> None:
     rule = RoutingRule(8, 2, "softmax_topk", renormalize=True)
-    layer = _layer(rule, 64, 32)
+    gate_up, down = _weights(rule, 64, 32)
     x, logits = torch.randn(20, 64), torch.randn(20, 8)
-    want = reference_moe(x, logits, layer.gate_up_proj, layer.down_proj, rule)
-    bf16 = _layer(rule, 64, 32, dtype=torch.bfloat16)
-    bf16.gate_up_proj.data.copy_(layer.gate_up_proj)
-    bf16.down_proj.data.copy_(layer.down_proj)
+    want = reference_moe(x, logits, gate_up, down, rule)
+    bf16 = _layer(rule, gate_up, down, dtype=torch.bfloat16)
+    assert bf16.describe() == "bfloat16 grouped_mm"
     got = bf16(x.bfloat16(), logits)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, atol=0.03, rtol=0.05)
@@ -94,14 +103,14 @@ def test_bfloat16_experts_close_to_float32() -> None:
 def test_a_token_reads_only_its_experts() -> None:
     """Poisoning the experts a token did not choose leaves its output unchanged."""
     rule = RoutingRule(8, 2, "softmax_topk", renormalize=True)
-    layer = _layer(rule, 64, 32)
+    gate_up, down = _weights(rule, 64, 32)
     x, logits = torch.randn(1, 64), torch.randn(1, 8)
-    want = layer(x, logits)
+    want = _layer(rule, gate_up, down)(x, logits)
     chosen = set(select_experts(logits, rule)[1].flatten().tolist())
     for e in set(range(8)) - chosen:
-        layer.gate_up_proj.data[e].fill_(float("nan"))
-        layer.down_proj.data[e].fill_(float("nan"))
-    torch.testing.assert_close(layer(x, logits), want)
+        gate_up[e].fill_(float("nan"))
+        down[e].fill_(float("nan"))
+    torch.testing.assert_close(_layer(rule, gate_up, down)(x, logits), want)
 
 
 def test_loader_takes_per_expert_and_fused_tensors_and_names_bad_shapes() -> None:

@@ -7,6 +7,7 @@ name what is not supported."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -73,30 +74,41 @@ def test_chunked_prefill_and_decodes_match_transformers(tiny) -> None:
     torch.testing.assert_close(torch.cat(got_b), _hf_logits(hf, b), atol=ATOL, rtol=0)
 
 
-def test_output_follows_the_routing(tiny) -> None:
-    """Swapping two experts' weights changes the logits; swapping the router's rows for them too restores them."""
-    _, _, _, model = tiny
+def _with_tensors(path: str, dest, change) -> str:
+    """A copy of the HF folder ``path`` at ``dest`` whose safetensors went through ``change(dict)``."""
+    shutil.copytree(path, dest)
+    tensors = load_file(f"{path}/model.safetensors")
+    change(tensors)
+    save_file(tensors, f"{dest}/model.safetensors", metadata={"format": "pt"})
+    return str(dest)
+
+
+def test_output_follows_the_routing(tiny, tmp_path) -> None:
+    """Swapping two experts' tensors in the checkpoint changes the logits; swapping the router's rows for them too
+    gives the same model back."""
+    _, path, _, model = tiny
     ids = _ids(24, seed=4)
     want = prefill_logits(model, ids)
-    layer = _moe_layers(model)[0]
-    block = model.get_submodule(layer.prefix.rsplit(".", 1)[0])
-    swap = torch.tensor([1, 0])
-    try:
-        for p in (layer.gate_up_proj, layer.down_proj):
-            p.data[:2] = p.data[swap].clone()
-        assert (prefill_logits(model, ids) - want).abs().max() > 1e-2
-        router = torch.eye(layer.rule.num_experts)
-        router[:2] = router[swap]  # the router's logits for experts 0 and 1 trade places with their weights
-        original_gate = block.gate.forward
-        block.gate.forward = lambda x, out=None: original_gate(x) @ router.T  # DirectCall: the instance's forward
-        try:
-            torch.testing.assert_close(prefill_logits(model, ids), want, atol=1e-5, rtol=0)
-        finally:
-            del block.gate.forward
-    finally:
-        for p in (layer.gate_up_proj, layer.down_proj):
-            p.data[:2] = p.data[swap].clone()
-    torch.testing.assert_close(prefill_logits(model, ids), want)
+    block = next(n.rsplit(".experts.", 1)[0] for n in load_file(f"{path}/model.safetensors") if ".experts.0." in n)
+
+    def swap_experts(tensors: dict) -> None:
+        for name in [n for n in tensors if n.startswith(f"{block}.experts.0.")]:
+            other = name.replace(".experts.0.", ".experts.1.")
+            tensors[name], tensors[other] = tensors[other], tensors[name]
+
+    def swap_experts_and_router(tensors: dict) -> None:
+        swap_experts(tensors)
+        router = tensors[f"{block}.gate.weight"]  # [E, H]: expert e's logit is row e
+        order = torch.arange(router.shape[0])
+        order[:2] = torch.tensor([1, 0])
+        tensors[f"{block}.gate.weight"] = router[order]
+
+    def logits(change, name: str) -> torch.Tensor:
+        folder = _with_tensors(path, tmp_path / name, change)
+        return prefill_logits(load_model(resolve_model_config(ModelConfig(model=folder, dtype="float32"))), ids)
+
+    assert (logits(swap_experts, "experts") - want).abs().max() > 1e-2
+    torch.testing.assert_close(logits(swap_experts_and_router, "both"), want, atol=1e-5, rtol=0)
 
 
 def test_engine_greedy_equals_transformers_generate_batched_and_alone(tiny) -> None:

@@ -25,6 +25,11 @@ class ExpertGroups:
     def num_rows(self) -> int:
         return self.token_of.numel()
 
+    def first_experts(self, n: int) -> ExpertGroups:
+        """The rows of experts [0, n) only (expert parallelism: the bucket past them holds other ranks' experts)."""
+        rows = int(self.ends[n - 1]) if n else 0
+        return ExpertGroups(self.token_of[:rows], self.weight[:rows], self.ends[:n])
+
 
 def group_by_expert(weights: torch.Tensor, ids: torch.Tensor, num_experts: int) -> ExpertGroups:
     """weights [T, k] float32, ids [T, k] int64 (``routing.select_experts``) -> the rows sorted by expert.

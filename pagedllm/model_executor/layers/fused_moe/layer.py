@@ -7,13 +7,18 @@ Weights: ``gate_up_proj`` [E, 2 * I, H] (rows [gate | up] of each expert) and ``
 transformers keeps in memory, filled from a checkpoint's per-expert tensors (``experts.{e}.gate_proj.weight``:
 ``WeightMapping.experts``) or from the fused 3D tensors some checkpoints store. Under tensor parallelism each rank
 holds a slice of every expert's intermediate dimension (I / ranks) and the partial outputs are summed by one
-all-reduce, as a row-parallel down projection would.
+all-reduce, as a row-parallel down projection would; with expert parallelism (``--enable-expert-parallel``) each
+rank holds E / ranks whole experts instead, runs the (token, expert) pairs routed to them (every rank has every
+token: attention is tensor-parallel) and the same all-reduce sums each token's experts across ranks.
 
-How the experts multiply (``process_weights_after_loading`` picks one, once):
-- float weights: the grouped matmul over the sorted rows (``torch.nn.functional.grouped_mm``: one call per
-  projection for all experts; experts with no rows are skipped, so a decode step reads only its k experts);
-- a ``--quantization`` scheme: each expert's two projections bound once as the scheme's packed weights
-  (``BoundWeight``, the same forms dense layers use), called for the experts that have rows this step.
+How the experts multiply (``process_weights_after_loading`` picks one, once; ``describe`` names it):
+- float32 on a CPU with the C++ kernels: each expert's projections packed into packed_gemm's panels, stacked
+  [E, P, K, 16]; one C++ call per projection (``moe_packed_gemm``, ``kernels/csrc/moe_gemm.cpp``) threads over
+  (expert, range of panels) for the experts that have rows, so a decode token reads its k experts only;
+- other float weights (bf16, CUDA, no compiler): the grouped matmul over the sorted rows
+  (``torch.nn.functional.grouped_mm``: one call per projection, experts with no rows skipped);
+- a ``--quantization`` scheme: each expert's two projections are ``Linear`` layers of that scheme (packed weights,
+  the same ``BoundWeight`` forms and C++ kernels dense layers use), called for the experts that have rows.
 """
 
 from __future__ import annotations
@@ -24,15 +29,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.distributed.parallel_state import all_reduce, get_tp
+from pagedllm.distributed.parallel_state import all_reduce, divide, get_tp
 from pagedllm.logger import init_logger
 from pagedllm.model_executor.layers.activation import gated_activation
 from pagedllm.model_executor.layers.direct_call import DirectCall
 from pagedllm.model_executor.layers.fused_moe.grouping import ExpertGroups, group_by_expert
 from pagedllm.model_executor.layers.fused_moe.routing import RoutingRule, select_experts
 from pagedllm.model_executor.layers.linear import Linear
-from pagedllm.model_executor.layers.parallel_linear import even_part
+from pagedllm.model_executor.layers.parallel_linear import Slice, even_part
 from pagedllm.model_executor.layers.quantization.base import set_weight_loader, to_empty_keeping_loaders
+from pagedllm.model_executor.layers.quantization.float_weights import pack_weight
+from pagedllm.platforms import platform_of
 
 logger = init_logger(__name__)
 
@@ -42,10 +49,11 @@ GATE, UP = 0, 1  # row shards of gate_up_proj, the ``which`` of a per-expert ten
 def grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """rows [R, K] sorted by expert, weights [E, N, K], ends [E] int32 -> rows[run e] @ weights[e]^T, [R, N].
 
-    torch's grouped matmul needs rows of whole 16-byte multiples; other sizes (tiny test shapes) take the loop
-    over the experts that have rows."""
+    torch's grouped matmul needs rows of whole 16-byte multiples, and on CUDA bf16; other cases (tiny test shapes,
+    float32 / float16 on a GPU) take the loop over the experts that have rows."""
     row_bytes = rows.element_size()
-    if (weights.shape[1] * row_bytes) % 16 == 0 and (weights.shape[2] * row_bytes) % 16 == 0:
+    aligned = (weights.shape[1] * row_bytes) % 16 == 0 and (weights.shape[2] * row_bytes) % 16 == 0
+    if aligned and (rows.device.type == "cpu" or rows.dtype == torch.bfloat16):
         return F.grouped_mm(rows.contiguous(), weights.transpose(1, 2), offs=ends)
     out = rows.new_empty(rows.shape[0], weights.shape[1])
     start = 0
@@ -70,17 +78,32 @@ class FusedMoE(DirectCall, nn.Module):
         self.hidden_size = hidden_size
         tp = get_tp()
         self.tensor_parallel = tp.is_parallel
-        self.part = even_part(intermediate_size, f"{prefix}: moe intermediate_size")  # this rank's slice of I
-        num_experts, part = rule.num_experts, self.part.size
+        # Expert parallelism: this rank's experts [first_expert, first_expert + num_local_experts), each whole;
+        # else every expert, a slice of its intermediate dimension.
+        self.expert_parallel = tp.is_parallel and tp.expert_parallel
+        if self.expert_parallel:
+            self.num_local_experts = divide(rule.num_experts, tp.world_size, f"{prefix}: number of experts")
+            self.first_expert = tp.rank * self.num_local_experts
+            self.part = Slice(0, intermediate_size, intermediate_size)
+        else:
+            self.num_local_experts, self.first_expert = rule.num_experts, 0
+            self.part = even_part(intermediate_size, f"{prefix}: moe intermediate_size")  # this rank's slice of I
+        num_experts, part = self.num_local_experts, self.part.size
+        # Quantized and split by columns, down keeps whole rows until packing: a per-channel scale is the whole
+        # row's, so each rank quantizes as one rank would (the codes of TP=1), then keeps its columns.
+        self._down_whole_rows = quant_config is not None and part != self.part.full
+        down_width = self.part.full if self._down_whole_rows else part
         self.gate_up_proj = set_weight_loader(
             nn.Parameter(torch.empty(num_experts, 2 * part, hidden_size, dtype=dtype), requires_grad=False),
             self._load_gate_up)
         self.down_proj = set_weight_loader(
-            nn.Parameter(torch.empty(num_experts, hidden_size, part, dtype=dtype), requires_grad=False),
+            nn.Parameter(torch.empty(num_experts, hidden_size, down_width, dtype=dtype), requires_grad=False),
             self._load_down)
         self.act_and_mul = gated_activation(act)
-        # Set by process_weights_after_loading: per expert (gate_up, down) Linear layers of the quantized scheme.
-        self._quantized: list[tuple[Linear, Linear]] | None = None
+        # Set by process_weights_after_loading (one of the three forms; see the module docstring).
+        self._kernels: Any = None  # the C++ kernels module of the panel form
+        self._quantized: list[tuple[Linear, Linear]] | None = None  # per expert (gate_up, down) of the scheme
+        self._processed = False
 
     # -- loading --------------------------------------------------------------------------------------------------
     def num_loaded_shards(self, param_name: str) -> int:
@@ -93,24 +116,38 @@ class FusedMoE(DirectCall, nn.Module):
         full, part = self.part.full, self.part
         if shard_id is None:
             self._check(loaded, (self.rule.num_experts, 2 * full, self.hidden_size), "gate_up_proj")
+            local = loaded.narrow(0, self.first_expert, self.num_local_experts)
             for which in (GATE, UP):
-                rows = loaded.narrow(1, which * full + part.start, part.size)
+                rows = local.narrow(1, which * full + part.start, part.size)
                 param.data.narrow(1, which * part.size, part.size).copy_(rows)
             return
         expert, which = shard_id
         self._check(loaded, (full, self.hidden_size), f"{expert}.{('gate', 'up')[which]}_proj")
-        param.data[expert].narrow(0, which * part.size, part.size).copy_(loaded.narrow(0, part.start, part.size))
+        local = self._local(expert)
+        if local is not None:
+            param.data[local].narrow(0, which * part.size, part.size).copy_(loaded.narrow(0, part.start, part.size))
 
     def _load_down(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | None) -> None:
         """One expert's down projection [H, I] (shard (expert, 0)), or all experts fused [E, H, I] (shard None)."""
         part = self.part
+        start, size = (0, part.full) if self._down_whole_rows else (part.start, part.size)
         if shard_id is None:
             self._check(loaded, (self.rule.num_experts, self.hidden_size, part.full), "down_proj")
-            param.data.copy_(loaded.narrow(2, part.start, part.size))
+            local = loaded.narrow(0, self.first_expert, self.num_local_experts)
+            param.data.copy_(local.narrow(2, start, size))
             return
         expert = shard_id[0]
         self._check(loaded, (self.hidden_size, part.full), f"{expert}.down_proj")
-        param.data[expert].copy_(loaded.narrow(1, part.start, part.size))
+        local = self._local(expert)
+        if local is not None:
+            param.data[local].copy_(loaded.narrow(1, start, size))
+
+    def _local(self, expert: int) -> int | None:
+        """This rank's index of checkpoint expert ``expert``, None where another rank holds it."""
+        if not 0 <= expert < self.rule.num_experts:
+            raise ValueError(f"{self.prefix}: expert {expert} is out of range (the config has {self.rule.num_experts})")
+        local = expert - self.first_expert
+        return local if 0 <= local < self.num_local_experts else None
 
     def _check(self, loaded: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
         if not isinstance(loaded, torch.Tensor):
@@ -119,41 +156,82 @@ class FusedMoE(DirectCall, nn.Module):
             raise ValueError(f"{self.prefix}.{what}: checkpoint {tuple(loaded.shape)}, model {expected}")
 
     def process_weights_after_loading(self) -> None:
-        """Float weights stay stacked for the grouped matmul; a quantization scheme binds each expert's projections
-        as its packed weights (the float stacks are then dropped)."""
-        if self.quant_config is None or self._quantized is not None:
+        """Bind the experts' weights in the form their platform runs (the module docstring's three forms); the
+        float stacks are dropped where another copy replaces them."""
+        if self._processed:
             return
-        self._quantized = [(self._bind_expert(self.gate_up_proj[e], "gate_up_proj"),
-                            self._bind_expert(self.down_proj[e], "down_proj"))
-                           for e in range(self.rule.num_experts)]
-        # The stacks become empty: the packed experts are the weights from here on.
+        self._processed = True
+        if self.quant_config is not None:
+            experts = range(self.num_local_experts)
+            gate_up = [self._bind_expert(self.gate_up_proj[e], "gate_up_proj") for e in experts]
+            down = [self._bind_expert(self.down_proj[e], "down_proj", self.part if self._down_whole_rows else None)
+                    for e in experts]
+            # Registered, so the memory report and the CPU kernel autotuner see them like any Linear.
+            self.experts_gate_up, self.experts_down = nn.ModuleList(gate_up), nn.ModuleList(down)
+            self._quantized = list(zip(gate_up, down, strict=True))
+            self._drop_stacks()
+            return
+        weight = self.gate_up_proj
+        kernels = platform_of(weight).cpu_kernels(weight.dtype) if weight.dtype == torch.float32 else None
+        if kernels is not None and hasattr(kernels, "moe_packed_gemm"):
+            for name in ("gate_up_proj", "down_proj"):
+                stack = getattr(self, name)
+                panels = torch.stack([pack_weight(stack[e]) for e in range(stack.shape[0])])
+                self.register_buffer(f"{name}_panels", panels, persistent=False)
+            self._kernels = kernels
+            self._drop_stacks()
+
+    def _drop_stacks(self) -> None:
+        """The float stacks become empty: another copy of the experts is the weight from here on."""
         for name in ("gate_up_proj", "down_proj"):
             setattr(self, name, nn.Parameter(torch.empty(0, dtype=getattr(self, name).dtype), requires_grad=False))
 
-    def _bind_expert(self, weight: torch.Tensor, name: str) -> Linear:
-        """A Linear of the model's quantization scheme holding ``weight`` [N, K], packed for its kernel."""
-        n, k = weight.shape
+    def experts_weight_nbytes(self) -> int:
+        """Bytes of the experts held by this module itself (stacks or panels; quantized experts are Linear layers
+        of their own, reported as such)."""
+        return sum(t.numel() * t.element_size() for t in [*self.parameters(recurse=False),
+                                                           *self.buffers(recurse=False)])
+
+    def describe(self) -> str:
+        """The experts' weight form ("float32 panels (moe_packed_gemm)", "bfloat16 grouped_mm", "int8 per-channel
+        per expert")."""
+        if self._quantized is not None:
+            return f"{self._quantized[0][0].quant_method.scheme(self._quantized[0][0])} per expert"
+        if self._kernels is not None:
+            return "float32 panels (moe_packed_gemm)"
+        return f"{str(self.gate_up_proj.dtype).removeprefix('torch.')} grouped_mm"
+
+    def _bind_expert(self, weight: torch.Tensor, name: str, columns: Slice | None = None) -> Linear:
+        """A Linear of the model's quantization scheme holding ``weight`` [N, K], packed for its kernel; with
+        ``columns``, only those input columns of ``weight``, quantized with the whole rows' scales where the
+        scheme's scale is per row (``load_input_slice``)."""
+        n, k = weight.shape[0], columns.size if columns is not None else weight.shape[1]
         with torch.device("meta"):
             layer = Linear(k, n, bias=False, dtype=weight.dtype, quant_config=self.quant_config,
                            prefix=f"{self.prefix}.{name}")
         layer = to_empty_keeping_loaders(layer, weight.device)
-        layer.weight.weight_loader(layer.weight, weight.detach(), None)
+        whole_rows = getattr(layer.quant_method, "load_input_slice", None)
+        if columns is None:
+            layer.weight.weight_loader(layer.weight, weight.detach(), None)
+        elif whole_rows is None or not whole_rows(layer, weight.detach(), columns, None):
+            layer.weight.weight_loader(layer.weight, weight.detach().narrow(1, columns.start, columns.size), None)
         layer.process_weights_after_loading()
         return layer
-
-    def weight_nbytes(self) -> int:
-        """Bytes of the experts' weights as stored now (the stacks or the packed experts)."""
-        if self._quantized is not None:
-            return sum(a.weight_nbytes() + b.weight_nbytes() for a, b in self._quantized)
-        return sum(p.numel() * p.element_size() for p in (self.gate_up_proj, self.down_proj))
 
     # -- forward --------------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [T, H], router_logits [T, E] -> [T, H] in x's dtype."""
         weights, ids = select_experts(router_logits, self.rule)
-        groups = group_by_expert(weights, ids, self.rule.num_experts)
+        if self.expert_parallel:  # other ranks' experts go to a bucket past this rank's, which is then left out
+            ids = ids - self.first_expert
+            ids = ids.masked_fill((ids < 0) | (ids >= self.num_local_experts), self.num_local_experts)
+            groups = group_by_expert(weights, ids, self.num_local_experts + 1).first_experts(self.num_local_experts)
+        else:
+            groups = group_by_expert(weights, ids, self.rule.num_experts)
         rows = x.index_select(0, groups.token_of)  # [R, H]: each token once per chosen expert, by expert
-        if self._quantized is not None:
+        if self._kernels is not None:
+            y = self._experts_panels(rows, groups)
+        elif self._quantized is not None:
             y = self._experts_quantized(rows, groups)
         else:
             y = self._experts_grouped(rows, groups)
@@ -161,6 +239,12 @@ class FusedMoE(DirectCall, nn.Module):
         out.index_add_(0, groups.token_of, y.float() * groups.weight)
         out = out.to(x.dtype)
         return all_reduce(out) if self.tensor_parallel else out
+
+    def _experts_panels(self, rows: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        """float32 panels: rows [R, H] sorted by expert -> [R, H], two C++ calls threading over (expert, panels)."""
+        moe_gemm = self._kernels.moe_packed_gemm
+        gate_up = moe_gemm(rows, self.gate_up_proj_panels, groups.ends, 2 * self.part.size)
+        return moe_gemm(self.act_and_mul(gate_up), self.down_proj_panels, groups.ends, self.hidden_size)
 
     def _experts_grouped(self, rows: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         """Float stacks: rows [R, H] sorted by expert -> each row through its expert's MLP, [R, H]."""
@@ -177,7 +261,10 @@ class FusedMoE(DirectCall, nn.Module):
         for expert, end in enumerate(ends):
             if end > start:
                 gate_up, down = self._quantized[expert]
-                y[start:end] = down(self.act_and_mul(gate_up(rows[start:end])))
+                run = y[start:end]
+                got = down(self.act_and_mul(gate_up(rows[start:end])), run)  # written into y where the form can
+                if got.data_ptr() != run.data_ptr():
+                    run.copy_(got)
             start = end
         return y
 
