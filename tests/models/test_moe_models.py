@@ -184,3 +184,15 @@ def test_quantized_experts_close_to_float(scheme: str, max_error: float, same_ar
     got, want = prefill_logits(model, ids), _hf_logits(hf, ids)
     assert (got - want).abs().max() < max_error * want.abs().max()
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= same_argmax
+
+
+@pytest.mark.parametrize("variant", ["mixtral-e4-top2", "qwen2moe-e8-top4-shared"])
+def test_bfloat16_experts_close_to_float(variant: str, tmp_path) -> None:
+    """bf16 experts run the dense layers' bf16 form per expert (on the CPU); logits close to float32 transformers."""
+    path, hf = save_tiny_moe(variant, tmp_path / "m")
+    model = load_model(resolve_model_config(ModelConfig(model=path, dtype="bfloat16")))
+    assert all("bfloat16" in m.describe() for m in _moe_layers(model))
+    ids = _ids(30, seed=6)
+    got, want = prefill_logits(model, ids).float(), _hf_logits(hf, ids)
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.85

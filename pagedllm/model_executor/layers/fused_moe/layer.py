@@ -15,10 +15,11 @@ How the experts multiply (``process_weights_after_loading`` picks one, once; ``d
 - float32 on a CPU with the C++ kernels: each expert's projections packed into packed_gemm's panels, stacked
   [E, P, K, 16]; one C++ call per projection (``moe_packed_gemm``, ``kernels/csrc/moe_gemm.cpp``) threads over
   (expert, range of panels) for the experts that have rows, so a decode token reads its k experts only;
-- other float weights (bf16, CUDA, no compiler): the grouped matmul over the sorted rows
-  (``torch.nn.functional.grouped_mm``: one call per projection, experts with no rows skipped);
-- a ``--quantization`` scheme: each expert's two projections are ``Linear`` layers of that scheme (packed weights,
-  the same ``BoundWeight`` forms and C++ kernels dense layers use), called for the experts that have rows.
+- a ``--quantization`` scheme, or bf16 on the CPU: each expert's two projections are ``Linear`` layers of that
+  scheme (packed weights, the same ``BoundWeight`` forms and kernels dense layers use: int8 / int4 / fp8 panels,
+  oneDNN's bf16 layout or bf16 panels), called for the experts that have rows;
+- other float weights (CUDA, a CPU without the C++ kernels): the grouped matmul over the sorted rows
+  (``torch.nn.functional.grouped_mm``: one call per projection, experts with no rows skipped).
 """
 
 from __future__ import annotations
@@ -161,7 +162,10 @@ class FusedMoE(DirectCall, nn.Module):
         if self._processed:
             return
         self._processed = True
-        if self.quant_config is not None:
+        weight = self.gate_up_proj
+        # Per-expert layers: a quantization scheme's packed weights, or on the CPU bf16's own forms (oneDNN's
+        # prepacked layout / bf16 panels: torch's grouped matmul would repack every expert's weight on each call).
+        if self.quant_config is not None or (weight.device.type == "cpu" and weight.dtype != torch.float32):
             experts = range(self.num_local_experts)
             gate_up = [self._bind_expert(self.gate_up_proj[e], "gate_up_proj") for e in experts]
             down = [self._bind_expert(self.down_proj[e], "down_proj", self.part if self._down_whole_rows else None)
@@ -171,7 +175,6 @@ class FusedMoE(DirectCall, nn.Module):
             self._quantized = list(zip(gate_up, down, strict=True))
             self._drop_stacks()
             return
-        weight = self.gate_up_proj
         kernels = platform_of(weight).cpu_kernels(weight.dtype) if weight.dtype == torch.float32 else None
         if kernels is not None and hasattr(kernels, "moe_packed_gemm"):
             for name in ("gate_up_proj", "down_proj"):
@@ -193,8 +196,8 @@ class FusedMoE(DirectCall, nn.Module):
                                                            *self.buffers(recurse=False)])
 
     def describe(self) -> str:
-        """The experts' weight form ("float32 panels (moe_packed_gemm)", "bfloat16 grouped_mm", "int8 per-channel
-        per expert")."""
+        """The experts' weight form ("float32 panels (moe_packed_gemm)", "int8 per-channel per expert",
+        "unquantized bfloat16 (oneDNN packed) per expert", "float16 grouped_mm")."""
         if self._quantized is not None:
             return f"{self._quantized[0][0].quant_method.scheme(self._quantized[0][0])} per expert"
         if self._kernels is not None:
@@ -253,9 +256,9 @@ class FusedMoE(DirectCall, nn.Module):
         return grouped_matmul(self.act_and_mul(gate_up), self.down_proj, ends)
 
     def _experts_quantized(self, rows: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
-        """Packed experts: each expert with rows this step multiplies its run of ``rows`` [R, H] -> [R, H]. The
-        loop visits only the experts that have rows (k per token at most)."""
-        y = torch.empty(rows.shape[0], self.hidden_size, dtype=torch.float32, device=rows.device)
+        """Per-expert layers: each expert with rows this step multiplies its run of ``rows`` [R, H] -> [R, H]. The
+        loop calls only the experts that have rows (k per token at most)."""
+        y = torch.empty(rows.shape[0], self.hidden_size, dtype=rows.dtype, device=rows.device)
         ends = groups.ends.tolist()
         start = 0
         for expert, end in enumerate(ends):
