@@ -1,4 +1,4 @@
-"""GGUF architectures other than llama and gemma3: Qwen2, Qwen3, Phi-3, GPT-2.
+"""GGUF architectures other than llama and gemma3: Qwen2, Qwen3, Qwen3-MoE, Phi-3, GPT-2.
 
 Each is a table: metadata -> transformers config, GGUF tensor names -> HF checkpoint names. Facts from
 llama.cpp's converter (``convert_hf_to_gguf.py``) that the tables rest on:
@@ -8,6 +8,8 @@ llama.cpp's converter (``convert_hf_to_gguf.py``) that the tables rest on:
   factors are tensors (``rope_factors_short`` / ``rope_factors_long``), its original context a metadata key.
 - GPT-2's Conv1D weights ([in, out]) are transposed to [out, in] by the converter, and the tied head is
   written out as ``output.weight``.
+- Qwen3-MoE stores each layer's experts as one tensor per projection (``ffn_gate_exps`` / ``ffn_up_exps`` /
+  ``ffn_down_exps``, [E, rows, cols] in torch order) and the router as ``ffn_gate_inp`` (F32).
 """
 
 from __future__ import annotations
@@ -56,6 +58,11 @@ class GGUFArch:
     # GGUF part stored fused -> HF names of its row blocks: kept-quantized blocks are handed over per block,
     # since a quantized fused layer takes its shards one by one.
     fused: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    # MoE parts stored as one [E, rows, cols] tensor per layer (``ffn_gate_exps``): handed over dequantized, one
+    # ``...experts.{e}.<name>.weight`` per expert, as an HF checkpoint stores them (the experts layer stacks them).
+    per_expert: tuple[str, ...] = ()
+    # Parts always handed over as float (the MoE router: few rows, decisive for routing).
+    float_parts: tuple[str, ...] = ()
 
     def hf_name(self, gguf_name: str) -> str:
         """``blk.3.attn_qkv.weight`` -> ``model.layers.3.self_attn.qkv_proj.weight`` (ValueError if unknown)."""
@@ -183,10 +190,34 @@ def _gpt2_config(gguf: GGUFFile) -> Any:
                       tie_word_embeddings="output.weight" not in gguf.tensors, **meta.token_ids())
 
 
+def _qwen3moe_config(gguf: GGUFFile) -> Any:
+    """Qwen3-MoE: Qwen3's attention; experts from ``expert_count`` / ``expert_used_count`` /
+    ``expert_feed_forward_length``; the k weights renormalised unless ``expert_weights_norm`` is false (llama.cpp's
+    qwen3moe graph renormalises)."""
+    from transformers import Qwen3MoeConfig
+
+    meta = _Meta(gguf)
+    common = meta.decoder_common()
+    head_dim = int(meta.get("attention.key_length", common["hidden_size"] // common["num_attention_heads"]))
+    _check_full_rotary(meta, head_dim)
+    return Qwen3MoeConfig(architectures=["Qwen3MoeForCausalLM"], head_dim=head_dim,
+                          attention_bias="blk.0.attn_q.bias" in gguf.tensors, rope_parameters=meta.rope_parameters(),
+                          num_experts=int(meta.need("expert_count")),
+                          num_experts_per_tok=int(meta.need("expert_used_count")),
+                          moe_intermediate_size=int(meta.need("expert_feed_forward_length")),
+                          norm_topk_prob=bool(meta.get("expert_weights_norm", True)), **common)
+
+
+_MOE_LAYER_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+                    "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"}
+
 # GGUF ``general.architecture`` -> mapping (llama and gemma3 have their own modules).
 GGUF_ARCHS: dict[str, GGUFArch] = {
     "qwen2": GGUFArch("Qwen2ForCausalLM", _qwen2_config, LLAMA_LIKE_LAYER_NAMES, LLAMA_LIKE_GLOBAL_NAMES),
     "qwen3": GGUFArch("Qwen3ForCausalLM", _qwen3_config, LLAMA_LIKE_LAYER_NAMES, LLAMA_LIKE_GLOBAL_NAMES),
+    "qwen3moe": GGUFArch("Qwen3MoeForCausalLM", _qwen3moe_config, {**LLAMA_LIKE_LAYER_NAMES, **_MOE_LAYER_NAMES},
+                         LLAMA_LIKE_GLOBAL_NAMES, per_expert=("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"),
+                         float_parts=("ffn_gate_inp",)),
     "phi3": GGUFArch(
         "Phi3ForCausalLM", _phi3_config,
         {**LLAMA_LIKE_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
@@ -226,10 +257,17 @@ def iter_gguf_arch_weights(gguf: GGUFFile, arch: GGUFArch, hf_config: Any,
         if name in arch.skip:
             continue
         hf = arch.hf_name(name)
-        if keep_quantized and not name.startswith(("token_embd.", "position_embd.")):
+        block = block_part(name)
+        if block and block[1] in arch.per_expert:
+            experts = torch.from_numpy(np.array(gguf.load(name), dtype=np.float32))  # [E, rows, cols]
+            head, _, tail = hf.rpartition(".experts.")
+            for e in range(experts.shape[0]):
+                yield f"{head}.experts.{e}.{tail}", experts[e]
+            continue
+        if keep_quantized and not name.startswith(("token_embd.", "position_embd.")) \
+                and not (block and block[1] in arch.float_parts):
             raw = gguf.load_raw(name)
             if raw is not None:
-                block = block_part(name)
                 parts = arch.fused.get(block[1]) if block else None
                 if not parts:
                     yield hf, raw

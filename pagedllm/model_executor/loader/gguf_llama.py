@@ -16,7 +16,8 @@ from pagedllm.model_executor.loader.gguf_file import GGUFFile, gguf_hf_name
 # GGUF ``general.architecture`` -> HF ``architectures`` entry (unsupported ones still get a name so the
 # registry can say what is supported).
 _GGUF_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM",
-               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
+               "qwen3moe": "Qwen3MoeForCausalLM"}
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",

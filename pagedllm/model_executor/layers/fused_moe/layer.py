@@ -75,6 +75,10 @@ class FusedMoE(DirectCall, nn.Module):
     def __init__(self, rule: RoutingRule, hidden_size: int, intermediate_size: int, act: str = "silu", *,
                  dtype: torch.dtype, quant_config: Any = None, prefix: str = "") -> None:
         super().__init__()
+        if quant_config is not None and quant_config.name == "gguf":
+            # A GGUF file's experts arrive dequantized (one [E, rows, cols] tensor per projection, not the 2D
+            # blocks the gguf scheme reads): they are float experts, the file's other layers stay quantized.
+            quant_config = None
         self.rule, self.prefix, self.quant_config = rule, prefix, quant_config
         self.hidden_size = hidden_size
         tp = get_tp()
