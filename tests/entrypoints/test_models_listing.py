@@ -19,7 +19,7 @@ def test_cli_lists_every_architecture(capsys) -> None:
     assert {a["architecture"] for a in listed} == EXPECTED
     assert next(a for a in listed if a["architecture"] == "Gemma3ForCausalLM")["formats"] == ["hf", "gguf"]
     gguf_archs = {a["gguf_architecture"] for a in listed if "gguf" in a["formats"]}
-    assert gguf_archs == {"llama", "qwen2", "qwen3", "phi3", "gemma3", "gpt2", "qwen3moe"}
+    assert gguf_archs == {"llama", "qwen2", "qwen3", "phi3", "gemma3", "gpt2", "qwen2moe", "qwen3moe"}
     assert main(["models"]) == 0
     out = capsys.readouterr().out
     assert "Qwen3ForCausalLM" in out and "GGUF (qwen3)" in out and "GGUF (phi3)" in out

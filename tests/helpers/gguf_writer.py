@@ -19,14 +19,14 @@ import torch
 # transformers ``architectures`` -> GGUF architecture name
 GGUF_ARCH_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "GPT2LMHeadModel": "gpt2",
-                "Qwen3MoeForCausalLM": "qwen3moe"}
+                "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe"}
 _CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 _SKIP = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 
 
 def _quantizable(name: str, shape: tuple[int, ...]) -> bool:
     """Matrices and MoE expert stacks; the converter keeps norms and the MoE router (``ffn_gate_inp``) in F32."""
-    router = "ffn_gate_inp" in name or ".mlp.gate." in name
+    router = "ffn_gate_inp" in name or ".mlp.gate." in name or ".shared_expert_gate." in name
     return len(shape) in (2, 3) and shape[-1] % 32 == 0 and "norm" not in name and not router
 
 
@@ -110,11 +110,13 @@ def _metadata(writer: Any, cfg: Any, arch: str) -> None:
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if arch == "llama" and getattr(cfg, "sliding_window", None):
         writer.add_sliding_window(cfg.sliding_window)  # what a Mistral-style file records
-    if arch == "qwen3moe":
+    if arch in ("qwen2moe", "qwen3moe"):
         writer.add_expert_count(cfg.num_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         writer.add_expert_weights_norm(bool(cfg.norm_topk_prob))
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
 
 
 def write_gguf(model: Any, path: str | os.PathLike, quantized: bool = False, arch: str | None = None) -> str:

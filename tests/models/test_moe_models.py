@@ -199,24 +199,28 @@ def test_bfloat16_experts_close_to_float(variant: str, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
-def test_qwen3moe_gguf_matches_transformers(qtype: str, tmp_path) -> None:
-    """A tiny Qwen3-MoE written as GGUF (experts as ``ffn_{gate,up,down}_exps``, the router ``ffn_gate_inp`` F32)
-    loads with its routing settings from the metadata and matches transformers; Q8_0: the other layers' blocks
-    stay quantized, the experts are dequantized, and the reference holds the file's Q8_0 values."""
+@pytest.mark.parametrize("variant", ["qwen3moe-e8-top3", "qwen2moe-e8-top4-shared"])
+def test_moe_gguf_matches_transformers(variant: str, qtype: str, tmp_path) -> None:
+    """A tiny Qwen3-MoE / Qwen2-MoE written as GGUF (experts as ``ffn_{gate,up,down}_exps``, the router
+    ``ffn_gate_inp`` F32, Qwen2-MoE's shared expert as ``*_shexp``) loads with its routing settings from the metadata
+    and matches transformers; Q8_0: the other layers' blocks stay quantized, the experts are dequantized, and the
+    reference holds the file's Q8_0 values."""
     from helpers.arch_configs import hf_model
     from helpers.gguf_writer import quantize_roundtrip, write_gguf
     from helpers.moe_configs import moe_config
 
-    hf = hf_model(moe_config("qwen3moe-e8-top3"))
+    config = moe_config(variant)
+    config.mlp_only_layers = []  # llama.cpp's qwen2moe has no dense layers
+    hf = hf_model(config)
     if qtype == "Q8_0":
         quantize_roundtrip(hf)
     path = write_gguf(hf, tmp_path / f"tiny-moe.{qtype}.gguf", quantized=qtype == "Q8_0")
     mc = resolve_model_config(ModelConfig(model=path, dtype="float32"))
-    assert mc.architecture == "Qwen3MoeForCausalLM"
+    assert mc.architecture == MOE_VARIANTS[variant][0]
     assert mc.quantization == ("gguf" if qtype == "Q8_0" else "none")
     cfg = mc.hf_config
-    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (8, 3, 48,
-                                                                                                         False)
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"):
+        assert getattr(cfg, key) == getattr(config, key), key
     model = load_model(mc)
     ids = _ids(30, seed=7)
     torch.testing.assert_close(prefill_logits(model, ids, block_size=8), _hf_logits(hf, ids), atol=ATOL, rtol=0)

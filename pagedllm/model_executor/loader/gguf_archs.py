@@ -1,4 +1,4 @@
-"""GGUF architectures other than llama and gemma3: Qwen2, Qwen3, Qwen3-MoE, Phi-3, GPT-2.
+"""GGUF architectures other than llama and gemma3: Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Phi-3, GPT-2.
 
 Each is a table: metadata -> transformers config, GGUF tensor names -> HF checkpoint names. Facts from
 llama.cpp's converter (``convert_hf_to_gguf.py``) that the tables rest on:
@@ -8,8 +8,9 @@ llama.cpp's converter (``convert_hf_to_gguf.py``) that the tables rest on:
   factors are tensors (``rope_factors_short`` / ``rope_factors_long``), its original context a metadata key.
 - GPT-2's Conv1D weights ([in, out]) are transposed to [out, in] by the converter, and the tied head is
   written out as ``output.weight``.
-- Qwen3-MoE stores each layer's experts as one tensor per projection (``ffn_gate_exps`` / ``ffn_up_exps`` /
-  ``ffn_down_exps``, [E, rows, cols] in torch order) and the router as ``ffn_gate_inp`` (F32).
+- Qwen2-MoE / Qwen3-MoE store each layer's experts as one tensor per projection (``ffn_gate_exps`` /
+  ``ffn_up_exps`` / ``ffn_down_exps``, [E, rows, cols] in torch order), the router as ``ffn_gate_inp`` (F32);
+  Qwen2-MoE's shared expert as ``ffn_{gate,up,down}_shexp`` and its gate as ``ffn_gate_inp_shexp``.
 """
 
 from __future__ import annotations
@@ -208,6 +209,24 @@ def _qwen3moe_config(gguf: GGUFFile) -> Any:
                           norm_topk_prob=bool(meta.get("expert_weights_norm", True)), **common)
 
 
+def _qwen2moe_config(gguf: GGUFFile) -> Any:
+    """Qwen2-MoE: Qwen2's attention (q/k/v bias); every layer sparse (llama.cpp's qwen2moe has no dense layers);
+    a shared expert of ``expert_shared_feed_forward_length``; the k weights not renormalised unless
+    ``expert_weights_norm`` (llama.cpp's qwen2moe graph does not)."""
+    from transformers import Qwen2MoeConfig
+
+    meta = _Meta(gguf)
+    common = meta.decoder_common()
+    _check_full_rotary(meta, common["hidden_size"] // common["num_attention_heads"])
+    return Qwen2MoeConfig(architectures=["Qwen2MoeForCausalLM"], rope_parameters=meta.rope_parameters(),
+                          num_experts=int(meta.need("expert_count")),
+                          num_experts_per_tok=int(meta.need("expert_used_count")),
+                          moe_intermediate_size=int(meta.need("expert_feed_forward_length")),
+                          shared_expert_intermediate_size=int(meta.need("expert_shared_feed_forward_length")),
+                          norm_topk_prob=bool(meta.get("expert_weights_norm", False)), mlp_only_layers=[],
+                          decoder_sparse_step=1, **common)
+
+
 _MOE_LAYER_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
                     "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"}
 
@@ -218,6 +237,12 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
     "qwen3moe": GGUFArch("Qwen3MoeForCausalLM", _qwen3moe_config, {**LLAMA_LIKE_LAYER_NAMES, **_MOE_LAYER_NAMES},
                          LLAMA_LIKE_GLOBAL_NAMES, per_expert=("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"),
                          float_parts=("ffn_gate_inp",)),
+    "qwen2moe": GGUFArch("Qwen2MoeForCausalLM", _qwen2moe_config,
+                         {**LLAMA_LIKE_LAYER_NAMES, **_MOE_LAYER_NAMES, "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+                          "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                          "ffn_down_shexp": "mlp.shared_expert.down_proj"},
+                         LLAMA_LIKE_GLOBAL_NAMES, per_expert=("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"),
+                         float_parts=("ffn_gate_inp", "ffn_gate_inp_shexp")),
     "phi3": GGUFArch(
         "Phi3ForCausalLM", _phi3_config,
         {**LLAMA_LIKE_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},

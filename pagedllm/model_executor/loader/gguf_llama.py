@@ -17,7 +17,7 @@ from pagedllm.model_executor.loader.gguf_file import GGUFFile, gguf_hf_name
 # registry can say what is supported).
 _GGUF_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM",
                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
-               "qwen3moe": "Qwen3MoeForCausalLM"}
+               "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
