@@ -19,7 +19,7 @@ import torch
 # transformers ``architectures`` -> GGUF architecture name
 GGUF_ARCH_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "GPT2LMHeadModel": "gpt2",
-                "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe"}
+                "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "llama"}
 _CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 _SKIP = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 
@@ -117,6 +117,9 @@ def _metadata(writer: Any, cfg: Any, arch: str) -> None:
         writer.add_expert_weights_norm(bool(cfg.norm_topk_prob))
     if arch == "qwen2moe":
         writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if arch == "llama" and getattr(cfg, "num_local_experts", None):  # Mixtral
+        writer.add_expert_count(cfg.num_local_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
 
 
 def write_gguf(model: Any, path: str | os.PathLike, quantized: bool = False, arch: str | None = None) -> str:

@@ -199,12 +199,12 @@ def test_bfloat16_experts_close_to_float(variant: str, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
-@pytest.mark.parametrize("variant", ["qwen3moe-e8-top3", "qwen2moe-e8-top4-shared"])
+@pytest.mark.parametrize("variant", ["qwen3moe-e8-top3", "qwen2moe-e8-top4-shared", "mixtral-e4-top2"])
 def test_moe_gguf_matches_transformers(variant: str, qtype: str, tmp_path) -> None:
-    """A tiny Qwen3-MoE / Qwen2-MoE written as GGUF (experts as ``ffn_{gate,up,down}_exps``, the router
-    ``ffn_gate_inp`` F32, Qwen2-MoE's shared expert as ``*_shexp``) loads with its routing settings from the metadata
-    and matches transformers; Q8_0: the other layers' blocks stay quantized, the experts are dequantized, and the
-    reference holds the file's Q8_0 values."""
+    """A tiny Qwen3-MoE / Qwen2-MoE / Mixtral (llama architecture, q/k rows permuted) written as GGUF (experts as
+    ``ffn_{gate,up,down}_exps``, the router ``ffn_gate_inp`` F32, Qwen2-MoE's shared expert as ``*_shexp``) loads
+    with its routing settings from the metadata and matches transformers; Q8_0: the other layers' blocks stay
+    quantized, the experts are dequantized, and the reference holds the file's Q8_0 values."""
     from helpers.arch_configs import hf_model
     from helpers.gguf_writer import quantize_roundtrip, write_gguf
     from helpers.moe_configs import moe_config
@@ -219,8 +219,28 @@ def test_moe_gguf_matches_transformers(variant: str, qtype: str, tmp_path) -> No
     assert mc.architecture == MOE_VARIANTS[variant][0]
     assert mc.quantization == ("gguf" if qtype == "Q8_0" else "none")
     cfg = mc.hf_config
-    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"):
+    keys = ("num_local_experts", "num_experts_per_tok", "intermediate_size") if variant.startswith("mixtral") \
+        else ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
+    for key in keys:
         assert getattr(cfg, key) == getattr(config, key), key
     model = load_model(mc)
     ids = _ids(30, seed=7)
     torch.testing.assert_close(prefill_logits(model, ids, block_size=8), _hf_logits(hf, ids), atol=ATOL, rtol=0)
+
+
+def test_old_per_expert_mixtral_gguf_is_refused_naming_why(tmp_path) -> None:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(tmp_path / "old-mixtral.gguf"), "llama")
+    for add, value in ((writer.add_block_count, 1), (writer.add_embedding_length, 64), (writer.add_head_count, 4),
+                       (writer.add_feed_forward_length, 96), (writer.add_context_length, 256),
+                       (writer.add_expert_count, 4), (writer.add_expert_used_count, 2)):
+        add(value)
+    writer.add_tensor("token_embd.weight", torch.zeros(256, 64).numpy())
+    writer.add_tensor("blk.0.ffn_gate.0.weight", torch.zeros(96, 64).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="without ffn_gate_exps tensors .an older per-expert layout. is not supported"):
+        resolve_model_config(ModelConfig(model=str(tmp_path / "old-mixtral.gguf")))
