@@ -92,3 +92,15 @@ def test_int8_down_of_a_rank_has_the_codes_of_one_rank() -> None:
     finally:
         parallel_state._TP = saved
     assert torch.equal(torch.cat(halves, dim=1), whole)
+
+
+@pytest.mark.slow
+def test_gguf_q8_0_moe_ep2_equals_tp1(tmp_path) -> None:
+    """A Q8_0 Qwen3-MoE GGUF: each rank keeps its experts' blocks quantized; EP=2 equals one rank."""
+    from helpers.arch_configs import hf_model
+    from helpers.gguf_writer import write_gguf
+    from helpers.moe_configs import moe_config
+
+    config = moe_config("qwen3moe-e16-top1-norm")
+    path = write_gguf(hf_model(config, seed=3), tmp_path / "tiny-moe.Q8_0.gguf", quantized=True)
+    assert greedy(path, 2, enable_expert_parallel=True) == greedy(path, 1)

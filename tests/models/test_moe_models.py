@@ -203,8 +203,8 @@ def test_bfloat16_experts_close_to_float(variant: str, tmp_path) -> None:
 def test_moe_gguf_matches_transformers(variant: str, qtype: str, tmp_path) -> None:
     """A tiny Qwen3-MoE / Qwen2-MoE / Mixtral (llama architecture, q/k rows permuted) written as GGUF (experts as
     ``ffn_{gate,up,down}_exps``, the router ``ffn_gate_inp`` F32, Qwen2-MoE's shared expert as ``*_shexp``) loads
-    with its routing settings from the metadata and matches transformers; Q8_0: the other layers' blocks stay
-    quantized, the experts are dequantized, and the reference holds the file's Q8_0 values."""
+    with its routing settings from the metadata and matches transformers; Q8_0: the blocks stay quantized, the
+    experts' too, and the reference holds the file's Q8_0 values."""
     from helpers.arch_configs import hf_model
     from helpers.gguf_writer import quantize_roundtrip, write_gguf
     from helpers.moe_configs import moe_config
@@ -224,6 +224,8 @@ def test_moe_gguf_matches_transformers(variant: str, qtype: str, tmp_path) -> No
     for key in keys:
         assert getattr(cfg, key) == getattr(config, key), key
     model = load_model(mc)
+    if qtype == "Q8_0":  # the experts' blocks stay quantized, one gguf layer per expert projection
+        assert all(m.describe() == "gguf Q8_0 per expert" for m in _moe_layers(model))
     ids = _ids(30, seed=7)
     torch.testing.assert_close(prefill_logits(model, ids, block_size=8), _hf_logits(hf, ids), atol=ATOL, rtol=0)
 

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedllm.model_executor.loader.gguf_file import GGUFFile, block_part, gguf_hf_name
+from pagedllm.model_executor.loader.gguf_file import GGUFFile, block_part, gguf_hf_name, iter_expert_tensors
 
 LLAMA_LIKE_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -59,8 +59,8 @@ class GGUFArch:
     # GGUF part stored fused -> HF names of its row blocks: kept-quantized blocks are handed over per block,
     # since a quantized fused layer takes its shards one by one.
     fused: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
-    # MoE parts stored as one [E, rows, cols] tensor per layer (``ffn_gate_exps``): handed over dequantized, one
-    # ``...experts.{e}.<name>.weight`` per expert, as an HF checkpoint stores them (the experts layer stacks them).
+    # MoE parts stored as one [E, rows, cols] tensor per layer (``ffn_gate_exps``): handed over one
+    # ``...experts.{e}.<name>.weight`` per expert, as an HF checkpoint stores them (raw blocks when kept quantized).
     per_expert: tuple[str, ...] = ()
     # Parts always handed over as float (the MoE router: few rows, decisive for routing).
     float_parts: tuple[str, ...] = ()
@@ -284,10 +284,7 @@ def iter_gguf_arch_weights(gguf: GGUFFile, arch: GGUFArch, hf_config: Any,
         hf = arch.hf_name(name)
         block = block_part(name)
         if block and block[1] in arch.per_expert:
-            experts = torch.from_numpy(np.array(gguf.load(name), dtype=np.float32))  # [E, rows, cols]
-            head, _, tail = hf.rpartition(".experts.")
-            for e in range(experts.shape[0]):
-                yield f"{head}.experts.{e}.{tail}", experts[e]
+            yield from iter_expert_tensors(gguf, name, hf, keep_quantized)
             continue
         if keep_quantized and not name.startswith(("token_embd.", "position_embd.")) \
                 and not (block and block[1] in arch.float_parts):

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedllm.model_executor.loader.gguf_file import GGUFFile, gguf_hf_name
+from pagedllm.model_executor.loader.gguf_file import GGUFFile, gguf_hf_name, iter_expert_tensors
 
 # GGUF ``general.architecture`` -> HF ``architectures`` entry (unsupported ones still get a name so the
 # registry can say what is supported).
@@ -166,10 +166,7 @@ def iter_gguf_llama_weights(gguf: GGUFFile, hf_config: Any,
         if name == "rope_freqs.weight":
             continue  # read into the config (rope_freq_factors)
         if any(part in name for part in _PER_EXPERT):
-            experts = torch.from_numpy(np.array(gguf.load(name), dtype=np.float32))  # [E, rows, cols]
-            head, _, tail = hf_name(name).rpartition(".experts.")
-            for e in range(experts.shape[0]):
-                yield f"{head}.experts.{e}.{tail}", experts[e]
+            yield from iter_expert_tensors(gguf, name, hf_name(name), keep_quantized)
             continue
         if keep_quantized and name != "token_embd.weight" and ".ffn_gate_inp." not in name:
             raw = gguf.load_raw(name)

@@ -15,9 +15,10 @@ How the experts multiply (``process_weights_after_loading`` picks one, once; ``d
 - float32 on a CPU with the C++ kernels: each expert's projections packed into packed_gemm's panels, stacked
   [E, P, K, 16]; one C++ call per projection (``moe_packed_gemm``, ``kernels/csrc/moe_gemm.cpp``) threads over
   (expert, range of panels) for the experts that have rows, so a decode token reads its k experts only;
-- a ``--quantization`` scheme, or bf16 on the CPU: each expert's two projections are ``Linear`` layers of that
-  scheme (packed weights, the same ``BoundWeight`` forms and kernels dense layers use: int8 / int4 / fp8 panels,
-  oneDNN's bf16 layout or bf16 panels), called for the experts that have rows;
+- a ``--quantization`` scheme, bf16 on the CPU, or a GGUF file's blocks kept quantized: each expert's two
+  projections are ``Linear`` layers of that scheme (packed weights, the same ``BoundWeight`` forms and kernels dense
+  layers use: int8 / int4 / fp8 panels, oneDNN's bf16 layout or bf16 panels, GGUF Q8_0 / Q4 panels), called for the
+  experts that have rows;
 - other float weights (CUDA, a CPU without the C++ kernels): the grouped matmul over the sorted rows
   (``torch.nn.functional.grouped_mm``: one call per projection, experts with no rows skipped).
 """
@@ -45,6 +46,7 @@ from pagedllm.platforms import platform_of
 logger = init_logger(__name__)
 
 GATE, UP = 0, 1  # row shards of gate_up_proj, the ``which`` of a per-expert tensor's (expert, which) shard id
+DOWN = 2  # a kept GGUF expert's down projection (its key among the blocks)
 
 
 def grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -75,13 +77,18 @@ class FusedMoE(DirectCall, nn.Module):
     def __init__(self, rule: RoutingRule, hidden_size: int, intermediate_size: int, act: str = "silu", *,
                  dtype: torch.dtype, quant_config: Any = None, prefix: str = "") -> None:
         super().__init__()
+        tp = get_tp()
+        # A GGUF file's experts arrive as each expert's raw blocks (``loader/gguf_file.iter_expert_tensors``): kept
+        # as they are, one gguf layer per expert projection; split by columns across ranks they are dequantized
+        # (a block is not cut) and run as float experts.
+        self._gguf_blocks: dict[tuple[int, int], Any] | None = None
         if quant_config is not None and quant_config.name == "gguf":
-            # A GGUF file's experts arrive dequantized (one [E, rows, cols] tensor per projection, not the 2D
-            # blocks the gguf scheme reads): they are float experts, the file's other layers stay quantized.
-            quant_config = None
+            if tp.is_parallel and not tp.expert_parallel:
+                quant_config = None
+            else:
+                self._gguf_blocks = {}
         self.rule, self.prefix, self.quant_config = rule, prefix, quant_config
         self.hidden_size = hidden_size
-        tp = get_tp()
         self.tensor_parallel = tp.is_parallel
         # Expert parallelism: this rank's experts [first_expert, first_expert + num_local_experts), each whole;
         # else every expert, a slice of its intermediate dimension.
@@ -98,11 +105,12 @@ class FusedMoE(DirectCall, nn.Module):
         # row's, so each rank quantizes as one rank would (the codes of TP=1), then keeps its columns.
         self._down_whole_rows = quant_config is not None and part != self.part.full
         down_width = self.part.full if self._down_whole_rows else part
+        stacks = 0 if self._gguf_blocks is not None else num_experts  # GGUF blocks are kept apart, not stacked
         self.gate_up_proj = set_weight_loader(
-            nn.Parameter(torch.empty(num_experts, 2 * part, hidden_size, dtype=dtype), requires_grad=False),
+            nn.Parameter(torch.empty(stacks, 2 * part, hidden_size, dtype=dtype), requires_grad=False),
             self._load_gate_up)
         self.down_proj = set_weight_loader(
-            nn.Parameter(torch.empty(num_experts, hidden_size, down_width, dtype=dtype), requires_grad=False),
+            nn.Parameter(torch.empty(stacks, hidden_size, down_width, dtype=dtype), requires_grad=False),
             self._load_down)
         self.act_and_mul = gated_activation(act)
         # Set by process_weights_after_loading (one of the three forms; see the module docstring).
@@ -127,9 +135,11 @@ class FusedMoE(DirectCall, nn.Module):
                 param.data.narrow(1, which * part.size, part.size).copy_(rows)
             return
         expert, which = shard_id
-        self._check(loaded, (full, self.hidden_size), f"{expert}.{('gate', 'up')[which]}_proj")
+        loaded = self._checked(loaded, (full, self.hidden_size), f"{expert}.{('gate', 'up')[which]}_proj")
         local = self._local(expert)
-        if local is not None:
+        if local is not None and self._gguf_blocks is not None:
+            self._gguf_blocks[(local, which)] = loaded
+        elif local is not None:
             param.data[local].narrow(0, which * part.size, part.size).copy_(loaded.narrow(0, part.start, part.size))
 
     def _load_down(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | None) -> None:
@@ -142,9 +152,11 @@ class FusedMoE(DirectCall, nn.Module):
             param.data.copy_(local.narrow(2, start, size))
             return
         expert = shard_id[0]
-        self._check(loaded, (self.hidden_size, part.full), f"{expert}.down_proj")
+        loaded = self._checked(loaded, (self.hidden_size, part.full), f"{expert}.down_proj")
         local = self._local(expert)
-        if local is not None:
+        if local is not None and self._gguf_blocks is not None:
+            self._gguf_blocks[(local, DOWN)] = loaded
+        elif local is not None:
             param.data[local].copy_(loaded.narrow(1, start, size))
 
     def _local(self, expert: int) -> int | None:
@@ -160,6 +172,16 @@ class FusedMoE(DirectCall, nn.Module):
         if tuple(loaded.shape) != expected:
             raise ValueError(f"{self.prefix}.{what}: checkpoint {tuple(loaded.shape)}, model {expected}")
 
+    def _checked(self, loaded: Any, expected: tuple[int, ...], what: str) -> Any:
+        """One expert's tensor, shape checked: GGUF blocks kept as they are where this layer keeps them, else
+        dequantized to float."""
+        if hasattr(loaded, "ggml_type"):  # a GGUFQuantTensor (raw blocks)
+            if tuple(loaded.shape) != expected:
+                raise ValueError(f"{self.prefix}.{what}: checkpoint {tuple(loaded.shape)}, model {expected}")
+            return loaded if self._gguf_blocks is not None else loaded.dequantize()
+        self._check(loaded, expected, what)
+        return loaded
+
     def process_weights_after_loading(self) -> None:
         """Bind the experts' weights in the form their platform runs (the module docstring's three forms); the
         float stacks are dropped where another copy replaces them."""
@@ -167,6 +189,14 @@ class FusedMoE(DirectCall, nn.Module):
             return
         self._processed = True
         weight = self.gate_up_proj
+        if self._gguf_blocks is not None:  # a GGUF file's experts, each projection a gguf layer of its blocks
+            experts = range(self.num_local_experts)
+            gate_up = [self._bind_blocks([self._gguf_blocks.pop((e, GATE)), self._gguf_blocks.pop((e, UP))],
+                                         "gate_up_proj") for e in experts]
+            down = [self._bind_blocks([self._gguf_blocks.pop((e, DOWN))], "down_proj") for e in experts]
+            self.experts_gate_up, self.experts_down = nn.ModuleList(gate_up), nn.ModuleList(down)
+            self._quantized = list(zip(gate_up, down, strict=True))
+            return
         # Per-expert layers: a quantization scheme's packed weights, or on the CPU bf16's own forms (oneDNN's
         # prepacked layout / bf16 panels: torch's grouped matmul would repack every expert's weight on each call).
         if self.quant_config is not None or (weight.device.type == "cpu" and weight.dtype != torch.float32):
@@ -222,6 +252,21 @@ class FusedMoE(DirectCall, nn.Module):
             layer.weight.weight_loader(layer.weight, weight.detach(), None)
         elif whole_rows is None or not whole_rows(layer, weight.detach(), columns, None):
             layer.weight.weight_loader(layer.weight, weight.detach().narrow(1, columns.start, columns.size), None)
+        layer.process_weights_after_loading()
+        return layer
+
+    def _bind_blocks(self, shards: list[Any], name: str) -> Linear:
+        """A gguf-scheme Linear over one expert's projection given as its row shards (raw blocks or float); a
+        projection the file stores in float (any width) is a float layer, as kept-quantized files' float matrices."""
+        sizes = tuple(t.shape[0] for t in shards)
+        quantized = any(hasattr(t, "ggml_type") for t in shards)
+        with torch.device("meta"):
+            layer = Linear(shards[0].shape[1], sum(sizes), bias=False, dtype=self.gate_up_proj.dtype,
+                           quant_config=self.quant_config if quantized else None,
+                           shard_sizes=sizes if len(sizes) > 1 else None, prefix=f"{self.prefix}.{name}")
+        layer = to_empty_keeping_loaders(layer, self.gate_up_proj.device)
+        for shard_id, t in enumerate(shards):
+            layer.weight.weight_loader(layer.weight, t, shard_id if len(shards) > 1 else None)
         layer.process_weights_after_loading()
         return layer
 
