@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import all_reduce, divide, get_tp
-from pagedllm.logger import init_logger
 from pagedllm.model_executor.layers.activation import gated_activation
 from pagedllm.model_executor.layers.direct_call import DirectCall
 from pagedllm.model_executor.layers.fused_moe.grouping import ExpertGroups, group_by_expert
@@ -42,8 +41,6 @@ from pagedllm.model_executor.layers.parallel_linear import Slice, even_part
 from pagedllm.model_executor.layers.quantization.base import set_weight_loader, to_empty_keeping_loaders
 from pagedllm.model_executor.layers.quantization.float_weights import pack_weight
 from pagedllm.platforms import platform_of
-
-logger = init_logger(__name__)
 
 GATE, UP = 0, 1  # row shards of gate_up_proj, the ``which`` of a per-expert tensor's (expert, which) shard id
 DOWN = 2  # a kept GGUF expert's down projection (its key among the blocks)
