@@ -242,6 +242,8 @@ class ParallelConfig:
     # Ranks each engine's model is split over (docs/distributed.md) and how they run: uni | mp | ray.
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "uni"
+    # MoE models: whole experts per rank instead of a slice of every expert (vLLM's --enable-expert-parallel).
+    enable_expert_parallel: bool = False
     # Where the data-parallel engine cores run: mp (processes on this host) | ray (actors across a cluster).
     data_parallel_backend: str = "mp"
     ray_address: str | None = None  # a Ray cluster to join (None: RAY_ADDRESS, else a local one)

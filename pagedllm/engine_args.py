@@ -71,6 +71,7 @@ class EngineArgs:
     data_parallel_size: int = 1
     data_parallel_routing: str = "prefix-aware"
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     distributed_executor_backend: str | None = None  # None: uni for one rank, mp for several
     data_parallel_backend: str = "mp"
     ray_address: str | None = None
@@ -246,6 +247,11 @@ class EngineArgs:
                         help="Ranks each engine's model is split over: every weight matrix and the KV heads are "
                              "divided between them, joined by two all-reduces per layer (gloo on a CPU, NCCL on "
                              "CUDA). The heads must divide evenly (default: 1).")
+        tp.add_argument("--enable-expert-parallel", action="store_true", default=d.enable_expert_parallel,
+                        help="MoE models: place whole experts on the tensor-parallel ranks (experts / ranks each) "
+                             "instead of splitting every expert's intermediate dimension; each rank runs the tokens "
+                             "routed to its experts and one all-reduce joins them. Attention stays tensor-parallel "
+                             "(default: off).")
         tp.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
                         help="How the ranks run: uni (one rank, in the engine process), mp (one process per rank "
                              "on this host; the default for more than one), ray (Ray actors in a placement group, "
@@ -375,6 +381,7 @@ class EngineArgs:
         executor = resolve_executor_backend(int(self.tensor_parallel_size), self.distributed_executor_backend)
         parallel = ParallelConfig(data_parallel_size=int(self.data_parallel_size), routing=self.data_parallel_routing,
                                   tensor_parallel_size=int(self.tensor_parallel_size),
+                                  enable_expert_parallel=bool(self.enable_expert_parallel),
                                   distributed_executor_backend=executor,
                                   data_parallel_backend=self.data_parallel_backend, ray_address=self.ray_address,
                                   routing_cache_threshold=float(self.routing_cache_threshold),

@@ -27,6 +27,8 @@ class TensorParallelGroup:
     rank: int = 0
     world_size: int = 1
     backend: str = "none"
+    # MoE layers place whole experts on ranks instead of splitting each expert (--enable-expert-parallel).
+    expert_parallel: bool = False
 
     @property
     def is_parallel(self) -> bool:
@@ -52,13 +54,15 @@ def get_tp() -> TensorParallelGroup:
 def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: str,
                          join_timeout_s: float = RANK_STARTUP_TIMEOUT_S,
                          collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
-                         alive: Callable[[], None] | None = None) -> TensorParallelGroup:
+                         alive: Callable[[], None] | None = None,
+                         expert_parallel: bool = False) -> TensorParallelGroup:
     """Join the group (blocks until every rank has joined). ``init_method``: ``tcp://host:port`` of rank 0.
 
     Rank 0 hosts the rendezvous store and waits up to ``join_timeout_s`` for every other rank to check in,
     calling ``alive()`` (which raises when a rank already exited) between polls: a rank slow to start (a
     loaded host, a first kernel build) is waited for, a dead one fails the start at once. Only then is the
     process group formed, so its own ``collective_timeout_s`` bounds the collectives, not the start-up.
+    ``expert_parallel``: MoE layers hold whole experts per rank (``layers/fused_moe``).
     """
     global _TP
     if world_size > 1:
@@ -73,7 +77,7 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: 
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=collective_timeout_s))
         logger.info("tensor parallel rank %d of %d joined (%s)", rank, world_size, backend)
-    _TP = TensorParallelGroup(rank, world_size, backend)
+    _TP = TensorParallelGroup(rank, world_size, backend, expert_parallel)
     return _TP
 
 

@@ -56,7 +56,7 @@ class Worker:
         if world > 1:
             self.device = self.platform.rank_device(self.device, tp_rank)
             self.tp = init_tensor_parallel(tp_rank, world, tp_init_method, self.platform.distributed_backend,
-                                           alive=tp_alive)
+                                           alive=tp_alive, expert_parallel=config.parallel.enable_expert_parallel)
         else:
             self.tp = get_tp()
         mc = config.model

@@ -10,7 +10,8 @@ from pagedllm.model_executor.models.registry import get_model_cls, supported_arc
 
 EXPECTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
             "Gemma3ForCausalLM", "GPT2LMHeadModel", "BertModel", "WhisperForConditionalGeneration",
-            "LlavaForConditionalGeneration", "Idefics3ForConditionalGeneration"}
+            "LlavaForConditionalGeneration", "Idefics3ForConditionalGeneration",
+            "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"}
 
 
 def test_cli_lists_every_architecture(capsys) -> None:
@@ -22,7 +23,7 @@ def test_cli_lists_every_architecture(capsys) -> None:
     assert by_name["LlavaForConditionalGeneration"]["inputs"] == ["text", "image"]
     assert by_name["LlamaForCausalLM"]["inputs"] == ["text"]
     gguf_archs = {a["gguf_architecture"] for a in listed if "gguf" in a["formats"]}
-    assert gguf_archs == {"llama", "qwen2", "qwen3", "phi3", "gemma3", "gpt2"}
+    assert gguf_archs == {"llama", "qwen2", "qwen3", "phi3", "gemma3", "gpt2", "qwen2moe", "qwen3moe"}
     assert main(["models"]) == 0
     out = capsys.readouterr().out
     assert "Qwen3ForCausalLM" in out and "GGUF (qwen3)" in out and "GGUF (phi3)" in out

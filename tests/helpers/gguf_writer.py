@@ -18,13 +18,16 @@ import torch
 
 # transformers ``architectures`` -> GGUF architecture name
 GGUF_ARCH_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "GPT2LMHeadModel": "gpt2"}
+                "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "GPT2LMHeadModel": "gpt2",
+                "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "llama"}
 _CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 _SKIP = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 
 
 def _quantizable(name: str, shape: tuple[int, ...]) -> bool:
-    return len(shape) == 2 and shape[-1] % 32 == 0 and "norm" not in name
+    """Matrices and MoE expert stacks; the converter keeps norms and the MoE router (``ffn_gate_inp``) in F32."""
+    router = "ffn_gate_inp" in name or ".mlp.gate." in name or ".shared_expert_gate." in name
+    return len(shape) in (2, 3) and shape[-1] % 32 == 0 and "norm" not in name and not router
 
 
 def _torch_layout(name: str, tensor: torch.Tensor, arch: str) -> torch.Tensor:
@@ -107,6 +110,16 @@ def _metadata(writer: Any, cfg: Any, arch: str) -> None:
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if arch == "llama" and getattr(cfg, "sliding_window", None):
         writer.add_sliding_window(cfg.sliding_window)  # what a Mistral-style file records
+    if arch in ("qwen2moe", "qwen3moe"):
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        writer.add_expert_weights_norm(bool(cfg.norm_topk_prob))
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if arch == "llama" and getattr(cfg, "num_local_experts", None):  # Mixtral
+        writer.add_expert_count(cfg.num_local_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
 
 
 def write_gguf(model: Any, path: str | os.PathLike, quantized: bool = False, arch: str | None = None) -> str:
@@ -136,6 +149,15 @@ def write_gguf(model: Any, path: str | os.PathLike, quantized: bool = False, arc
             continue
         if name == "lm_head.weight" and arch != "gpt2" and getattr(cfg, "tie_word_embeddings", False):
             continue  # llama.cpp writes no output.weight for a tied head (GPT-2's converter does)
+        if name.endswith(".mlp.experts.gate_up_proj"):  # transformers' in-memory [E, 2I, H]: the file splits it
+            gate, up = t.detach().float().chunk(2, dim=1)
+            prefix = name.removesuffix("gate_up_proj")
+            tensors += [(f"{names.get_name(prefix + 'gate_proj')}.weight", gate),
+                        (f"{names.get_name(prefix + 'up_proj')}.weight", up)]
+            continue
+        if name.endswith(".mlp.experts.down_proj"):
+            tensors.append((f"{names.get_name(name)}.weight", t.detach().float()))
+            continue
         base, _, kind = name.rpartition(".")
         gguf_base = names.get_name(base)
         if gguf_base is None:

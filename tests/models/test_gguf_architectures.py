@@ -205,5 +205,5 @@ def test_unsupported_gguf_architecture_lists_the_supported_ones(tmp_path) -> Non
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(ValueError, match="GGUF architecture 'falcon' is not supported; supported GGUF "
-                                         "architectures: gemma3, gpt2, llama, phi3, qwen2, qwen3"):
+                                         "architectures: gemma3, gpt2, llama, phi3, qwen2, qwen2moe, qwen3, qwen3moe"):
         resolve_model_config(ModelConfig(model=str(tmp_path / "falcon.gguf")))

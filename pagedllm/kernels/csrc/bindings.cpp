@@ -2,6 +2,7 @@
 #include "amx_dot.h"
 #include "amx_tiles.h"
 #include "kernels.h"
+#include "moe_gemm.h"
 #include "step_graph.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -29,6 +30,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_gemm", step_graph::recorded<4>("packed_gemm", &packed_gemm), "x[M,K] @ W^T (+ bias) with W packed in 16-column panels [N/16, K, 16]",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none(),
         py::arg("out") = py::none());
+  m.def("moe_packed_gemm", &moe_packed_gemm,
+        "MoE experts: x[R,K] sorted by expert, rows [ends[e-1], ends[e]) @ expert e's W^T, W [E, N/16, K, 16] panels",
+        py::arg("x"), py::arg("packed"), py::arg("ends"), py::arg("out_features"), py::arg("out") = py::none());
   m.def("bf16_gemm", step_graph::recorded<4>("bf16_gemm", &bf16_gemm),
         "bf16 x[M,K] @ W^T (+ bias) -> bf16, W in panels of 16 columns and pairs of k [ceil(N/16), K/2, 16, 2]",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none(),

@@ -1,4 +1,4 @@
-"""GGUF architectures other than llama and gemma3: Qwen2, Qwen3, Phi-3, GPT-2.
+"""GGUF architectures other than llama and gemma3: Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Phi-3, GPT-2.
 
 Each is a table: metadata -> transformers config, GGUF tensor names -> HF checkpoint names. Facts from
 llama.cpp's converter (``convert_hf_to_gguf.py``) that the tables rest on:
@@ -8,6 +8,9 @@ llama.cpp's converter (``convert_hf_to_gguf.py``) that the tables rest on:
   factors are tensors (``rope_factors_short`` / ``rope_factors_long``), its original context a metadata key.
 - GPT-2's Conv1D weights ([in, out]) are transposed to [out, in] by the converter, and the tied head is
   written out as ``output.weight``.
+- Qwen2-MoE / Qwen3-MoE store each layer's experts as one tensor per projection (``ffn_gate_exps`` /
+  ``ffn_up_exps`` / ``ffn_down_exps``, [E, rows, cols] in torch order), the router as ``ffn_gate_inp`` (F32);
+  Qwen2-MoE's shared expert as ``ffn_{gate,up,down}_shexp`` and its gate as ``ffn_gate_inp_shexp``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedllm.model_executor.loader.gguf_file import GGUFFile, block_part, gguf_hf_name
+from pagedllm.model_executor.loader.gguf_file import GGUFFile, block_part, gguf_hf_name, iter_expert_tensors
 
 LLAMA_LIKE_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -56,6 +59,11 @@ class GGUFArch:
     # GGUF part stored fused -> HF names of its row blocks: kept-quantized blocks are handed over per block,
     # since a quantized fused layer takes its shards one by one.
     fused: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    # MoE parts stored as one [E, rows, cols] tensor per layer (``ffn_gate_exps``): handed over one
+    # ``...experts.{e}.<name>.weight`` per expert, as an HF checkpoint stores them (raw blocks when kept quantized).
+    per_expert: tuple[str, ...] = ()
+    # Parts always handed over as float (the MoE router: few rows, decisive for routing).
+    float_parts: tuple[str, ...] = ()
 
     def hf_name(self, gguf_name: str) -> str:
         """``blk.3.attn_qkv.weight`` -> ``model.layers.3.self_attn.qkv_proj.weight`` (ValueError if unknown)."""
@@ -183,10 +191,58 @@ def _gpt2_config(gguf: GGUFFile) -> Any:
                       tie_word_embeddings="output.weight" not in gguf.tensors, **meta.token_ids())
 
 
+def _qwen3moe_config(gguf: GGUFFile) -> Any:
+    """Qwen3-MoE: Qwen3's attention; experts from ``expert_count`` / ``expert_used_count`` /
+    ``expert_feed_forward_length``; the k weights renormalised unless ``expert_weights_norm`` is false (llama.cpp's
+    qwen3moe graph renormalises)."""
+    from transformers import Qwen3MoeConfig
+
+    meta = _Meta(gguf)
+    common = meta.decoder_common()
+    head_dim = int(meta.get("attention.key_length", common["hidden_size"] // common["num_attention_heads"]))
+    _check_full_rotary(meta, head_dim)
+    return Qwen3MoeConfig(architectures=["Qwen3MoeForCausalLM"], head_dim=head_dim,
+                          attention_bias="blk.0.attn_q.bias" in gguf.tensors, rope_parameters=meta.rope_parameters(),
+                          num_experts=int(meta.need("expert_count")),
+                          num_experts_per_tok=int(meta.need("expert_used_count")),
+                          moe_intermediate_size=int(meta.need("expert_feed_forward_length")),
+                          norm_topk_prob=bool(meta.get("expert_weights_norm", True)), **common)
+
+
+def _qwen2moe_config(gguf: GGUFFile) -> Any:
+    """Qwen2-MoE: Qwen2's attention (q/k/v bias); every layer sparse (llama.cpp's qwen2moe has no dense layers);
+    a shared expert of ``expert_shared_feed_forward_length``; the k weights not renormalised unless
+    ``expert_weights_norm`` (llama.cpp's qwen2moe graph does not)."""
+    from transformers import Qwen2MoeConfig
+
+    meta = _Meta(gguf)
+    common = meta.decoder_common()
+    _check_full_rotary(meta, common["hidden_size"] // common["num_attention_heads"])
+    return Qwen2MoeConfig(architectures=["Qwen2MoeForCausalLM"], rope_parameters=meta.rope_parameters(),
+                          num_experts=int(meta.need("expert_count")),
+                          num_experts_per_tok=int(meta.need("expert_used_count")),
+                          moe_intermediate_size=int(meta.need("expert_feed_forward_length")),
+                          shared_expert_intermediate_size=int(meta.need("expert_shared_feed_forward_length")),
+                          norm_topk_prob=bool(meta.get("expert_weights_norm", False)), mlp_only_layers=[],
+                          decoder_sparse_step=1, **common)
+
+
+_MOE_LAYER_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+                    "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"}
+
 # GGUF ``general.architecture`` -> mapping (llama and gemma3 have their own modules).
 GGUF_ARCHS: dict[str, GGUFArch] = {
     "qwen2": GGUFArch("Qwen2ForCausalLM", _qwen2_config, LLAMA_LIKE_LAYER_NAMES, LLAMA_LIKE_GLOBAL_NAMES),
     "qwen3": GGUFArch("Qwen3ForCausalLM", _qwen3_config, LLAMA_LIKE_LAYER_NAMES, LLAMA_LIKE_GLOBAL_NAMES),
+    "qwen3moe": GGUFArch("Qwen3MoeForCausalLM", _qwen3moe_config, {**LLAMA_LIKE_LAYER_NAMES, **_MOE_LAYER_NAMES},
+                         LLAMA_LIKE_GLOBAL_NAMES, per_expert=("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"),
+                         float_parts=("ffn_gate_inp",)),
+    "qwen2moe": GGUFArch("Qwen2MoeForCausalLM", _qwen2moe_config,
+                         {**LLAMA_LIKE_LAYER_NAMES, **_MOE_LAYER_NAMES, "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+                          "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                          "ffn_down_shexp": "mlp.shared_expert.down_proj"},
+                         LLAMA_LIKE_GLOBAL_NAMES, per_expert=("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"),
+                         float_parts=("ffn_gate_inp", "ffn_gate_inp_shexp")),
     "phi3": GGUFArch(
         "Phi3ForCausalLM", _phi3_config,
         {**LLAMA_LIKE_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
@@ -226,10 +282,14 @@ def iter_gguf_arch_weights(gguf: GGUFFile, arch: GGUFArch, hf_config: Any,
         if name in arch.skip:
             continue
         hf = arch.hf_name(name)
-        if keep_quantized and not name.startswith(("token_embd.", "position_embd.")):
+        block = block_part(name)
+        if block and block[1] in arch.per_expert:
+            yield from iter_expert_tensors(gguf, name, hf, keep_quantized)
+            continue
+        if keep_quantized and not name.startswith(("token_embd.", "position_embd.")) \
+                and not (block and block[1] in arch.float_parts):
             raw = gguf.load_raw(name)
             if raw is not None:
-                block = block_part(name)
                 parts = arch.fused.get(block[1]) if block else None
                 if not parts:
                     yield hf, raw

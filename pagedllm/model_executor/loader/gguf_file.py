@@ -60,6 +60,17 @@ def gguf_hf_name(gguf_name: str, layer_names: dict[str, str], global_names: dict
     raise ValueError(f"GGUF tensor {gguf_name!r} has no {arch} counterpart")
 
 
+def iter_expert_tensors(gguf: GGUFFile, name: str, hf_name: str, keep_quantized: bool) -> Any:
+    """A MoE expert stack ``name`` ([E, rows, K], e.g. ``blk.0.ffn_gate_exps.weight``, HF name
+    ``...mlp.experts.gate_proj.weight``) as one ``(...mlp.experts.{e}.gate_proj.weight, tensor)`` per expert, the
+    way an HF checkpoint stores them: raw blocks where ``keep_quantized`` and the stack is quantized, else float."""
+    head, _, tail = hf_name.rpartition(".experts.")
+    raws = gguf.load_raw_experts(name) if keep_quantized else None
+    experts = raws if raws is not None else torch.from_numpy(np.array(gguf.load(name), dtype=np.float32))
+    for e in range(len(experts)):
+        yield f"{head}.experts.{e}.{tail}", experts[e]
+
+
 class GGUFFile:
     """Parsed header of a GGUF v2/v3 file plus a read-only memory map of its data."""
 
@@ -145,6 +156,23 @@ class GGUFFile:
         else:
             out = dequantize(raw.reshape(-1, row_bytes), qtype)
         return out.reshape(tuple(reversed(info.shape)))
+
+    def load_raw_experts(self, name: str) -> list[Any] | None:
+        """A quantized MoE expert stack [E, rows, K] (``ffn_gate_exps``...) as one ``GGUFQuantTensor`` per expert, or
+        None for a float tensor."""
+        from gguf import GGMLQuantizationType
+
+        from pagedllm.model_executor.layers.quantization.gguf import GGUFQuantTensor
+
+        info = self.tensors[name]
+        qtype = GGMLQuantizationType(info.ggml_type)
+        if len(info.shape) != 3 or qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
+                                              GGMLQuantizationType.BF16):
+            return None
+        k, rows, experts = info.shape
+        nbytes = self.tensor_nbytes(info)
+        raw = torch.from_numpy(np.array(self._data[info.offset:info.offset + nbytes]).reshape(experts, rows, -1))
+        return [GGUFQuantTensor(raw[e], int(info.ggml_type), (rows, k)) for e in range(experts)]
 
     def load_raw(self, name: str) -> Any:
         """A quantized matrix's blocks as stored (a ``GGUFQuantTensor``, rows in torch order), or None for a

@@ -11,12 +11,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedllm.model_executor.loader.gguf_file import GGUFFile, gguf_hf_name
+from pagedllm.model_executor.loader.gguf_file import GGUFFile, gguf_hf_name, iter_expert_tensors
 
 # GGUF ``general.architecture`` -> HF ``architectures`` entry (unsupported ones still get a name so the
 # registry can say what is supported).
 _GGUF_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM",
-               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
+               "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -30,6 +31,11 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Mixtral (the llama architecture with ``llama.expert_count``): the router (kept float) and each layer's experts,
+# one [E, rows, cols] tensor per projection, handed over per expert as an HF checkpoint stores them.
+_MOE_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+              "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"}
+_PER_EXPERT = (".ffn_gate_exps.", ".ffn_up_exps.", ".ffn_down_exps.")
 
 
 def supported_gguf_architectures() -> list[str]:
@@ -80,12 +86,21 @@ def gguf_to_hf_config(gguf: GGUFFile) -> Any:
     rope = gguf_rope_parameters(gguf)  # none, linear or yarn
     # Mistral-style files may record their sliding window (llama.cpp's llama converter does not, but others do).
     window = int(get("attention.sliding_window", 0) or 0)
-    config_cls = LlamaConfig
+    config_cls, experts = LlamaConfig, {}
     if window:
         from transformers import MistralConfig
 
         hf_arch, config_cls = "MistralForCausalLM", MistralConfig
+    if get("expert_count"):
+        from transformers import MixtralConfig
+
+        if "blk.0.ffn_gate_exps.weight" not in gguf.tensors:
+            raise ValueError(f"model: {gguf.path}: a llama-architecture MoE GGUF without ffn_gate_exps tensors (an "
+                             "older per-expert layout) is not supported; convert it again with llama.cpp")
+        hf_arch, config_cls = "MixtralForCausalLM", MixtralConfig
+        experts = dict(num_local_experts=int(get("expert_count")), num_experts_per_tok=int(get("expert_used_count")))
     return config_cls(
+        **experts,
         architectures=[hf_arch],
         sliding_window=window or None,
         rope_freq_factors=freq_factors,
@@ -110,7 +125,7 @@ def gguf_to_hf_config(gguf: GGUFFile) -> Any:
 
 def hf_name(gguf_name: str) -> str:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
-    return gguf_hf_name(gguf_name, _LAYER_NAMES, _GLOBAL_NAMES, "Llama")
+    return gguf_hf_name(gguf_name, {**_LAYER_NAMES, **_MOE_NAMES}, _GLOBAL_NAMES, "Llama")
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -150,7 +165,10 @@ def iter_gguf_llama_weights(gguf: GGUFFile, hf_config: Any,
     for name in gguf.tensors:
         if name == "rope_freqs.weight":
             continue  # read into the config (rope_freq_factors)
-        if keep_quantized and name != "token_embd.weight":
+        if any(part in name for part in _PER_EXPERT):
+            yield from iter_expert_tensors(gguf, name, hf_name(name), keep_quantized)
+            continue
+        if keep_quantized and name != "token_embd.weight" and ".ffn_gate_inp." not in name:
             raw = gguf.load_raw(name)
             if raw is not None:
                 if ".attn_q." in name:

@@ -144,6 +144,11 @@ def weight_bytes_by_scheme(model: nn.Module) -> dict[str, tuple[int, int]]:
         if isinstance(module, Linear):
             add(module.quant_method.scheme(module), module.weight_nbytes())
             inside_linear.update(id(t) for t in [*module.parameters(), *module.buffers()])
+        elif hasattr(module, "experts_weight_nbytes"):  # a MoE layer's stacked experts (layers/fused_moe)
+            own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+            if module.experts_weight_nbytes():
+                add(f"moe experts {module.describe()}", module.experts_weight_nbytes())
+            inside_linear.update(id(t) for t in own)
     for t in [*model.parameters(), *model.buffers()]:
         if id(t) not in inside_linear:
             add(f"other {str(t.dtype).removeprefix('torch.')}", t.numel() * t.element_size())

@@ -39,9 +39,7 @@ class LlamaDecoderLayer(DirectCall, nn.Module):
             o_bias=attention_bias if arch.o_proj_bias is None else arch.o_proj_bias,
             qk_norm=(lambda d: RMSNorm(d, eps, dtype)) if arch.qk_norm else None,
             quant_config=quant_config, prefix=f"{prefix}.self_attn")
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "hidden_act", "silu"),
-                            bias=bool(getattr(cfg, "mlp_bias", False)), dtype=dtype, quant_config=quant_config,
-                            prefix=f"{prefix}.mlp")
+        self.mlp = arch.make_mlp(cfg, layer_idx, dtype, quant_config, prefix=f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
 
@@ -101,6 +99,14 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         self.model = LlamaModel(hf_config, type(self), dtype, quant_config)
         self._init_head(hf_config, dtype, quant_config)
+
+    @classmethod
+    def make_mlp(cls, cfg: Any, layer_idx: int, dtype: torch.dtype, quant_config: Any, prefix: str) -> nn.Module:
+        """Layer ``layer_idx``'s feed-forward block ``[T, hidden] -> [T, hidden]``: a gated MLP (MoE families
+        return their expert block, ``models/moe.py``)."""
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "hidden_act", "silu"),
+                        bias=bool(getattr(cfg, "mlp_bias", False)), dtype=dtype, quant_config=quant_config,
+                        prefix=prefix)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -35,6 +35,14 @@ _ARCHITECTURES = [
                      "5 local : 1 global layers, sliding window", gguf_arch="gemma3"),
     ArchitectureInfo("GPT2LMHeadModel", "gpt2", "GPT2LMHeadModel", "GPT-2", ("hf", "gguf"),
                      "learned positions, Conv1D weights", gguf_arch="gpt2"),
+    ArchitectureInfo("MixtralForCausalLM", "moe", "MixtralForCausalLM", "Mixtral (mixture of experts)", ("hf", "gguf"),
+                     "softmax then top-k, renormalised; fused experts", gguf_arch="llama"),
+    ArchitectureInfo("Qwen2MoeForCausalLM", "moe", "Qwen2MoeForCausalLM", "Qwen1.5-MoE, Qwen2-MoE", ("hf", "gguf"),
+                     "top-k with norm_topk_prob; shared expert with a sigmoid gate",
+                     gguf_arch="qwen2moe"),
+    ArchitectureInfo("Qwen3MoeForCausalLM", "moe", "Qwen3MoeForCausalLM", "Qwen3-MoE (30B-A3B, 235B-A22B)",
+                     ("hf", "gguf"), "top-k with norm_topk_prob; per-head q/k RMSNorm",
+                     gguf_arch="qwen3moe"),
     ArchitectureInfo("WhisperForConditionalGeneration", "whisper", "WhisperForConditionalGeneration",
                      "Whisper (speech to text)", ("hf", "ct2"),
                      "encoder-decoder: audio_features prompts, a cross-attention KV cache group",
@@ -51,6 +59,15 @@ _ARCHITECTURES = [
                      inputs=("text", "image")),
 ]
 _BY_NAME = {a.name: a for a in _ARCHITECTURES}
+
+# Known architectures refused with the reason (instead of the generic "not supported").
+_REFUSED = {
+    "GptOssForCausalLM": "gpt-oss needs attention sinks, which pagedllm's attention backends do not implement",
+    "OlmoeForCausalLM": "OLMoE's q/k RMSNorm over all heads together is not implemented",
+    "GraniteMoeForCausalLM": "Granite-MoE's embedding/residual/logit multipliers are not implemented",
+    "DeepseekV2ForCausalLM": "DeepSeek's multi-head latent attention and grouped routing are not implemented",
+    "DeepseekV3ForCausalLM": "DeepSeek's multi-head latent attention and grouped routing are not implemented",
+}
 
 
 def supported_architectures() -> list[str]:
@@ -81,6 +98,9 @@ def get_model_cls(architectures: list[str]) -> type:
         if info is not None:
             module = importlib.import_module(f"pagedllm.model_executor.models.{info.module}")
             return getattr(module, info.class_name)
+    for arch in architectures or []:
+        if arch in _REFUSED:
+            raise ValueError(f"model architecture {arch} is not supported: {_REFUSED[arch]}")
     raise ValueError(f"model architecture {list(architectures or [])} is not supported; "
                      f"supported architectures: {', '.join(supported_architectures())}")
 

@@ -8,6 +8,7 @@ own ``weight_loader(param, tensor, shard_id)`` does the copy when it has one (qu
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -23,17 +24,37 @@ class WeightMapping:
     ``renames``: (old, new) substrings applied first (GPT-2's ``attn.c_attn`` -> ``attn.qkv_proj``).
     ``skip``: substrings of checkpoint names that hold nothing to load (rotary tables, causal-mask buffers).
     ``transposed``: fragments whose ``.weight`` is stored [in, out] (GPT-2's Conv1D), transposed on load.
+    ``experts``: (checkpoint fragment, stacked parameter, row shard) for a MoE's per-expert tensors:
+    ``...experts.{e}.{fragment}.weight`` fills ``...experts.{parameter}`` with shard id ``(e, row shard)``.
     """
 
     stacked: tuple[tuple[str, str, int], ...] = ()
     renames: tuple[tuple[str, str], ...] = ()
     skip: tuple[str, ...] = ()
     transposed: tuple[str, ...] = ()
+    experts: tuple[tuple[str, str, int], ...] = ()
 
 
 # q/k/v and gate/up stored apart (Llama, Qwen, Mistral, Gemma); our layers fuse them.
 STACKED_QKV_GATE_UP = (("q_proj", "qkv_proj", 0), ("k_proj", "qkv_proj", 1), ("v_proj", "qkv_proj", 2),
                        ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1))
+
+
+# Per-expert tensors of a MoE checkpoint: Mixtral's w1 / w3 / w2 and everyone else's gate / up / down.
+STACKED_EXPERTS = (("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1), ("down_proj", "down_proj", 0),
+                   ("w1", "gate_up_proj", 0), ("w3", "gate_up_proj", 1), ("w2", "down_proj", 0))
+_EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
+
+
+def _expert_target(name: str, mapping: WeightMapping) -> tuple[str, tuple[int, int]] | None:
+    """(stacked parameter name, (expert, row shard)) for a per-expert checkpoint tensor, else None."""
+    m = _EXPERT_NAME.search(name) if mapping.experts else None
+    if m is None:
+        return None
+    for fragment, param, shard in mapping.experts:
+        if m.group(2) == fragment:
+            return f"{name[:m.start()]}.experts.{param}", (int(m.group(1)), shard)
+    return None
 
 
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: int | None = None,
@@ -52,6 +73,8 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, shar
 
 def _shard_count(model: nn.Module, param_name: str) -> int:
     owner = model.get_submodule(param_name.rsplit(".", 1)[0]) if "." in param_name else model
+    if hasattr(owner, "num_loaded_shards"):  # stacked experts: one shard per (expert, row shard)
+        return owner.num_loaded_shards(param_name.rsplit(".", 1)[-1])
     return len(getattr(owner, "shard_sizes", None) or ()) or 1
 
 
@@ -75,7 +98,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
                                                                                 for t in mapping.transposed):
             tensor = tensor.t()
         target, shard_id = name, None
-        for ckpt, fused, sid in mapping.stacked:
+        expert = _expert_target(name, mapping)
+        if expert is not None:
+            target, shard_id = expert
+        for ckpt, fused, sid in () if expert is not None else mapping.stacked:
             if f".{ckpt}." in name:
                 target, shard_id = name.replace(f".{ckpt}.", f".{fused}."), sid
                 break

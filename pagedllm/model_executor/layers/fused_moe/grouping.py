@@ -1,0 +1,43 @@
+"""Tokens grouped by expert: the (token, slot) pairs of a step sorted once per layer by expert id, so each expert
+multiplies one contiguous run of rows by its own weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """One layer's assignment of T tokens x k slots, sorted by expert (R = T * k rows).
+
+    ``token_of``: [R] int64, the token each sorted row reads and writes back to.
+    ``weight``: [R, 1] float32, the router weight of each sorted row.
+    ``ends``: [E] int32, the end of each expert's run in the sorted rows (expert e owns ``ends[e-1]:ends[e]``).
+    """
+
+    token_of: torch.Tensor
+    weight: torch.Tensor
+    ends: torch.Tensor
+
+    @property
+    def num_rows(self) -> int:
+        return self.token_of.numel()
+
+    def first_experts(self, n: int) -> ExpertGroups:
+        """The rows of experts [0, n) only (expert parallelism: the bucket past them holds other ranks' experts)."""
+        rows = int(self.ends[n - 1]) if n else 0
+        return ExpertGroups(self.token_of[:rows], self.weight[:rows], self.ends[:n])
+
+
+def group_by_expert(weights: torch.Tensor, ids: torch.Tensor, num_experts: int) -> ExpertGroups:
+    """weights [T, k] float32, ids [T, k] int64 (``routing.select_experts``) -> the rows sorted by expert.
+
+    The sort is stable, so within an expert the rows keep token order (results do not depend on the batch's
+    other tokens)."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    ends = torch.cumsum(counts, 0, dtype=torch.int32)
+    return ExpertGroups(token_of=order // ids.shape[1], weight=weights.reshape(-1)[order].unsqueeze(1), ends=ends)

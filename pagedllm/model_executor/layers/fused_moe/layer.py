@@ -1,0 +1,323 @@
+"""``FusedMoE``: every expert MLP of one layer as one module, weights stacked per layer.
+
+    x [T, H] --router logits--> top-k (routing.py) --> rows sorted by expert (grouping.py)
+      --> per expert run: down(act(gate(x)) * up(x)) on that expert's rows only --> weighted, summed per token
+
+Weights: ``gate_up_proj`` [E, 2 * I, H] (rows [gate | up] of each expert) and ``down_proj`` [E, H, I], the layout
+transformers keeps in memory, filled from a checkpoint's per-expert tensors (``experts.{e}.gate_proj.weight``:
+``WeightMapping.experts``) or from the fused 3D tensors some checkpoints store. Under tensor parallelism each rank
+holds a slice of every expert's intermediate dimension (I / ranks) and the partial outputs are summed by one
+all-reduce, as a row-parallel down projection would; with expert parallelism (``--enable-expert-parallel``) each
+rank holds E / ranks whole experts instead, runs the (token, expert) pairs routed to them (every rank has every
+token: attention is tensor-parallel) and the same all-reduce sums each token's experts across ranks.
+
+How the experts multiply (``process_weights_after_loading`` picks one, once; ``describe`` names it):
+- float32 on a CPU with the C++ kernels: each expert's projections packed into packed_gemm's panels, stacked
+  [E, P, K, 16]; one C++ call per projection (``moe_packed_gemm``, ``kernels/csrc/moe_gemm.cpp``) threads over
+  (expert, range of panels) for the experts that have rows, so a decode token reads its k experts only;
+- a ``--quantization`` scheme, bf16 on the CPU, or a GGUF file's blocks kept quantized: each expert's two
+  projections are ``Linear`` layers of that scheme (packed weights, the same ``BoundWeight`` forms and kernels dense
+  layers use: int8 / int4 / fp8 panels, oneDNN's bf16 layout or bf16 panels, GGUF Q8_0 / Q4 panels), called for the
+  experts that have rows;
+- other float weights (CUDA, a CPU without the C++ kernels): the grouped matmul over the sorted rows
+  (``torch.nn.functional.grouped_mm``: one call per projection, experts with no rows skipped).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.distributed.parallel_state import all_reduce, divide, get_tp
+from pagedllm.model_executor.layers.activation import gated_activation
+from pagedllm.model_executor.layers.direct_call import DirectCall
+from pagedllm.model_executor.layers.fused_moe.grouping import ExpertGroups, group_by_expert
+from pagedllm.model_executor.layers.fused_moe.routing import RoutingRule, select_experts
+from pagedllm.model_executor.layers.linear import Linear
+from pagedllm.model_executor.layers.parallel_linear import Slice, even_part
+from pagedllm.model_executor.layers.quantization.base import set_weight_loader, to_empty_keeping_loaders
+from pagedllm.model_executor.layers.quantization.float_weights import pack_weight
+from pagedllm.platforms import platform_of
+
+GATE, UP = 0, 1  # row shards of gate_up_proj, the ``which`` of a per-expert tensor's (expert, which) shard id
+DOWN = 2  # a kept GGUF expert's down projection (its key among the blocks)
+
+
+def grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """rows [R, K] sorted by expert, weights [E, N, K], ends [E] int32 -> rows[run e] @ weights[e]^T, [R, N].
+
+    torch's grouped matmul needs rows of whole 16-byte multiples, and on CUDA bf16; other cases (tiny test shapes,
+    float32 / float16 on a GPU) take the loop over the experts that have rows."""
+    row_bytes = rows.element_size()
+    aligned = (weights.shape[1] * row_bytes) % 16 == 0 and (weights.shape[2] * row_bytes) % 16 == 0
+    if aligned and (rows.device.type == "cpu" or rows.dtype == torch.bfloat16):
+        return F.grouped_mm(rows.contiguous(), weights.transpose(1, 2), offs=ends)
+    out = rows.new_empty(rows.shape[0], weights.shape[1])
+    start = 0
+    for expert, end in enumerate(ends.tolist()):
+        if end > start:
+            torch.mm(rows[start:end], weights[expert].T, out=out[start:end])
+        start = end
+    return out
+
+
+class FusedMoE(DirectCall, nn.Module):
+    """The routed experts of one MoE layer (``rule.num_experts`` gated MLPs of ``intermediate_size`` each).
+
+    ``forward(x [T, H], router_logits [T, E]) -> [T, H]``: the router weights applied and the k experts' outputs
+    summed per token (all-reduced across tensor-parallel ranks).
+    """
+
+    def __init__(self, rule: RoutingRule, hidden_size: int, intermediate_size: int, act: str = "silu", *,
+                 dtype: torch.dtype, quant_config: Any = None, prefix: str = "") -> None:
+        super().__init__()
+        tp = get_tp()
+        # A GGUF file's experts arrive as each expert's raw blocks (``loader/gguf_file.iter_expert_tensors``): kept
+        # as they are, one gguf layer per expert projection; split by columns across ranks they are dequantized
+        # (a block is not cut) and run as float experts.
+        self._gguf_blocks: dict[tuple[int, int], Any] | None = None
+        if quant_config is not None and quant_config.name == "gguf":
+            if tp.is_parallel and not tp.expert_parallel:
+                quant_config = None
+            else:
+                self._gguf_blocks = {}
+        self.rule, self.prefix, self.quant_config = rule, prefix, quant_config
+        self.hidden_size = hidden_size
+        self.tensor_parallel = tp.is_parallel
+        # Expert parallelism: this rank's experts [first_expert, first_expert + num_local_experts), each whole;
+        # else every expert, a slice of its intermediate dimension.
+        self.expert_parallel = tp.is_parallel and tp.expert_parallel
+        if self.expert_parallel:
+            self.num_local_experts = divide(rule.num_experts, tp.world_size, f"{prefix}: number of experts")
+            self.first_expert = tp.rank * self.num_local_experts
+            self.part = Slice(0, intermediate_size, intermediate_size)
+        else:
+            self.num_local_experts, self.first_expert = rule.num_experts, 0
+            self.part = even_part(intermediate_size, f"{prefix}: moe intermediate_size")  # this rank's slice of I
+        num_experts, part = self.num_local_experts, self.part.size
+        # Quantized and split by columns, down keeps whole rows until packing: a per-channel scale is the whole
+        # row's, so each rank quantizes as one rank would (the codes of TP=1), then keeps its columns.
+        self._down_whole_rows = quant_config is not None and part != self.part.full
+        down_width = self.part.full if self._down_whole_rows else part
+        stacks = 0 if self._gguf_blocks is not None else num_experts  # GGUF blocks are kept apart, not stacked
+        self.gate_up_proj = set_weight_loader(
+            nn.Parameter(torch.empty(stacks, 2 * part, hidden_size, dtype=dtype), requires_grad=False),
+            self._load_gate_up)
+        self.down_proj = set_weight_loader(
+            nn.Parameter(torch.empty(stacks, hidden_size, down_width, dtype=dtype), requires_grad=False),
+            self._load_down)
+        self.act_and_mul = gated_activation(act)
+        # Set by process_weights_after_loading (one of the three forms; see the module docstring).
+        self._kernels: Any = None  # the C++ kernels module of the panel form
+        self._quantized: list[tuple[Linear, Linear]] | None = None  # per expert (gate_up, down) of the scheme
+        self._processed = False
+
+    # -- loading --------------------------------------------------------------------------------------------------
+    def num_loaded_shards(self, param_name: str) -> int:
+        """How many (expert, which) shards fill ``param_name`` from per-expert tensors (the loader's check)."""
+        return self.rule.num_experts * (2 if param_name == "gate_up_proj" else 1)
+
+    def _load_gate_up(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | None) -> None:
+        """One expert's gate or up projection [I, H] (shard (expert, GATE | UP)), or all experts fused [E, 2I, H]
+        with rows [gate | up] (shard None)."""
+        full, part = self.part.full, self.part
+        if shard_id is None:
+            self._check(loaded, (self.rule.num_experts, 2 * full, self.hidden_size), "gate_up_proj")
+            local = loaded.narrow(0, self.first_expert, self.num_local_experts)
+            for which in (GATE, UP):
+                rows = local.narrow(1, which * full + part.start, part.size)
+                param.data.narrow(1, which * part.size, part.size).copy_(rows)
+            return
+        expert, which = shard_id
+        loaded = self._checked(loaded, (full, self.hidden_size), f"{expert}.{('gate', 'up')[which]}_proj")
+        local = self._local(expert)
+        if local is not None and self._gguf_blocks is not None:
+            self._gguf_blocks[(local, which)] = loaded
+        elif local is not None:
+            param.data[local].narrow(0, which * part.size, part.size).copy_(loaded.narrow(0, part.start, part.size))
+
+    def _load_down(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | None) -> None:
+        """One expert's down projection [H, I] (shard (expert, 0)), or all experts fused [E, H, I] (shard None)."""
+        part = self.part
+        start, size = (0, part.full) if self._down_whole_rows else (part.start, part.size)
+        if shard_id is None:
+            self._check(loaded, (self.rule.num_experts, self.hidden_size, part.full), "down_proj")
+            local = loaded.narrow(0, self.first_expert, self.num_local_experts)
+            param.data.copy_(local.narrow(2, start, size))
+            return
+        expert = shard_id[0]
+        loaded = self._checked(loaded, (self.hidden_size, part.full), f"{expert}.down_proj")
+        local = self._local(expert)
+        if local is not None and self._gguf_blocks is not None:
+            self._gguf_blocks[(local, DOWN)] = loaded
+        elif local is not None:
+            param.data[local].copy_(loaded.narrow(1, start, size))
+
+    def _local(self, expert: int) -> int | None:
+        """This rank's index of checkpoint expert ``expert``, None where another rank holds it."""
+        if not 0 <= expert < self.rule.num_experts:
+            raise ValueError(f"{self.prefix}: expert {expert} is out of range (the config has {self.rule.num_experts})")
+        local = expert - self.first_expert
+        return local if 0 <= local < self.num_local_experts else None
+
+    def _check(self, loaded: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
+        if not isinstance(loaded, torch.Tensor):
+            raise ValueError(f"{self.prefix}.{what}: expert weights of type {type(loaded).__name__} are not supported")
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"{self.prefix}.{what}: checkpoint {tuple(loaded.shape)}, model {expected}")
+
+    def _checked(self, loaded: Any, expected: tuple[int, ...], what: str) -> Any:
+        """One expert's tensor, shape checked: GGUF blocks kept as they are where this layer keeps them, else
+        dequantized to float."""
+        if hasattr(loaded, "ggml_type"):  # a GGUFQuantTensor (raw blocks)
+            if tuple(loaded.shape) != expected:
+                raise ValueError(f"{self.prefix}.{what}: checkpoint {tuple(loaded.shape)}, model {expected}")
+            return loaded if self._gguf_blocks is not None else loaded.dequantize()
+        self._check(loaded, expected, what)
+        return loaded
+
+    def process_weights_after_loading(self) -> None:
+        """Bind the experts' weights in the form their platform runs (the module docstring's three forms); the
+        float stacks are dropped where another copy replaces them."""
+        if self._processed:
+            return
+        self._processed = True
+        weight = self.gate_up_proj
+        if self._gguf_blocks is not None:  # a GGUF file's experts, each projection a gguf layer of its blocks
+            experts = range(self.num_local_experts)
+            gate_up = [self._bind_blocks([self._gguf_blocks.pop((e, GATE)), self._gguf_blocks.pop((e, UP))],
+                                         "gate_up_proj") for e in experts]
+            down = [self._bind_blocks([self._gguf_blocks.pop((e, DOWN))], "down_proj") for e in experts]
+            self.experts_gate_up, self.experts_down = nn.ModuleList(gate_up), nn.ModuleList(down)
+            self._quantized = list(zip(gate_up, down, strict=True))
+            return
+        # Per-expert layers: a quantization scheme's packed weights, or on the CPU bf16's own forms (oneDNN's
+        # prepacked layout / bf16 panels: torch's grouped matmul would repack every expert's weight on each call).
+        if self.quant_config is not None or (weight.device.type == "cpu" and weight.dtype != torch.float32):
+            experts = range(self.num_local_experts)
+            gate_up = [self._bind_expert(self.gate_up_proj[e], "gate_up_proj") for e in experts]
+            down = [self._bind_expert(self.down_proj[e], "down_proj", self.part if self._down_whole_rows else None)
+                    for e in experts]
+            # Registered, so the memory report and the CPU kernel autotuner see them like any Linear.
+            self.experts_gate_up, self.experts_down = nn.ModuleList(gate_up), nn.ModuleList(down)
+            self._quantized = list(zip(gate_up, down, strict=True))
+            self._drop_stacks()
+            return
+        kernels = platform_of(weight).cpu_kernels(weight.dtype) if weight.dtype == torch.float32 else None
+        if kernels is not None and hasattr(kernels, "moe_packed_gemm"):
+            for name in ("gate_up_proj", "down_proj"):
+                stack = getattr(self, name)
+                panels = torch.stack([pack_weight(stack[e]) for e in range(stack.shape[0])])
+                self.register_buffer(f"{name}_panels", panels, persistent=False)
+            self._kernels = kernels
+            self._drop_stacks()
+
+    def _drop_stacks(self) -> None:
+        """The float stacks become empty: another copy of the experts is the weight from here on."""
+        for name in ("gate_up_proj", "down_proj"):
+            setattr(self, name, nn.Parameter(torch.empty(0, dtype=getattr(self, name).dtype), requires_grad=False))
+
+    def experts_weight_nbytes(self) -> int:
+        """Bytes of the experts held by this module itself (stacks or panels; quantized experts are Linear layers
+        of their own, reported as such)."""
+        return sum(t.numel() * t.element_size() for t in [*self.parameters(recurse=False),
+                                                           *self.buffers(recurse=False)])
+
+    def describe(self) -> str:
+        """The experts' weight form ("float32 panels (moe_packed_gemm)", "int8 per-channel per expert",
+        "unquantized bfloat16 (oneDNN packed) per expert", "float16 grouped_mm")."""
+        if self._quantized is not None:
+            return f"{self._quantized[0][0].quant_method.scheme(self._quantized[0][0])} per expert"
+        if self._kernels is not None:
+            return "float32 panels (moe_packed_gemm)"
+        return f"{str(self.gate_up_proj.dtype).removeprefix('torch.')} grouped_mm"
+
+    def _bind_expert(self, weight: torch.Tensor, name: str, columns: Slice | None = None) -> Linear:
+        """A Linear of the model's quantization scheme holding ``weight`` [N, K], packed for its kernel; with
+        ``columns``, only those input columns of ``weight``, quantized with the whole rows' scales where the
+        scheme's scale is per row (``load_input_slice``)."""
+        n, k = weight.shape[0], columns.size if columns is not None else weight.shape[1]
+        with torch.device("meta"):
+            layer = Linear(k, n, bias=False, dtype=weight.dtype, quant_config=self.quant_config,
+                           prefix=f"{self.prefix}.{name}")
+        layer = to_empty_keeping_loaders(layer, weight.device)
+        whole_rows = getattr(layer.quant_method, "load_input_slice", None)
+        if columns is None:
+            layer.weight.weight_loader(layer.weight, weight.detach(), None)
+        elif whole_rows is None or not whole_rows(layer, weight.detach(), columns, None):
+            layer.weight.weight_loader(layer.weight, weight.detach().narrow(1, columns.start, columns.size), None)
+        layer.process_weights_after_loading()
+        return layer
+
+    def _bind_blocks(self, shards: list[Any], name: str) -> Linear:
+        """A gguf-scheme Linear over one expert's projection given as its row shards (raw blocks or float); a
+        projection the file stores in float (any width) is a float layer, as kept-quantized files' float matrices."""
+        sizes = tuple(t.shape[0] for t in shards)
+        quantized = any(hasattr(t, "ggml_type") for t in shards)
+        with torch.device("meta"):
+            layer = Linear(shards[0].shape[1], sum(sizes), bias=False, dtype=self.gate_up_proj.dtype,
+                           quant_config=self.quant_config if quantized else None,
+                           shard_sizes=sizes if len(sizes) > 1 else None, prefix=f"{self.prefix}.{name}")
+        layer = to_empty_keeping_loaders(layer, self.gate_up_proj.device)
+        for shard_id, t in enumerate(shards):
+            layer.weight.weight_loader(layer.weight, t, shard_id if len(shards) > 1 else None)
+        layer.process_weights_after_loading()
+        return layer
+
+    # -- forward --------------------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """x [T, H], router_logits [T, E] -> [T, H] in x's dtype."""
+        weights, ids = select_experts(router_logits, self.rule)
+        if self.expert_parallel:  # other ranks' experts go to a bucket past this rank's, which is then left out
+            ids = ids - self.first_expert
+            ids = ids.masked_fill((ids < 0) | (ids >= self.num_local_experts), self.num_local_experts)
+            groups = group_by_expert(weights, ids, self.num_local_experts + 1).first_experts(self.num_local_experts)
+        else:
+            groups = group_by_expert(weights, ids, self.rule.num_experts)
+        rows = x.index_select(0, groups.token_of)  # [R, H]: each token once per chosen expert, by expert
+        if self._kernels is not None:
+            y = self._experts_panels(rows, groups)
+        elif self._quantized is not None:
+            y = self._experts_quantized(rows, groups)
+        else:
+            y = self._experts_grouped(rows, groups)
+        out = torch.zeros(x.shape[0], self.hidden_size, dtype=torch.float32, device=x.device)
+        out.index_add_(0, groups.token_of, y.float() * groups.weight)
+        out = out.to(x.dtype)
+        return all_reduce(out) if self.tensor_parallel else out
+
+    def _experts_panels(self, rows: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        """float32 panels: rows [R, H] sorted by expert -> [R, H], two C++ calls threading over (expert, panels)."""
+        moe_gemm = self._kernels.moe_packed_gemm
+        gate_up = moe_gemm(rows, self.gate_up_proj_panels, groups.ends, 2 * self.part.size)
+        return moe_gemm(self.act_and_mul(gate_up), self.down_proj_panels, groups.ends, self.hidden_size)
+
+    def _experts_grouped(self, rows: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        """Float stacks: rows [R, H] sorted by expert -> each row through its expert's MLP, [R, H]."""
+        ends = groups.ends.to(rows.device)
+        gate_up = grouped_matmul(rows, self.gate_up_proj, ends)
+        return grouped_matmul(self.act_and_mul(gate_up), self.down_proj, ends)
+
+    def _experts_quantized(self, rows: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        """Per-expert layers: each expert with rows this step multiplies its run of ``rows`` [R, H] -> [R, H]. The
+        loop calls only the experts that have rows (k per token at most)."""
+        y = torch.empty(rows.shape[0], self.hidden_size, dtype=rows.dtype, device=rows.device)
+        ends = groups.ends.tolist()
+        start = 0
+        for expert, end in enumerate(ends):
+            if end > start:
+                gate_up, down = self._quantized[expert]
+                run = y[start:end]
+                got = down(self.act_and_mul(gate_up(rows[start:end])), run)  # written into y where the form can
+                if got.data_ptr() != run.data_ptr():
+                    run.copy_(got)
+            start = end
+        return y
+
+    def extra_repr(self) -> str:
+        r = self.rule
+        return (f"experts={r.num_experts}, top_k={r.top_k}, scoring={r.scoring}, renormalize={r.renormalize}, "
+                f"hidden={self.hidden_size}, intermediate={self.part.size}/{self.part.full}")

@@ -1,0 +1,45 @@
+"""Tiny random mixture-of-experts configs (transformers' own config classes) and HF folders of them."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from helpers.arch_configs import VOCAB, hf_model, save_word_tokenizer
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+               tie_word_embeddings=False)
+
+# name -> (architecture, config overrides): 4-16 experts, top-1 to top-4, with and without renormalisation, a
+# shared expert, a dense layer among the sparse ones.
+MOE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "mixtral-e4-top2": ("MixtralForCausalLM", dict(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2moe-e8-top4-shared": ("Qwen2MoeForCausalLM", dict(
+        num_hidden_layers=3, intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+        num_experts=8, num_experts_per_tok=4, norm_topk_prob=False, mlp_only_layers=[1])),
+    "qwen3moe-e16-top1-norm": ("Qwen3MoeForCausalLM", dict(
+        head_dim=32, intermediate_size=128, moe_intermediate_size=32, num_experts=16, num_experts_per_tok=1,
+        norm_topk_prob=True)),
+    "qwen3moe-e8-top3": ("Qwen3MoeForCausalLM", dict(
+        head_dim=16, intermediate_size=128, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=3,
+        norm_topk_prob=False)),
+}
+
+
+def moe_config(variant: str) -> Any:
+    import transformers as tf
+
+    arch, overrides = MOE_VARIANTS[variant]
+    cls = {"MixtralForCausalLM": tf.MixtralConfig, "Qwen2MoeForCausalLM": tf.Qwen2MoeConfig,
+           "Qwen3MoeForCausalLM": tf.Qwen3MoeConfig}[arch]
+    return cls(**{**_COMMON, **overrides}, architectures=[arch])
+
+
+def save_tiny_moe(variant: str, path: str | os.PathLike, seed: int = 0) -> tuple[str, Any]:
+    """Save a tiny random MoE of ``variant`` (safetensors with per-expert tensors + config + tokenizer);
+    returns (path, the transformers model)."""
+    model = hf_model(moe_config(variant), seed)
+    model.save_pretrained(str(path))
+    save_word_tokenizer(path)
+    return str(path), model
