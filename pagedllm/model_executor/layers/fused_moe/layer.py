@@ -53,7 +53,7 @@ def grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor
     float32 / float16 on a GPU) take the loop over the experts that have rows."""
     row_bytes = rows.element_size()
     aligned = (weights.shape[1] * row_bytes) % 16 == 0 and (weights.shape[2] * row_bytes) % 16 == 0
-    if aligned and (rows.device.type == "cpu" or rows.dtype == torch.bfloat16):
+    if aligned and (not platform_of(rows).is_accelerator or rows.dtype == torch.bfloat16):
         return F.grouped_mm(rows.contiguous(), weights.transpose(1, 2), offs=ends)
     out = rows.new_empty(rows.shape[0], weights.shape[1])
     start = 0
@@ -196,7 +196,8 @@ class FusedMoE(DirectCall, nn.Module):
             return
         # Per-expert layers: a quantization scheme's packed weights, or on the CPU bf16's own forms (oneDNN's
         # prepacked layout / bf16 panels: torch's grouped matmul would repack every expert's weight on each call).
-        if self.quant_config is not None or (weight.device.type == "cpu" and weight.dtype != torch.float32):
+        on_host = not platform_of(weight).is_accelerator
+        if self.quant_config is not None or (on_host and weight.dtype != torch.float32):
             experts = range(self.num_local_experts)
             gate_up = [self._bind_expert(self.gate_up_proj[e], "gate_up_proj") for e in experts]
             down = [self._bind_expert(self.down_proj[e], "down_proj", self.part if self._down_whole_rows else None)
