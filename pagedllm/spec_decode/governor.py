@@ -13,9 +13,12 @@ What makes the judgement trustworthy:
   rates: acceptance is bimodal (a step accepts nothing or a whole run), and the median of such rates ignores the
   steps that win. Each step's seconds are clipped at ``OUTLIER_FACTOR`` times the window's median, so one step
   disturbed by the machine cannot sink the total.
-- A judgement needs ``MIN_DRAFTED_STEPS`` drafted steps, enough to span the first tokens of an answer (before it
-  starts to copy) and more than one request at small batch sizes; plain throughput is the median of the
-  ``probe_every``-th steps left without drafts (their rate is one token per request, so the median is fair).
+- A judgement needs ``MIN_DRAFTED_STEPS`` drafted steps at batch size 1, enough to span the first tokens of an
+  answer (before it starts to copy) and more than one request; plain throughput is the median of the steps left
+  without drafts, one in ``probe_every`` (their rate is one token per request, so the median is fair). A step of
+  n requests holds n requests' evidence, so a bucket of n judges after 1/n of those steps (at least 16) and probes
+  n times as often (at least every 8th step): under load a losing drafter costs the whole batch, and must stop
+  within an answer, not after it.
 - Off is not forever: the first retry comes after ``cooldown_steps`` steps, each further loss in a row doubles
   the wait (up to ``max_cooldown_steps``), and a retry that pays resets it. A retry starts with a fresh drafted
   window, so the old evidence cannot turn it straight off again.
@@ -93,6 +96,13 @@ class DraftGovernor:
     def _bucket(self, num_requests: int) -> _Bucket:
         return self.buckets.setdefault(bucket_of(num_requests), _Bucket())
 
+    def _probe_interval(self, size: int) -> int:
+        return max(self.probe_every // size, min(8, self.probe_every))
+
+    @staticmethod
+    def _min_drafted(size: int) -> int:
+        return max(MIN_DRAFTED_STEPS // size, min(16, MIN_DRAFTED_STEPS))
+
     def drafting(self, num_requests: int) -> bool:
         """Whether to propose drafts for a step of about ``num_requests`` requests."""
         if not self.active:
@@ -107,7 +117,8 @@ class DraftGovernor:
             logger.info("speculative decoding: drafting again at batch size ~%d after %d steps off",
                         bucket_of(num_requests), bucket.cooldown)
         # A step without drafts now and then keeps the plain rate measured while drafting is on.
-        return self.steps % self.probe_every != self.probe_every - 1
+        interval = self._probe_interval(bucket_of(num_requests))
+        return self.steps % interval != interval - 1
 
     def observe(self, num_requests: int, num_tokens: int, seconds: float, drafted: bool) -> None:
         """A pure decode step: ``num_tokens`` new tokens for ``num_requests`` requests in ``seconds`` (for a
@@ -120,7 +131,8 @@ class DraftGovernor:
             bucket.drafted.append((num_tokens, seconds))
         else:
             bucket.plain.append(num_tokens / seconds)
-        if not bucket.enabled or len(bucket.drafted) < MIN_DRAFTED_STEPS or len(bucket.plain) < MIN_PLAIN_STEPS:
+        if (not bucket.enabled or len(bucket.drafted) < self._min_drafted(bucket_of(num_requests))
+                or len(bucket.plain) < MIN_PLAIN_STEPS):
             return
         with_drafts, without = bucket.drafted_rate(), statistics.median(bucket.plain)
         if with_drafts >= (1.0 - self.max_loss) * without:

@@ -83,6 +83,16 @@ def test_drafting_that_never_accepts_turns_off_then_backs_off() -> None:
     assert gov.buckets[1].cooldown == 512  # capped at max_cooldown_steps
 
 
+def test_a_losing_drafter_stops_early_under_load() -> None:
+    """Eight requests a step: each step holds eight requests' evidence, so the judgement comes within 40 steps
+    (an eighth of the answer), not after the answer."""
+    gov = DraftGovernor()
+    decisions = _run(gov, 120, 8, drafted_tps=700.0, plain_tps=1000.0)
+    assert gov.num_turned_off == 1
+    off_at = max(i for i, d in enumerate(decisions) if d) + 1
+    assert off_at <= 40 and not any(decisions[off_at:])
+
+
 def test_a_retry_that_pays_resets_the_cooldown() -> None:
     gov = DraftGovernor(cooldown_steps=64)
     _replay(gov, [0] * 150)  # off
@@ -108,7 +118,7 @@ def test_loss_within_tolerance_keeps_drafting() -> None:
 def test_batch_size_buckets_are_judged_apart() -> None:
     gov = DraftGovernor(probe_every=4)
     _run(gov, 200, 1, drafted_tps=200.0, plain_tps=100.0)  # pays alone
-    _run(gov, 200, 16, drafted_tps=500.0, plain_tps=1000.0)  # costs in a large batch
+    _run(gov, 100, 16, drafted_tps=500.0, plain_tps=1000.0)  # costs in a large batch
     assert gov.drafting(16) is False
     assert any(gov.drafting(1) for _ in range(3))
     assert gov.decision_counts() == {"16:off": 1}
