@@ -6,7 +6,7 @@
 #   decode: one decode stream (batch 1, 128 prompt / 128 output tokens) of the random Qwen3-MoE (32 experts, top-4)
 #           vs the dense Qwen3 with the same active parameters, bf16 and int8 (int8 runs float32 activations):
 #           latency JSONs, key avg_tpot_ms = decode ms/token; the goal is MoE <= 1.3x dense.
-#   tp:     200 x 128/128 on the MoE, float32: pagedllm vs transformers' generate (batches of 8 and 32).
+#   tp:     200 x 128/128 on the MoE, float32: pagedllm vs transformers' generate (batches of $HF_BATCHES, default 32).
 # Results go to $OUT/moe_*.json. The folders are written once by benchmarks/make_moe_folders.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +35,7 @@ step_decode() {
 step_tp() {
   "${OURS[@]}" bench throughput --model "$DIR-float32/moe" --dtype float32 --kv-cache-memory 4GiB \
     --input-len 128 --output-len 128 --num-prompts 200 --output-json "$OUT/moe_tp_pagedllm.json"
-  "${OURS[@]}" bench throughput --model "$DIR-float32/moe" --dtype float32 --backend hf --hf-batch-sizes 8,32 \
+  "${OURS[@]}" bench throughput --model "$DIR-float32/moe" --dtype float32 --backend hf --hf-batch-sizes "${HF_BATCHES:-32}" \
     --input-len 128 --output-len 128 --num-prompts 200 --output-json "$OUT/moe_tp_hf.json"
   "${OURS[@]}" bench throughput --model "$DIR-float32/dense" --dtype float32 --kv-cache-memory 4GiB \
     --input-len 128 --output-len 128 --num-prompts 200 --output-json "$OUT/moe_tp_dense.json"
