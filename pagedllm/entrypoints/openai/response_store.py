@@ -2,8 +2,9 @@
 ``previous_response_id``.
 
 ``ResponseStore`` is the interface (async, so a Redis or database backend can implement it later: not built
-yet). ``InMemoryResponseStore`` is the default: bounded by a number of responses and by bytes (the JSON size
-of what is kept), least recently used dropped first, and entries older than a TTL dropped when met.
+yet). ``InMemoryResponseStore`` is the default: bounded by a number of responses and by bytes, least recently used
+dropped first, and entries older than a TTL dropped when met. It keeps each response as its compact JSON bytes, so
+the byte bound is the memory it holds (Python dicts of the same responses take about 1.7x their JSON size).
 """
 
 from __future__ import annotations
@@ -37,7 +38,15 @@ class StoredResponse:
     context: list[dict[str, Any]] = field(default_factory=list)
 
     def num_bytes(self) -> int:
-        return len(json.dumps([self.response, self.input_items, self.context], separators=(",", ":")))
+        return len(self.to_json())
+
+    def to_json(self) -> bytes:
+        return json.dumps([self.response, self.input_items, self.context], separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> StoredResponse:
+        response, input_items, context = json.loads(data)
+        return cls(response, input_items, context)
 
 
 class ResponseStore:
@@ -61,7 +70,7 @@ class InMemoryResponseStore(ResponseStore):
             raise ValueError("responses store: max entries, max bytes and TTL must not be negative")
         self.max_entries, self.max_bytes, self.ttl_s = max_entries, max_bytes, ttl_s
         self._clock = clock
-        self._entries: OrderedDict[str, tuple[StoredResponse, int]] = OrderedDict()  # last used last
+        self._entries: OrderedDict[str, bytes] = OrderedDict()  # compact JSON of each record, last used last
         self._put_times: OrderedDict[str, float] = OrderedDict()  # last put last: the TTL's order
         self.num_bytes = 0
         self.num_evicted = 0
@@ -71,20 +80,21 @@ class InMemoryResponseStore(ResponseStore):
 
     async def get(self, response_id: str) -> StoredResponse | None:
         self._expire()
-        entry = self._entries.get(response_id)
-        if entry is None:
+        data = self._entries.get(response_id)
+        if data is None:
             return None
         self._entries.move_to_end(response_id)
-        return entry[0]
+        return StoredResponse.from_json(data)  # a fresh copy: callers cannot change what is kept
 
     async def put(self, response_id: str, record: StoredResponse) -> bool:
-        size = record.num_bytes()
+        data = record.to_json()
+        size = len(data)
         self._drop(response_id)
         if self.max_entries == 0 or size > self.max_bytes:
             logger.warning("response %s (%d bytes) not stored: the store keeps %d responses, %d bytes",
                            response_id, size, self.max_entries, self.max_bytes)
             return False
-        self._entries[response_id] = (record, size)
+        self._entries[response_id] = data
         self._put_times[response_id] = self._clock()
         self.num_bytes += size
         self._expire()
@@ -98,11 +108,11 @@ class InMemoryResponseStore(ResponseStore):
         return self._drop(response_id)
 
     def _drop(self, response_id: str) -> bool:
-        entry = self._entries.pop(response_id, None)
-        if entry is None:
+        data = self._entries.pop(response_id, None)
+        if data is None:
             return False
         del self._put_times[response_id]
-        self.num_bytes -= entry[1]
+        self.num_bytes -= len(data)
         return True
 
     def _expire(self) -> None:
