@@ -65,9 +65,11 @@ def test_speculation_keeps_the_sampling_distribution(small_vocab_models, params:
 
 
 def test_seeded_requests_repeat_with_speculation(small_vocab_models) -> None:
+    # Drafting in every step: a step the draft governor leaves without drafts (a probe, which comes sooner in a
+    # larger batch) draws a seeded request's token by plain sampling instead of the rejection rule.
     llm = LLM(small_vocab_models["target"], **ENGINE_SMALL,
               speculative_config={"method": "draft_model", "model": small_vocab_models["draft"],
-                                  "num_speculative_tokens": 3})
+                                  "num_speculative_tokens": 3, "auto_disable": False})
     seeded = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=1234)
     other = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     solo = llm.generate([PROMPT], seeded, use_tqdm=False)[0].outputs[0].token_ids
