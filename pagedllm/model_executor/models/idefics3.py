@@ -25,9 +25,9 @@ from torch import nn
 
 from pagedllm.model_executor.layers.direct_call import DirectCall
 from pagedllm.model_executor.layers.layernorm import LayerNorm
-from pagedllm.model_executor.models.base import CausalLM
 from pagedllm.model_executor.models.blocks import make_linear
 from pagedllm.model_executor.models.clip_vision import VisionEncoderLayer, run_vision_layers
+from pagedllm.model_executor.models.image_text import ImageTextLM
 from pagedllm.model_executor.models.llama import LlamaForCausalLM, LlamaModel
 from pagedllm.model_executor.models.weight_loading import STACKED_QKV_GATE_UP, WeightMapping
 
@@ -78,7 +78,7 @@ class Idefics3Connector(nn.Module):
         return self.modality_projection.proj(x.reshape(-1, d * s * s)).view(n, seq // (s * s), -1)
 
 
-class Idefics3ForConditionalGeneration(CausalLM):
+class Idefics3ForConditionalGeneration(ImageTextLM):
     """``forward(input_ids, positions, inputs_embeds=None)`` is the decoder step; ``embed_images`` the vision part."""
 
     supports_multimodal = True
@@ -97,14 +97,6 @@ class Idefics3ForConditionalGeneration(CausalLM):
         # transformers ties the head by the top-level flag, not the text model's.
         text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self._init_head(text, dtype, quant_config)
-
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model(input_ids, positions, inputs_embeds=inputs_embeds)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
 
     @torch.inference_mode()
     def embed_images(self, images: list[dict[str, np.ndarray]]) -> list[torch.Tensor]:

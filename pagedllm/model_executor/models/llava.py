@@ -22,9 +22,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.model_executor.models.base import CausalLM
 from pagedllm.model_executor.models.blocks import make_linear
 from pagedllm.model_executor.models.clip_vision import CLIPVisionTower, layers_for_feature_layer, vision_activation
+from pagedllm.model_executor.models.image_text import ImageTextLM
 from pagedllm.model_executor.models.llama import LlamaForCausalLM, LlamaModel, Qwen2ForCausalLM
 from pagedllm.model_executor.models.weight_loading import STACKED_QKV_GATE_UP, WeightMapping
 
@@ -53,7 +53,7 @@ class LlavaProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(CausalLM):
+class LlavaForConditionalGeneration(ImageTextLM):
     """``forward(input_ids, positions, inputs_embeds=None)`` is the decoder step; ``embed_images`` the vision part."""
 
     supports_multimodal = True
@@ -86,16 +86,6 @@ class LlavaForConditionalGeneration(CausalLM):
         # transformers ties the head by the top-level flag (LLaVA's follows its text model's).
         text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", text.tie_word_embeddings))
         self._init_head(text, dtype, quant_config)
-
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, positions: [T]; inputs_embeds: [T, hidden] (image rows merged) or None -> hidden [T, hidden]."""
-        return self.model(input_ids, positions, inputs_embeds=inputs_embeds)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[T] -> token embeddings [T, hidden] (a fresh tensor the caller may write image rows into)."""
-        return self.model.embed_tokens(input_ids)
 
     @torch.inference_mode()
     def embed_images(self, images: list[dict[str, np.ndarray]]) -> list[torch.Tensor]:
