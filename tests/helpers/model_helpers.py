@@ -114,3 +114,24 @@ def cpu_tensors_get_triton_attention(monkeypatch) -> None:  # noqa: ANN001 - pyt
     # The CPU platform's "auto" backend, for layers that ask per call (the selector) and for an engine's worker.
     triton = TritonPagedAttentionBackend(TorchPagedAttentionBackend())
     monkeypatch.setattr(registry, "_MADE", {(platform_for("cpu"), "auto"): triton})
+
+
+def chunked_prefill_and_decodes(model, a: list[int], b: list[int], block_size: int = 8
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request A (30 tokens) prefilled in two chunks, then decoded; B (21 tokens) joins mid-way and shares the
+    steps (mixed prefill + decode batches). Returns the logits of every position of A and of B, [30, V] and
+    [21, V], to compare with a whole-prompt reference. Binds a fresh paged KV cache to ``model``."""
+    bind_kv_caches(model, make_model_kv_caches(model, num_blocks=20, block_size=block_size))
+    table_a, table_b = [7, 2, 9, 4], [1, 11, 13]
+    got_a = [paged_step(model, [a[0:12]], [12], [table_a], block_size),
+             paged_step(model, [a[12:27]], [27], [table_a], block_size)]
+    got_b = []
+    out = paged_step(model, [a[27:28], b[0:19]], [28, 19], [table_a, table_b], block_size)
+    got_a.append(out[:1])
+    got_b.append(out[1:])
+    for pos in (28, 29):
+        out = paged_step(model, [a[pos:pos + 1], b[pos - 9:pos - 8]], [pos + 1, pos - 8], [table_a, table_b],
+                         block_size)
+        got_a.append(out[:1])
+        got_b.append(out[1:])
+    return torch.cat(got_a), torch.cat(got_b)

@@ -14,11 +14,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagedllm.config import ModelConfig
-from pagedllm.model_executor.layers.attention import bind_kv_caches
 from pagedllm.model_executor.layers.fused_moe import FusedMoE
 from pagedllm.model_executor.loader import load_model, resolve_model_config
 
-from helpers.model_helpers import make_model_kv_caches, paged_step, prefill_logits
+from helpers.model_helpers import chunked_prefill_and_decodes, prefill_logits
 from helpers.moe_configs import MOE_VARIANTS, save_tiny_moe
 
 ATOL = 2e-4
@@ -57,21 +56,10 @@ def test_prefill_matches_transformers(tiny) -> None:
 def test_chunked_prefill_and_decodes_match_transformers(tiny) -> None:
     """Request A: prefill in two chunks, then decodes; B joins mid-way and shares the steps (mixed batches)."""
     _, _, hf, model = tiny
-    bs = 8
-    bind_kv_caches(model, make_model_kv_caches(model, num_blocks=20, block_size=bs))
     a, b = _ids(30, seed=2), _ids(21, seed=3)
-    table_a, table_b = [7, 2, 9, 4], [1, 11, 13]
-    got_a = [paged_step(model, [a[0:12]], [12], [table_a], bs), paged_step(model, [a[12:27]], [27], [table_a], bs)]
-    got_b = []
-    out = paged_step(model, [a[27:28], b[0:19]], [28, 19], [table_a, table_b], bs)
-    got_a.append(out[:1])
-    got_b.append(out[1:])
-    for pos in (28, 29):
-        out = paged_step(model, [a[pos:pos + 1], b[pos - 9:pos - 8]], [pos + 1, pos - 8], [table_a, table_b], bs)
-        got_a.append(out[:1])
-        got_b.append(out[1:])
-    torch.testing.assert_close(torch.cat(got_a), _hf_logits(hf, a), atol=ATOL, rtol=0)
-    torch.testing.assert_close(torch.cat(got_b), _hf_logits(hf, b), atol=ATOL, rtol=0)
+    got_a, got_b = chunked_prefill_and_decodes(model, a, b)
+    torch.testing.assert_close(got_a, _hf_logits(hf, a), atol=ATOL, rtol=0)
+    torch.testing.assert_close(got_b, _hf_logits(hf, b), atol=ATOL, rtol=0)
 
 
 def _with_tensors(path: str, dest, change) -> str:
