@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from pagedllm.entrypoints.openai.errors import error_body
+from pagedllm.entrypoints.streaming import ClosingStreamingResponse
 from pagedllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -182,8 +183,9 @@ def build_app(config: ProxyConfig) -> FastAPI:
         out_headers = {k: v for k, v in response.headers.items() if k.lower() not in _HOP_HEADERS}
         if not stream:
             return Response(response.content, status_code=response.status_code, headers=out_headers)
-        return StreamingResponse(_relay(response, decode, url), status_code=response.status_code, headers=out_headers,
-                                 media_type=response.headers.get("content-type", "text/event-stream"))
+        media_type = response.headers.get("content-type", "text/event-stream")
+        return ClosingStreamingResponse(_relay(response, decode, url), status_code=response.status_code,
+                                        headers=out_headers, media_type=media_type)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -220,9 +220,8 @@ def test_streamed_response_closed_by_its_client_frees_blocks(agent_server) -> No
         lines = resp.iter_lines()
         assert any("response.output_text.delta" in next(lines) for _ in range(40))
         assert _kv_usage(agent_server) > 0
-    # Freed, never leaked; within 30 s, the longest the whole 1,500-token answer takes on a slow CI machine (a
-    # client leaving mid-stream is not yet always seen before the answer ends: see docs/agent_apis.md).
-    deadline = time.monotonic() + 30
+    # Aborted as the client leaves (ClosingStreamingResponse), long before the 1,500-token answer could end.
+    deadline = time.monotonic() + 10
     while _kv_usage(agent_server) != 0:
         assert time.monotonic() < deadline, "a disconnected response kept its KV blocks"
         time.sleep(0.05)

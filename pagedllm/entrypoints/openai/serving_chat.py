@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from pagedllm.engine.output_processor import OutputKind
 from pagedllm.entrypoints.openai.chat_output import ChoiceStream, finish_choice
@@ -33,6 +33,7 @@ from pagedllm.entrypoints.openai.serving_engine import (
     until_disconnect,
 )
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser, parser_for_template
+from pagedllm.entrypoints.streaming import ClosingStreamingResponse
 from pagedllm.outputs import Logprob, RequestOutput
 
 
@@ -99,8 +100,7 @@ class ServingChat(OpenAIServing):
         created = int(time.time())
         if req.stream:
             outputs = await self.start(prepared, request_id, stream=True)
-            return StreamingResponse(self._stream(req, prepared, outputs, request_id, model, created),
-                                     media_type="text/event-stream")
+            return ClosingStreamingResponse(self._stream(req, prepared, outputs, request_id, model, created))
 
         async def collect() -> ChatCompletionResponse:
             # A non-streamed request's first output is its last: watch for the client leaving from the start.

@@ -6,7 +6,7 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from pagedllm.engine.output_processor import OutputKind
 from pagedllm.entrypoints.openai.errors import OpenAIError, param_of
@@ -23,6 +23,7 @@ from pagedllm.entrypoints.openai.serving_engine import (
     stream_error,
     until_disconnect,
 )
+from pagedllm.entrypoints.streaming import ClosingStreamingResponse
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -77,8 +78,7 @@ class ServingCompletion(OpenAIServing):
                    for i, p in enumerate(prompts)]
         if req.stream:
             outputs = await start_streams(streams)
-            return StreamingResponse(self._stream(req, prompts, outputs, request_id, model, created),
-                                     media_type="text/event-stream")
+            return ClosingStreamingResponse(self._stream(req, prompts, outputs, request_id, model, created))
 
         async def collect() -> CompletionResponse:
             # A non-streamed request's first output is its last: watch for the client leaving from the start.

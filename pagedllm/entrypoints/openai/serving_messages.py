@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from pagedllm.engine.errors import EngineDeadError
 from pagedllm.entrypoints.openai.chat_output import ChoiceDelta, ChoiceStream, finish_choice
@@ -27,6 +27,7 @@ from pagedllm.entrypoints.openai.protocol_messages import (
 )
 from pagedllm.entrypoints.openai.serving_chat import ServingChat
 from pagedllm.entrypoints.openai.serving_engine import until_disconnect
+from pagedllm.entrypoints.streaming import ClosingStreamingResponse
 from pagedllm.outputs import RequestOutput
 from pagedllm.utils import random_uuid
 
@@ -76,8 +77,7 @@ class ServingMessages:
         message_id = f"msg_{random_uuid().replace('-', '')}"
         if req.stream:
             outputs = await self.chat.start(prepared, message_id, stream=True)
-            return StreamingResponse(self._stream(prepared, outputs, message_id, model),
-                                     media_type="text/event-stream")
+            return ClosingStreamingResponse(self._stream(prepared, outputs, message_id, model))
 
         async def collect() -> dict[str, Any]:
             # The only output is the last: watch for the client leaving from the start (it aborts the request).

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from pagedllm.engine.errors import EngineDeadError
 from pagedllm.entrypoints.openai.chat_output import ChoiceDelta, ChoiceResult, ChoiceStream, finish_choice
@@ -24,6 +24,7 @@ from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest, to_
 from pagedllm.entrypoints.openai.response_store import ResponseStore, StoredResponse
 from pagedllm.entrypoints.openai.serving_chat import ServingChat
 from pagedllm.entrypoints.openai.serving_engine import sse, until_disconnect
+from pagedllm.entrypoints.streaming import ClosingStreamingResponse
 from pagedllm.logger import init_logger
 from pagedllm.outputs import RequestOutput
 from pagedllm.utils import random_uuid
@@ -260,8 +261,7 @@ class ServingResponses:
             return JSONResponse(shell.snapshot())
         if req.stream:
             outputs = await self.chat.start(prepared, response_id, stream=True)
-            return StreamingResponse(self._stream(req, prepared, outputs, shell, input_items, context),
-                                     media_type="text/event-stream")
+            return ClosingStreamingResponse(self._stream(req, prepared, outputs, shell, input_items, context))
 
         async def collect() -> dict[str, Any]:
             # The only output is the last: watch for the client leaving from the start (it aborts the request).

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 from fastapi import Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
@@ -38,6 +38,7 @@ from pagedllm.entrypoints.openai.errors import OpenAIError, param_of
 from pagedllm.entrypoints.openai.protocol_audio import TranscriptionRequest
 from pagedllm.entrypoints.openai.serving_engine import sse, start_streams, stream_error, until_disconnect
 from pagedllm.entrypoints.openai.serving_models import ServingModels
+from pagedllm.entrypoints.streaming import ClosingStreamingResponse
 from pagedllm.logger import init_logger
 from pagedllm.metrics.audio import AudioMetrics
 from pagedllm.outputs import RequestOutput
@@ -136,8 +137,8 @@ class ServingTranscription:
         streams = [self.engine.generate(r.prompt, r.params, f"{request_id}-{i}", kind=kind)
                    for i, r in enumerate(requests)]
         if req.stream:
-            return StreamingResponse(self._stream(req, options, chunks, duration, await start_streams(streams), start),
-                                     media_type="text/event-stream")
+            events = self._stream(req, options, chunks, duration, await start_streams(streams), start)
+            return ClosingStreamingResponse(events)
 
         async def collect() -> Any:
             # A non-streamed request's first output is its last: watch for the client leaving from the start.

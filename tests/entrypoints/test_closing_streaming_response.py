@@ -1,0 +1,59 @@
+"""A streamed response whose client leaves mid-send closes its generator at once (its request aborts)."""
+
+import asyncio
+
+import pytest
+from starlette.requests import ClientDisconnect
+from starlette.responses import StreamingResponse
+
+from pagedllm.entrypoints.streaming import ClosingStreamingResponse
+
+
+def _events(closed: list[bool]):
+    async def gen():
+        try:
+            for i in range(1000):
+                yield f"data: {i}\n\n"
+        finally:
+            closed.append(True)
+    return gen()
+
+
+async def _leave_during_second_chunk(response_cls, spec_version: str) -> list[bool]:
+    """Serve the response; the client leaves while the second body chunk is being sent. Whether the generator
+    was closed, read as the response returns (before asyncio.run finalizes every generator left open)."""
+    closed: list[bool] = []
+    response = response_cls(_events(closed), media_type="text/event-stream")
+    left, sent = asyncio.Event(), []
+
+    async def send(message):
+        sent.append(message)
+        if message["type"] == "http.response.body" and len(sent) == 3:
+            left.set()
+            if spec_version >= "2.4":
+                raise OSError("client gone")  # how a 2.4 server reports it
+            await asyncio.Event().wait()  # 2.3: the send hangs until the disconnect cancels it
+
+    async def receive():
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    scope = {"type": "http", "asgi": {"spec_version": spec_version}, "method": "POST", "path": "/"}
+    try:
+        await response(scope, receive, send)
+    except ClientDisconnect:
+        pass
+    await asyncio.sleep(0)  # let anything scheduled by the response run
+    return list(closed)
+
+
+@pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
+def test_generator_closed_when_the_client_leaves_mid_send(spec_version) -> None:
+    closed = asyncio.run(_leave_during_second_chunk(ClosingStreamingResponse, spec_version))
+    assert closed == [True]
+
+
+def test_plain_streaming_response_leaves_it_suspended() -> None:
+    """Why the subclass exists: Starlette's own response leaves the generator suspended at its yield."""
+    closed = asyncio.run(_leave_during_second_chunk(StreamingResponse, "2.3"))
+    assert closed == []
