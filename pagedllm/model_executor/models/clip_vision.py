@@ -102,9 +102,11 @@ class VisionEncoderLayer(DirectCall, nn.Module):
         self.layer_norm2 = LayerNorm(d, cfg.layer_norm_eps, dtype)
         self.mlp = VisionMLP(d, cfg.intermediate_size, cfg.hidden_act, dtype, f"{prefix}.mlp")
 
-    def forward(self, x: torch.Tensor, pending: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, rope: Any = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, d] (all images' tokens, flat) residual stream; pending: the previous layer's MLP output not yet
-        added to it (None for the first layer) -> (the stream, this layer's MLP output, still to add).
+        added to it (None for the first layer) -> (the stream, this layer's MLP output, still to add). ``rope``:
+        rotary positions of the patches (Qwen2-VL's 2D rotary), None for learned position embeddings.
 
         Each residual add runs in one pass with the LayerNorm after it (``LayerNorm(x, residual)``), which writes
         into both tensors: the caller hands them over."""
@@ -112,7 +114,7 @@ class VisionEncoderLayer(DirectCall, nn.Module):
             h = self.layer_norm1(x)
         else:
             h, x = self.layer_norm1(pending, x)
-        h, x = self.layer_norm2(self.self_attn(h, None), x)
+        h, x = self.layer_norm2(self.self_attn(h, rope), x)
         return x, self.mlp(h)
 
 
@@ -151,16 +153,16 @@ class CLIPVisionTower(DirectCall, nn.Module):
         x = self.embeddings(pixels)
         n, seq, d = x.shape
         x = self.pre_layrnorm(x.reshape(n * seq, d))
-        return run_vision_layers(self, self.layers, x, n, seq).view(n, seq, d)
+        return run_vision_layers(self, self.layers, x, [seq] * n).view(n, seq, d)
 
 
-def run_vision_layers(tower: nn.Module, layers: nn.ModuleList, x: torch.Tensor, n: int, seq: int) -> torch.Tensor:
-    """x: [n * seq, d], n images (tiles) of ``seq`` patches each -> [n * seq, d] after ``layers``, each image one
-    bidirectional sequence on the encoder attention path (metadata built here, as Whisper's encoder does)."""
-    lens = [seq] * n
-    meta = build_attention_metadata(lens, lens, np.zeros((n, 1), dtype=np.int32), 1, x.device)
+def run_vision_layers(tower: nn.Module, layers: nn.ModuleList, x: torch.Tensor, lens: list[int],
+                      rope: Any = None) -> torch.Tensor:
+    """x: [sum(lens), d], images (tiles) of ``lens`` patches each -> [sum(lens), d] after ``layers``, each image
+    one bidirectional sequence on the encoder attention path (metadata built here, as Whisper's encoder does)."""
+    meta = build_attention_metadata(lens, lens, np.zeros((len(lens), 1), dtype=np.int32), 1, x.device)
     pending = None
     with attention_step(meta, step_readers(tower)):
         for layer in layers:
-            x, pending = layer(x, pending)
+            x, pending = layer(x, pending, rope)
     return x if pending is None else x.add_(pending)

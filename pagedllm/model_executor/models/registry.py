@@ -57,6 +57,10 @@ _ARCHITECTURES = [
                      "Idefics3, SmolVLM (SigLIP tiles + pixel shuffle; SmolLM2 / Llama text)", ("hf",),
                      "image splitting into tiles by the HF processor; encoder cache keyed by image content",
                      inputs=("text", "image")),
+    ArchitectureInfo("Qwen2VLForConditionalGeneration", "qwen2_vl", "Qwen2VLForConditionalGeneration",
+                     "Qwen2-VL (dynamic-resolution ViT with 2D rotary + patch merger; Qwen2 text with M-RoPE)",
+                     ("hf",), "images only (no video); per-request 3-axis rotary positions kept by the runner",
+                     inputs=("text", "image")),
 ]
 _BY_NAME = {a.name: a for a in _ARCHITECTURES}
 
