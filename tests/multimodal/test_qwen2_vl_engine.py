@@ -10,7 +10,14 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 
-from helpers.vlm_helpers import QWEN_IMAGE, make_tiny_qwen2_vl, qwen2_vl_generate, qwen2_vl_inputs, random_image
+from helpers.vlm_helpers import (
+    QWEN_IMAGE,
+    make_tiny_qwen2_vl,
+    png_data_url,
+    qwen2_vl_generate,
+    qwen2_vl_inputs,
+    random_image,
+)
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -99,3 +106,14 @@ def test_chunked_prefill_through_images_equals_transformers(tiny, references) ->
     outs = chunked.generate([_prompt(text, images) for text, images in CASES], GREEDY, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == references
     assert chunked.engine.core.worker.runner.multimodal.num_encoded_images == 6
+
+
+def test_chat_content_parts_equal_transformers(tiny, llm) -> None:
+    """OpenAI-style content parts through the model's chat template (<|vision_start|><|image_pad|><|vision_end|>
+    where the image goes) and the images-only processor."""
+    image = random_image(31, (56, 24))
+    messages = [{"role": "user", "content": [{"type": "text", "text": "t5 t9"},
+                                              {"type": "image_url", "image_url": {"url": png_data_url(image)}},
+                                              {"type": "text", "text": "t7 t33"}]}]
+    chat = llm.chat(messages, GREEDY, use_tqdm=False)[0]
+    assert list(chat.outputs[0].token_ids) == qwen2_vl_generate(tiny[1], tiny[2], ONE, [image], MAX_TOKENS)
