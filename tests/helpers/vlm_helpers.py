@@ -171,10 +171,11 @@ def _qwen2_vl_tokenizer() -> Any:
     return tok
 
 
-def make_tiny_qwen2_vl(path: str | os.PathLike, seed: int = 0) -> tuple[str, Any, Any]:
+def make_tiny_qwen2_vl(path: str | os.PathLike, seed: int = 0, version: str = "2") -> tuple[str, Any, Any]:
     """Save a random tiny Qwen2-VL (2D-rotary ViT with 8 px patches, merge 2; Qwen2 text with M-RoPE sections
     [2, 3, 3] of its 8 rotary frequencies) and its processor (dynamic resolution: a picture keeps roughly its
-    size, rounded to 16 px, between 16 x 16 and 64 x 64 px worth of pixels)."""
+    size, rounded to 16 px, between 16 x 16 and 64 x 64 px worth of pixels). ``version`` "2.5": Qwen2.5-VL's
+    ViT (RMSNorm, gated SiLU MLP, windows of 32 px = 2 x 2 merge blocks; layer 1 of 3 attends whole images)."""
     import transformers as tf
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -186,17 +187,23 @@ def make_tiny_qwen2_vl(path: str | os.PathLike, seed: int = 0) -> tuple[str, Any
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
     vision = dict(depth=2, embed_dim=32, num_heads=4, mlp_ratio=2, hidden_size=64, patch_size=8,
                   spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
-    config = tf.Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+    config_class, model_class = tf.Qwen2VLConfig, tf.Qwen2VLForConditionalGeneration
+    if version == "2.5":
+        vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=64, patch_size=8,
+                      spatial_merge_size=2, temporal_patch_size=2, in_channels=3, window_size=32,
+                      fullatt_block_indexes=[1], hidden_act="silu")
+        config_class, model_class = tf.Qwen2_5_VLConfig, tf.Qwen2_5_VLForConditionalGeneration
+    config = config_class(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
                               video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
                               vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False,
-                              architectures=["Qwen2VLForConditionalGeneration"])
+                              architectures=[model_class.__name__])
     torch.manual_seed(seed)
-    model = tf.Qwen2VLForConditionalGeneration(config).eval()
+    model = model_class(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.08)
-            elif "norm" in name or "ln_q" in name:
+            elif "norm" in name or "ln_q" in name:  # LayerNorm and RMSNorm weights near 1
                 p.normal_(1.0, 0.1)
             else:
                 p.normal_(0.0, 0.05)

@@ -1,6 +1,6 @@
-"""A tiny random Qwen2-VL (dynamic resolution, 2D rotary in the vision tower, M-RoPE in the decoder) through the
-engine against transformers' ``generate``: images of different sizes, several per prompt, chunked prefill through
-them, batching, prefix caching keyed by the image."""
+"""A tiny random Qwen2-VL and Qwen2.5-VL (dynamic resolution, 2D rotary in the vision tower, Qwen2.5's windows;
+M-RoPE in the decoder) through the engine against transformers' ``generate``: images of different sizes, several
+per prompt, chunked prefill through them, batching, prefix caching keyed by the image."""
 
 from __future__ import annotations
 
@@ -25,9 +25,10 @@ ONE = f"t5 t9 {QWEN_IMAGE} t7 t33"
 TWO = f"t5 {QWEN_IMAGE} t9 {QWEN_IMAGE} t7"
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory):
-    return make_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2vl"))
+@pytest.fixture(scope="module", params=["2", "2.5"], ids=["qwen2_vl", "qwen2_5_vl"])
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """Qwen2-VL, and Qwen2.5-VL (windowed ViT): every test runs on both."""
+    return make_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2vl"), version=request.param)
 
 
 @pytest.fixture(scope="module")

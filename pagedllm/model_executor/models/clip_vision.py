@@ -157,12 +157,22 @@ class CLIPVisionTower(DirectCall, nn.Module):
 
 
 def run_vision_layers(tower: nn.Module, layers: nn.ModuleList, x: torch.Tensor, lens: list[int],
-                      rope: Any = None) -> torch.Tensor:
+                      rope: Any = None, layer_lens: list[list[int]] | None = None) -> torch.Tensor:
     """x: [sum(lens), d], images (tiles) of ``lens`` patches each -> [sum(lens), d] after ``layers``, each image
-    one bidirectional sequence on the encoder attention path (metadata built here, as Whisper's encoder does)."""
-    meta = build_attention_metadata(lens, lens, np.zeros((len(lens), 1), dtype=np.int32), 1, x.device)
-    pending = None
-    with attention_step(meta, step_readers(tower)):
-        for layer in layers:
-            x, pending = layer(x, pending, rope)
+    one bidirectional sequence on the encoder attention path (metadata built here, as Whisper's encoder does).
+    ``layer_lens``: each layer's own sequences instead (Qwen2.5-VL's windows), consecutive equal ones sharing
+    one metadata."""
+    plan = layer_lens or [lens] * len(layers)
+    pending, i = None, 0
+    readers = step_readers(tower)
+    while i < len(layers):
+        j = i
+        while j < len(layers) and plan[j] == plan[i]:
+            j += 1
+        seqs = plan[i]
+        meta = build_attention_metadata(seqs, seqs, np.zeros((len(seqs), 1), dtype=np.int32), 1, x.device)
+        with attention_step(meta, readers):
+            for layer in layers[i:j]:
+                x, pending = layer(x, pending, rope)
+        i = j
     return x if pending is None else x.add_(pending)

@@ -66,47 +66,68 @@ def patch_rows_and_cols(grids: list[tuple[int, int, int]], merge: int) -> tuple[
 
 
 class Qwen2VisionTower(DirectCall, nn.Module):
+    """Qwen2-VL's ViT (LayerNorm, quick-GELU MLP); ``Qwen25VisionTower`` changes the layers and the attention plan."""
+
     def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
         super().__init__()
-        d, heads = int(cfg.embed_dim), int(cfg.num_heads)
+        self._build(cfg, dtype, int(cfg.embed_dim), int(cfg.num_heads), int(cfg.hidden_size), LayerNorm)
+        layer_cfg = SimpleNamespace(hidden_size=self.embed_dim, num_attention_heads=int(cfg.num_heads),
+                                    layer_norm_eps=1e-6, intermediate_size=int(self.embed_dim * cfg.mlp_ratio),
+                                    hidden_act=cfg.hidden_act)
+        self.layers = nn.ModuleList(VisionEncoderLayer(layer_cfg, i, dtype, "visual.layers")
+                                    for i in range(cfg.depth))
+
+    def _build(self, cfg: Any, dtype: torch.dtype, d: int, heads: int, out: int, norm: type[nn.Module]) -> None:
+        """The parts both generations share: patch projection, rotary frequencies, merger (``norm`` its ln_q)."""
         self.embed_dim, self.merge = d, int(cfg.spatial_merge_size)
         self.patch_embed = nn.Module()
         self.patch_embed.proj = nn.Conv3d(cfg.in_channels, d, (cfg.temporal_patch_size, cfg.patch_size,
                                                                cfg.patch_size), bias=False, dtype=dtype)
-        layer_cfg = SimpleNamespace(hidden_size=d, num_attention_heads=heads, layer_norm_eps=1e-6,
-                                    intermediate_size=int(d * cfg.mlp_ratio), hidden_act=cfg.hidden_act)
-        self.layers = nn.ModuleList(VisionEncoderLayer(layer_cfg, i, dtype, "visual.layers")
-                                    for i in range(cfg.depth))
         head_dim = d // heads
         theta = float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
         spatial = head_dim // 2
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, spatial, 2, dtype=torch.float32, device="cpu") / spatial))
         # [D/4], built on the CPU even when the model is constructed on the meta device
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, spatial, 2, dtype=torch.float32, device="cpu") / spatial))
         self.merger = nn.Module()
-        self.merger.ln_q = LayerNorm(d, 1e-6, dtype)
+        self.merger.ln_q = norm(d, 1e-6, dtype)
         wide = d * self.merge ** 2
         self.merger.mlp = nn.ModuleList([
             make_linear(wide, wide, bias=True, dtype=dtype, prefix="visual.merger.mlp.0"), nn.Identity(),
-            make_linear(wide, int(cfg.hidden_size), bias=True, dtype=dtype, prefix="visual.merger.mlp.2")])
+            make_linear(wide, out, bias=True, dtype=dtype, prefix="visual.merger.mlp.2")])
 
-    def rope(self, grids: list[tuple[int, int, int]], device: torch.device) -> VisionRope:
+    def rope(self, grids: list[tuple[int, int, int]], device: torch.device,
+             order: torch.Tensor | None = None) -> VisionRope:
         rows, cols = patch_rows_and_cols(grids, self.merge)
         freq = self.inv_freq.to(device)
         angles = torch.cat([torch.from_numpy(rows).to(device)[:, None].float() * freq,
                             torch.from_numpy(cols).to(device)[:, None].float() * freq], dim=-1)  # [N, D/2]
+        if order is not None:
+            angles = angles[order.to(device)]
         return VisionRope(angles.cos().unsqueeze(1), angles.sin().unsqueeze(1))
+
+    def attention_plan(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor | None, list[list[int]]]:
+        """(the order patches are attended in, or None: the processor's; each layer's sequence lengths)."""
+        frames = [h * w for t, h, w in grids for _ in range(t)]  # each frame one bidirectional sequence
+        return None, [frames] * len(self.layers)
 
     def forward(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """patches: [N, C * temporal * p * p] (the processor's rows, all images), grids: (t, h, w) patches of each
-        -> merged embeddings [N / merge^2, text hidden]."""
+        -> merged embeddings [N / merge^2, text hidden], in the processor's order."""
         weight = self.patch_embed.proj.weight
         x = F.linear(patches.to(weight.dtype), weight.reshape(weight.shape[0], -1))  # the Conv3d: one patch each
-        lens = [h * w for t, h, w in grids for _ in range(t)]  # each frame one bidirectional sequence
-        x = run_vision_layers(self, self.layers, x.contiguous(), lens, self.rope(grids, x.device))
+        order, layer_lens = self.attention_plan(grids)
+        if order is not None:
+            x = x[order.to(x.device)]
+        x = run_vision_layers(self, self.layers, x.contiguous(), layer_lens[0], self.rope(grids, x.device, order),
+                              layer_lens)
         x = self.merger.ln_q(x).reshape(-1, self.embed_dim * self.merge ** 2)
         fc1, _, fc2 = self.merger.mlp
         h = fc1.forward_activation(x, "gelu")
-        return fc2(h if h is not None else F.gelu(fc1(x)))
+        x = fc2(h if h is not None else F.gelu(fc1(x)))
+        if order is not None:  # back to the processor's order, one merged token per merge x merge block
+            units = order.view(-1, self.merge ** 2)[:, 0] // self.merge ** 2
+            x = x[torch.argsort(units).to(x.device)]
+        return x
 
 
 class Qwen2VLForConditionalGeneration(ImageTextLM):
@@ -115,6 +136,7 @@ class Qwen2VLForConditionalGeneration(ImageTextLM):
 
     supports_multimodal = True
     uses_mrope = True
+    vision_tower_class: type[Qwen2VisionTower] = Qwen2VisionTower
     weight_mapping = WeightMapping(stacked=STACKED_QKV_GATE_UP, skip=("rotary_emb.inv_freq",))
 
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, quant_config: Any = None) -> None:
@@ -122,7 +144,7 @@ class Qwen2VLForConditionalGeneration(ImageTextLM):
         text, vision = hf_config.text_config, hf_config.vision_config
         self.image_token_id = int(hf_config.image_token_id)
         self.merge = int(vision.spatial_merge_size)
-        self.visual = Qwen2VisionTower(vision, dtype)
+        self.visual = self.vision_tower_class(vision, dtype)
         self.model = MRopeLlamaModel(text, Qwen2ForCausalLM, dtype, quant_config)
         text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))  # the top-level flag
         self._init_head(text, dtype, quant_config)
