@@ -6,8 +6,10 @@ SmolVLM-256M's size, built from the default model's config and tokenizer (SmolLM
   (longest edge 512) makes 1 tile + the whole picture: 128 image tokens each.
 - ``--family llava``: a CLIP ViT-B/16 at 224 px (196 image tokens a picture) in front of the same decoder.
 
-    # images/s: 32 image+text requests, pagedllm vs transformers' batched generate, side by side
+    # images/s: 32 image+text requests, pagedllm vs transformers' batched generate, side by side; both in the
+    # engine's default dtype (bfloat16 on a CPU with native bf16, else float32), or each named
     python benchmarks/vision_throughput.py throughput --num-requests 32 --max-tokens 32
+    python benchmarks/vision_throughput.py throughput --num-requests 32 --max-tokens 32 --hf-dtype float32
     # time to first token on repeated images (4 pictures round-robin, one request at a time, prefix caching off):
     # the encoder cache (default size) vs a cache that holds one picture (every request encodes again)
     python benchmarks/vision_throughput.py ttft --num-requests 32
@@ -110,6 +112,7 @@ def throughput(folder: Path, args: argparse.Namespace) -> dict:
     prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": p}} for p in pictures]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     llm = LLM(model=str(folder), dtype=args.dtype, max_num_seqs=args.num_requests)
+    ours_dtype = str(llm.engine.core.worker.runner.model.dtype).removeprefix("torch.")
     # Warm-up (kernels, first-step allocations) on other pictures: the timed ones are encoded in the timed run.
     llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": p}} for p in images(102, 102)[100:]], params,
                  use_tqdm=False)
@@ -119,7 +122,8 @@ def throughput(folder: Path, args: argparse.Namespace) -> dict:
         ours = time.perf_counter() - start
     del llm
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    hf_dtype = args.hf_dtype or ours_dtype
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[hf_dtype]
     model = tf.AutoModelForImageTextToText.from_pretrained(folder, dtype=dtype).eval()
     processor = tf.AutoProcessor.from_pretrained(folder)
     processor.tokenizer.padding_side = "left"
@@ -131,7 +135,8 @@ def throughput(folder: Path, args: argparse.Namespace) -> dict:
         start = time.perf_counter()
         model.generate(**inputs, max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens, do_sample=False)
         theirs = time.perf_counter() - start
-    return {"family": args.family, "requests": args.num_requests, "max_tokens": args.max_tokens, "dtype": args.dtype,
+    return {"family": args.family, "requests": args.num_requests, "max_tokens": args.max_tokens, "dtype": ours_dtype,
+            "transformers_dtype": hf_dtype,
             "pagedllm_images_per_s": args.num_requests / ours, "transformers_images_per_s": args.num_requests / theirs,
             "speedup": theirs / ours}
 
@@ -174,7 +179,10 @@ def main() -> None:
     parser.add_argument("--family", default="smolvlm", choices=["smolvlm", "llava"])
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="pagedllm's dtype (auto: bfloat16 on a CPU with native bf16, else float32)")
+    parser.add_argument("--hf-dtype", default=None, choices=["float32", "bfloat16"],
+                        help="transformers' dtype in the throughput run (default: the one pagedllm resolved)")
     parser.add_argument("--smoke", action="store_true", help="a 2-layer model: checks the script, times nothing")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()

@@ -15,11 +15,12 @@ import numpy as np
 from pagedllm.core.multimodal import MultiModalFeature
 from pagedllm.logger import init_logger
 from pagedllm.multimodal.hashing import image_content_hash
+from pagedllm.multimodal.image_only_processor import ImageOnlyProcessor
 
 logger = init_logger(__name__)
 
 # Processor outputs that describe the text, not an image.
-_TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids")
+_TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
 
 
 def as_image_list(data: Any) -> list[Any]:
@@ -33,13 +34,28 @@ def as_image_list(data: Any) -> list[Any]:
     return [image.convert("RGB") if image.mode != "RGB" else image for image in images]
 
 
+def load_hf_processor(model_path: str) -> Any:
+    """The model's ``AutoProcessor``; where its video half needs torchvision and that is missing (Qwen2-VL), the
+    image half alone (``ImageOnlyProcessor``), said in the log."""
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(model_path, local_files_only=True)
+    except (ImportError, AttributeError, TypeError, ValueError) as e:
+        try:
+            processor = ImageOnlyProcessor(model_path)
+        except (OSError, ValueError):
+            raise e from None
+        logger.info("multimodal processor: AutoProcessor failed (%s: %s); using the model's image processor and "
+                    "tokenizer (images only)", type(e).__name__, str(e)[:120])
+        return processor
+
+
 class MultiModalProcessor:
     """``limits``: most items of each modality one prompt may carry (``--limit-mm-per-prompt``)."""
 
     def __init__(self, model_path: str, limits: dict[str, int] | None = None) -> None:
-        from transformers import AutoProcessor
-
-        self.hf_processor = AutoProcessor.from_pretrained(model_path, local_files_only=True)
+        self.hf_processor = load_hf_processor(model_path)
         self.limits = dict(limits or {})
         tokenizer = self.hf_processor.tokenizer
         self.image_token = getattr(self.hf_processor, "image_token", None) or "<image>"
@@ -94,12 +110,17 @@ class MultiModalProcessor:
 
 
 def _split_per_image(arrays: dict[str, Any], n: int, patches: list[int] | None) -> list[dict[str, np.ndarray]]:
-    """The processor's outputs as one dict per image: [n, ...] arrays by rows (one image each: LLaVA), or the
-    prompt's [1, tiles, ...] arrays by each image's tiles (``patches``: Idefics3); [1, ...] each either way."""
+    """The processor's outputs as one dict per image: [n, ...] arrays by rows (one image each: LLaVA), the
+    prompt's [1, tiles, ...] arrays by each image's tiles (``patches``: Idefics3), or [patches, features] arrays by
+    each image's patch rows (Qwen2-VL)."""
     out: list[dict[str, np.ndarray]] = [{} for _ in range(n)]
     for name, value in arrays.items():
         array = np.asarray(value)
-        if array.ndim and array.shape[0] == n:
+        if array.ndim == 2 and patches and sum(patches) == array.shape[0] != n:
+            # [all images' patches, features] (Qwen2-VL): each image's rows
+            bounds = np.cumsum([0, *patches])
+            pieces = [array[bounds[i]:bounds[i + 1]] for i in range(n)]
+        elif array.ndim and array.shape[0] == n:
             pieces = [array[i:i + 1] for i in range(n)]
         elif array.ndim > 1 and array.shape[0] == 1 and patches and sum(patches) == array.shape[1]:
             bounds = np.cumsum([0, *patches])

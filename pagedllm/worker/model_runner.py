@@ -93,6 +93,7 @@ class CachedRequestState:
     pooling_params: Any = None  # PoolingParams of a pooling request
     mm_features: list = field(default_factory=list)  # its images (core/multimodal.py), with their pixels
     lora: Any = None  # its LoRA adapter (lora.request.AdapterRef), None for the base model
+    mrope: Any = None  # an M-RoPE model's (prompt positions [3, L], decode delta), made at its first step
 
 
 class ModelRunner:
@@ -273,6 +274,8 @@ class ModelRunner:
         query_lens = [sched.num_scheduled_tokens[r] for r in order]
         spec = sched.scheduled_spec_decode_tokens
         meta, input_ids, positions = self._prepare_inputs(states, query_lens, spec)
+        if self.multimodal is not None and self.multimodal.uses_mrope:
+            positions = self.multimodal.mrope_positions(states, query_lens, positions)
         if self.encoder_decoder is not None:
             self.encoder_decoder.run_encoders(sched)  # new requests' cross-attention K/V, before the decoder reads
 

@@ -30,6 +30,7 @@ class MultiModalRunner:
         self.cache: dict[str, torch.Tensor] = {}  # content hash -> [tokens, hidden]
         self.num_encoded_images = 0  # encoder runs, one per image (tests and logs count them)
         self.num_encoder_calls = 0  # batched calls of the vision encoder
+        self.uses_mrope = bool(getattr(model, "uses_mrope", False))  # Qwen2-VL: 3-axis text positions
 
     def free(self, identifiers: list[str]) -> None:
         for identifier in identifiers:
@@ -68,6 +69,25 @@ class MultiModalRunner:
             if len(picked):
                 embeds[torch.from_numpy(at + picked)] = output[torch.from_numpy(rows[first + picked])]
         return embeds
+
+    def mrope_positions(self, states: list[Any], query_lens: list[int], positions: torch.Tensor) -> torch.Tensor:
+        """The step's positions as an M-RoPE model takes them: [3, T] when a scheduled token is an image's (its
+        grid position), else [T] (three equal rows): prompt tokens read the request's prompt table, later tokens
+        their index + the request's delta. Decode steps thus stay [T], step graphs included."""
+        pieces = []
+        for state, q in zip(states, query_lens):
+            if state.mrope is None:  # once per request: its prompt's positions from its images' grids
+                state.mrope = self.model.mrope_positions(len(state.prompt_token_ids), state.mm_features)
+            table, delta = state.mrope
+            index = np.arange(state.num_computed_tokens, state.num_computed_tokens + q)
+            rows = np.repeat((index + delta)[None, :], 3, axis=0)
+            inside = index < table.shape[1]
+            rows[:, inside] = table[:, index[inside]]
+            pieces.append(rows)
+        out = np.concatenate(pieces, axis=1) if pieces else np.zeros((3, 0), dtype=np.int64)
+        if (out == out[:1]).all():
+            out = out[0]
+        return torch.from_numpy(np.ascontiguousarray(out)).to(device=positions.device, dtype=positions.dtype)
 
     def _encode(self, features: list[Any]) -> None:
         """Encode images not in the cache, ``ENCODER_BATCH`` at a time (the model batches what it can)."""

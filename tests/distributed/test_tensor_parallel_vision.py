@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.vlm_helpers import hf_generate, make_tiny_llava, random_image
+from helpers.vlm_helpers import (
+    QWEN_IMAGE,
+    hf_generate,
+    make_tiny_llava,
+    make_tiny_qwen2_vl,
+    qwen2_vl_generate,
+    random_image,
+)
 
 pytestmark = pytest.mark.slow  # two rank processes
 
@@ -23,4 +30,23 @@ def test_tp2_llava_equals_transformers(tmp_path) -> None:
     finally:
         llm.engine.core.close()
     assert [list(o.outputs[0].token_ids) for o in outs] == [hf_generate(hf, processor, text, [image], 8)
+                                                            for image in images]
+
+
+@pytest.mark.parametrize("version", ["2", "2.5"])
+def test_tp2_qwen2_vl_equals_transformers(tmp_path, version: str) -> None:
+    """Qwen2-VL / Qwen2.5-VL: each rank keeps the requests' M-RoPE positions; the ViT's heads (and Qwen2.5's gated
+    MLP) split across the ranks."""
+    from pagedllm import LLM, SamplingParams
+
+    path, hf, processor = make_tiny_qwen2_vl(tmp_path / "qwen", version=version)
+    text = f"t5 t9 {QWEN_IMAGE} t7 t33"
+    images = [random_image(1), random_image(2, (64, 30))]
+    llm = LLM(path, tensor_parallel_size=2, kv_cache_memory="16MiB", max_model_len=128, dtype="float32")
+    try:
+        outs = llm.generate([{"prompt": text, "multi_modal_data": {"image": image}} for image in images],
+                            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.engine.core.close()
+    assert [list(o.outputs[0].token_ids) for o in outs] == [qwen2_vl_generate(hf, processor, text, [image], 8)
                                                             for image in images]

@@ -149,3 +149,95 @@ def make_tiny_idefics3(path: str | os.PathLike, seed: int = 0) -> tuple[str, Any
     processor.save_pretrained(str(path))
     processor.tokenizer.save_pretrained(str(path))
     return str(path), model, processor
+
+
+# ---- Qwen2-VL ----------------------------------------------------------------------------------------------------
+QWEN_TAGS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"  # where an image goes in a raw prompt
+
+
+def _qwen2_vl_tokenizer() -> Any:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(TEXT_VOCAB)}
+    for token in QWEN_TAGS:
+        vocab[token] = len(vocab)
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0", bos_token="t1", eos_token="t2",
+                                  pad_token="t0")
+    tok.add_special_tokens({"additional_special_tokens": QWEN_TAGS})  # split out of any word
+    return tok
+
+
+def make_tiny_qwen2_vl(path: str | os.PathLike, seed: int = 0, version: str = "2") -> tuple[str, Any, Any]:
+    """Save a random tiny Qwen2-VL (2D-rotary ViT with 8 px patches, merge 2; Qwen2 text with M-RoPE sections
+    [2, 3, 3] of its 8 rotary frequencies) and its processor (dynamic resolution: a picture keeps roughly its
+    size, rounded to 16 px, between 16 x 16 and 64 x 64 px worth of pixels). ``version`` "2.5": Qwen2.5-VL's
+    ViT (RMSNorm, gated SiLU MLP, windows of 32 px = 2 x 2 merge blocks; layer 1 of 3 attends whole images)."""
+    import transformers as tf
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = _qwen2_vl_tokenizer()
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_TAGS}
+    text = dict(vocab_size=len(tokenizer) + 4, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
+                eos_token_id=2, pad_token_id=0,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    vision = dict(depth=2, embed_dim=32, num_heads=4, mlp_ratio=2, hidden_size=64, patch_size=8,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    config_class, model_class = tf.Qwen2VLConfig, tf.Qwen2VLForConditionalGeneration
+    if version == "2.5":
+        vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=64, patch_size=8,
+                      spatial_merge_size=2, temporal_patch_size=2, in_channels=3, window_size=32,
+                      fullatt_block_indexes=[1], hidden_act="silu")
+        config_class, model_class = tf.Qwen2_5_VLConfig, tf.Qwen2_5_VLForConditionalGeneration
+    config = config_class(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                              video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                              vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False,
+                              architectures=[model_class.__name__])
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+            elif "norm" in name or "ln_q" in name:  # LayerNorm and RMSNorm weights near 1
+                p.normal_(1.0, 0.1)
+            else:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(str(path))
+    image_processor = Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2,
+                                               size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64})
+    # transformers' Qwen2VLProcessor cannot be built without torchvision (its video half): the folder holds the
+    # image processor and the tokenizer, as a checkpoint's files do.
+    tokenizer.chat_template = CHAT_TEMPLATE.replace("<image>", QWEN_IMAGE)
+    image_processor.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    return str(path), model, (image_processor, tokenizer)
+
+
+def qwen2_vl_inputs(processor: tuple[Any, Any], text: str, images: list | None) -> dict[str, torch.Tensor]:
+    """transformers' model inputs for ``text`` (one QWEN_IMAGE per image) as Qwen2VLProcessor makes them: each
+    <|image_pad|> repeated grid_t * grid_h * grid_w / merge^2 times, mm_token_type_ids 1 on those."""
+    image_processor, tokenizer = processor
+    out: dict[str, torch.Tensor] = {}
+    if images:
+        out.update(image_processor(images=images, return_tensors="pt"))
+        pieces = text.split("<|image_pad|>")
+        counts = (out["image_grid_thw"].prod(dim=1) // 4).tolist()
+        text = pieces[0] + "".join("<|image_pad|>" * n + rest for n, rest in zip(counts, pieces[1:]))
+    enc = tokenizer(text, return_tensors="pt")
+    out["input_ids"], out["attention_mask"] = enc["input_ids"], enc["attention_mask"]
+    out["mm_token_type_ids"] = (enc["input_ids"] == tokenizer.convert_tokens_to_ids("<|image_pad|>")).int()
+    return out
+
+
+def qwen2_vl_generate(model: Any, processor: tuple[Any, Any], text: str, images: list | None,
+                      max_new_tokens: int) -> list[int]:
+    """transformers' greedy ``generate`` for a Qwen2-VL prompt; the new token ids."""
+    inputs = qwen2_vl_inputs(processor, text, images)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()

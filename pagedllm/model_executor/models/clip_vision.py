@@ -23,6 +23,7 @@ from pagedllm.attention.metadata import build_attention_metadata
 from pagedllm.attention.spec import AttentionSpec
 from pagedllm.model_executor.layers.attention import attention_step, step_readers
 from pagedllm.model_executor.layers.direct_call import DirectCall
+from pagedllm.model_executor.layers.kernel_binding import KernelBinding
 from pagedllm.model_executor.layers.layernorm import LayerNorm
 from pagedllm.model_executor.models.blocks import RotaryAttention, make_linear
 
@@ -30,15 +31,36 @@ from pagedllm.model_executor.models.blocks import RotaryAttention, make_linear
 VISION_LAYER_IDX_BASE = 1 << 17
 
 
-def vision_activation(name: str) -> Any:
-    """The vision MLP's activation by its config name."""
+_GELUS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh"}
+
+
+def vision_activation_kind(name: str) -> str:
+    """The config's ``hidden_act`` as ``Linear.forward_activation`` names it ("quick_gelu" has no fused form)."""
     if name == "quick_gelu":
-        return lambda x: x * torch.sigmoid(1.702 * x)
-    if name == "gelu":
-        return F.gelu
-    if name in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
-        return lambda x: F.gelu(x, approximate="tanh")
-    raise ValueError(f"vision hidden_act {name!r} is not supported (quick_gelu, gelu, gelu_pytorch_tanh)")
+        return name
+    if name not in _GELUS:
+        raise ValueError(f"vision hidden_act {name!r} is not supported (quick_gelu, gelu, gelu_pytorch_tanh)")
+    return _GELUS[name]
+
+
+def vision_activation(name: str) -> Any:
+    """The vision MLP's activation by its config name, applied in place to fc1's fresh output (the C++ GELU on
+    float32 / bfloat16 CPU tensors: torch's bf16 GELU was a third of the tower's time)."""
+    kind = vision_activation_kind(name)
+    if kind == "quick_gelu":
+        return lambda x: x.mul_(torch.sigmoid(1.702 * x))
+    tanh = kind == "gelu_tanh"
+    cpu_kernels = KernelBinding(lambda platform, dtype: platform.cpu_kernels_family(dtype, (torch.float32,
+                                                                                            torch.bfloat16)))
+
+    def gelu_(x: torch.Tensor) -> torch.Tensor:
+        kernels = cpu_kernels(x)
+        if kernels is None:
+            return F.gelu(x, approximate="tanh" if tanh else "none")
+        kernels.gelu_(x, tanh)
+        return x
+
+    return gelu_
 
 
 def layers_for_feature_layer(feature_layer: int, num_hidden_layers: int) -> int:
@@ -56,11 +78,14 @@ class VisionMLP(DirectCall, nn.Module):
         super().__init__()
         self.fc1 = make_linear(hidden, intermediate, bias=True, dtype=dtype, prefix=f"{prefix}.fc1")
         self.fc2 = make_linear(intermediate, hidden, bias=True, dtype=dtype, prefix=f"{prefix}.fc2")
+        self.act_kind = vision_activation_kind(act)
         self.act = vision_activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden]."""
-        return self.fc2(self.act(self.fc1(x)))
+        """x: [T, hidden] -> [T, hidden]; the activation fused into fc1's matmul where its weight can (oneDNN's
+        bf16 post-op)."""
+        h = self.fc1.forward_activation(x, self.act_kind) if self.act_kind != "quick_gelu" else None
+        return self.fc2(h if h is not None else self.act(self.fc1(x)))
 
 
 class VisionEncoderLayer(DirectCall, nn.Module):
@@ -77,10 +102,20 @@ class VisionEncoderLayer(DirectCall, nn.Module):
         self.layer_norm2 = LayerNorm(d, cfg.layer_norm_eps, dtype)
         self.mlp = VisionMLP(d, cfg.intermediate_size, cfg.hidden_act, dtype, f"{prefix}.mlp")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, d] (all images' tokens, flat) -> [T, d]."""
-        x = x + self.self_attn(self.layer_norm1(x), None)
-        return x + self.mlp(self.layer_norm2(x))
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, rope: Any = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, d] (all images' tokens, flat) residual stream; pending: the previous layer's MLP output not yet
+        added to it (None for the first layer) -> (the stream, this layer's MLP output, still to add). ``rope``:
+        rotary positions of the patches (Qwen2-VL's 2D rotary), None for learned position embeddings.
+
+        Each residual add runs in one pass with the LayerNorm after it (``LayerNorm(x, residual)``), which writes
+        into both tensors: the caller hands them over."""
+        if pending is None:
+            h = self.layer_norm1(x)
+        else:
+            h, x = self.layer_norm1(pending, x)
+        h, x = self.layer_norm2(self.self_attn(h, rope), x)
+        return x, self.mlp(h)
 
 
 class CLIPVisionEmbeddings(DirectCall, nn.Module):
@@ -118,15 +153,26 @@ class CLIPVisionTower(DirectCall, nn.Module):
         x = self.embeddings(pixels)
         n, seq, d = x.shape
         x = self.pre_layrnorm(x.reshape(n * seq, d))
-        return run_vision_layers(self, self.layers, x, n, seq).view(n, seq, d)
+        return run_vision_layers(self, self.layers, x, [seq] * n).view(n, seq, d)
 
 
-def run_vision_layers(tower: nn.Module, layers: nn.ModuleList, x: torch.Tensor, n: int, seq: int) -> torch.Tensor:
-    """x: [n * seq, d], n images (tiles) of ``seq`` patches each -> [n * seq, d] after ``layers``, each image one
-    bidirectional sequence on the encoder attention path (metadata built here, as Whisper's encoder does)."""
-    lens = [seq] * n
-    meta = build_attention_metadata(lens, lens, np.zeros((n, 1), dtype=np.int32), 1, x.device)
-    with attention_step(meta, step_readers(tower)):
-        for layer in layers:
-            x = layer(x)
-    return x
+def run_vision_layers(tower: nn.Module, layers: nn.ModuleList, x: torch.Tensor, lens: list[int],
+                      rope: Any = None, layer_lens: list[list[int]] | None = None) -> torch.Tensor:
+    """x: [sum(lens), d], images (tiles) of ``lens`` patches each -> [sum(lens), d] after ``layers``, each image
+    one bidirectional sequence on the encoder attention path (metadata built here, as Whisper's encoder does).
+    ``layer_lens``: each layer's own sequences instead (Qwen2.5-VL's windows), consecutive equal ones sharing
+    one metadata."""
+    plan = layer_lens or [lens] * len(layers)
+    pending, i = None, 0
+    readers = step_readers(tower)
+    while i < len(layers):
+        j = i
+        while j < len(layers) and plan[j] == plan[i]:
+            j += 1
+        seqs = plan[i]
+        meta = build_attention_metadata(seqs, seqs, np.zeros((len(seqs), 1), dtype=np.int32), 1, x.device)
+        with attention_step(meta, readers):
+            for layer in layers[i:j]:
+                x, pending = layer(x, pending, rope)
+        i = j
+    return x if pending is None else x.add_(pending)

@@ -56,7 +56,7 @@ class Idefics3VisionTower(DirectCall, nn.Module):
             raise ValueError(f"image: a {tuple(tiles.shape[2:])} tile gives {seq} patches; the vision tower takes "
                              f"{self.num_patches} (its processor's max_image_size)")
         x = (x + self.position_embedding.weight).reshape(n * seq, d).contiguous()  # one tile: still transposed
-        x = run_vision_layers(self, self.layers, x, n, seq)
+        x = run_vision_layers(self, self.layers, x, [seq] * n)
         return self.post_layernorm(x).view(n, seq, d)
 
 

@@ -76,12 +76,16 @@ class LlamaModel(DirectCall, nn.Module):
         ``inputs_embeds`` [T, hidden]: the step's input embeddings instead of ``input_ids``'s (a VLM's, with image
         rows merged in)."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        rope = RopeStep(self.rotary_emb, positions)  # once per step, shared by all layers
+        rope = self.rope_step(positions)  # once per step, shared by all layers
         residual = None
         for layer in self.layers if num_layers is None else islice(self.layers, num_layers):
             x, residual = layer(x, residual, rope)
         x, _ = self.norm(x, residual)
         return x
+
+    def rope_step(self, positions: torch.Tensor) -> RopeStep:
+        """The step's rotary inputs for ``positions`` [T] (M-RoPE models take [3, T]: ``models/mrope.py``)."""
+        return RopeStep(self.rotary_emb, positions)
 
 
 class LlamaForCausalLM(CausalLM):

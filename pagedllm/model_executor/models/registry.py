@@ -57,6 +57,14 @@ _ARCHITECTURES = [
                      "Idefics3, SmolVLM (SigLIP tiles + pixel shuffle; SmolLM2 / Llama text)", ("hf",),
                      "image splitting into tiles by the HF processor; encoder cache keyed by image content",
                      inputs=("text", "image")),
+    ArchitectureInfo("Qwen2VLForConditionalGeneration", "qwen2_vl", "Qwen2VLForConditionalGeneration",
+                     "Qwen2-VL (dynamic-resolution ViT with 2D rotary + patch merger; Qwen2 text with M-RoPE)",
+                     ("hf",), "images only (no video); per-request 3-axis rotary positions kept by the runner",
+                     inputs=("text", "image")),
+    ArchitectureInfo("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration",
+                     "Qwen2.5-VL (Qwen2-VL with a windowed-attention ViT: RMSNorm, gated SiLU MLP)", ("hf",),
+                     "images only (no video); per-request 3-axis rotary positions kept by the runner",
+                     inputs=("text", "image")),
 ]
 _BY_NAME = {a.name: a for a in _ARCHITECTURES}
 
