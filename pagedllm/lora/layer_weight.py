@@ -39,7 +39,7 @@ class LoRAStepContext:
 
     def add_term(self, y: torch.Tensor, x: torch.Tensor, weight: LoRAWeight) -> torch.Tensor:
         """y [T, N] += each adapter row's term of x [T, K] (in place; returns y)."""
-        if self.kernel is not None and x.dtype in _KERNEL_DTYPES:
+        if self.kernel is not None:  # given for float32 / bf16 models only (worker.py), whose activations these are
             if self.active:
                 self.kernel(y, x, weight.a_slots, weight.b_slots, weight.slot_ranks, weight.max_rank,
                             self.row_slots[:x.shape[0]])
@@ -51,9 +51,6 @@ class LoRAStepContext:
     def adds_terms(self) -> bool:
         """Whether the layers may add a term this step (a fused matmul + activation must not run then)."""
         return self.active if self.kernel is not None else self.plan is not None
-
-
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class LoRAWeight(BoundWeight):

@@ -6,7 +6,8 @@
 // row and no plan: the same call, recorded once in a CPU step graph, serves any mix of adapters at replay. Work is
 // cut into blocks of up to kRows rows of one slot. Phase one (shrink) computes h = x @ A for each block, reading
 // A's row k once for all of the block's rows; phase two (expand) adds h @ B into y by column chunks, reading each
-// row of B once per block and chunk. Both phases are thread-parallel (blocks, then block x column chunk): a batch-1
+// row of B once per block and chunk; both keep their sums in registers (tiles of up to 8 rows by 16 columns of h,
+// 8 rows by 32 columns of y). Both phases are thread-parallel (blocks, then block x column chunk): a batch-1
 // decode still spreads B, the bigger matrix, over the cores.
 //
 // A [S, K, R] and B [S, R, N] are float32 slot buffers, R = bands * max_rank: band b of a fused layer (q/k/v,
@@ -44,6 +45,72 @@ struct Block {
   int64_t count;
 };
 
+constexpr int64_t kLanes = 16;  // h columns per shrink tile: one AVX-512 register (two AVX2 ones)
+constexpr int64_t kTile = 32;   // y columns per expand tile
+
+// Whether columns [g0, g0 + w) of R hold any live column (column c is live when c % max_rank < rank).
+inline bool group_live(int64_t g0, int64_t w, int64_t max_rank, int64_t rank) {
+  for (int64_t c = g0; c < g0 + w; ++c)
+    if (c % max_rank < rank) return true;
+  return false;
+}
+
+// Calls f.template operator()<M>() with M = count (1..kRows): the tiles' row loops get a constant trip count, so
+// their accumulators stay in registers.
+template <typename F>
+inline void with_rows(int64_t count, F&& f) {
+  switch (count) {
+    case 1: f.template operator()<1>(); break;
+    case 2: f.template operator()<2>(); break;
+    case 3: f.template operator()<3>(); break;
+    case 4: f.template operator()<4>(); break;
+    case 5: f.template operator()<5>(); break;
+    case 6: f.template operator()<6>(); break;
+    case 7: f.template operator()<7>(); break;
+    default: f.template operator()<8>(); break;
+  }
+}
+
+// h[j][0..w) = sum over k of xf[j][k] * a[k][0..w) for M rows; W: w as a constant (0: use the runtime w).
+template <int M, int W>
+inline void shrink_tile(const float* xf, int64_t K, const float* a, int64_t a_stride, float* h, int64_t h_stride,
+                        int64_t w_runtime) {
+  const int64_t w = W > 0 ? W : w_runtime;
+  float acc[M][kLanes] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    const float* ak = a + k * a_stride;
+    for (int j = 0; j < M; ++j) {
+      const float xv = xf[j * K + k];
+#pragma omp simd
+      for (int64_t c = 0; c < (W > 0 ? W : w); ++c) acc[j][c] += xv * ak[c];
+    }
+  }
+  for (int j = 0; j < M; ++j)
+    for (int64_t c = 0; c < w; ++c) h[j * h_stride + c] = acc[j][c];
+}
+
+// y[j][c0 + 0..w) += sum over the live r of h[j][r] * b[r][0..w) for M rows (b: B's column c0 onwards).
+template <int M, int W, typename TY>
+inline void expand_tile(const float* h, int64_t R, const float* b, int64_t N, int64_t bands, int64_t max_rank,
+                        int64_t rank, TY* const* yrows, int64_t c0, int64_t w_runtime) {
+  const int64_t w = W > 0 ? W : w_runtime;
+  float acc[M][kTile] = {};
+  for (int64_t band = 0; band < bands; ++band)
+    for (int64_t r = band * max_rank; r < band * max_rank + rank; ++r) {
+      const float* br = b + r * N;
+      for (int j = 0; j < M; ++j) {
+        const float hv = h[j * R + r];
+#pragma omp simd
+        for (int64_t c = 0; c < (W > 0 ? W : w); ++c) acc[j][c] += hv * br[c];
+      }
+    }
+  for (int j = 0; j < M; ++j) {
+    TY* yr = yrows[j] + c0;
+#pragma omp simd
+    for (int64_t c = 0; c < w; ++c) narrow(yr + c, widen(yr[c]) + acc[j][c]);
+  }
+}
+
 template <typename TX, typename TY>
 void sgmv(TY* y, int64_t y_stride, const TX* x, int64_t x_stride, const float* a, const float* b,
           const int32_t* ranks, int64_t max_rank, const int32_t* row_slots, int64_t T, int64_t S, int64_t K,
@@ -80,49 +147,52 @@ void sgmv(TY* y, int64_t y_stride, const TX* x, int64_t x_stride, const float* a
   const int64_t grain = flops < (1 << 15) ? num_blocks * col_chunks : 1;
 
   at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {  // shrink: h = x @ A[s]
+    thread_local std::vector<float> xf;  // the block's rows of x, widened to float
+    xf.resize(static_cast<size_t>(kRows * K));
     for (int64_t bi = begin; bi < end; ++bi) {
       const Block& blk = blocks[bi];
+      for (int64_t j = 0; j < blk.count; ++j) {
+        const TX* xr = x + order[blk.first + j] * x_stride;
+        float* xj = xf.data() + j * K;
+#pragma omp simd
+        for (int64_t k = 0; k < K; ++k) xj[k] = widen(xr[k]);
+      }
       const float* as = a + blk.slot * K * R;
       const int64_t rank = ranks[blk.slot];
       float* hb = h.data() + blk.first * R;
-      std::memset(hb, 0, sizeof(float) * blk.count * R);
-      for (int64_t k = 0; k < K; ++k) {
-        const float* ak = as + k * R;
-        for (int64_t j = 0; j < blk.count; ++j) {
-          const float xv = widen(x[order[blk.first + j] * x_stride + k]);
-          float* hj = hb + j * R;
-          for (int64_t band = 0; band < bands; ++band) {
-            const int64_t lo = band * max_rank;
-#pragma omp simd
-            for (int64_t r = lo; r < lo + rank; ++r) hj[r] += xv * ak[r];
+      with_rows(blk.count, [&]<int M>() {
+        for (int64_t g0 = 0; g0 < R; g0 += kLanes) {
+          const int64_t w = std::min(kLanes, R - g0);
+          if (!group_live(g0, w, max_rank, rank)) {
+            for (int64_t j = 0; j < M; ++j) std::fill(hb + j * R + g0, hb + j * R + g0 + w, 0.f);
+          } else if (w == kLanes) {
+            shrink_tile<M, kLanes>(xf.data(), K, as + g0, R, hb + g0, R, kLanes);
+          } else {
+            shrink_tile<M, 0>(xf.data(), K, as + g0, R, hb + g0, R, w);
           }
         }
-      }
+      });
     }
   });
   at::parallel_for(0, num_blocks * col_chunks, grain, [&](int64_t begin, int64_t end) {  // expand: y += h @ B[s]
-    float acc[kRows][kCols];
     for (int64_t unit = begin; unit < end; ++unit) {
       const Block& blk = blocks[unit / col_chunks];
       const int64_t n0 = (unit % col_chunks) * kCols, width = std::min(kCols, N - n0);
-      const float* bs = b + blk.slot * R * N + n0;
+      const float* bs = b + blk.slot * R * N;
       const int64_t rank = ranks[blk.slot];
       const float* hb = h.data() + blk.first * R;
-      for (int64_t j = 0; j < blk.count; ++j) std::fill(acc[j], acc[j] + width, 0.f);
-      for (int64_t band = 0; band < bands; ++band)
-        for (int64_t r = band * max_rank; r < band * max_rank + rank; ++r) {
-          const float* br = bs + r * N;
-          for (int64_t j = 0; j < blk.count; ++j) {
-            const float hv = hb[j * R + r];
-#pragma omp simd
-            for (int64_t c = 0; c < width; ++c) acc[j][c] += hv * br[c];
+      TY* yrows[kRows];
+      for (int64_t j = 0; j < blk.count; ++j) yrows[j] = y + order[blk.first + j] * y_stride;
+      with_rows(blk.count, [&]<int M>() {
+        for (int64_t c0 = n0; c0 < n0 + width; c0 += kTile) {
+          const int64_t w = std::min(kTile, n0 + width - c0);
+          if (w == kTile) {
+            expand_tile<M, kTile>(hb, R, bs + c0, N, bands, max_rank, rank, yrows, c0, kTile);
+          } else {
+            expand_tile<M, 0>(hb, R, bs + c0, N, bands, max_rank, rank, yrows, c0, w);
           }
         }
-      for (int64_t j = 0; j < blk.count; ++j) {
-        TY* yr = y + order[blk.first + j] * y_stride + n0;
-#pragma omp simd
-        for (int64_t c = 0; c < width; ++c) narrow(yr + c, widen(yr[c]) + acc[j][c]);
-      }
+      });
     }
   });
 }
