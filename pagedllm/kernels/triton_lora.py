@@ -6,7 +6,7 @@ Two launches, one program per row (and per column block of y): shrink writes h =
 bands into a float32 scratch [T, R]; expand adds h @ B[s] into y. A row of slot -1, or of a slot with rank 0 on
 this layer, masks every load and store, so the launches need no host-side grouping and read each row's slot on
 the device. A [S, K, R] and B [S, R, N] are float32, R = bands * max_rank, band b using columns
-[b * max_rank, b * max_rank + slot_ranks[s]).
+[b * max_rank, b * max_rank + slot_ranks[s]) (bf16 slot buffers are read as float32).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ if triton is not None:
                 mask_k = ks < k_end
                 xv = tl.load(x_ptr + t.to(tl.int64) * x_stride + ks, mask=mask_k, other=0.0).to(tl.float32)
                 av = tl.load(a_slot + ks[:, None] * R + band * MAX_RANK + offs_r[None, :],
-                             mask=mask_k[:, None] & mask_r[None, :], other=0.0)
+                             mask=mask_k[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
                 acc += tl.sum(xv[:, None] * av, axis=0)
             tl.store(h_ptr + t.to(tl.int64) * R + band * MAX_RANK + offs_r, acc, mask=offs_r < MAX_RANK)
 
@@ -58,7 +58,7 @@ if triton is not None:
         for band in tl.static_range(BANDS):
             hv = tl.load(h_ptr + t.to(tl.int64) * R + band * MAX_RANK + offs_r, mask=mask_r, other=0.0)
             bv = tl.load(b_slot + (band * MAX_RANK + offs_r)[:, None] * N + offs_n[None, :],
-                         mask=mask_r[:, None] & mask_n[None, :], other=0.0)
+                         mask=mask_r[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
             acc += tl.sum(hv[:, None] * bv, axis=0)
         y_row = y_ptr + t.to(tl.int64) * y_stride + offs_n
         y = tl.load(y_row, mask=mask_n, other=0.0).to(tl.float32)

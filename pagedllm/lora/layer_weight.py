@@ -54,11 +54,13 @@ class LoRAStepContext:
 
 
 class LoRAWeight(BoundWeight):
-    """``base`` (N x K) plus, per slot, a low-rank term; ``shard_sizes``: the output rows of each fused shard."""
+    """``base`` (N x K) plus, per slot, a low-rank term; ``shard_sizes``: the output rows of each fused shard;
+    ``dtype``: the slot buffers' (float32; bf16 beside a bf16 model with the C++ kernel, as vLLM keeps adapters in
+    the model's dtype)."""
 
     def __init__(self, base: BoundWeight, context: LoRAStepContext, max_loras: int, max_rank: int,
                  shard_sizes: Sequence[int], slots: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         self.base = base
         self.context = context
         self.out_features, self.in_features = base.out_features, base.in_features
@@ -67,8 +69,8 @@ class LoRAWeight(BoundWeight):
         self.shard_sizes = tuple(shard_sizes)
         width = len(self.shard_sizes) * max_rank
         if slots is None:
-            slots = (torch.zeros(max_loras, self.in_features, width, device=device),
-                     torch.zeros(max_loras, width, self.out_features, device=device))
+            slots = (torch.zeros(max_loras, self.in_features, width, device=device, dtype=dtype),
+                     torch.zeros(max_loras, width, self.out_features, device=device, dtype=dtype))
         self.a_slots, self.b_slots = slots
         # The rank each slot's bands use here (0: the adapter has no module on this layer): the kernel reads
         # only those columns of A and rows of B.

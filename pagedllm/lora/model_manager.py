@@ -33,14 +33,17 @@ logger = init_logger(__name__)
 
 class LoRAModelManager:
     def __init__(self, model: nn.Module, hf_config: object, max_loras: int, max_cpu_loras: int, max_rank: int,
-                 device: torch.device, kernels: Any | None = None, max_num_tokens: int = 0) -> None:
+                 device: torch.device, kernels: Any | None = None, max_num_tokens: int = 0,
+                 model_dtype: torch.dtype = torch.float32) -> None:
         """``kernels``: the C++ CPU kernels module (its ``lora_sgmv_`` then adds the terms), None for the torch
-        path; ``max_num_tokens``: the most rows a step (or a recorded step graph) can have."""
+        path; ``max_num_tokens``: the most rows a step (or a recorded step graph) can have; ``model_dtype``: with
+        the kernel, a bf16 model keeps its slot buffers in bf16 (half the bytes each decode step reads)."""
         self.base_shapes = base_module_shapes(hf_config)
         self.max_loras, self.max_cpu_loras, self.max_rank = max_loras, max_cpu_loras, max_rank
         self.device = device
         kernel = getattr(kernels, "lora_sgmv_", None) if device.type == "cpu" else None
         self.context = LoRAStepContext(kernel, max_num_tokens)
+        slot_dtype = torch.bfloat16 if kernel is not None and model_dtype == torch.bfloat16 else torch.float32
         self._rows_set = 0  # rows of row_slots written by the step running now
         linears = {m.prefix: m for m in model.modules() if isinstance(m, Linear)}
         self.layers: dict[str, LoRAWeight] = {}
@@ -50,7 +53,8 @@ class LoRAModelManager:
             if layer is None or layer.packed is None:
                 raise ValueError(f"enable_lora: the model has no layer {path} for LoRA module {module}")
             if path not in self.layers:
-                weight = LoRAWeight(layer.packed, self.context, max_loras, max_rank, layer.shard_sizes, device=device)
+                weight = LoRAWeight(layer.packed, self.context, max_loras, max_rank, layer.shard_sizes, device=device,
+                                    dtype=slot_dtype)
                 layer.bind_weight(weight)
                 self.layers[path] = weight
             full = _full_shape(layer, shard)
@@ -62,9 +66,10 @@ class LoRAModelManager:
         self.slots: list[str | None] = [None] * max_loras
         self._slot_use: OrderedDict[int, None] = OrderedDict((i, None) for i in range(max_loras))
         self.rank_width = 3 * max_rank  # the widest layer (q/k/v): what the tile choice weighs
-        logger.info("LoRA: %d layers carry adapters; %d slots, rank up to %d, %d adapters kept loaded; terms by %s",
-                    len(self.layers), max_loras, max_rank, max_cpu_loras,
-                    "the C++ kernel lora_sgmv_" if kernel is not None else "grouped torch ops")
+        logger.info("LoRA: %d layers carry adapters; %d slots, rank up to %d, %d adapters kept loaded; terms by %s "
+                    "(%s slots)", len(self.layers), max_loras, max_rank, max_cpu_loras,
+                    "the C++ kernel lora_sgmv_" if kernel is not None else "grouped torch ops",
+                    str(slot_dtype).removeprefix("torch."))
 
     @property
     def graphs_hold_adapters(self) -> bool:

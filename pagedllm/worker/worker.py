@@ -100,7 +100,8 @@ class Worker:
             spec_tokens = config.speculative.num_speculative_tokens if config.speculative is not None else 0
             max_rows = max(config.scheduler.max_num_batched_tokens, 16 * (1 + spec_tokens))  # steps and graphs
             self.runner.lora = LoRAModelManager(model, mc.hf_config, config.lora.max_loras, config.lora.cpu_loras,
-                                                config.lora.max_lora_rank, self.device, kernels, max_rows)
+                                                config.lora.max_lora_rank, self.device, kernels, max_rows,
+                                                self.dtype)
         if config.speculative is not None:
             from pagedllm.spec_decode.setup import attach_spec_decoder
 

@@ -1,6 +1,6 @@
 """The C++ multi-LoRA kernel (``lora_sgmv_``) against the torch reference (``segments.add_lora_term``): rows 1 to
 256, ranks 8 / 16 / 64, slots mixed with base-model rows, fused bands with adapters of smaller rank, float32 and
-bf16; and a row's result does not depend on the rows beside it."""
+bf16 rows, float32 and bf16 slot buffers; and a row's result does not depend on the rows beside it."""
 
 from __future__ import annotations
 
@@ -23,17 +23,20 @@ def kernels():
 
 @pytest.mark.parametrize("rows", [1, 17, 64, 256])
 @pytest.mark.parametrize("max_rank", [8, 16, 64])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_equals_the_torch_reference(kernels, rows: int, max_rank: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("dtype", "slot_dtype"), [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                   (torch.bfloat16, torch.bfloat16)])
+def test_kernel_equals_the_torch_reference(kernels, rows: int, max_rank: int, dtype: torch.dtype,
+                                           slot_dtype: torch.dtype) -> None:
     k, n, bands, num_slots = 96, 200, 3, 4  # n: a tail past the kernel's 128-column chunks
     ranks = [max_rank, max_rank // 2, 0, 1]  # full, smaller, a slot with nothing on this layer, rank 1
     a, b, slot_ranks = _slots(num_slots, k, n, bands, max_rank, ranks, seed=rows + max_rank)
+    a, b = a.to(slot_dtype), b.to(slot_dtype)  # bf16 slots: the reference reads the same rounded values
     row_slots = _row_slots(rows, num_slots, seed=rows)
     if rows == 1:
         row_slots = [0]
     x = torch.randn(rows, k).to(dtype)
     y0 = torch.randn(rows, n).to(dtype)
-    want = _reference(y0.clone(), x, a, b, row_slots)
+    want = _reference(y0.clone(), x, a.float(), b.float(), row_slots)
     got = y0.clone()
     kernels.lora_sgmv_(got, x, a, b, slot_ranks, max_rank, torch.tensor(row_slots, dtype=torch.int32))
     tol = 1e-4 if dtype == torch.float32 else 2e-2

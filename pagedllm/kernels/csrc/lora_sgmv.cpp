@@ -10,9 +10,10 @@
 // 8 rows by 32 columns of y). Both phases are thread-parallel (blocks, then block x column chunk): a batch-1
 // decode still spreads B, the bigger matrix, over the cores.
 //
-// A [S, K, R] and B [S, R, N] are float32 slot buffers, R = bands * max_rank: band b of a fused layer (q/k/v,
-// gate/up) lives in columns [b * max_rank, b * max_rank + slot_ranks[s]) of A and the same rows of B; the columns
-// past an adapter's rank are zero and skipped. The scaling is folded into B. Arithmetic is float32; a bf16 y gets
+// A [S, K, R] and B [S, R, N] are slot buffers (float32, or bf16 beside a bf16 model: half the bytes a decode
+// reads), R = bands * max_rank: band b of a fused layer (q/k/v, gate/up) lives in columns
+// [b * max_rank, b * max_rank + slot_ranks[s]) of A and the same rows of B; the columns past an adapter's rank are
+// zero and skipped. The scaling is folded into B. Arithmetic is float32; a bf16 y gets
 // one rounding. Each row's sums run in a fixed order whatever the batch, so a request's result never depends on
 // the rows beside it.
 #include "kernels.h"
@@ -72,17 +73,17 @@ inline void with_rows(int64_t count, F&& f) {
 }
 
 // h[j][0..w) = sum over k of xf[j][k] * a[k][0..w) for M rows; W: w as a constant (0: use the runtime w).
-template <int M, int W>
-inline void shrink_tile(const float* xf, int64_t K, const float* a, int64_t a_stride, float* h, int64_t h_stride,
+template <int M, int W, typename TW>
+inline void shrink_tile(const float* xf, int64_t K, const TW* a, int64_t a_stride, float* h, int64_t h_stride,
                         int64_t w_runtime) {
   const int64_t w = W > 0 ? W : w_runtime;
   float acc[M][kLanes] = {};
   for (int64_t k = 0; k < K; ++k) {
-    const float* ak = a + k * a_stride;
+    const TW* ak = a + k * a_stride;
     for (int j = 0; j < M; ++j) {
       const float xv = xf[j * K + k];
 #pragma omp simd
-      for (int64_t c = 0; c < (W > 0 ? W : w); ++c) acc[j][c] += xv * ak[c];
+      for (int64_t c = 0; c < (W > 0 ? W : w); ++c) acc[j][c] += xv * widen(ak[c]);
     }
   }
   for (int j = 0; j < M; ++j)
@@ -90,18 +91,18 @@ inline void shrink_tile(const float* xf, int64_t K, const float* a, int64_t a_st
 }
 
 // y[j][c0 + 0..w) += sum over the live r of h[j][r] * b[r][0..w) for M rows (b: B's column c0 onwards).
-template <int M, int W, typename TY>
-inline void expand_tile(const float* h, int64_t R, const float* b, int64_t N, int64_t bands, int64_t max_rank,
+template <int M, int W, typename TW, typename TY>
+inline void expand_tile(const float* h, int64_t R, const TW* b, int64_t N, int64_t bands, int64_t max_rank,
                         int64_t rank, TY* const* yrows, int64_t c0, int64_t w_runtime) {
   const int64_t w = W > 0 ? W : w_runtime;
   float acc[M][kTile] = {};
   for (int64_t band = 0; band < bands; ++band)
     for (int64_t r = band * max_rank; r < band * max_rank + rank; ++r) {
-      const float* br = b + r * N;
+      const TW* br = b + r * N;
       for (int j = 0; j < M; ++j) {
         const float hv = h[j * R + r];
 #pragma omp simd
-        for (int64_t c = 0; c < (W > 0 ? W : w); ++c) acc[j][c] += hv * br[c];
+        for (int64_t c = 0; c < (W > 0 ? W : w); ++c) acc[j][c] += hv * widen(br[c]);
       }
     }
   for (int j = 0; j < M; ++j) {
@@ -111,8 +112,8 @@ inline void expand_tile(const float* h, int64_t R, const float* b, int64_t N, in
   }
 }
 
-template <typename TX, typename TY>
-void sgmv(TY* y, int64_t y_stride, const TX* x, int64_t x_stride, const float* a, const float* b,
+template <typename TX, typename TY, typename TW>
+void sgmv(TY* y, int64_t y_stride, const TX* x, int64_t x_stride, const TW* a, const TW* b,
           const int32_t* ranks, int64_t max_rank, const int32_t* row_slots, int64_t T, int64_t S, int64_t K,
           int64_t R, int64_t N) {
   // Rows by slot (counting sort: stable, so rows stay in batch order within a slot).
@@ -157,7 +158,7 @@ void sgmv(TY* y, int64_t y_stride, const TX* x, int64_t x_stride, const float* a
 #pragma omp simd
         for (int64_t k = 0; k < K; ++k) xj[k] = widen(xr[k]);
       }
-      const float* as = a + blk.slot * K * R;
+      const TW* as = a + blk.slot * K * R;
       const int64_t rank = ranks[blk.slot];
       float* hb = h.data() + blk.first * R;
       with_rows(blk.count, [&]<int M>() {
@@ -166,9 +167,9 @@ void sgmv(TY* y, int64_t y_stride, const TX* x, int64_t x_stride, const float* a
           if (!group_live(g0, w, max_rank, rank)) {
             for (int64_t j = 0; j < M; ++j) std::fill(hb + j * R + g0, hb + j * R + g0 + w, 0.f);
           } else if (w == kLanes) {
-            shrink_tile<M, kLanes>(xf.data(), K, as + g0, R, hb + g0, R, kLanes);
+            shrink_tile<M, kLanes, TW>(xf.data(), K, as + g0, R, hb + g0, R, kLanes);
           } else {
-            shrink_tile<M, 0>(xf.data(), K, as + g0, R, hb + g0, R, w);
+            shrink_tile<M, 0, TW>(xf.data(), K, as + g0, R, hb + g0, R, w);
           }
         }
       });
@@ -178,7 +179,7 @@ void sgmv(TY* y, int64_t y_stride, const TX* x, int64_t x_stride, const float* a
     for (int64_t unit = begin; unit < end; ++unit) {
       const Block& blk = blocks[unit / col_chunks];
       const int64_t n0 = (unit % col_chunks) * kCols, width = std::min(kCols, N - n0);
-      const float* bs = b + blk.slot * R * N;
+      const TW* bs = b + blk.slot * R * N;
       const int64_t rank = ranks[blk.slot];
       const float* hb = h.data() + blk.first * R;
       TY* yrows[kRows];
@@ -187,9 +188,9 @@ void sgmv(TY* y, int64_t y_stride, const TX* x, int64_t x_stride, const float* a
         for (int64_t c0 = n0; c0 < n0 + width; c0 += kTile) {
           const int64_t w = std::min(kTile, n0 + width - c0);
           if (w == kTile) {
-            expand_tile<M, kTile>(hb, R, bs + c0, N, bands, max_rank, rank, yrows, c0, kTile);
+            expand_tile<M, kTile, TW>(hb, R, bs + c0, N, bands, max_rank, rank, yrows, c0, kTile);
           } else {
-            expand_tile<M, 0>(hb, R, bs + c0, N, bands, max_rank, rank, yrows, c0, w);
+            expand_tile<M, 0, TW>(hb, R, bs + c0, N, bands, max_rank, rank, yrows, c0, w);
           }
         }
       });
@@ -215,9 +216,11 @@ void lora_sgmv_(const torch::Tensor& y, const torch::Tensor& x, const torch::Ten
     TORCH_CHECK((t->scalar_type() == torch::kFloat32 || t->scalar_type() == torch::kBFloat16) && t->dim() == 2 &&
                     t->stride(1) == 1,
                 "lora_sgmv_: y and x must be float32 or bfloat16 [T, C] with contiguous rows");
-  TORCH_CHECK(a_slots.scalar_type() == torch::kFloat32 && b_slots.scalar_type() == torch::kFloat32 &&
-                  a_slots.dim() == 3 && b_slots.dim() == 3 && a_slots.is_contiguous() && b_slots.is_contiguous(),
-              "lora_sgmv_: a_slots [S, K, R] and b_slots [S, R, N] must be contiguous float32");
+  TORCH_CHECK(y.scalar_type() == x.scalar_type(), "lora_sgmv_: y and x must have one dtype");
+  TORCH_CHECK((a_slots.scalar_type() == torch::kFloat32 || a_slots.scalar_type() == torch::kBFloat16) &&
+                  b_slots.scalar_type() == a_slots.scalar_type() && a_slots.dim() == 3 && b_slots.dim() == 3 &&
+                  a_slots.is_contiguous() && b_slots.is_contiguous(),
+              "lora_sgmv_: a_slots [S, K, R] and b_slots [S, R, N] must be contiguous, both float32 or both bf16");
   const int64_t T = x.size(0), K = x.size(1), S = a_slots.size(0), R = a_slots.size(2), N = y.size(1);
   TORCH_CHECK(y.size(0) == T && a_slots.size(1) == K && b_slots.size(0) == S && b_slots.size(1) == R &&
                   b_slots.size(2) == N,
@@ -235,10 +238,10 @@ void lora_sgmv_(const torch::Tensor& y, const torch::Tensor& x, const torch::Ten
                 " outside 0..", max_rank);
   with_row_type(x, [&](auto xe) {
     using TX = decltype(xe);
-    with_row_type(y, [&](auto ye) {
-      using TY = decltype(ye);
-      sgmv<TX, TY>(y.data_ptr<TY>(), y.stride(0), x.data_ptr<TX>(), x.stride(0), a_slots.data_ptr<float>(),
-                   b_slots.data_ptr<float>(), ranks, max_rank, row_slots.data_ptr<int32_t>(), T, S, K, R, N);
+    with_row_type(a_slots, [&](auto we) {
+      using TW = decltype(we);
+      sgmv<TX, TX, TW>(y.data_ptr<TX>(), y.stride(0), x.data_ptr<TX>(), x.stride(0), a_slots.data_ptr<TW>(),
+                       b_slots.data_ptr<TW>(), ranks, max_rank, row_slots.data_ptr<int32_t>(), T, S, K, R, N);
     });
   });
 }
