@@ -1,16 +1,18 @@
 """``LoRAWeight``: a layer's bound weight with the adapters' low-rank terms beside it.
 
 The base matmul runs once for the whole batch, through the weight the layer already had (any form: float panels,
-oneDNN bf16, int8 / int4 / GGUF blocks kept quantized); then the step's grouped LoRA term
-(``segments.add_lora_term``) adds each adapter row's ``x A B``. The adapters live in slot buffers, A [max_loras, K,
-R] and B [max_loras, R, N], zero where a slot holds nothing or a smaller rank. ``R`` is ``shards * max_lora_rank``:
-in a fused layer (q/k/v, gate/up) each shard's A fills its own band of R, and its B writes only its own rows, so an
-adapter on q alone adds nothing to k or v.
+oneDNN bf16, int8 / int4 / GGUF blocks kept quantized); then the step's LoRA term adds each adapter row's ``x A B``:
+on the CPU one call of the C++ kernel ``lora_sgmv_`` (``kernels/csrc/lora_sgmv.cpp``), which reads each row's slot
+from ``LoRAStepContext.row_slots`` and can therefore be recorded in a CPU step graph; elsewhere (or without the
+kernels) the grouped torch ops of ``segments.add_lora_term``, the reference. The adapters live in slot buffers,
+A [max_loras, K, R] and B [max_loras, R, N], zero where a slot holds nothing or a smaller rank. ``R`` is
+``shards * max_lora_rank``: in a fused layer (q/k/v, gate/up) each shard's A fills its own band of R, and its B
+writes only its own rows, so an adapter on q alone adds nothing to k or v.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -21,19 +23,44 @@ from pagedllm.model_executor.layers.quantization.bound_weight import BoundWeight
 
 
 class LoRAStepContext:
-    """The plan of the step running now, shared by every ``LoRAWeight`` of a model (None outside a step, or in a
-    step where no row carries an adapter)."""
+    """What every ``LoRAWeight`` of a model reads in the step running now.
 
-    def __init__(self) -> None:
+    ``kernel``: the C++ ``lora_sgmv_`` (None: the torch path). With it, ``row_slots`` [capacity] int32 holds each
+    row's slot (-1: the base model; every entry -1 outside a step, so the padded rows of a replayed step graph add
+    nothing) and ``active`` says whether the layers call it (a step with an adapter row, or a step graph recording:
+    the call must be in the graph). Without it, ``plan`` is the step's grouped-term plan (None: nothing to add).
+    """
+
+    def __init__(self, kernel: Callable[..., None] | None = None, capacity: int = 0) -> None:
         self.plan: LoRAStepPlan | None = None
+        self.kernel = kernel
+        self.active = False
+        self.row_slots = torch.full((capacity if kernel is not None else 0,), -1, dtype=torch.int32)
+
+    def add_term(self, y: torch.Tensor, x: torch.Tensor, weight: LoRAWeight) -> torch.Tensor:
+        """y [T, N] += each adapter row's term of x [T, K] (in place; returns y)."""
+        if self.kernel is not None:  # given for float32 / bf16 models only (worker.py), whose activations these are
+            if self.active:
+                self.kernel(y, x, weight.a_slots, weight.b_slots, weight.slot_ranks, weight.max_rank,
+                            self.row_slots[:x.shape[0]])
+            return y
+        plan = self.plan
+        return y if plan is None else add_lora_term(y, x, weight.a_slots, weight.b_slots, plan)
+
+    @property
+    def adds_terms(self) -> bool:
+        """Whether the layers may add a term this step (a fused matmul + activation must not run then)."""
+        return self.active if self.kernel is not None else self.plan is not None
 
 
 class LoRAWeight(BoundWeight):
-    """``base`` (N x K) plus, per slot, a low-rank term; ``shard_sizes``: the output rows of each fused shard."""
+    """``base`` (N x K) plus, per slot, a low-rank term; ``shard_sizes``: the output rows of each fused shard;
+    ``dtype``: the slot buffers' (float32; bf16 beside a bf16 model with the C++ kernel, as vLLM keeps adapters in
+    the model's dtype)."""
 
     def __init__(self, base: BoundWeight, context: LoRAStepContext, max_loras: int, max_rank: int,
                  shard_sizes: Sequence[int], slots: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         self.base = base
         self.context = context
         self.out_features, self.in_features = base.out_features, base.in_features
@@ -42,9 +69,12 @@ class LoRAWeight(BoundWeight):
         self.shard_sizes = tuple(shard_sizes)
         width = len(self.shard_sizes) * max_rank
         if slots is None:
-            slots = (torch.zeros(max_loras, self.in_features, width, device=device),
-                     torch.zeros(max_loras, width, self.out_features, device=device))
+            slots = (torch.zeros(max_loras, self.in_features, width, device=device, dtype=dtype),
+                     torch.zeros(max_loras, width, self.out_features, device=device, dtype=dtype))
         self.a_slots, self.b_slots = slots
+        # The rank each slot's bands use here (0: the adapter has no module on this layer): the kernel reads
+        # only those columns of A and rows of B.
+        self.slot_ranks = torch.zeros(self.a_slots.shape[0], dtype=torch.int32)
 
     # ---- the adapters in slots -----------------------------------------------------------------------------
     def set_slot(self, slot: int, modules: dict[int | None, LoRAModule]) -> None:
@@ -60,10 +90,12 @@ class LoRAWeight(BoundWeight):
                                  f"not fit this layer's rows {rows} of {self.in_features} inputs")
             self.a_slots[slot, :, band:band + rank] = module.a.t()
             self.b_slots[slot, band:band + rank, rows[0]:rows[1]] = module.b.t()
+            self.slot_ranks[slot] = max(int(self.slot_ranks[slot]), rank)
 
     def clear_slot(self, slot: int) -> None:
         self.a_slots[slot].zero_()
         self.b_slots[slot].zero_()
+        self.slot_ranks[slot] = 0
 
     def _shard_rows(self, shard: int) -> tuple[int, int]:
         start = sum(self.shard_sizes[:shard])
@@ -72,26 +104,22 @@ class LoRAWeight(BoundWeight):
     # ---- BoundWeight ---------------------------------------------------------------------------------------
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
-        y = self.base.matmul(x, bias, out)
-        plan = self.context.plan
-        return y if plan is None else add_lora_term(y, x, self.a_slots, self.b_slots, plan)
+        return self.context.add_term(self.base.matmul(x, bias, out), x, self)
 
     def fast_matmul(self) -> CpuMatmul:
-        base_matmul, context, a_slots, b_slots = self.base.fast_matmul(), self.context, self.a_slots, self.b_slots
+        base_matmul, add_term = self.base.fast_matmul(), self.context.add_term
 
         def matmul(x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
-            y = base_matmul(x, bias, out)
-            plan = context.plan
-            return y if plan is None else add_lora_term(y, x, a_slots, b_slots, plan)
+            return add_term(base_matmul(x, bias, out), x, self)
 
         return matmul
 
     def matmul_activation(self, x: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor | None:
-        # The LoRA term goes in before the activation: fused only in steps with no adapter row.
-        return self.base.matmul_activation(x, bias, activation) if self.context.plan is None else None
+        # The LoRA term goes in before the activation: fused only in steps that add no term.
+        return None if self.context.adds_terms else self.base.matmul_activation(x, bias, activation)
 
     def cpu_matmul(self) -> CpuMatmul | None:
-        return None  # a step graph records C++ kernels only; the LoRA term is not one
+        return None  # the kernel autotuner times the base weight alone
 
     def nbytes(self) -> int:
         return self.base.nbytes() + (self.a_slots.numel() + self.b_slots.numel()) * self.a_slots.element_size()
@@ -103,5 +131,7 @@ class LoRAWeight(BoundWeight):
         released = self.base.without_tuning_state()
         if released is self.base:
             return self
-        return LoRAWeight(released, self.context, self.a_slots.shape[0], self.max_rank, self.shard_sizes,
-                          (self.a_slots, self.b_slots))
+        weight = LoRAWeight(released, self.context, self.a_slots.shape[0], self.max_rank, self.shard_sizes,
+                            (self.a_slots, self.b_slots))
+        weight.slot_ranks = self.slot_ranks
+        return weight

@@ -2,16 +2,20 @@
 
 ``LoRAModelManager`` wraps every layer an adapter may target in a ``LoRAWeight`` once, at start-up. Per step,
 ``begin_step`` puts the step's adapters in slots (an adapter already in a slot stays; a new one takes a free slot or
-the least recently used one that this step does not need), and plans the grouped term for the step's rows
-(``segments.plan_step``); ``end_step`` clears the plan. The scheduler never runs more distinct adapters than there
+the least recently used one that this step does not need) and says which rows carry which slot: with the C++
+kernel, each row's slot in the context's ``row_slots`` buffer (what a recorded CPU step graph reads at replay, so
+adapter steps replay graphs too); without it, a grouped-term plan (``segments.plan_step``). ``end_step`` resets
+them. The scheduler never runs more distinct adapters than there
 are slots (``SchedulerConfig.max_loras``); the loaded pool (``max_cpu_loras``) drops its least recently used adapter
 when full. Adapters are identified by their content digest, checked again when their files are read here.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,11 +33,18 @@ logger = init_logger(__name__)
 
 class LoRAModelManager:
     def __init__(self, model: nn.Module, hf_config: object, max_loras: int, max_cpu_loras: int, max_rank: int,
-                 device: torch.device) -> None:
+                 device: torch.device, kernels: Any | None = None, max_num_tokens: int = 0,
+                 model_dtype: torch.dtype = torch.float32) -> None:
+        """``kernels``: the C++ CPU kernels module (its ``lora_sgmv_`` then adds the terms), None for the torch
+        path; ``max_num_tokens``: the most rows a step (or a recorded step graph) can have; ``model_dtype``: with
+        the kernel, a bf16 model keeps its slot buffers in bf16 (half the bytes each decode step reads)."""
         self.base_shapes = base_module_shapes(hf_config)
         self.max_loras, self.max_cpu_loras, self.max_rank = max_loras, max_cpu_loras, max_rank
         self.device = device
-        self.context = LoRAStepContext()
+        kernel = getattr(kernels, "lora_sgmv_", None) if device.type == "cpu" else None
+        self.context = LoRAStepContext(kernel, max_num_tokens)
+        slot_dtype = torch.bfloat16 if kernel is not None and model_dtype == torch.bfloat16 else torch.float32
+        self._rows_set = 0  # rows of row_slots written by the step running now
         linears = {m.prefix: m for m in model.modules() if isinstance(m, Linear)}
         self.layers: dict[str, LoRAWeight] = {}
         for module, (out_features, in_features) in self.base_shapes.items():
@@ -42,7 +53,8 @@ class LoRAModelManager:
             if layer is None or layer.packed is None:
                 raise ValueError(f"enable_lora: the model has no layer {path} for LoRA module {module}")
             if path not in self.layers:
-                weight = LoRAWeight(layer.packed, self.context, max_loras, max_rank, layer.shard_sizes, device=device)
+                weight = LoRAWeight(layer.packed, self.context, max_loras, max_rank, layer.shard_sizes, device=device,
+                                    dtype=slot_dtype)
                 layer.bind_weight(weight)
                 self.layers[path] = weight
             full = _full_shape(layer, shard)
@@ -54,8 +66,26 @@ class LoRAModelManager:
         self.slots: list[str | None] = [None] * max_loras
         self._slot_use: OrderedDict[int, None] = OrderedDict((i, None) for i in range(max_loras))
         self.rank_width = 3 * max_rank  # the widest layer (q/k/v): what the tile choice weighs
-        logger.info("LoRA: %d layers carry adapters; %d slots, rank up to %d, %d adapters kept loaded",
-                    len(self.layers), max_loras, max_rank, max_cpu_loras)
+        logger.info("LoRA: %d layers carry adapters; %d slots, rank up to %d, %d adapters kept loaded; terms by %s "
+                    "(%s slots)", len(self.layers), max_loras, max_rank, max_cpu_loras,
+                    "the C++ kernel lora_sgmv_" if kernel is not None else "grouped torch ops",
+                    str(slot_dtype).removeprefix("torch."))
+
+    @property
+    def graphs_hold_adapters(self) -> bool:
+        """Whether step graphs recorded under ``recording_graphs`` run adapter steps too (the C++ kernel's call
+        is in them, reading each row's slot at replay)."""
+        return self.context.kernel is not None
+
+    @contextlib.contextmanager
+    def recording_graphs(self) -> Iterator[None]:
+        """While step graphs record: every layer calls the kernel (on rows of slot -1, adding nothing), so the
+        call is part of each graph."""
+        self.context.active = self.graphs_hold_adapters
+        try:
+            yield
+        finally:
+            self.context.active = False
 
     # ---- the loaded pool -----------------------------------------------------------------------------------
     def _load(self, ref: AdapterRef) -> dict[str, dict[int | None, LoRAModule]]:
@@ -109,14 +139,28 @@ class LoRAModelManager:
         """Plan a step whose request i (rows in order, ``query_lens[i]`` each) runs with ``adapters[i]``."""
         refs = {ref.digest: ref for ref in adapters if ref is not None}
         if not refs:
-            self.context.plan = None
+            self.end_step()
             return
         where = self._activate(refs)
         slots = [where[ref.digest] if ref is not None else -1 for ref in adapters]
-        self.context.plan = plan_step(slots, query_lens, self.rank_width, self.device)
+        context = self.context
+        if context.kernel is None:
+            context.plan = plan_step(slots, query_lens, self.rank_width, self.device)
+            return
+        rows = torch.tensor(slots, dtype=torch.int32).repeat_interleave(torch.tensor(query_lens))
+        if rows.numel() > context.row_slots.numel():
+            raise RuntimeError(f"LoRA: a step of {rows.numel()} rows for {context.row_slots.numel()} row slots")
+        context.row_slots[:rows.numel()] = rows
+        self._rows_set = rows.numel()
+        context.active = True
 
     def end_step(self) -> None:
-        self.context.plan = None
+        context = self.context
+        context.plan = None
+        context.active = False
+        if self._rows_set:
+            context.row_slots[:self._rows_set] = -1  # padded rows of a replayed graph must read -1
+            self._rows_set = 0
 
 
 def _full_shape(layer: Linear, shard: int | None) -> tuple[int, int]:

@@ -284,10 +284,17 @@ class ModelRunner:
                          if self.multimodal is not None else None)
 
         adapters = [state.lora for state in states] if self.lora is not None else []
-        if (inputs_embeds is None and not any(adapters) and self.decode_graphs is not None
-                and self.decode_graphs.can_run(meta)):
-            hidden = self.decode_graphs.run(input_ids, positions, meta)  # a CUDA or CPU step graph replayed
-        elif any(adapters):
+        with_adapters = any(adapters)
+        if (inputs_embeds is None and (not with_adapters or self.lora.graphs_hold_adapters)
+                and self.decode_graphs is not None and self.decode_graphs.can_run(meta)):
+            if with_adapters:  # each row's slot, read by the recorded LoRA kernel calls
+                self.lora.begin_step(adapters, query_lens)
+            try:
+                hidden = self.decode_graphs.run(input_ids, positions, meta)  # a CUDA or CPU step graph replayed
+            finally:
+                if with_adapters:
+                    self.lora.end_step()
+        elif with_adapters:
             self.lora.begin_step(adapters, query_lens)  # the adapters' slots and rows
             try:
                 self.prepare_attention(meta)

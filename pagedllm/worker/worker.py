@@ -96,8 +96,12 @@ class Worker:
 
             if mc.is_pooling or mc.is_encoder_decoder:
                 raise ValueError("enable_lora: LoRA adapters are served on decoder (generate) models only")
+            kernels = self.platform.cpu_kernels(self.dtype, (torch.float32, torch.bfloat16))
+            spec_tokens = config.speculative.num_speculative_tokens if config.speculative is not None else 0
+            max_rows = max(config.scheduler.max_num_batched_tokens, 16 * (1 + spec_tokens))  # steps and graphs
             self.runner.lora = LoRAModelManager(model, mc.hf_config, config.lora.max_loras, config.lora.cpu_loras,
-                                                config.lora.max_lora_rank, self.device)
+                                                config.lora.max_lora_rank, self.device, kernels, max_rows,
+                                                self.dtype)
         if config.speculative is not None:
             from pagedllm.spec_decode.setup import attach_spec_decoder
 
@@ -268,14 +272,21 @@ class Worker:
                         "transformers' layers are Python and torch ops that are not recorded)",
                         self.config.model.architecture, "CUDA" if self.platform.supports_graphs else "CPU step")
             return
-        if getattr(self.runner, "lora", None) is not None:
-            # Recorded with no adapter in the step: the graphs hold the base model only.
-            logger.info("LoRA: steps with an adapter run eagerly (a recorded graph cannot hold the adapters' "
-                        "terms); base-model decode steps replay graphs")
+        lora = getattr(self.runner, "lora", None)
         if self.platform.supports_graphs:
+            if lora is not None:  # recorded with no adapter in the step: the graphs hold the base model only
+                logger.info("LoRA: steps with an adapter run eagerly (a CUDA graph does not hold the adapters' "
+                            "terms); base-model decode steps replay graphs")
             _capture_cuda_graphs(self)
         elif self.platform.step_graph_kernels(self.dtype) is not None:
-            _capture_cpu_graphs(self)
+            if lora is None:
+                _capture_cpu_graphs(self)
+                return
+            if not lora.graphs_hold_adapters:
+                logger.info("LoRA: steps with an adapter run eagerly (no C++ LoRA kernel to record); base-model "
+                            "decode steps replay graphs")
+            with lora.recording_graphs():  # the kernel's call (on slot -1 rows) goes in every graph
+                _capture_cpu_graphs(self)
 
     def execute_model(self, sched: SchedulerOutput, overlap: Callable[[], None] | None = None) -> ModelRunnerOutput:
         """One step; ``overlap`` (if any) runs while the device computes it (see ModelRunner.execute_model)."""

@@ -47,3 +47,38 @@ def peft_greedy(base_path: str, adapter_path: str | None, prompt: list[int], max
         for _ in range(max_new_tokens):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt):]
+
+
+# ---- slot buffers for the LoRA kernels' tests (tests/lora/test_lora_kernel.py, test_lora_triton.py) ----
+
+def random_slot_buffers(num_slots: int, k: int, n: int, bands: int, max_rank: int, ranks: list[int], seed: int):
+    """A [S, K, bands * max_rank], B [S, bands * max_rank, N] zero past each slot's rank (as LoRAWeight fills
+    them), and the int32 ranks."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.zeros(num_slots, k, bands * max_rank)
+    b = torch.zeros(num_slots, bands * max_rank, n)
+    for s, rank in enumerate(ranks):
+        for band in range(bands):
+            lo = band * max_rank
+            a[s, :, lo:lo + rank] = torch.randn(k, rank, generator=g) / k ** 0.5
+            b[s, lo:lo + rank] = torch.randn(rank, n, generator=g)
+    return a, b, torch.tensor(ranks, dtype=torch.int32)
+
+
+def random_row_slots(rows: int, num_slots: int, seed: int) -> list[int]:
+    """Each row's slot (-1 = base model) in runs of random length, so segments mix and repeat."""
+    g = torch.Generator().manual_seed(seed)
+    out: list[int] = []
+    while len(out) < rows:
+        slot = int(torch.randint(-1, num_slots, (1,), generator=g))
+        out.extend([slot] * int(torch.randint(1, 6, (1,), generator=g)))
+    return out[:rows]
+
+
+def lora_reference(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                   row_slots: list[int]) -> torch.Tensor:
+    """y += the LoRA term through the torch reference (``segments.add_lora_term``), one row per request."""
+    from pagedllm.lora.segments import add_lora_term, plan_step
+
+    plan = plan_step(row_slots, [1] * len(row_slots), a.shape[2], torch.device("cpu"))
+    return y if plan is None else add_lora_term(y, x, a, b, plan)

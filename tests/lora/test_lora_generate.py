@@ -64,6 +64,27 @@ def test_each_adapter_changes_the_output_and_equals_peft(setup, llm) -> None:
         assert _run(llm, PROMPTS, LoRARequest(f"a{i}", i + 1, path)) == expected[path]
 
 
+def test_adapter_decode_steps_replay_the_step_graphs(setup, llm, monkeypatch) -> None:
+    """With the C++ kernel, a decode step carrying adapters replays a recorded CPU step graph (its rows' slots read
+    at replay) and still equals peft; base rows beside them equal the base model."""
+    _, _, paths, expected = setup
+    runner = llm.engine.core.worker.runner
+    assert runner.lora.graphs_hold_adapters
+    graphs, replayed = runner.decode_graphs, []
+    replay = graphs.run
+
+    def counting(input_ids, positions, meta):
+        replayed.append(runner.lora.context.active)  # True: this step has adapter rows
+        return replay(input_ids, positions, meta)
+
+    monkeypatch.setattr(graphs, "run", counting)
+    loras = [LoRARequest("a0", 1, paths[0]), None, LoRARequest("a2", 3, paths[2])]
+    want = [expected[paths[0]][0], expected[None][1], expected[paths[2]][2]]
+    assert _run(llm, PROMPTS, loras) == want
+    assert len(replayed) == MAX_TOKENS - 1 and all(replayed)  # every decode step of the batch: a graph
+    assert not runner.lora.context.active and int(runner.lora.context.row_slots.max()) == -1  # reset after
+
+
 def test_a_mixed_batch_equals_each_request_alone(setup, llm) -> None:
     _, _, paths, expected = setup
     loras = [None, *[LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths)]]

@@ -106,3 +106,11 @@ torch::Tensor layer_norm(const torch::Tensor& x, const torch::Tensor& weight, co
 torch::Tensor silu_and_mul(const torch::Tensor& gate_up, const std::optional<torch::Tensor>& out);
 torch::Tensor embedding_rows(const torch::Tensor& table, const torch::Tensor& ids,
                              const std::optional<torch::Tensor>& out);
+
+// lora_sgmv.cpp: y[t] += (x[t] @ A[s]) @ B[s] for each row t with slot s = row_slots[t] >= 0, in place.
+// y [T, N], x [T, K] float32 or bf16 (one dtype); A [S, K, R], B [S, R, N] float32 or bf16; R = bands * max_rank,
+// band b of slot s using columns [b * max_rank, b * max_rank + slot_ranks[s]); slot_ranks [S] int32, row_slots [T]
+// int32 (-1: no adapter).
+void lora_sgmv_(const torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a_slots,
+                const torch::Tensor& b_slots, const torch::Tensor& slot_ranks, int64_t max_rank,
+                const torch::Tensor& row_slots);

@@ -1,0 +1,247 @@
+// The multi-LoRA term of one linear layer in one call (Punica's segmented gather matmul, SGMV, on the CPU):
+// y[t] += (x[t] @ A[s]) @ B[s] for every row t whose adapter slot s = row_slots[t] is >= 0; rows of slot -1 (the
+// base model) are left as they are.
+//
+// The rows are grouped by slot inside the kernel (a counting sort of row_slots), so the caller passes one int32 per
+// row and no plan: the same call, recorded once in a CPU step graph, serves any mix of adapters at replay. Work is
+// cut into blocks of up to kRows rows of one slot. Phase one (shrink) computes h = x @ A for each block, reading
+// A's row k once for all of the block's rows; phase two (expand) adds h @ B into y by column chunks, reading each
+// row of B once per block and chunk; both keep their sums in registers (tiles of up to 8 rows by 16 columns of h,
+// 8 rows by 32 columns of y). Both phases are thread-parallel (blocks, then block x column chunk): a batch-1
+// decode still spreads B, the bigger matrix, over the cores.
+//
+// A [S, K, R] and B [S, R, N] are slot buffers (float32, or bf16 beside a bf16 model: half the bytes a decode
+// reads), R = bands * max_rank: band b of a fused layer (q/k/v, gate/up) lives in columns
+// [b * max_rank, b * max_rank + slot_ranks[s]) of A and the same rows of B; the columns past an adapter's rank are
+// zero and skipped. The scaling is folded into B. Arithmetic is float32; a bf16 y gets
+// one rounding. Each row's sums run in a fixed order whatever the batch, so a request's result never depends on
+// the rows beside it.
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kRows = 8;    // rows of one slot per block: B's rows are read once for these
+constexpr int64_t kCols = 128;  // y columns per expand work unit
+
+inline float widen(float v) { return v; }
+inline float widen(c10::BFloat16 v) { return __builtin_bit_cast(float, static_cast<uint32_t>(v.x) << 16); }
+
+inline void narrow(float* p, float v) { *p = v; }
+inline void narrow(c10::BFloat16* p, float v) {  // nearest even (finite values: -ffast-math)
+  const uint32_t u = __builtin_bit_cast(uint32_t, v);
+  p->x = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+struct Block {
+  int64_t slot;
+  int64_t first;  // index into the rows sorted by slot
+  int64_t count;
+};
+
+constexpr int64_t kLanes = 16;  // h columns per shrink tile: one AVX-512 register (two AVX2 ones)
+constexpr int64_t kTile = 32;   // y columns per expand tile
+
+// Whether columns [g0, g0 + w) of R hold any live column (column c is live when c % max_rank < rank).
+inline bool group_live(int64_t g0, int64_t w, int64_t max_rank, int64_t rank) {
+  for (int64_t c = g0; c < g0 + w; ++c)
+    if (c % max_rank < rank) return true;
+  return false;
+}
+
+// Calls f.template operator()<M>() with M = count (1..kRows): the tiles' row loops get a constant trip count, so
+// their accumulators stay in registers.
+template <typename F>
+inline void with_rows(int64_t count, F&& f) {
+  switch (count) {
+    case 1: f.template operator()<1>(); break;
+    case 2: f.template operator()<2>(); break;
+    case 3: f.template operator()<3>(); break;
+    case 4: f.template operator()<4>(); break;
+    case 5: f.template operator()<5>(); break;
+    case 6: f.template operator()<6>(); break;
+    case 7: f.template operator()<7>(); break;
+    default: f.template operator()<8>(); break;
+  }
+}
+
+// h[j][0..w) = sum over k of xf[j][k] * a[k][0..w) for M rows; W: w as a constant (0: use the runtime w).
+template <int M, int W, typename TW>
+inline void shrink_tile(const float* xf, int64_t K, const TW* a, int64_t a_stride, float* h, int64_t h_stride,
+                        int64_t w_runtime) {
+  const int64_t w = W > 0 ? W : w_runtime;
+  float acc[M][kLanes] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    const TW* ak = a + k * a_stride;
+    for (int j = 0; j < M; ++j) {
+      const float xv = xf[j * K + k];
+#pragma omp simd
+      for (int64_t c = 0; c < (W > 0 ? W : w); ++c) acc[j][c] += xv * widen(ak[c]);
+    }
+  }
+  for (int j = 0; j < M; ++j)
+    for (int64_t c = 0; c < w; ++c) h[j * h_stride + c] = acc[j][c];
+}
+
+// y[j][c0 + 0..w) += sum over the live r of h[j][r] * b[r][0..w) for M rows (b: B's column c0 onwards).
+template <int M, int W, typename TW, typename TY>
+inline void expand_tile(const float* h, int64_t R, const TW* b, int64_t N, int64_t bands, int64_t max_rank,
+                        int64_t rank, TY* const* yrows, int64_t c0, int64_t w_runtime) {
+  const int64_t w = W > 0 ? W : w_runtime;
+  float acc[M][kTile] = {};
+  for (int64_t band = 0; band < bands; ++band)
+    for (int64_t r = band * max_rank; r < band * max_rank + rank; ++r) {
+      const TW* br = b + r * N;
+      for (int j = 0; j < M; ++j) {
+        const float hv = h[j * R + r];
+#pragma omp simd
+        for (int64_t c = 0; c < (W > 0 ? W : w); ++c) acc[j][c] += hv * widen(br[c]);
+      }
+    }
+  for (int j = 0; j < M; ++j) {
+    TY* yr = yrows[j] + c0;
+#pragma omp simd
+    for (int64_t c = 0; c < w; ++c) narrow(yr + c, widen(yr[c]) + acc[j][c]);
+  }
+}
+
+template <typename TX, typename TY, typename TW>
+void sgmv(TY* y, int64_t y_stride, const TX* x, int64_t x_stride, const TW* a, const TW* b,
+          const int32_t* ranks, int64_t max_rank, const int32_t* row_slots, int64_t T, int64_t S, int64_t K,
+          int64_t R, int64_t N) {
+  // Rows by slot (counting sort: stable, so rows stay in batch order within a slot).
+  std::vector<int64_t> starts(static_cast<size_t>(S) + 1, 0);
+  for (int64_t t = 0; t < T; ++t) {
+    const int32_t s = row_slots[t];
+    TORCH_CHECK(s < S, "lora_sgmv_: row ", t, " names slot ", s, " of ", S);
+    if (s >= 0 && ranks[s] > 0) ++starts[s + 1];
+  }
+  for (int64_t s = 0; s < S; ++s) starts[s + 1] += starts[s];
+  const int64_t live = starts[S];
+  if (live == 0) return;
+  std::vector<int64_t> order(static_cast<size_t>(live));
+  {
+    std::vector<int64_t> next(starts.begin(), starts.end() - 1);
+    for (int64_t t = 0; t < T; ++t) {
+      const int32_t s = row_slots[t];
+      if (s >= 0 && ranks[s] > 0) order[next[s]++] = t;
+    }
+  }
+  std::vector<Block> blocks;
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t i = starts[s]; i < starts[s + 1]; i += kRows)
+      blocks.push_back({s, i, std::min(kRows, starts[s + 1] - i)});
+  const int64_t bands = R / max_rank;
+  const int64_t num_blocks = static_cast<int64_t>(blocks.size());
+  const int64_t col_chunks = (N + kCols - 1) / kCols;
+  std::vector<float> h(static_cast<size_t>(live * R));  // h of sorted row i at h[i * R]
+
+  // A tiny term runs on the calling thread: waking the pool costs more than it saves.
+  const int64_t flops = live * (K + N) * std::min<int64_t>(R, bands * 16);
+  const int64_t grain = flops < (1 << 15) ? num_blocks * col_chunks : 1;
+
+  at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {  // shrink: h = x @ A[s]
+    thread_local std::vector<float> xf;  // the block's rows of x, widened to float
+    xf.resize(static_cast<size_t>(kRows * K));
+    for (int64_t bi = begin; bi < end; ++bi) {
+      const Block& blk = blocks[bi];
+      for (int64_t j = 0; j < blk.count; ++j) {
+        const TX* xr = x + order[blk.first + j] * x_stride;
+        float* xj = xf.data() + j * K;
+#pragma omp simd
+        for (int64_t k = 0; k < K; ++k) xj[k] = widen(xr[k]);
+      }
+      const TW* as = a + blk.slot * K * R;
+      const int64_t rank = ranks[blk.slot];
+      float* hb = h.data() + blk.first * R;
+      with_rows(blk.count, [&]<int M>() {
+        for (int64_t g0 = 0; g0 < R; g0 += kLanes) {
+          const int64_t w = std::min(kLanes, R - g0);
+          if (!group_live(g0, w, max_rank, rank)) {
+            for (int64_t j = 0; j < M; ++j) std::fill(hb + j * R + g0, hb + j * R + g0 + w, 0.f);
+          } else if (w == kLanes) {
+            shrink_tile<M, kLanes, TW>(xf.data(), K, as + g0, R, hb + g0, R, kLanes);
+          } else {
+            shrink_tile<M, 0, TW>(xf.data(), K, as + g0, R, hb + g0, R, w);
+          }
+        }
+      });
+    }
+  });
+  at::parallel_for(0, num_blocks * col_chunks, grain, [&](int64_t begin, int64_t end) {  // expand: y += h @ B[s]
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const Block& blk = blocks[unit / col_chunks];
+      const int64_t n0 = (unit % col_chunks) * kCols, width = std::min(kCols, N - n0);
+      const TW* bs = b + blk.slot * R * N;
+      const int64_t rank = ranks[blk.slot];
+      const float* hb = h.data() + blk.first * R;
+      TY* yrows[kRows];
+      for (int64_t j = 0; j < blk.count; ++j) yrows[j] = y + order[blk.first + j] * y_stride;
+      with_rows(blk.count, [&]<int M>() {
+        for (int64_t c0 = n0; c0 < n0 + width; c0 += kTile) {
+          const int64_t w = std::min(kTile, n0 + width - c0);
+          if (w == kTile) {
+            expand_tile<M, kTile, TW>(hb, R, bs + c0, N, bands, max_rank, rank, yrows, c0, kTile);
+          } else {
+            expand_tile<M, 0, TW>(hb, R, bs + c0, N, bands, max_rank, rank, yrows, c0, w);
+          }
+        }
+      });
+    }
+  });
+}
+
+template <typename F>
+void with_row_type(const torch::Tensor& t, F&& f) {
+  if (t.scalar_type() == torch::kBFloat16) {
+    f(c10::BFloat16{});
+  } else {
+    f(float{});
+  }
+}
+
+}  // namespace
+
+void lora_sgmv_(const torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a_slots,
+                const torch::Tensor& b_slots, const torch::Tensor& slot_ranks, int64_t max_rank,
+                const torch::Tensor& row_slots) {
+  for (const auto* t : {&y, &x})
+    TORCH_CHECK((t->scalar_type() == torch::kFloat32 || t->scalar_type() == torch::kBFloat16) && t->dim() == 2 &&
+                    t->stride(1) == 1,
+                "lora_sgmv_: y and x must be float32 or bfloat16 [T, C] with contiguous rows");
+  TORCH_CHECK(y.scalar_type() == x.scalar_type(), "lora_sgmv_: y and x must have one dtype");
+  TORCH_CHECK((a_slots.scalar_type() == torch::kFloat32 || a_slots.scalar_type() == torch::kBFloat16) &&
+                  b_slots.scalar_type() == a_slots.scalar_type() && a_slots.dim() == 3 && b_slots.dim() == 3 &&
+                  a_slots.is_contiguous() && b_slots.is_contiguous(),
+              "lora_sgmv_: a_slots [S, K, R] and b_slots [S, R, N] must be contiguous, both float32 or both bf16");
+  const int64_t T = x.size(0), K = x.size(1), S = a_slots.size(0), R = a_slots.size(2), N = y.size(1);
+  TORCH_CHECK(y.size(0) == T && a_slots.size(1) == K && b_slots.size(0) == S && b_slots.size(1) == R &&
+                  b_slots.size(2) == N,
+              "lora_sgmv_: shapes do not agree (y [T, N], x [T, K], A [S, K, R], B [S, R, N])");
+  TORCH_CHECK(max_rank > 0 && R % max_rank == 0, "lora_sgmv_: R must be a multiple of max_rank");
+  TORCH_CHECK(slot_ranks.scalar_type() == torch::kInt32 && slot_ranks.dim() == 1 && slot_ranks.size(0) == S &&
+                  slot_ranks.is_contiguous(),
+              "lora_sgmv_: slot_ranks must be int32 [S]");
+  TORCH_CHECK(row_slots.scalar_type() == torch::kInt32 && row_slots.dim() == 1 && row_slots.size(0) == T &&
+                  row_slots.is_contiguous(),
+              "lora_sgmv_: row_slots must be int32 [T]");
+  const int32_t* ranks = slot_ranks.data_ptr<int32_t>();
+  for (int64_t s = 0; s < S; ++s)
+    TORCH_CHECK(ranks[s] >= 0 && ranks[s] <= max_rank, "lora_sgmv_: slot ", s, " has rank ", ranks[s],
+                " outside 0..", max_rank);
+  with_row_type(x, [&](auto xe) {
+    using TX = decltype(xe);
+    with_row_type(a_slots, [&](auto we) {
+      using TW = decltype(we);
+      sgmv<TX, TX, TW>(y.data_ptr<TX>(), y.stride(0), x.data_ptr<TX>(), x.stride(0), a_slots.data_ptr<TW>(),
+                       b_slots.data_ptr<TW>(), ranks, max_rank, row_slots.data_ptr<int32_t>(), T, S, K, R, N);
+    });
+  });
+}

@@ -1,0 +1,78 @@
+"""The C++ multi-LoRA kernel (``lora_sgmv_``) against the torch reference (``segments.add_lora_term``): rows 1 to
+256, ranks 8 / 16 / 64, slots mixed with base-model rows, fused bands with adapters of smaller rank, float32 and
+bf16 rows, float32 and bf16 slot buffers; and a row's result does not depend on the rows beside it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.kernels.cpu import load_cpu_kernels
+
+from helpers.lora_helpers import lora_reference as _reference
+from helpers.lora_helpers import random_row_slots as _row_slots
+from helpers.lora_helpers import random_slot_buffers as _slots
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = load_cpu_kernels()
+    assert k is not None and hasattr(k, "lora_sgmv_"), "the C++ CPU kernels must build on the test machine"
+    return k
+
+
+@pytest.mark.parametrize("rows", [1, 17, 64, 256])
+@pytest.mark.parametrize("max_rank", [8, 16, 64])
+@pytest.mark.parametrize(("dtype", "slot_dtype"), [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                   (torch.bfloat16, torch.bfloat16)])
+def test_kernel_equals_the_torch_reference(kernels, rows: int, max_rank: int, dtype: torch.dtype,
+                                           slot_dtype: torch.dtype) -> None:
+    k, n, bands, num_slots = 96, 200, 3, 4  # n: a tail past the kernel's 128-column chunks
+    ranks = [max_rank, max_rank // 2, 0, 1]  # full, smaller, a slot with nothing on this layer, rank 1
+    a, b, slot_ranks = _slots(num_slots, k, n, bands, max_rank, ranks, seed=rows + max_rank)
+    a, b = a.to(slot_dtype), b.to(slot_dtype)  # bf16 slots: the reference reads the same rounded values
+    row_slots = _row_slots(rows, num_slots, seed=rows)
+    if rows == 1:
+        row_slots = [0]
+    x = torch.randn(rows, k).to(dtype)
+    y0 = torch.randn(rows, n).to(dtype)
+    want = _reference(y0.clone(), x, a.float(), b.float(), row_slots)
+    got = y0.clone()
+    kernels.lora_sgmv_(got, x, a, b, slot_ranks, max_rank, torch.tensor(row_slots, dtype=torch.int32))
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    base = torch.tensor([s < 0 or ranks[s] == 0 for s in row_slots])
+    assert torch.equal(got[base], y0[base])  # rows of the base model (or of a slot with rank 0) untouched
+    if (~base).any():
+        assert not torch.equal(got[~base], y0[~base])
+
+
+def test_a_row_does_not_depend_on_its_neighbours(kernels) -> None:
+    a, b, ranks = _slots(3, 64, 130, 2, 16, [16, 8, 16], seed=1)
+    x = torch.randn(40, 64)
+    row_slots = _row_slots(40, 3, seed=2)
+    full = torch.zeros(40, 130)
+    kernels.lora_sgmv_(full, x, a, b, ranks, 16, torch.tensor(row_slots, dtype=torch.int32))
+    for row in (0, 7, 39):
+        alone = torch.zeros(1, 130)
+        kernels.lora_sgmv_(alone, x[row:row + 1], a, b, ranks, 16, torch.tensor(row_slots[row:row + 1],
+                                                                               dtype=torch.int32))
+        assert torch.equal(alone[0], full[row])
+
+
+def test_strided_rows_and_bad_arguments(kernels) -> None:
+    a, b, ranks = _slots(2, 32, 48, 1, 8, [8, 8], seed=3)
+    wide = torch.randn(5, 80)
+    x = wide[:, :32]  # rows of x with a stride (a slice of a fused output)
+    y_wide = torch.zeros(5, 100)
+    y = y_wide[:, 10:58]
+    row_slots = [1, -1, 0, 0, 1]
+    kernels.lora_sgmv_(y, x, a, b, ranks, 8, torch.tensor(row_slots, dtype=torch.int32))
+    torch.testing.assert_close(y, _reference(torch.zeros(5, 48), x.contiguous(), a, b, row_slots))
+    assert torch.equal(y_wide[:, :10], torch.zeros(5, 10))
+    with pytest.raises(RuntimeError, match="names slot 2 of 2"):
+        kernels.lora_sgmv_(torch.zeros(1, 48), x[:1], a, b, ranks, 8, torch.tensor([2], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="row_slots must be int32"):
+        kernels.lora_sgmv_(torch.zeros(1, 48), x[:1], a, b, ranks, 8, torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="shapes do not agree"):
+        kernels.lora_sgmv_(torch.zeros(1, 47), x[:1], a, b, ranks, 8, torch.tensor([0], dtype=torch.int32))
