@@ -1,0 +1,213 @@
+"""``DraftBudget``: how many tokens each request drafts this step, from what drafts have cost and earned so far.
+
+Every draft token is one more row for the target to verify, and on a CPU a row is not free: past a few rows a
+step is compute-bound (the LM head alone is vocab x hidden multiply-adds per row), and with 8 requests in a step
+16 drafts each would multiply its rows by 17. So the budget weighs each draft token's expected gain against its
+cost, per request, from quantities measured as the engine runs:
+
+- **cost**: the seconds of a pure decode step are close to ``fixed + per_row x rows`` (rows: the step's query
+  tokens, one per request plus its drafts); a least-squares line per batch-size bucket over the last
+  ``COST_WINDOW`` steps gives ``per_row``, the verifier's marginal cost of a row at that batch size (proposing is
+  measured apart and left out). A proposer's own time per request (its thread's CPU time) is a cost too.
+- **gain**: the chance that drafts 1..i are all accepted, taken as ``alpha ** i`` where ``alpha`` is the
+  request's estimated chance that a draft token is accepted given the ones before it were. Acceptance is
+  bimodal (a request copies for a while, then writes new text), so ``alpha`` is kept apart for two states: after
+  a step that accepted all its drafts, and after one that rejected some. Each is the request's own record (recent
+  steps weigh more) pulled toward the same state's figure over all requests.
+
+A step's plan maximises its expected tokens per second, (requests + sum of gains) / (plain step + sum of costs):
+Dinkelbach's iteration, whose inner problem has a closed form per request (draft while ``alpha ** i`` exceeds the
+current rate x ``per_row``, and only if the run earns more than it costs, proposing included). A request whose
+plan is 0 for ``PROBE_EVERY`` steps drafts ``PROBE_DRAFTS`` tokens once, so its estimate can recover. Until a
+bucket has a cost line (enough steps with different row counts) every request drafts what it may: those steps
+are the evidence. No torch here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedllm.spec_decode.governor import bucket_of
+
+COST_WINDOW = 128  # pure decode steps kept per bucket for the cost line
+MIN_COST_STEPS = 16
+MIN_ROW_SPREAD = 0.5  # standard deviation of the rows, below which the line's slope is not trusted
+OUTLIER_FACTOR = 3.0  # a step slower than this many times the line's prediction counts as that prediction x3
+REQUEST_DECAY = 0.9  # per verification: a request's older steps fade (its text changes phase)
+GLOBAL_DECAY = 0.99
+PRIOR_WEIGHT = 4.0  # the all-requests estimate counts as this many of the request's own verified drafts
+PROBE_EVERY = 16
+PROBE_DRAFTS = 2
+MAX_ALPHA = 0.995
+
+
+@dataclass
+class _CostLine:
+    """Least squares of seconds on rows over a window, kept as running sums (O(1) per step)."""
+
+    samples: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
+    sums: list[float] = field(default_factory=lambda: [0.0] * 4)  # sum x, y, xx, xy
+    added: int = 0
+
+    def add(self, rows: float, seconds: float) -> None:
+        line = self.line()
+        if line is not None:
+            seconds = min(seconds, OUTLIER_FACTOR * max(line[0] + line[1] * rows, 1e-9))
+        if len(self.samples) == self.samples.maxlen:
+            x, y = self.samples[0]
+            self._accumulate(x, y, -1.0)
+        self.samples.append((rows, seconds))
+        self._accumulate(rows, seconds, 1.0)
+        self.added += 1
+        if self.added % COST_WINDOW == 0:  # re-sum now and then: subtracting leaves rounding behind
+            self.sums = [0.0] * 4
+            for x, y in self.samples:
+                self._accumulate(x, y, 1.0)
+
+    def _accumulate(self, x: float, y: float, sign: float) -> None:
+        s = self.sums
+        s[0] += sign * x
+        s[1] += sign * y
+        s[2] += sign * x * x
+        s[3] += sign * x * y
+
+    def line(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per row), or None until the window holds enough steps of different sizes."""
+        n = len(self.samples)
+        if n < MIN_COST_STEPS:
+            return None
+        sx, sy, sxx, sxy = self.sums
+        mean_x, mean_y = sx / n, sy / n
+        var = sxx / n - mean_x * mean_x
+        if var < MIN_ROW_SPREAD ** 2:
+            return None
+        per_row = max((sxy / n - mean_x * mean_y) / var, 0.0)
+        return mean_y - per_row * mean_x, per_row
+
+
+@dataclass
+class _Record:
+    """Decayed counts of accepted and rejected draft tokens (the geometric model's successes and failures)."""
+
+    accepted: float = 0.0
+    rejected: float = 0.0
+
+    def add(self, accepted: int, rejected: int, decay: float) -> None:
+        self.accepted = decay * self.accepted + accepted
+        self.rejected = decay * self.rejected + rejected
+
+
+@dataclass
+class _Request:
+    records: tuple[_Record, _Record] = field(default_factory=lambda: (_Record(), _Record()))
+    state: int = 0  # 1: its last verified drafts were all accepted
+    idle: int = 0  # steps in a row it could have drafted and was planned none
+
+
+def expected_accepted(alpha: float, drafts: int) -> float:
+    """Expected accepted tokens of ``drafts`` drafts whose i-th is accepted with chance ``alpha ** i``."""
+    if drafts <= 0:
+        return 0.0
+    if alpha >= 1.0:
+        return float(drafts)
+    return alpha * (1.0 - alpha ** drafts) / (1.0 - alpha)
+
+
+def drafts_worth(alpha: float, threshold: float, room: int) -> int:
+    """The most drafts (<= ``room``) whose last one still earns more than ``threshold`` (alpha ** d > threshold)."""
+    if room <= 0 or alpha <= threshold:
+        return 0
+    if threshold <= 0.0 or alpha >= 1.0:
+        return room
+    return max(0, min(room, math.ceil(math.log(threshold) / math.log(alpha)) - 1))
+
+
+class DraftBudget:
+    """Plans each step's drafts per request (``plan``) from step costs (``observe_step``), proposing costs
+    (``observe_proposer``) and verified drafts (``record``)."""
+
+    def __init__(self) -> None:
+        self.costs: dict[int, _CostLine] = {}
+        self.requests: dict[str, _Request] = {}
+        self.global_records = (_Record(), _Record())
+        self.proposer_seconds = 0.0  # per proposing request, a moving average
+        self._proposer_seen = False
+
+    # ---- evidence ------------------------------------------------------------------------------------
+    def observe_step(self, num_requests: int, rows: int, seconds: float) -> None:
+        """A pure decode step of ``num_requests`` requests, ``rows`` query tokens, ``seconds`` without proposing."""
+        if seconds > 0 and rows > 0:
+            self.costs.setdefault(bucket_of(num_requests), _CostLine()).add(float(rows), seconds)
+
+    def observe_proposer(self, seconds: float, num_jobs: int) -> None:
+        """The proposer took ``seconds`` (its thread's CPU time) for ``num_jobs`` requests that drafted."""
+        if num_jobs <= 0:
+            return
+        per_job = seconds / num_jobs
+        self.proposer_seconds = per_job if not self._proposer_seen else 0.9 * self.proposer_seconds + 0.1 * per_job
+        self._proposer_seen = True
+
+    def record(self, req_id: str, drafted: int, accepted: int) -> None:
+        """The target verified ``drafted`` drafts of the request and accepted the first ``accepted``."""
+        if drafted <= 0:
+            return
+        request = self.requests.setdefault(req_id, _Request())
+        rejected = 1 if accepted < drafted else 0
+        request.records[request.state].add(accepted, rejected, REQUEST_DECAY)
+        self.global_records[request.state].add(accepted, rejected, GLOBAL_DECAY)
+        request.state = 1 - rejected
+
+    def forget(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
+
+    # ---- the plan ------------------------------------------------------------------------------------
+    def alpha(self, req_id: str) -> float:
+        """The request's chance that a draft token is accepted after the ones before it were, in its state."""
+        request = self.requests.get(req_id) or _Request()
+        shared = self.global_records[request.state]
+        prior = (shared.accepted + 1.0) / (shared.accepted + shared.rejected + 2.0)
+        own = request.records[request.state]
+        value = (own.accepted + PRIOR_WEIGHT * prior) / (own.accepted + own.rejected + PRIOR_WEIGHT)
+        return min(value, MAX_ALPHA)
+
+    def cost_line(self, num_requests: int) -> tuple[float, float] | None:
+        line = self.costs.get(bucket_of(num_requests))
+        return line.line() if line is not None else None
+
+    def plan(self, rooms: dict[str, int], num_requests: int) -> dict[str, int]:
+        """``rooms``: per request that may draft, the most drafts it may get; ``num_requests``: the step's
+        requests (drafting or not). Returns per request the drafts to propose (0: none, not even the proposer's
+        run)."""
+        line = self.cost_line(num_requests)
+        if line is None:
+            return dict(rooms)  # no cost line yet: draft fully, and measure
+        fixed, per_row = line
+        plain = max(fixed + per_row * num_requests, 1e-9)
+        alphas = {rid: self.alpha(rid) for rid in rooms}
+        best, best_rate = {}, num_requests / plain
+        for _ in range(8):  # Dinkelbach: each round's plan beats the rate it was planned at, or it stops
+            chosen, gain, cost = {}, float(num_requests), plain
+            for rid, room in rooms.items():
+                d = drafts_worth(alphas[rid], best_rate * per_row, room)
+                earned, spent = expected_accepted(alphas[rid], d), per_row * d + self.proposer_seconds
+                if d > 0 and earned > best_rate * spent:
+                    chosen[rid] = d
+                    gain, cost = gain + earned, cost + spent
+            rate = gain / cost
+            if rate <= best_rate * (1.0 + 1e-9):
+                break
+            best, best_rate = chosen, rate
+        out = {}
+        for rid, room in rooms.items():
+            request = self.requests.setdefault(rid, _Request())
+            d = best.get(rid, 0)
+            if d == 0 and room > 0:
+                request.idle += 1
+                if request.idle >= PROBE_EVERY:  # a look now and then: its text may have turned copyable
+                    d = min(room, PROBE_DRAFTS)
+            if d > 0:
+                request.idle = 0
+            out[rid] = d
+        return out
