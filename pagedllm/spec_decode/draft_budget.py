@@ -26,15 +26,19 @@ are the evidence. No torch here.
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from pagedllm.spec_decode.governor import bucket_of
 
 COST_WINDOW = 128  # pure decode steps kept per bucket for the cost line
 MIN_COST_STEPS = 16
+PER_KIND = 16  # recent steps kept per (rows, verified) kind
+REFIT_EVERY = 8
 MIN_ROW_SPREAD = 0.5  # standard deviation of the rows, below which the line's slope is not trusted
-OUTLIER_FACTOR = 3.0  # a step slower than this many times the line's prediction counts as that prediction x3
+MIN_EACH_KIND = 2  # plain and verifying steps each, for the line to tell verifying's own cost apart
 REQUEST_DECAY = 0.9  # per verification: a request's older steps fade (its text changes phase)
 GLOBAL_DECAY = 0.99
 PRIOR_WEIGHT = 4.0  # the all-requests estimate counts as this many of the request's own verified drafts
@@ -43,48 +47,65 @@ PROBE_DRAFTS = 2
 MAX_ALPHA = 0.995
 
 
-@dataclass
 class _CostLine:
-    """Least squares of seconds on rows over a window, kept as running sums (O(1) per step)."""
+    """Seconds of a step on (1, rows, verified), fitted to the lower quartile of the recent steps of each kind.
 
-    samples: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
-    sums: list[float] = field(default_factory=lambda: [0.0] * 4)  # sum x, y, xx, xy
-    added: int = 0
+    ``verified`` (0 or 1: the step checked drafts) carries what verifying costs whatever the rows: the rejection
+    sampler's own passes, and on some CPUs a matmul kernel for several rows that differs from the one-row one.
+    A machine shared with other work only ever adds time to a step, so each (rows, verified) kind counts at the
+    lower quartile of its last ``PER_KIND`` steps, and the line is a least-squares fit through those, weighted by
+    how many steps each holds. Refitted every ``REFIT_EVERY`` steps, so the plan's cost stays O(1) a step."""
 
-    def add(self, rows: float, seconds: float) -> None:
-        line = self.line()
-        if line is not None:
-            seconds = min(seconds, OUTLIER_FACTOR * max(line[0] + line[1] * rows, 1e-9))
-        if len(self.samples) == self.samples.maxlen:
-            x, y = self.samples[0]
-            self._accumulate(x, y, -1.0)
-        self.samples.append((rows, seconds))
-        self._accumulate(rows, seconds, 1.0)
-        self.added += 1
-        if self.added % COST_WINDOW == 0:  # re-sum now and then: subtracting leaves rounding behind
-            self.sums = [0.0] * 4
-            for x, y in self.samples:
-                self._accumulate(x, y, 1.0)
+    def __init__(self) -> None:
+        self.kinds: dict[tuple[int, int], deque[float]] = {}
+        self.order: deque[tuple[int, int]] = deque()  # the kinds of the last COST_WINDOW steps, oldest first
+        self.in_window: Counter[tuple[int, int]] = Counter()
+        self.since_fit = 0
+        self._line: tuple[float, float, float] | None = None
 
-    def _accumulate(self, x: float, y: float, sign: float) -> None:
-        s = self.sums
-        s[0] += sign * x
-        s[1] += sign * y
-        s[2] += sign * x * x
-        s[3] += sign * x * y
+    def __len__(self) -> int:
+        return len(self.order)
 
-    def line(self) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per row), or None until the window holds enough steps of different sizes."""
-        n = len(self.samples)
-        if n < MIN_COST_STEPS:
+    def add(self, rows: int, verified: bool, seconds: float) -> None:
+        kind = (rows, int(verified))
+        self.kinds.setdefault(kind, deque(maxlen=PER_KIND)).append(seconds)
+        self.order.append(kind)
+        self.in_window[kind] += 1
+        if len(self.order) > COST_WINDOW:  # the oldest step leaves the window (and its kind, if still kept)
+            old = self.order.popleft()
+            self.in_window[old] -= 1
+            kept = self.kinds[old]
+            if len(kept) > self.in_window[old]:
+                kept.popleft()
+            if not kept:
+                del self.kinds[old], self.in_window[old]
+        self.since_fit += 1
+        if self.since_fit >= REFIT_EVERY or self._line is None:
+            self.since_fit = 0
+            self._line = self._fit()
+
+    def _fit(self) -> tuple[float, float, float] | None:
+        if len(self.order) < MIN_COST_STEPS:
             return None
-        sx, sy, sxx, sxy = self.sums
-        mean_x, mean_y = sx / n, sy / n
-        var = sxx / n - mean_x * mean_x
-        if var < MIN_ROW_SPREAD ** 2:
-            return None
-        per_row = max((sxy / n - mean_x * mean_y) / var, 0.0)
-        return mean_y - per_row * mean_x, per_row
+        kinds = list(self.kinds.items())
+        x = np.array([(1.0, rows, verified) for (rows, verified), _ in kinds])
+        y = np.array([np.quantile(np.asarray(kept), 0.25) for _, kept in kinds])
+        w = np.array([float(len(kept)) for _, kept in kinds])
+        mean_rows = float(w @ x[:, 1] / w.sum())
+        if float(w @ (x[:, 1] - mean_rows) ** 2 / w.sum()) < MIN_ROW_SPREAD ** 2:
+            return None  # no spread in rows: no slope to trust
+        verified = float(w @ x[:, 2])
+        columns = [0, 1, 2] if MIN_EACH_KIND <= verified <= w.sum() - MIN_EACH_KIND else [0, 1]
+        sw = np.sqrt(w)
+        coef, *_ = np.linalg.lstsq(x[:, columns] * sw[:, None], y * sw, rcond=None)
+        fixed, per_row = float(coef[0]), max(float(coef[1]), 0.0)
+        verify = max(float(coef[2]), 0.0) if len(columns) == 3 else 0.0
+        return fixed, per_row, verify
+
+    def line(self) -> tuple[float, float, float] | None:
+        """(fixed seconds, seconds per row, seconds of verifying at all), or None until the window holds enough
+        steps of different sizes."""
+        return self._line
 
 
 @dataclass
@@ -136,10 +157,11 @@ class DraftBudget:
         self._proposer_seen = False
 
     # ---- evidence ------------------------------------------------------------------------------------
-    def observe_step(self, num_requests: int, rows: int, seconds: float) -> None:
-        """A pure decode step of ``num_requests`` requests, ``rows`` query tokens, ``seconds`` without proposing."""
+    def observe_step(self, num_requests: int, rows: int, verified: bool, seconds: float) -> None:
+        """A pure decode step of ``num_requests`` requests and ``rows`` query tokens that checked drafts or not
+        (``verified``), ``seconds`` without proposing."""
         if seconds > 0 and rows > 0:
-            self.costs.setdefault(bucket_of(num_requests), _CostLine()).add(float(rows), seconds)
+            self.costs.setdefault(bucket_of(num_requests), _CostLine()).add(rows, verified, seconds)
 
     def observe_proposer(self, seconds: float, num_jobs: int) -> None:
         """The proposer took ``seconds`` (its thread's CPU time) for ``num_jobs`` requests that drafted."""
@@ -172,7 +194,8 @@ class DraftBudget:
         value = (own.accepted + PRIOR_WEIGHT * prior) / (own.accepted + own.rejected + PRIOR_WEIGHT)
         return min(value, MAX_ALPHA)
 
-    def cost_line(self, num_requests: int) -> tuple[float, float] | None:
+    def cost_line(self, num_requests: int) -> tuple[float, float, float] | None:
+        """(fixed seconds, seconds per row, seconds of verifying at all) of a step at this batch size."""
         line = self.costs.get(bucket_of(num_requests))
         return line.line() if line is not None else None
 
@@ -183,7 +206,7 @@ class DraftBudget:
         line = self.cost_line(num_requests)
         if line is None:
             return dict(rooms)  # no cost line yet: draft fully, and measure
-        fixed, per_row = line
+        fixed, per_row, verify = line
         plain = max(fixed + per_row * num_requests, 1e-9)
         alphas = {rid: self.alpha(rid) for rid in rooms}
         best, best_rate = {}, num_requests / plain
@@ -195,7 +218,7 @@ class DraftBudget:
                 if d > 0 and earned > best_rate * spent:
                     chosen[rid] = d
                     gain, cost = gain + earned, cost + spent
-            rate = gain / cost
+            rate = gain / (cost + verify) if chosen else gain / cost
             if rate <= best_rate * (1.0 + 1e-9):
                 break
             best, best_rate = chosen, rate

@@ -55,7 +55,10 @@ class SpecDecoder:
         self.governor = DraftGovernor(enabled=config.auto_disable)
         # Drafts per request from measured costs and acceptance (auto_disable: false drafts all it may).
         self.budget = DraftBudget() if config.auto_disable else None
-        self.propose_seconds = 0.0  # wall seconds of the last ``propose``: not part of the verifier's cost
+        # The budget's clock: on a CPU the process's CPU time (other processes on the machine do not inflate it),
+        # on an accelerator wall time (the host's CPU time does not see the device's work).
+        self.clock = time.process_time if device.type == "cpu" else time.perf_counter
+        self.propose_cost = 0.0  # ``clock`` seconds of the last ``propose``: not part of the verifier's cost
 
     def forget(self, req_id: str) -> None:
         self.draft_probs.pop(req_id, None)
@@ -149,7 +152,7 @@ class SpecDecoder:
 
         ``starts[i]``/``query_lens[i]``: where request i's computed tokens began this step and how many
         were scheduled (states already hold the accepted tokens)."""
-        began = time.perf_counter()
+        began = self.clock()
         enabled = ((self.config.disable_by_batch_size is None or len(states) <= self.config.disable_by_batch_size)
                    and self.governor.drafting(len(states)))
         rooms = {state.req_id: self._room(state) for state in states
@@ -162,20 +165,24 @@ class SpecDecoder:
             if job is not None:
                 jobs.append(job)
         if not jobs:
-            self.propose_seconds = time.perf_counter() - began
+            self.propose_cost = self.clock() - began
             return {}
-        cpu = time.thread_time()
+        proposing = self.clock()
         proposals = self.proposer.propose_batch(jobs)
         if self.budget is not None:
-            self.budget.observe_proposer(time.thread_time() - cpu, sum(job.num_drafts > 0 for job in jobs))
+            self.budget.observe_proposer(self.clock() - proposing, sum(job.num_drafts > 0 for job in jobs))
         self.draft_probs.update(proposals.probs)
-        self.propose_seconds = time.perf_counter() - began
+        self.propose_cost = self.clock() - began
         return {rid: d for rid, d in proposals.drafts.items() if d}
 
-    def observe_step(self, num_requests: int, num_tokens: int, seconds: float, verified: bool, rows: int) -> None:
+    def observe_step(self, num_requests: int, num_tokens: int, seconds: float, verified: bool, rows: int,
+                     cpu_seconds: float) -> None:
         """A pure decode step (every request sampled, none computed prompt tokens) for the governor and the
-        draft budget: ``seconds`` of model, verification and proposing (the budget's cost line leaves the
-        proposing out); ``verified``: whether it checked drafts; ``rows``: its query tokens."""
+        draft budget: ``seconds`` (wall) and ``cpu_seconds`` (the process's CPU time, which other processes on
+        the machine do not inflate) of model, verification and proposing; ``verified``: whether it checked
+        drafts; ``rows``: its query tokens. The governor judges wall time; the budget's cost line its ``clock``'s
+        time without the proposing."""
         self.governor.observe(num_requests, num_tokens, seconds, verified)
         if self.budget is not None:
-            self.budget.observe_step(num_requests, rows, seconds - self.propose_seconds)
+            cost = cpu_seconds if self.clock is time.process_time else seconds
+            self.budget.observe_step(num_requests, rows, verified, cost - self.propose_cost)
