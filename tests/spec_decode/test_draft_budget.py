@@ -82,7 +82,7 @@ def test_the_cost_line_holds_on_a_busy_machine() -> None:
     of the undisturbed one."""
     rng = np.random.default_rng(1)
     budget = DraftBudget()
-    for i in range(400):
+    for _ in range(400):
         rows = 1 + int(rng.integers(0, 17))
         seconds = 0.004 + 0.0006 * rows + 0.001 * (rows > 1)
         if rng.random() < 1 / 3:
