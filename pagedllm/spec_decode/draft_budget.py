@@ -36,6 +36,8 @@ from pagedllm.spec_decode.governor import bucket_of
 COST_WINDOW = 128  # pure decode steps kept per bucket for the cost line
 MIN_COST_STEPS = 16
 PER_KIND = 16  # recent steps kept per (rows, verified) kind
+MIN_PER_KIND = 3  # steps a kind needs to count (its lower quartile then survives one disturbed step)
+COLD_DRAFTS = 4  # drafts per request while no batch size has a cost line yet
 REFIT_EVERY = 8
 MIN_ROW_SPREAD = 0.5  # standard deviation of the rows, below which the line's slope is not trusted
 MIN_EACH_KIND = 2  # plain and verifying steps each, for the line to tell verifying's own cost apart
@@ -87,7 +89,9 @@ class _CostLine:
     def _fit(self) -> tuple[float, float, float] | None:
         if len(self.order) < MIN_COST_STEPS:
             return None
-        kinds = list(self.kinds.items())
+        kinds = [(kind, kept) for kind, kept in self.kinds.items() if len(kept) >= MIN_PER_KIND]
+        if len(kinds) < 2:
+            return None
         x = np.array([(1.0, rows, verified) for (rows, verified), _ in kinds])
         y = np.array([np.quantile(np.asarray(kept), 0.25) for _, kept in kinds])
         w = np.array([float(len(kept)) for _, kept in kinds])
@@ -195,17 +199,20 @@ class DraftBudget:
         return min(value, MAX_ALPHA)
 
     def cost_line(self, num_requests: int) -> tuple[float, float, float] | None:
-        """(fixed seconds, seconds per row, seconds of verifying at all) of a step at this batch size."""
-        line = self.costs.get(bucket_of(num_requests))
-        return line.line() if line is not None else None
+        """(fixed seconds, seconds per row, seconds of verifying at all) of a step at this batch size: its
+        bucket's line, or the nearest bucket's while it has none (a row costs about the same either side)."""
+        bucket = bucket_of(num_requests)
+        lines = [(abs(math.log2(size / bucket)), line.line()) for size, line in self.costs.items()]
+        lines = sorted((distance, line) for distance, line in lines if line is not None)
+        return lines[0][1] if lines else None
 
     def plan(self, rooms: dict[str, int], num_requests: int) -> dict[str, int]:
         """``rooms``: per request that may draft, the most drafts it may get; ``num_requests``: the step's
         requests (drafting or not). Returns per request the drafts to propose (0: none, not even the proposer's
         run)."""
         line = self.cost_line(num_requests)
-        if line is None:
-            return dict(rooms)  # no cost line yet: draft fully, and measure
+        if line is None:  # no cost line yet: a few drafts each, whose verifying steps are the evidence
+            return {rid: min(room, COLD_DRAFTS) for rid, room in rooms.items()}
         fixed, per_row, verify = line
         plain = max(fixed + per_row * num_requests, 1e-9)
         alphas = {rid: self.alpha(rid) for rid in rooms}

@@ -17,7 +17,7 @@ def _costs(budget: DraftBudget, num_requests: int, fixed: float, per_row: float,
            max_drafts: int = 16) -> None:
     """Recorded pure decode steps of ``num_requests`` requests with 0..max_drafts drafts each, on the line (a step
     that verifies drafts costs ``verify`` more)."""
-    for i in range(40):
+    for i in range(4 * (max_drafts + 1)):
         rows = num_requests * (1 + i % (max_drafts + 1))
         budget.observe_step(num_requests, rows, rows > num_requests,
                             fixed + per_row * rows + verify * (rows > num_requests))
@@ -51,7 +51,7 @@ def test_the_cost_line_fits_recorded_steps_and_clips_outliers() -> None:
     for rows in range(8, 8 * 17, 8):  # steps the machine disturbed (other work only adds time)
         budget.observe_step(8, rows, rows > 8, 0.5)
     assert budget.cost_line(8) == pytest.approx((0.010, 0.0004, 0.002))
-    assert budget.cost_line(1) is None  # buckets apart
+    assert budget.costs.get(1) is None  # buckets apart
     same = DraftBudget()
     for _ in range(40):
         same.observe_step(8, 8, False, 0.01)  # no spread in rows: no slope to trust
@@ -104,8 +104,13 @@ def test_drafts_worth_is_the_last_draft_still_above_the_threshold() -> None:
     assert expected_accepted(1.0, 4) == 4.0 and expected_accepted(0.7, 0) == 0.0
 
 
-def test_without_a_cost_line_every_request_drafts_what_it_may() -> None:
-    assert DraftBudget().plan({"a": 16, "b": 3}, 2) == {"a": 16, "b": 3}
+def test_without_a_cost_line_requests_draft_a_few_and_a_near_batch_size_lends_its_line() -> None:
+    budget = DraftBudget()
+    assert budget.plan({"a": 16, "b": 3}, 2) == {"a": draft_budget.COLD_DRAFTS, "b": 3}
+    _costs(budget, 1, fixed=0.004, per_row=0.0001)
+    _costs(budget, 16, fixed=0.008, per_row=0.0009)
+    assert budget.cost_line(2) == pytest.approx((0.004, 0.0001, 0.0))
+    assert budget.cost_line(8) == pytest.approx((0.008, 0.0009, 0.0))
 
 
 def test_cheap_rows_at_batch_1_draft_fully_for_a_copying_request() -> None:
