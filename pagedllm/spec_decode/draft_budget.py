@@ -5,22 +5,23 @@ step is compute-bound (the LM head alone is vocab x hidden multiply-adds per row
 16 drafts each would multiply its rows by 17. So the budget weighs each draft token's expected gain against its
 cost, per request, from quantities measured as the engine runs:
 
-- **cost**: the seconds of a pure decode step are close to ``fixed + per_row x rows`` (rows: the step's query
-  tokens, one per request plus its drafts); a least-squares line per batch-size bucket over the last
-  ``COST_WINDOW`` steps gives ``per_row``, the verifier's marginal cost of a row at that batch size (proposing is
-  measured apart and left out). A proposer's own time per request (its thread's CPU time) is a cost too.
+- **cost**: the time of a pure decode step is close to ``fixed + per_row x rows + verify x verified`` (rows: the
+  step's query tokens, one per request plus its drafts; ``verified``: whether it checked drafts). Per batch-size
+  bucket a least-squares fit through the lower quartile of each kind of step gives ``per_row``, the verifier's
+  marginal cost of a row at that batch size (proposing is measured apart and left out; the caller's clock is
+  CPU time on a CPU). A proposer's own time per request is a cost too.
 - **gain**: the chance that drafts 1..i are all accepted, taken as ``alpha ** i`` where ``alpha`` is the
   request's estimated chance that a draft token is accepted given the ones before it were. Acceptance is
   bimodal (a request copies for a while, then writes new text), so ``alpha`` is kept apart for two states: after
   a step that accepted all its drafts, and after one that rejected some. Each is the request's own record (recent
   steps weigh more) pulled toward the same state's figure over all requests.
 
-A step's plan maximises its expected tokens per second, (requests + sum of gains) / (plain step + sum of costs):
+A step's plan maximises its expected tokens per second, (requests + gains) / (plain step + costs + ``verify``):
 Dinkelbach's iteration, whose inner problem has a closed form per request (draft while ``alpha ** i`` exceeds the
 current rate x ``per_row``, and only if the run earns more than it costs, proposing included). A request whose
-plan is 0 for ``PROBE_EVERY`` steps drafts ``PROBE_DRAFTS`` tokens once, so its estimate can recover. Until a
-bucket has a cost line (enough steps with different row counts) every request drafts what it may: those steps
-are the evidence. No torch here.
+plan is 0 for ``PROBE_EVERY`` steps drafts ``PROBE_DRAFTS`` tokens once, so its estimate can recover. A bucket
+without a cost line borrows the nearest bucket's; while none has one, each request drafts at most
+``COLD_DRAFTS`` (those steps are the evidence). No torch here.
 """
 
 from __future__ import annotations
@@ -99,12 +100,16 @@ class _CostLine:
         if float(w @ (x[:, 1] - mean_rows) ** 2 / w.sum()) < MIN_ROW_SPREAD ** 2:
             return None  # no spread in rows: no slope to trust
         verified = float(w @ x[:, 2])
-        columns = [0, 1, 2] if MIN_EACH_KIND <= verified <= w.sum() - MIN_EACH_KIND else [0, 1]
         sw = np.sqrt(w)
-        coef, *_ = np.linalg.lstsq(x[:, columns] * sw[:, None], y * sw, rcond=None)
-        fixed, per_row = float(coef[0]), max(float(coef[1]), 0.0)
-        verify = max(float(coef[2]), 0.0) if len(columns) == 3 else 0.0
-        return fixed, per_row, verify
+        if MIN_EACH_KIND <= verified <= w.sum() - MIN_EACH_KIND:
+            coef = np.linalg.lstsq(x * sw[:, None], y * sw, rcond=None)[0]
+            if coef[1] >= 0.0 and coef[2] >= 0.0:
+                return float(coef[0]), float(coef[1]), float(coef[2])
+        # Verifying's own cost cannot be told apart (or came out negative): a line on rows alone.
+        coef = np.linalg.lstsq(x[:, :2] * sw[:, None], y * sw, rcond=None)[0]
+        if coef[1] < 0.0:  # more rows never cost less: a flat line at the mean
+            return float(w @ y / w.sum()), 0.0, 0.0
+        return float(coef[0]), float(coef[1]), 0.0
 
     def line(self) -> tuple[float, float, float] | None:
         """(fixed seconds, seconds per row, seconds of verifying at all), or None until the window holds enough

@@ -60,6 +60,12 @@ def test_the_cost_line_fits_recorded_steps_and_clips_outliers() -> None:
     for i in range(40):
         drafted_only.observe_step(1, 2 + i % 8, True, 0.004 + 0.001 * (2 + i % 8))
     assert drafted_only.cost_line(1) == pytest.approx((0.004, 0.001, 0.0))
+    cheaper = DraftBudget()  # verifying steps cheaper than the line through plain steps: no negative cost
+    for i in range(40):
+        rows = 1 + i % 8
+        cheaper.observe_step(1, rows, rows > 1, 0.006 + 0.001 * rows - 0.003 * (rows > 1))
+    fixed, per_row, verify = cheaper.cost_line(1)
+    assert verify == 0.0 and per_row >= 0.0 and 0.0 < fixed < 0.01
 
 
 def test_verifying_at_all_costs_so_small_drafts_do_not_pay() -> None:
