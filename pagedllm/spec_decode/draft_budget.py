@@ -8,8 +8,9 @@ cost, per request, from quantities measured as the engine runs:
 - **cost**: the time of a pure decode step is close to ``fixed + per_row x rows + verify x verified`` (rows: the
   step's query tokens, one per request plus its drafts; ``verified``: whether it checked drafts). Per batch-size
   bucket a least-squares fit through the lower quartile of each kind of step gives ``per_row``, the verifier's
-  marginal cost of a row at that batch size (proposing is measured apart and left out; the caller's clock is
-  CPU time on a CPU). A proposer's own time per request is a cost too.
+  marginal cost of a row at that batch size (proposing is measured apart and left out; a machine shared with other
+  work only adds time to a step, which the quartile leaves out). A proposer's own CPU time per request is a
+  cost too.
 - **gain**: the chance that drafts 1..i are all accepted, taken as ``alpha ** i`` where ``alpha`` is the
   request's estimated chance that a draft token is accepted given the ones before it were. Acceptance is
   bimodal (a request copies for a while, then writes new text), so ``alpha`` is kept apart for two states: after

@@ -55,10 +55,7 @@ class SpecDecoder:
         self.governor = DraftGovernor(enabled=config.auto_disable)
         # Drafts per request from measured costs and acceptance (auto_disable: false drafts all it may).
         self.budget = DraftBudget() if config.auto_disable else None
-        # The budget's clock: on a CPU the process's CPU time (other processes on the machine do not inflate it),
-        # on an accelerator wall time (the host's CPU time does not see the device's work).
-        self.clock = time.process_time if device.type == "cpu" else time.perf_counter
-        self.propose_cost = 0.0  # ``clock`` seconds of the last ``propose``: not part of the verifier's cost
+        self.propose_seconds = 0.0  # wall seconds of the last ``propose``: not part of the verifier's cost
 
     def forget(self, req_id: str) -> None:
         self.draft_probs.pop(req_id, None)
@@ -152,7 +149,7 @@ class SpecDecoder:
 
         ``starts[i]``/``query_lens[i]``: where request i's computed tokens began this step and how many
         were scheduled (states already hold the accepted tokens)."""
-        began = self.clock()
+        began = time.perf_counter()
         enabled = ((self.config.disable_by_batch_size is None or len(states) <= self.config.disable_by_batch_size)
                    and self.governor.drafting(len(states)))
         rooms = {state.req_id: self._room(state) for state in states
@@ -165,24 +162,20 @@ class SpecDecoder:
             if job is not None:
                 jobs.append(job)
         if not jobs:
-            self.propose_cost = self.clock() - began
+            self.propose_seconds = time.perf_counter() - began
             return {}
-        proposing = self.clock()
+        cpu = time.thread_time()  # the proposer's own CPU time: what other processes on the machine leave alone
         proposals = self.proposer.propose_batch(jobs)
         if self.budget is not None:
-            self.budget.observe_proposer(self.clock() - proposing, sum(job.num_drafts > 0 for job in jobs))
+            self.budget.observe_proposer(time.thread_time() - cpu, sum(job.num_drafts > 0 for job in jobs))
         self.draft_probs.update(proposals.probs)
-        self.propose_cost = self.clock() - began
+        self.propose_seconds = time.perf_counter() - began
         return {rid: d for rid, d in proposals.drafts.items() if d}
 
-    def observe_step(self, num_requests: int, num_tokens: int, seconds: float, verified: bool, rows: int,
-                     cpu_seconds: float) -> None:
+    def observe_step(self, num_requests: int, num_tokens: int, seconds: float, verified: bool, rows: int) -> None:
         """A pure decode step (every request sampled, none computed prompt tokens) for the governor and the
-        draft budget: ``seconds`` (wall) and ``cpu_seconds`` (the process's CPU time, which other processes on
-        the machine do not inflate) of model, verification and proposing; ``verified``: whether it checked
-        drafts; ``rows``: its query tokens. The governor judges wall time; the budget's cost line its ``clock``'s
-        time without the proposing."""
+        draft budget: ``seconds`` of model, verification and proposing (the budget's cost line leaves the
+        proposing out); ``verified``: whether it checked drafts; ``rows``: its query tokens."""
         self.governor.observe(num_requests, num_tokens, seconds, verified)
         if self.budget is not None:
-            cost = cpu_seconds if self.clock is time.process_time else seconds
-            self.budget.observe_step(num_requests, rows, verified, cost - self.propose_cost)
+            self.budget.observe_step(num_requests, rows, verified, seconds - self.propose_seconds)

@@ -264,7 +264,7 @@ class ModelRunner:
             self.multimodal.free(sched.free_encoder_hashes)
         if sched.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
-        began, began_cpu = time.perf_counter(), time.process_time()
+        began = time.perf_counter()
         if self.pooling is not None:
             return self.pooling.execute(self, sched)
         # Decodes (one token) first: the attention backend batches them in one call.
@@ -335,8 +335,7 @@ class ModelRunner:
                 q == 1 + len(spec.get(state.req_id, ())) for q, state in zip(query_lens, states))
             if decoding:  # what the draft governor compares: tokens per second with and without drafts
                 self.spec_decoder.observe_step(len(states), sum(map(len, result.sampled_token_ids.values())),
-                                               time.perf_counter() - began, bool(verify_jobs), sum(query_lens),
-                                               time.process_time() - began_cpu)
+                                               time.perf_counter() - began, bool(verify_jobs), sum(query_lens))
             result.spec_governor_decisions = self.spec_decoder.governor.decision_counts()
         return result
 

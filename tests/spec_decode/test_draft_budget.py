@@ -224,9 +224,8 @@ def test_greedy_outputs_unchanged_when_the_budget_caps_drafts(tiny_models, monke
     batched."""
     real = SpecDecoder.observe_step
 
-    def observe(self, num_requests, num_tokens, seconds, verified, rows, cpu_seconds):
-        cpu = 0.003 + 0.001 * rows + self.propose_cost
-        real(self, num_requests, num_tokens, cpu, verified, rows, cpu)
+    def observe(self, num_requests, num_tokens, seconds, verified, rows):
+        real(self, num_requests, num_tokens, 0.003 + 0.001 * rows + self.propose_seconds, verified, rows)
 
     monkeypatch.setattr(SpecDecoder, "observe_step", observe)
     monkeypatch.setattr(draft_budget, "MIN_COST_STEPS", 4)

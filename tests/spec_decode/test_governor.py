@@ -142,8 +142,8 @@ def _slow_drafts(monkeypatch: pytest.MonkeyPatch) -> None:
     """Deterministic timings: a step that verified drafts takes 4x a plain step, whatever the machine does."""
     real = SpecDecoder.observe_step
 
-    def observe(self, num_requests, num_tokens, seconds, verified, rows, cpu_seconds):
-        real(self, num_requests, num_tokens, 2.0 if verified else 0.5, verified, rows, cpu_seconds)
+    def observe(self, num_requests, num_tokens, seconds, verified, rows):
+        real(self, num_requests, num_tokens, 2.0 if verified else 0.5, verified, rows)
 
     monkeypatch.setattr(SpecDecoder, "observe_step", observe)
 
