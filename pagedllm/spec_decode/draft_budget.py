@@ -33,7 +33,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedllm.logger import init_logger
 from pagedllm.spec_decode.governor import bucket_of
+
+logger = init_logger(__name__)
 
 COST_WINDOW = 128  # pure decode steps kept per bucket for the cost line
 MIN_COST_STEPS = 16
@@ -41,6 +44,7 @@ PER_KIND = 16  # recent steps kept per (rows, verified) kind
 MIN_PER_KIND = 3  # steps a kind needs to count (its lower quartile then survives one disturbed step)
 COLD_DRAFTS = 4  # drafts per request while no batch size has a cost line yet
 REFIT_EVERY = 8
+LOG_EVERY = 4096  # steps between log lines of a bucket's cost line (and when it first has one)
 MIN_ROW_SPREAD = 0.5  # standard deviation of the rows, below which the line's slope is not trusted
 MIN_EACH_KIND = 2  # plain and verifying steps each, for the line to tell verifying's own cost apart
 REQUEST_DECAY = 0.9  # per verification: a request's older steps fade (its text changes phase)
@@ -65,6 +69,7 @@ class _CostLine:
         self.order: deque[tuple[int, int]] = deque()  # the kinds of the last COST_WINDOW steps, oldest first
         self.in_window: Counter[tuple[int, int]] = Counter()
         self.since_fit = 0
+        self.added = 0
         self._line: tuple[float, float, float] | None = None
 
     def __len__(self) -> int:
@@ -83,6 +88,7 @@ class _CostLine:
                 kept.popleft()
             if not kept:
                 del self.kinds[old], self.in_window[old]
+        self.added += 1
         self.since_fit += 1
         if self.since_fit >= REFIT_EVERY or self._line is None:
             self.since_fit = 0
@@ -170,8 +176,16 @@ class DraftBudget:
     def observe_step(self, num_requests: int, rows: int, verified: bool, seconds: float) -> None:
         """A pure decode step of ``num_requests`` requests and ``rows`` query tokens that checked drafts or not
         (``verified``), ``seconds`` without proposing."""
-        if seconds > 0 and rows > 0:
-            self.costs.setdefault(bucket_of(num_requests), _CostLine()).add(rows, verified, seconds)
+        if seconds <= 0 or rows <= 0:
+            return
+        bucket = bucket_of(num_requests)
+        cost = self.costs.setdefault(bucket, _CostLine())
+        had_line = cost.line() is not None
+        cost.add(rows, verified, seconds)
+        line = cost.line()
+        if line is not None and (not had_line or cost.added % LOG_EVERY == 0):
+            logger.info("speculative decoding: at batch size ~%d a decode step costs %.2f ms + %.3f ms a row "
+                        "(+%.2f ms when it verifies drafts)", bucket, 1e3 * line[0], 1e3 * line[1], 1e3 * line[2])
 
     def observe_proposer(self, seconds: float, num_jobs: int) -> None:
         """The proposer took ``seconds`` (its thread's CPU time) for ``num_jobs`` requests that drafted."""
