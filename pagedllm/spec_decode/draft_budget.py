@@ -43,7 +43,7 @@ MIN_COST_STEPS = 16
 PER_KIND = 16  # recent steps kept per (rows, verified) kind
 MIN_PER_KIND = 3  # steps a kind needs to count (its lower quartile then survives one disturbed step)
 COLD_DRAFTS = 4  # drafts per request while no batch size has a cost line yet
-REFIT_EVERY = 8
+REFIT_EVERY = 16
 LOG_EVERY = 4096  # steps between log lines of a bucket's cost line (and when it first has one)
 MIN_ROW_SPREAD = 0.5  # standard deviation of the rows, below which the line's slope is not trusted
 MIN_EACH_KIND = 2  # plain and verifying steps each, for the line to tell verifying's own cost apart
@@ -90,7 +90,7 @@ class _CostLine:
                 del self.kinds[old], self.in_window[old]
         self.added += 1
         self.since_fit += 1
-        if self.since_fit >= REFIT_EVERY or self._line is None:
+        if self.since_fit >= REFIT_EVERY or self.added <= COST_WINDOW // 2:  # young: every step
             self.since_fit = 0
             self._line = self._fit()
 
@@ -101,7 +101,7 @@ class _CostLine:
         if len(kinds) < 2:
             return None
         x = np.array([(1.0, rows, verified) for (rows, verified), _ in kinds])
-        y = np.array([np.quantile(np.asarray(kept), 0.25) for _, kept in kinds])
+        y = np.array([_lower_quartile(kept) for _, kept in kinds])
         w = np.array([float(len(kept)) for _, kept in kinds])
         mean_rows = float(w @ x[:, 1] / w.sum())
         if float(w @ (x[:, 1] - mean_rows) ** 2 / w.sum()) < MIN_ROW_SPREAD ** 2:
@@ -109,11 +109,13 @@ class _CostLine:
         verified = float(w @ x[:, 2])
         sw = np.sqrt(w)
         if MIN_EACH_KIND <= verified <= w.sum() - MIN_EACH_KIND:
-            coef = np.linalg.lstsq(x * sw[:, None], y * sw, rcond=None)[0]
-            if coef[1] >= 0.0 and coef[2] >= 0.0:
+            coef, _, rank, _ = np.linalg.lstsq(x * sw[:, None], y * sw, rcond=None)
+            if rank == 3 and coef[1] >= 0.0 and coef[2] >= 0.0:
                 return float(coef[0]), float(coef[1]), float(coef[2])
         # Verifying's own cost cannot be told apart (or came out negative): a line on rows alone.
-        coef = np.linalg.lstsq(x[:, :2] * sw[:, None], y * sw, rcond=None)[0]
+        coef, _, rank, _ = np.linalg.lstsq(x[:, :2] * sw[:, None], y * sw, rcond=None)
+        if rank < 2:
+            return None
         if coef[1] < 0.0:  # more rows never cost less: a flat line at the mean
             return float(w @ y / w.sum()), 0.0, 0.0
         return float(coef[0]), float(coef[1]), 0.0
@@ -122,6 +124,16 @@ class _CostLine:
         """(fixed seconds, seconds per row, seconds of verifying at all), or None until the window holds enough
         steps of different sizes."""
         return self._line
+
+
+def _lower_quartile(values: deque[float]) -> float:
+    """The 25th percentile, interpolated between neighbours (numpy's default), of a few values: plain Python is
+    faster than an array for 16 of them."""
+    ordered = sorted(values)
+    at = 0.25 * (len(ordered) - 1)
+    low = int(at)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
 
 
 @dataclass
