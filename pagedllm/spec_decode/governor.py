@@ -43,6 +43,7 @@ PLAIN_WINDOW = 32  # plain steps kept per bucket: tokens / s
 MIN_DRAFTED_STEPS = 64
 MIN_PLAIN_STEPS = 4
 OUTLIER_FACTOR = 3.0  # a drafted step slower than this many times the window's median counts as that median x3
+JUDGE_EVERY = 8  # drafted steps between judgements (and after each plain step): a judgement sorts the window
 
 
 def bucket_of(num_requests: int) -> int:
@@ -58,6 +59,7 @@ class _Bucket:
     off_since: int = 0  # step count when drafting was turned off here
     cooldown: int = 0  # steps to wait before the next retry (0: never turned off yet)
     retrying: bool = False  # drafting was turned back on and has not been judged since
+    unjudged: int = 0  # drafted steps since the last judgement
 
     def drafted_rate(self) -> float:
         """Tokens per second over the window, each step's seconds clipped at OUTLIER_FACTOR x the median."""
@@ -74,7 +76,7 @@ class DraftGovernor:
     ``enabled=False`` makes the governor always say yes (``auto_disable: false`` in the speculative config).
     """
 
-    def __init__(self, enabled: bool = True, max_loss: float = 0.10, probe_every: int = 32,
+    def __init__(self, enabled: bool = True, max_loss: float = 0.05, probe_every: int = 32,
                  cooldown_steps: int = 128, max_cooldown_steps: int = 2048) -> None:
         self.active = enabled
         self.max_loss = max_loss
@@ -113,6 +115,7 @@ class DraftGovernor:
                 return False
             bucket.enabled, bucket.retrying = True, True  # try again: the workload may have changed
             bucket.drafted.clear()
+            bucket.unjudged = 0
             self.decisions[bucket_of(num_requests), "on"] += 1
             logger.info("speculative decoding: drafting again at batch size ~%d after %d steps off",
                         bucket_of(num_requests), bucket.cooldown)
@@ -129,11 +132,15 @@ class DraftGovernor:
         bucket = self._bucket(num_requests)
         if drafted:
             bucket.drafted.append((num_tokens, seconds))
+            bucket.unjudged += 1
+            if bucket.unjudged < JUDGE_EVERY:
+                return  # judged on the next plain step or after JUDGE_EVERY drafted ones: the decision stays cheap
         else:
             bucket.plain.append(num_tokens / seconds)
         if (not bucket.enabled or len(bucket.drafted) < self._min_drafted(bucket_of(num_requests))
                 or len(bucket.plain) < MIN_PLAIN_STEPS):
             return
+        bucket.unjudged = 0
         with_drafts, without = bucket.drafted_rate(), statistics.median(bucket.plain)
         if with_drafts >= (1.0 - self.max_loss) * without:
             if bucket.retrying:  # the retry paid: a later loss starts from the first cooldown again

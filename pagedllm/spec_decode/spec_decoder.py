@@ -6,6 +6,7 @@ the proposer, the rows-per-position sampling metadata and the rejection rule.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from pagedllm.sample.rejection_sampler import DraftRun, rejection_sample
 from pagedllm.sample.sampler import Sampler, compute_logprobs_for_targets, logprob_dicts
 from pagedllm.sampling_params import SAMPLING_EPS, SamplingParams
 from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.draft_budget import DraftBudget
 from pagedllm.spec_decode.governor import DraftGovernor
 from pagedllm.spec_decode.model_drafter import make_draft_model_drafter, make_layer_skip_drafter
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
@@ -51,10 +53,15 @@ class SpecDecoder:
         # req_id -> [k, V] distributions its pending (random) drafts were drawn from.
         self.draft_probs: dict[str, torch.Tensor] = {}
         self.governor = DraftGovernor(enabled=config.auto_disable)
+        # Drafts per request from measured costs and acceptance (auto_disable: false drafts all it may).
+        self.budget = DraftBudget() if config.auto_disable else None
+        self.propose_seconds = 0.0  # wall seconds of the last ``propose``: not part of the verifier's cost
 
     def forget(self, req_id: str) -> None:
         self.draft_probs.pop(req_id, None)
         self.proposer.forget(req_id)
+        if self.budget is not None:
+            self.budget.forget(req_id)
 
     # ---- verification ------------------------------------------------------------------------------
     def verify(self, logits: torch.Tensor, jobs: list[tuple[Any, list[int], int]], sampling: SamplingBatch,
@@ -80,6 +87,9 @@ class SpecDecoder:
                                  probs[:len(drafts)] if probs is not None else None, state.generator))
             first += len(drafts) + 1
         tokens = rejection_sample(processed, runs)
+        if self.budget is not None:
+            for (state, drafts, _), new in zip(jobs, tokens):
+                self.budget.record(state.req_id, len(drafts), len(new) - 1)
         return tokens, self._logprobs(rows, jobs, runs, tokens)
 
     def _logprobs(self, rows: torch.Tensor, jobs: list[tuple[Any, list[int], int]], runs: list[DraftRun],
@@ -139,21 +149,33 @@ class SpecDecoder:
 
         ``starts[i]``/``query_lens[i]``: where request i's computed tokens began this step and how many
         were scheduled (states already hold the accepted tokens)."""
+        began = time.perf_counter()
         enabled = ((self.config.disable_by_batch_size is None or len(states) <= self.config.disable_by_batch_size)
                    and self.governor.drafting(len(states)))
+        rooms = {state.req_id: self._room(state) for state in states
+                 if enabled and state.req_id in sampled and can_speculate(state.params)}
+        if self.budget is not None and rooms:
+            rooms = self.budget.plan(rooms, len(states))
         jobs = []
         for state, start, q in zip(states, starts, query_lens):
-            proposing = enabled and state.req_id in sampled and can_speculate(state.params)
-            job = self._job(state, start, q, state.req_id in sampled, self._room(state) if proposing else 0)
+            job = self._job(state, start, q, state.req_id in sampled, rooms.get(state.req_id, 0))
             if job is not None:
                 jobs.append(job)
         if not jobs:
+            self.propose_seconds = time.perf_counter() - began
             return {}
+        cpu = time.thread_time()  # the proposer's own CPU time: what other processes on the machine leave alone
         proposals = self.proposer.propose_batch(jobs)
+        if self.budget is not None:
+            self.budget.observe_proposer(time.thread_time() - cpu, sum(job.num_drafts > 0 for job in jobs))
         self.draft_probs.update(proposals.probs)
+        self.propose_seconds = time.perf_counter() - began
         return {rid: d for rid, d in proposals.drafts.items() if d}
 
-    def observe_step(self, num_requests: int, num_tokens: int, seconds: float, verified: bool) -> None:
-        """A pure decode step (every request sampled, none computed prompt tokens) for the governor:
-        ``seconds`` of model, verification and proposing; ``verified``: whether it checked drafts."""
+    def observe_step(self, num_requests: int, num_tokens: int, seconds: float, verified: bool, rows: int) -> None:
+        """A pure decode step (every request sampled, none computed prompt tokens) for the governor and the
+        draft budget: ``seconds`` of model, verification and proposing (the budget's cost line leaves the
+        proposing out); ``verified``: whether it checked drafts; ``rows``: its query tokens."""
         self.governor.observe(num_requests, num_tokens, seconds, verified)
+        if self.budget is not None:
+            self.budget.observe_step(num_requests, rows, verified, seconds - self.propose_seconds)

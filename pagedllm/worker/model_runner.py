@@ -345,7 +345,7 @@ class ModelRunner:
                 q == 1 + len(spec.get(state.req_id, ())) for q, state in zip(query_lens, states))
             if decoding:  # what the draft governor compares: tokens per second with and without drafts
                 self.spec_decoder.observe_step(len(states), sum(map(len, result.sampled_token_ids.values())),
-                                               time.perf_counter() - began, bool(verify_jobs))
+                                               time.perf_counter() - began, bool(verify_jobs), sum(query_lens))
             result.spec_governor_decisions = self.spec_decoder.governor.decision_counts()
         return result
 

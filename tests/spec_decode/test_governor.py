@@ -142,8 +142,8 @@ def _slow_drafts(monkeypatch: pytest.MonkeyPatch) -> None:
     """Deterministic timings: a step that verified drafts takes 4x a plain step, whatever the machine does."""
     real = SpecDecoder.observe_step
 
-    def observe(self, num_requests, num_tokens, seconds, verified):
-        real(self, num_requests, num_tokens, 2.0 if verified else 0.5, verified)
+    def observe(self, num_requests, num_tokens, seconds, verified, rows):
+        real(self, num_requests, num_tokens, 2.0 if verified else 0.5, verified, rows)
 
     monkeypatch.setattr(SpecDecoder, "observe_step", observe)
 
@@ -154,7 +154,9 @@ def test_engine_turns_a_losing_drafter_off_and_outputs_stay_equal(tiny_models, m
     cfg = {"method": "layer_skip", "num_draft_layers": 1, "num_speculative_tokens": 3, "auto_disable": auto_disable}
     plain = LLM(tiny_models["target"], **ENGINE)
     llm = LLM(tiny_models["target"], **ENGINE, speculative_config=cfg)
-    llm.engine.core.worker.runner.spec_decoder.governor.probe_every = 4  # plain samples sooner than 1 in 32
+    decoder = llm.engine.core.worker.runner.spec_decoder
+    decoder.governor.probe_every = 4  # plain samples sooner than 1 in 32
+    decoder.budget = None  # the governor alone (the draft budget has its own tests)
     monkeypatch.setattr(governor, "MIN_DRAFTED_STEPS", 8)  # judged within one short answer
     prompts = [{"prompt_token_ids": [5, 17, 300, 42]}]  # one stream: every decode step in one batch-size bucket
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
