@@ -1,0 +1,147 @@
+"""A quantized weight's dense copy: the many-rows candidate of the CPU kernel autotuner (``kernel_choice.py``).
+
+The group-wise quantized kernels (``qpanels.py``) are bound by weight bytes for a few rows, where they beat a
+dense matmul, but their cost grows with the rows far faster than a dense GEMM's: a decode step of 200 requests
+spent more time in the Q8_0 LM head alone than the whole bf16 step took. So each quantized weight also offers
+the autotuner its dequantized copy, run by the dense GEMM of the CPU:
+
+- ``dense-bf16/onednn``: bfloat16 [N, K] in oneDNN's prepacked layout (CPUs with native bf16: AVX-512 BF16 or
+  AMX), activations rounded to bf16 and the result widened back to float32 (bias added in float32);
+- ``dense-bf16/panels``: the same copy in the C++ bf16 panels (``bf16_gemm``, AVX-512 BF16), where built;
+- ``dense-f32/blas``: float32 [N, K] through BLAS (``torch.addmm``): exact; on CPUs without native bf16
+  (AVX2), and for the LM head everywhere (its logits stay float32: greedy choices and logprobs unchanged).
+
+The autotuner times them against the quantized kernels per bucket of rows and keeps a copy only where a bucket
+chooses it (typically from 33 or 129 rows on); the start-up log says how many bytes such copies add.
+``PAGEDLLM_CPU_DENSE_COPY`` (``auto`` | ``on`` | ``off``) decides whether they are offered: ``auto`` offers them
+while the copies of the whole model fit in a quarter of the memory available (so a large model quantized to fit
+never doubles its footprint).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedllm import envs
+from pagedllm.model_executor.layers.quantization.base import CpuMatmul
+from pagedllm.model_executor.layers.quantization.float_weights import nbytes_of, pack_bf16_weight
+from pagedllm.model_executor.layers.quantization.packed_weight import PackedWeight
+from pagedllm.platforms import platform_of
+
+PREFIX = "dense-"  # candidate names: "dense-bf16/onednn", "dense-bf16/panels", "dense-f32/blas"
+BUDGET_FRACTION = 0.25  # ``auto``: the copies of a model may take this share of the available memory
+
+
+def is_dense(name: str) -> bool:
+    """Whether an autotuner candidate name is a dense copy's."""
+    return name.startswith(PREFIX)
+
+
+class DenseCopy:
+    """The dequantized copy of a quantized weight [N, K], made once (lazily), in ``dtype`` (bf16 or float32),
+    for kernel ``kind`` ("onednn", "panels" or "blas"). ``bind`` and ``nbytes`` as a ``PackedWeight``'s, so the
+    autotuner builds a layer's per-bucket kernel from either."""
+
+    def __init__(self, weight: PackedWeight, dtype: torch.dtype, kind: str, kernels: Any) -> None:
+        self.source, self.dtype, self.kind, self.kernels = weight, dtype, kind, kernels
+        self.out_features, self.in_features = weight.out_features, weight.in_features
+        self._tensor: torch.Tensor | None = None
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The copy in its kernel's layout: oneDNN's blocked bf16, bf16 panels [ceil(N/16), K/2, 16, 2], or
+        float32 rows [N, K]."""
+        if self._tensor is None:
+            w = self.source.dequantize()  # float32 [N, K], exact
+            if self.kind == "blas":
+                self._tensor = w.contiguous()
+            elif self.kind == "panels":
+                self._tensor = pack_bf16_weight(w.to(torch.bfloat16))
+            else:
+                self._tensor = torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16), None)
+        return self._tensor
+
+    def nbytes(self) -> int:
+        return nbytes_of(self.tensor)
+
+    def bind(self, isa: int | None = None) -> CpuMatmul:
+        """``(x float32 [M, K], bias float32 [N] | None, out float32 [M, N] | None) -> [M, N]`` on the copy."""
+        w, n = self.tensor, self.out_features
+        if self.kind == "blas":
+            def blas(x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+                return torch.addmm(bias, x, w.T, out=out) if bias is not None else torch.mm(x, w.T, out=out)
+
+            return blas
+        if self.kind == "panels":
+            gemm = self.kernels.bf16_gemm
+
+            def product(xb: torch.Tensor) -> torch.Tensor:
+                return gemm(xb, w, n, None, None)
+        else:
+            def product(xb: torch.Tensor) -> torch.Tensor:
+                return torch.ops.mkldnn._linear_pointwise(xb, w, None, "none", [], "")
+
+        def bf16(x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+            y = product(x.to(torch.bfloat16).contiguous())
+            if out is None:
+                out = y.float()
+            else:
+                out.copy_(y)
+            return out.add_(bias) if bias is not None else out  # the bias in float32, as the quantized kernels
+
+        bf16.__name__ = f"dense_bf16_{self.kind}"
+        return bf16
+
+
+def dense_candidates(weight: PackedWeight, exact_output: bool = False) -> dict[str, Callable[[], DenseCopy]]:
+    """name -> a maker of the weight's dense copy for that kernel, for the CPU at hand (empty where none runs);
+    each builds its copy only when called. ``exact_output``: float32 only (the LM head: bf16 GEMMs round their
+    output to bf16, a step of 0.06 for a logit of 16, enough to swap near-tied greedy tokens between batch
+    sizes; inside the model that rounding is below the int8 activations' of the ``dot8`` kernels)."""
+    platform = platform_of(weight.qweight)
+    if weight.qweight.device.type != "cpu":
+        return {}
+    if platform.onednn_bf16() and not exact_output:
+        kernels = platform.cpu_kernels(torch.bfloat16, (torch.bfloat16,))
+        out: dict[str, Callable[[], DenseCopy]] = {
+            f"{PREFIX}bf16/onednn": lambda: DenseCopy(weight, torch.bfloat16, "onednn", None)}
+        if (kernels is not None and hasattr(kernels, "bf16_gemm") and kernels.bf16_gemm_supported()
+                and weight.in_features % 2 == 0):
+            out[f"{PREFIX}bf16/panels"] = lambda: DenseCopy(weight, torch.bfloat16, "panels", kernels)
+        return out
+    return {f"{PREFIX}f32/blas": lambda: DenseCopy(weight, torch.float32, "blas", None)}
+
+
+def dense_nbytes(weight: PackedWeight, exact_output: bool = False) -> int:
+    """Bytes one dense copy of ``weight`` takes on this CPU (bf16 where it has native bf16, else float32)."""
+    per = 2 if platform_of(weight.qweight).onednn_bf16() and not exact_output else 4
+    return weight.out_features * weight.in_features * per
+
+
+def _available_memory() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def dense_copies_allowed(total_nbytes: int, available: int | None = None) -> tuple[bool, str]:
+    """Whether the autotuner may offer dense copies taking at most ``total_nbytes`` (every quantized layer's),
+    and why not where it may not. ``available``: the memory available (default: the host's, /proc/meminfo)."""
+    mode = envs.PAGEDLLM_CPU_DENSE_COPY
+    if mode == "off":
+        return False, "PAGEDLLM_CPU_DENSE_COPY=off"
+    if mode == "on":
+        return True, ""
+    available = _available_memory() if available is None else available
+    if available and total_nbytes > BUDGET_FRACTION * available:
+        return False, (f"their {total_nbytes / 2**20:.0f} MiB would exceed a quarter of the "
+                       f"{available / 2**20:.0f} MiB available (PAGEDLLM_CPU_DENSE_COPY=on offers them anyway)")
+    return True, ""
