@@ -27,12 +27,14 @@ from typing import Any
 import torch
 
 from pagedllm import envs
+from pagedllm.kernels.cpu import cpu_isa
 from pagedllm.model_executor.layers.quantization.base import CpuMatmul
 from pagedllm.model_executor.layers.quantization.float_weights import nbytes_of, pack_bf16_weight
 from pagedllm.model_executor.layers.quantization.packed_weight import PackedWeight
 from pagedllm.platforms import platform_of
 
 PREFIX = "dense-"  # candidate names: "dense-bf16/onednn", "dense-bf16/panels", "dense-f32/blas"
+AVX2_ISA = 1  # ``cpu_isa()``'s code for a forced AVX2
 BUDGET_FRACTION = 0.25  # ``auto``: the copies of a model may take this share of the available memory
 
 
@@ -97,6 +99,12 @@ class DenseCopy:
         return bf16
 
 
+def _native_bf16(platform: Any) -> bool:
+    """bf16 GEMMs run natively here (and the kernels' ISA is not forced to AVX2, which stands for a CPU without
+    them: ``make test-avx2``)."""
+    return platform.onednn_bf16() and cpu_isa() != AVX2_ISA
+
+
 def dense_candidates(weight: PackedWeight, exact_output: bool = False) -> dict[str, Callable[[], DenseCopy]]:
     """name -> a maker of the weight's dense copy for that kernel, for the CPU at hand (empty where none runs);
     each builds its copy only when called. ``exact_output``: float32 only (the LM head: bf16 GEMMs round their
@@ -105,7 +113,7 @@ def dense_candidates(weight: PackedWeight, exact_output: bool = False) -> dict[s
     platform = platform_of(weight.qweight)
     if weight.qweight.device.type != "cpu":
         return {}
-    if platform.onednn_bf16() and not exact_output:
+    if _native_bf16(platform) and not exact_output:
         kernels = platform.cpu_kernels(torch.bfloat16, (torch.bfloat16,))
         out: dict[str, Callable[[], DenseCopy]] = {
             f"{PREFIX}bf16/onednn": lambda: DenseCopy(weight, torch.bfloat16, "onednn", None)}
@@ -118,7 +126,7 @@ def dense_candidates(weight: PackedWeight, exact_output: bool = False) -> dict[s
 
 def dense_nbytes(weight: PackedWeight, exact_output: bool = False) -> int:
     """Bytes one dense copy of ``weight`` takes on this CPU (bf16 where it has native bf16, else float32)."""
-    per = 2 if platform_of(weight.qweight).onednn_bf16() and not exact_output else 4
+    per = 2 if _native_bf16(platform_of(weight.qweight)) and not exact_output else 4
     return weight.out_features * weight.in_features * per
 
 
