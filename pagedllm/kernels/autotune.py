@@ -268,15 +268,16 @@ def _measure(candidates: dict[str, Kernel], x: torch.Tensor, timer: Callable[[Ke
 
 def choose(candidates: dict[str, Kernel], in_features: int, timer: Callable[[Kernel, torch.Tensor], float]
            = time_once, min_rounds: int = 5, max_rounds: int = 50, min_seconds: float = 0.01,
-           max_seconds: float = 0.5, margin: float = 0.05, dtype: torch.dtype = torch.float32
-           ) -> tuple[list[str], dict[str, list[float]]]:
+           max_seconds: float = 0.5, margin: float = 0.05, dtype: torch.dtype = torch.float32,
+           first_bucket: dict[str, int] | None = None) -> tuple[list[str], dict[str, list[float]]]:
     """Times every candidate at every bucket's rows; the fastest name per bucket, and the timings (seconds).
 
     Per bucket each candidate's time is the median of its calls (``_measure``): a burst of other work on a
     shared machine spoils a few calls, not the middle one. A bucket where a candidate's time disagrees with its
     neighbours (``suspicious_buckets``) is measured again (every candidate, so the comparison stays fair), up to
     ``RETRIES`` times. The first candidate (the packing's own kernel) stays unless another is faster by more than
-    ``margin``: a second kernel can cost a second copy of the weight, so noise must not buy one."""
+    ``margin``: a second kernel can cost a second copy of the weight, so noise must not buy one.
+    ``first_bucket``: name -> the first bucket it may be chosen for (timed everywhere, for the log)."""
     names = list(candidates)
     xs = [torch.randn(rows, in_features, dtype=dtype) for rows in BUCKET_ROWS]
     per_bucket = [_measure(candidates, x, timer, min_rounds, max_rounds, min_seconds, max_seconds) for x in xs]
@@ -288,8 +289,9 @@ def choose(candidates: dict[str, Kernel], in_features: int, timer: Callable[[Ker
             per_bucket[b] = _measure(candidates, xs[b], timer, min_rounds, max_rounds, min_seconds, max_seconds)
     timings = {name: [m[name] for m in per_bucket] for name in names}
     choices = []
+    first_bucket = first_bucket or {}
     for b in range(len(BUCKET_ROWS)):
-        fastest = min(names, key=lambda n: timings[n][b])
+        fastest = min((n for n in names if first_bucket.get(n, 0) <= b), key=lambda n: timings[n][b])
         keep = timings[names[0]][b] <= timings[fastest][b] * (1.0 + margin)
         choices.append(names[0] if keep else fastest)
     return choices, timings

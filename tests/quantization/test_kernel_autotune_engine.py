@@ -48,3 +48,32 @@ def test_mixed_layouts_by_row_count_keep_greedy_outputs(default_model_path, tmp_
     batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS * 4, params, use_tqdm=False)]  # pairs rows
     assert alone == expected
     assert batched[:len(PROMPTS)] == expected
+
+
+@pytest.mark.slow
+def test_dense_copies_for_many_rows_keep_greedy_outputs(default_model_path, tmp_path, monkeypatch) -> None:
+    """Every quantized layer (the LM head included) on its dense copy from 33 rows on: a batch of 36 sequences
+    decodes the same greedy tokens as each prompt alone on the quantized kernels."""
+    kernels = platform_for(torch.device("cpu")).cpu_kernels(torch.float32)
+    if kernels is None:
+        pytest.skip("the C++ CPU kernels did not build here")
+    params = SamplingParams(temperature=0, max_tokens=12)
+    plain = LLM(default_model_path, kv_cache_memory="64MiB", cpu_kernel_autotune="off")
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]
+    model = plain.engine.core.worker.runner.model
+    entries = {}
+    for layer in model.modules():
+        if isinstance(getattr(layer, "packed", None), kernel_choice.QPanels):
+            plan = kernel_choice.tuning_for(layer)
+            names = list(plan.kernels)
+            dense = next(n for n in names if n.startswith("dense-"))
+            entries[plan.key] = {"choices": [names[0]] * 3 + [dense] * 2}
+    assert any(key.endswith(":head") for key in entries)
+    del plain, model
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"entries": entries}))
+    monkeypatch.setenv("PAGEDLLM_CPU_KERNEL_AUTOTUNE_TABLE", str(table))
+    llm = LLM(default_model_path, kv_cache_memory="64MiB", cpu_kernel_autotune="on")
+    batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS * 6, params, use_tqdm=False)]  # 36 rows
+    for i, want in enumerate(expected):
+        assert batched[i] == want, PROMPTS[i]

@@ -6,13 +6,18 @@ spent more time in the Q8_0 LM head alone than the whole bf16 step took. So each
 the autotuner its dequantized copy, run by the dense GEMM of the CPU:
 
 - ``dense-bf16/onednn``: bfloat16 [N, K] in oneDNN's prepacked layout (CPUs with native bf16: AVX-512 BF16 or
-  AMX), activations rounded to bf16 and the result widened back to float32 (bias added in float32);
-- ``dense-bf16/panels``: the same copy in the C++ bf16 panels (``bf16_gemm``, AVX-512 BF16), where built;
-- ``dense-f32/blas``: float32 [N, K] through BLAS (``torch.addmm``): exact; on CPUs without native bf16
-  (AVX2), and for the LM head everywhere (its logits stay float32: greedy choices and logprobs unchanged).
+  AMX), activations rounded to bf16, the result (rounded to bf16 by oneDNN) widened back to float32, the bias
+  added in float32;
+- ``dense-bf16/panels``: the same copy in the C++ bf16 panels (``bf16_gemm``, AVX-512 BF16), whose float32 sums
+  are written as they are (no rounding of the result);
+- ``dense-f32/blas``: float32 [N, K] through BLAS (``torch.addmm``): exact; on CPUs without native bf16 (AVX2).
+
+The LM head is offered only copies whose result stays float32 (``exact_output``: the bf16 panels, float32
+BLAS): a logit of 16 rounded to bf16 moves by up to 0.06, enough to swap near-tied greedy tokens between batch
+sizes. Inside the model a bf16 result's rounding is below the int8 activations' of the ``dot8`` kernels.
 
 The autotuner times them against the quantized kernels per bucket of rows and keeps a copy only where a bucket
-chooses it (typically from 33 or 129 rows on); the start-up log says how many bytes such copies add.
+chooses it, from 33 rows on (``DENSE_FIRST_BUCKET``); the start-up log says how many bytes such copies add.
 ``PAGEDLLM_CPU_DENSE_COPY`` (``auto`` | ``on`` | ``off``) decides whether they are offered: ``auto`` offers them
 while the copies of the whole model fit in a quarter of the memory available (so a large model quantized to fit
 never doubles its footprint).
@@ -34,6 +39,9 @@ from pagedllm.model_executor.layers.quantization.packed_weight import PackedWeig
 from pagedllm.platforms import platform_of
 
 PREFIX = "dense-"  # candidate names: "dense-bf16/onednn", "dense-bf16/panels", "dense-f32/blas"
+#: The first bucket of rows (``autotune.BUCKET_ROWS``: 33-128) a dense copy may be chosen for: smaller batches
+#: run in CPU step graphs (decode batches 1..16), which its torch ops (the bf16 conversion, oneDNN) would end.
+DENSE_FIRST_BUCKET = 3
 AVX2_ISA = 1  # ``cpu_isa()``'s code for a forced AVX2
 BUDGET_FRACTION = 0.25  # ``auto``: the copies of a model may take this share of the available memory
 
@@ -81,11 +89,17 @@ class DenseCopy:
         if self.kind == "panels":
             gemm = self.kernels.bf16_gemm
 
-            def product(xb: torch.Tensor) -> torch.Tensor:
-                return gemm(xb, w, n, None, None)
-        else:
-            def product(xb: torch.Tensor) -> torch.Tensor:
-                return torch.ops.mkldnn._linear_pointwise(xb, w, None, "none", [], "")
+            def panels(x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+                if out is None:
+                    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+                gemm(x.to(torch.bfloat16), w, n, None, out)  # float32 sums written into ``out``
+                return out.add_(bias) if bias is not None else out
+
+            panels.__name__ = "dense_bf16_panels"
+            return panels
+
+        def product(xb: torch.Tensor) -> torch.Tensor:
+            return torch.ops.mkldnn._linear_pointwise(xb, w, None, "none", [], "")
 
         def bf16(x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
             y = product(x.to(torch.bfloat16).contiguous())
@@ -107,26 +121,27 @@ def _native_bf16(platform: Any) -> bool:
 
 def dense_candidates(weight: PackedWeight, exact_output: bool = False) -> dict[str, Callable[[], DenseCopy]]:
     """name -> a maker of the weight's dense copy for that kernel, for the CPU at hand (empty where none runs);
-    each builds its copy only when called. ``exact_output``: float32 only (the LM head: bf16 GEMMs round their
-    output to bf16, a step of 0.06 for a logit of 16, enough to swap near-tied greedy tokens between batch
-    sizes; inside the model that rounding is below the int8 activations' of the ``dot8`` kernels)."""
+    each builds its copy only when called. ``exact_output``: only kernels whose result is not rounded to bf16
+    (the LM head's logits; module docstring)."""
     platform = platform_of(weight.qweight)
     if weight.qweight.device.type != "cpu":
         return {}
-    if _native_bf16(platform) and not exact_output:
+    out: dict[str, Callable[[], DenseCopy]] = {}
+    if _native_bf16(platform):
         kernels = platform.cpu_kernels(torch.bfloat16, (torch.bfloat16,))
-        out: dict[str, Callable[[], DenseCopy]] = {
-            f"{PREFIX}bf16/onednn": lambda: DenseCopy(weight, torch.bfloat16, "onednn", None)}
+        if not exact_output:
+            out[f"{PREFIX}bf16/onednn"] = lambda: DenseCopy(weight, torch.bfloat16, "onednn", None)
         if (kernels is not None and hasattr(kernels, "bf16_gemm") and kernels.bf16_gemm_supported()
                 and weight.in_features % 2 == 0):
             out[f"{PREFIX}bf16/panels"] = lambda: DenseCopy(weight, torch.bfloat16, "panels", kernels)
-        return out
-    return {f"{PREFIX}f32/blas": lambda: DenseCopy(weight, torch.float32, "blas", None)}
+    if not out:
+        out[f"{PREFIX}f32/blas"] = lambda: DenseCopy(weight, torch.float32, "blas", None)
+    return out
 
 
-def dense_nbytes(weight: PackedWeight, exact_output: bool = False) -> int:
+def dense_nbytes(weight: PackedWeight) -> int:
     """Bytes one dense copy of ``weight`` takes on this CPU (bf16 where it has native bf16, else float32)."""
-    per = 2 if _native_bf16(platform_of(weight.qweight)) and not exact_output else 4
+    per = 2 if _native_bf16(platform_of(weight.qweight)) else 4
     return weight.out_features * weight.in_features * per
 
 

@@ -35,6 +35,7 @@ from pagedllm.logger import init_logger
 from pagedllm.model_executor.layers.quantization.bf16_weights import Bf16Weight
 from pagedllm.model_executor.layers.quantization.bound_weight import BoundWeight
 from pagedllm.model_executor.layers.quantization.dense_copy import (
+    DENSE_FIRST_BUCKET,
     DenseCopy,
     dense_candidates,
     dense_copies_allowed,
@@ -228,7 +229,7 @@ def autotune_model(model: nn.Module, mode: str, timer: Callable[..., float] = au
     if mode == "off":
         return
     linears = [module for module in model.modules() if isinstance(module, Linear)]
-    dense, why_not = dense_copies_allowed(sum(dense_nbytes(layer.packed, is_lm_head(layer)) for layer in linears
+    dense, why_not = dense_copies_allowed(sum(dense_nbytes(layer.packed) for layer in linears
                                               if isinstance(layer.packed, QPanels)))
     if why_not and any(isinstance(layer.packed, QPanels) for layer in linears):
         logger.info("cpu kernel autotune: no dense copies of quantized weights for many rows: %s", why_not)
@@ -264,7 +265,11 @@ def autotune_model(model: nn.Module, mode: str, timer: Callable[..., float] = au
                 made = {name: make() for name, make in plan.kernels.items()}
                 timed = {name: kernel for name, kernel in made.items() if kernel is not None}
                 before = autotune.cpu_snapshot()
-                choices, timings = autotune.choose(timed, plan.in_features, timer, dtype=plan.dtype)
+                # Dense copies only for many rows: smaller batches run in CPU step graphs, which their torch
+                # ops would end (dense_copy.py).
+                first = {name: DENSE_FIRST_BUCKET for name in timed if is_dense(name)}
+                choices, timings = autotune.choose(timed, plan.in_features, timer, dtype=plan.dtype,
+                                                   first_bucket=first)
                 load = autotune.other_load(before, autotune.cpu_snapshot())
                 table.record(key, choices, timings, load)
                 if load >= autotune.BUSY_LOAD:
