@@ -12,6 +12,8 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.model_executor.layers.quantization import kernel_choice
 from pagedllm.platforms import platform_for
 
+from helpers.autotune import dense_for_many_rows
+
 PROMPTS = ["The capital of France is", "Write a short poem about the sea:", "1, 2, 3, 4,",
            "def fibonacci(n):", "Water boils at", "My favourite book is"]
 
@@ -60,18 +62,11 @@ def test_dense_copies_for_many_rows_keep_greedy_outputs(default_model_path, tmp_
     params = SamplingParams(temperature=0, max_tokens=12)
     plain = LLM(default_model_path, kv_cache_memory="64MiB", cpu_kernel_autotune="off")
     expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]
-    model = plain.engine.core.worker.runner.model
-    entries = {}
-    for layer in model.modules():
-        if isinstance(getattr(layer, "packed", None), kernel_choice.QPanels):
-            plan = kernel_choice.tuning_for(layer)
-            names = list(plan.kernels)
-            dense = next(n for n in names if n.startswith("dense-"))
-            entries[plan.key] = {"choices": [names[0]] * 3 + [dense] * 2}
-    assert any(key.endswith(":head") for key in entries)
-    del plain, model
+    forced = dense_for_many_rows(plain.engine.core.worker.runner.model)
+    assert any(key.endswith(":head") for key in forced["entries"])
+    del plain
     table = tmp_path / "table.json"
-    table.write_text(json.dumps({"entries": entries}))
+    table.write_text(json.dumps(forced))
     monkeypatch.setenv("PAGEDLLM_CPU_KERNEL_AUTOTUNE_TABLE", str(table))
     llm = LLM(default_model_path, kv_cache_memory="64MiB", cpu_kernel_autotune="on")
     batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS * 6, params, use_tqdm=False)]  # 36 rows
