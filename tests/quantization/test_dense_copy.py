@@ -178,6 +178,22 @@ def test_the_lm_head_is_tuned_apart_and_says_what_it_kept(caplog) -> None:
     assert f"copy ({dense}) from 33 rows" in line and "for 1-32 rows" in line
 
 
+@needs_kernels
+def test_the_lm_head_may_take_its_dense_copy_at_any_row_count() -> None:
+    head = _layer("int8", 32, prefix="lm_head")
+    hidden = _layer("int8", 32, prefix="model.layers.0.mlp.up_proj")
+
+    def timer(kernel, x):  # the dense copy faster everywhere
+        return 0.1 if kernel.__name__.startswith("dense") or kernel.__name__ == "blas" else 1.0
+
+    kernel_choice.autotune_model(LayersModel([head, hidden]), "on", timer)
+    entries = json.loads(autotune.default_path().read_text())["entries"]
+    for key, entry in entries.items():
+        dense_buckets = [b for b, name in enumerate(entry["choices"]) if is_dense(name)]
+        # The head's logits are computed after the CPU step graph; hidden layers run inside it up to 32 rows.
+        assert dense_buckets == ([0, 1, 2, 3, 4] if key.endswith(":head") else [3, 4])
+
+
 def test_suspicious_buckets_flag_work_that_disagrees_with_its_neighbours() -> None:
     assert autotune.suspicious_buckets([0.1, 0.12, 0.2, 0.5, 1.8]) == []
     assert autotune.suspicious_buckets([0.1, 0.12, 0.9, 0.25, 0.9]) == [2]  # 16 rows cost 3.6x 64 rows

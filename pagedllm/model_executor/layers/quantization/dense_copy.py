@@ -17,7 +17,8 @@ BLAS): a logit of 16 rounded to bf16 moves by up to 0.06, enough to swap near-ti
 sizes. Inside the model a bf16 result's rounding is below the int8 activations' of the ``dot8`` kernels.
 
 The autotuner times them against the quantized kernels per bucket of rows and keeps a copy only where a bucket
-chooses it, from 33 rows on (``DENSE_FIRST_BUCKET``); the start-up log says how many bytes such copies add.
+chooses it, from 33 rows on (``DENSE_FIRST_BUCKET``; the LM head at any row count); the start-up log says how
+many bytes such copies add.
 ``PAGEDLLM_CPU_DENSE_COPY`` (``auto`` | ``on`` | ``off``) decides whether they are offered: ``auto`` offers them
 while the copies of the whole model fit in a quarter of the memory available (so a large model quantized to fit
 never doubles its footprint).
@@ -41,6 +42,7 @@ from pagedllm.platforms import platform_of
 PREFIX = "dense-"  # candidate names: "dense-bf16/onednn", "dense-bf16/panels", "dense-f32/blas"
 #: The first bucket of rows (``autotune.BUCKET_ROWS``: 33-128) a dense copy may be chosen for: smaller batches
 #: run in CPU step graphs (decode batches 1..16), which its torch ops (the bf16 conversion, oneDNN) would end.
+#: The LM head runs after the graph (logits of the sampled rows): its copies compete at every bucket.
 DENSE_FIRST_BUCKET = 3
 AVX2_ISA = 1  # ``cpu_isa()``'s code for a forced AVX2
 BUDGET_FRACTION = 0.25  # ``auto``: the copies of a model may take this share of the available memory

@@ -148,6 +148,9 @@ class LayerTuning:
     #: one choice per bucket -> (the weight bound to run them, the bytes of the second copy it keeps, if any)
     build: Callable[[list[str]], tuple[BoundWeight, int]]
     dtype: torch.dtype = torch.float32  # of the activations the candidates are timed on
+    #: The first bucket of rows a dense copy may be chosen for (``dense_copy.DENSE_FIRST_BUCKET``; 0 for the LM
+    #: head, which runs outside CPU step graphs).
+    dense_first_bucket: int = DENSE_FIRST_BUCKET
 
 
 def _quantized_tuning(weight: QPanels, dense: bool = True, exact_output: bool = False) -> LayerTuning | None:
@@ -213,6 +216,7 @@ def tuning_for(layer: nn.Module, dense: bool = True) -> LayerTuning | None:
         tuning = _quantized_tuning(weight, dense, exact_output=head)
         if tuning is not None and head:
             tuning.key += ":head"  # its candidates differ from a hidden layer's of the same shape
+            tuning.dense_first_bucket = 0  # logits are computed outside the step graphs: every bucket may
         return tuning
     if isinstance(weight, Float32Panels | Bf16Weight):
         return _float_tuning(weight)
@@ -266,8 +270,8 @@ def autotune_model(model: nn.Module, mode: str, timer: Callable[..., float] = au
                 timed = {name: kernel for name, kernel in made.items() if kernel is not None}
                 before = autotune.cpu_snapshot()
                 # Dense copies only for many rows: smaller batches run in CPU step graphs, which their torch
-                # ops would end (dense_copy.py).
-                first = {name: DENSE_FIRST_BUCKET for name in timed if is_dense(name)}
+                # ops would end (dense_copy.py); the LM head runs outside them.
+                first = {name: plan.dense_first_bucket for name in timed if is_dense(name)}
                 choices, timings = autotune.choose(timed, plan.in_features, timer, dtype=plan.dtype,
                                                    first_bucket=first)
                 load = autotune.other_load(before, autotune.cpu_snapshot())
