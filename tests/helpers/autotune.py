@@ -21,3 +21,18 @@ class LayersModel(torch.nn.Module):
     def __init__(self, layers: list[torch.nn.Module]) -> None:
         super().__init__()
         self.layers = torch.nn.ModuleList(layers)
+
+
+def dense_for_many_rows(model: torch.nn.Module) -> dict:
+    """A forced autotune table (``PAGEDLLM_CPU_KERNEL_AUTOTUNE_TABLE``'s JSON) that runs every quantized linear
+    layer of ``model`` on its packing's own kernel up to 32 rows and on its dense copy (dense_copy.py) from 33."""
+    from pagedllm.model_executor.layers.quantization import kernel_choice
+
+    entries = {}
+    for layer in model.modules():
+        if isinstance(getattr(layer, "packed", None), kernel_choice.QPanels):
+            plan = kernel_choice.tuning_for(layer)
+            names = list(plan.kernels)
+            dense = next(n for n in names if n.startswith("dense-"))
+            entries[plan.key] = {"choices": [names[0]] * 3 + [dense] * 2}
+    return {"entries": entries}

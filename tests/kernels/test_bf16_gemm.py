@@ -63,6 +63,21 @@ def test_avx512_bf16_path_matches_the_portable_loop(m: int, n: int, k: int) -> N
 
 
 @needs_kernels
+@pytest.mark.parametrize("generic", [True, False], ids=["portable", "avx512_bf16"])
+@pytest.mark.parametrize("m", [1, 9, 64])
+def test_a_float32_out_gets_the_unrounded_sums(generic: bool, m: int) -> None:
+    if not generic and not HAS_BF16_DOT:
+        pytest.skip("this CPU has no AVX-512 BF16")
+    torch.manual_seed(m)
+    n, k = 37, 96
+    w, x, b = torch.randn(n, k).bfloat16(), torch.randn(m, k).bfloat16(), torch.randn(n).bfloat16()
+    wide = torch.full((m, n + 3), 7.0)  # strided float32 rows: the columns past N stay untouched
+    got = KERNELS.bf16_gemm(x, pack_bf16_weight(w), n, b, wide[:, :n], generic)
+    assert got.dtype == torch.float32 and (wide[:, n:] == 7.0).all()
+    torch.testing.assert_close(got, _reference(x, w, b), rtol=1e-5, atol=1e-4)  # float32 sums, not bf16
+
+
+@needs_kernels
 def test_bad_shapes_are_refused() -> None:
     w = torch.randn(32, 64).bfloat16()
     packed = pack_bf16_weight(w)

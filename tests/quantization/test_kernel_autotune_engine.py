@@ -12,6 +12,8 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.model_executor.layers.quantization import kernel_choice
 from pagedllm.platforms import platform_for
 
+from helpers.autotune import dense_for_many_rows
+
 PROMPTS = ["The capital of France is", "Write a short poem about the sea:", "1, 2, 3, 4,",
            "def fibonacci(n):", "Water boils at", "My favourite book is"]
 
@@ -48,3 +50,25 @@ def test_mixed_layouts_by_row_count_keep_greedy_outputs(default_model_path, tmp_
     batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS * 4, params, use_tqdm=False)]  # pairs rows
     assert alone == expected
     assert batched[:len(PROMPTS)] == expected
+
+
+@pytest.mark.slow
+def test_dense_copies_for_many_rows_keep_greedy_outputs(default_model_path, tmp_path, monkeypatch) -> None:
+    """Every quantized layer (the LM head included) on its dense copy from 33 rows on: a batch of 36 sequences
+    decodes the same greedy tokens as each prompt alone on the quantized kernels."""
+    kernels = platform_for(torch.device("cpu")).cpu_kernels(torch.float32)
+    if kernels is None:
+        pytest.skip("the C++ CPU kernels did not build here")
+    params = SamplingParams(temperature=0, max_tokens=12)
+    plain = LLM(default_model_path, kv_cache_memory="64MiB", cpu_kernel_autotune="off")
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]
+    forced = dense_for_many_rows(plain.engine.core.worker.runner.model)
+    assert any(key.endswith(":head") for key in forced["entries"])
+    del plain
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps(forced))
+    monkeypatch.setenv("PAGEDLLM_CPU_KERNEL_AUTOTUNE_TABLE", str(table))
+    llm = LLM(default_model_path, kv_cache_memory="64MiB", cpu_kernel_autotune="on")
+    batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS * 6, params, use_tqdm=False)]  # 36 rows
+    for i, want in enumerate(expected):
+        assert batched[i] == want, PROMPTS[i]

@@ -21,6 +21,8 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 
+from helpers.autotune import dense_for_many_rows
+
 pytestmark = pytest.mark.slow
 
 _MODULES = (argparse, json, logging, unittest, re, pathlib, typing, os, functools, dataclasses, string, collections)
@@ -34,9 +36,9 @@ def _text_ids(llm: LLM) -> list[int]:
     return llm.get_tokenizer().encode(text)[:MAX_TOKENS]
 
 
-def _perplexity(quantization: str, default_model_path: str) -> float:
+def _perplexity(quantization: str, default_model_path: str, autotune: str = "off") -> float:
     llm = LLM(model=default_model_path, quantization=quantization, dtype="float32", kv_cache_memory="128MiB",
-              max_num_batched_tokens=512, enable_prefix_caching=False)
+              max_num_batched_tokens=512, enable_prefix_caching=False, cpu_kernel_autotune=autotune)
     ids = _text_ids(llm)
     out = llm.generate(ids, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
     nll = -sum(entry[tok].logprob for tok, entry in zip(ids[1:], out.prompt_logprobs[1:]))
@@ -58,4 +60,20 @@ def test_perplexity_close_to_float32(fp32_ppl: float, default_model_path: str, q
                                      max_delta: float) -> None:
     ppl = _perplexity(quantization, default_model_path)
     assert 1.0 < fp32_ppl < 100.0  # the model reads this text sensibly at all
+    assert abs(ppl / fp32_ppl - 1) < max_delta, (quantization, ppl, fp32_ppl)
+
+
+@pytest.mark.parametrize(("quantization", "max_delta"), [("gguf", 0.005), ("int8", 0.01), ("int4", 0.10)])
+def test_dense_copies_for_many_rows_keep_perplexity(fp32_ppl: float, default_model_path: str, quantization: str,
+                                                    max_delta: float, tmp_path, monkeypatch) -> None:
+    """The prompt runs in chunks of 512 rows: every quantized layer on its dense copy (dense_copy.py; bf16 on
+    CPUs with native bf16), within the scheme's own bound."""
+    plain = LLM(model=default_model_path, quantization=quantization, dtype="float32", kv_cache_memory="64MiB",
+                cpu_kernel_autotune="off")
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps(dense_for_many_rows(plain.engine.core.worker.runner.model)))
+    del plain
+    monkeypatch.setenv("PAGEDLLM_CPU_KERNEL_AUTOTUNE_TABLE", str(table))
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    ppl = _perplexity(quantization, default_model_path, autotune="on")
     assert abs(ppl / fp32_ppl - 1) < max_delta, (quantization, ppl, fp32_ppl)

@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "passage, edit code, an agent loop, random words.")
     _add_module_command(bench_sub, "transcription", "pagedllm.benchmarks.transcription",
                         "Speech-to-text clips per second and real-time factor, sequential and concurrent.")
+    _add_module_command(bench_sub, "kernels", "pagedllm.benchmarks.kernels",
+                        "The CPU kernel autotuner's table: per matmul shape and bucket of rows, the kernel chosen "
+                        "and the ms per call of each candidate.")
     bench.set_defaults(func=lambda args: _print_help(bench))
     return parser
 

@@ -9,6 +9,9 @@
 //
 // A tile is R <= 8 rows x 16 columns. A single row splits k into four interleaved partial sums, so the
 // dot-product latency (a dependency chain per accumulator) does not bound the weight stream.
+//
+// y is bf16, or float32 where `out` is (the float32 sums as they are: a quantized weight's dense bf16 copy
+// (dense_copy.py) keeps float32 activations and logits).
 #include "cpu_features.h"
 #include "kernels.h"
 
@@ -16,6 +19,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -33,6 +37,9 @@ inline float bf16_to_float(uint16_t v) {
   return f;
 }
 
+inline void store_sum(float s, uint16_t* y);
+inline void store_sum(float s, float* y) { *y = s; }
+
 inline uint16_t float_to_bf16(float f) {  // round to nearest even, as vcvtneps2bf16
   uint32_t bits;
   std::memcpy(&bits, &f, 4);
@@ -45,9 +52,9 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as vcvtneps2
 #define PAGEDLLM_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
 // Rows [0, R) of one panel: y_r[0:cols] = bias + sum_k x_r[k] W[k]. x rows are bf16 pairs read as 32-bit lanes.
-template <int R>
+template <int R, class OutT>
 PAGEDLLM_BF16_TARGET void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t kp,
-                                    const uint16_t* bias, uint16_t* y, int64_t ldy, __mmask16 mask) {
+                                    const uint16_t* bias, OutT* y, int64_t ldy, __mmask16 mask) {
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   if constexpr (R == 1) {
@@ -86,13 +93,18 @@ PAGEDLLM_BF16_TARGET void tile_bf16(const uint16_t* x, int64_t ldx, const uint16
     b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
   }
   for (int i = 0; i < R; ++i) {
-    const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[i], b));
-    _mm256_mask_storeu_epi16(y + i * ldy, mask, out);
+    if constexpr (std::is_same_v<OutT, float>) {
+      _mm512_mask_storeu_ps(y + i * ldy, mask, _mm512_add_ps(acc[i], b));
+    } else {
+      const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[i], b));
+      _mm256_mask_storeu_epi16(y + i * ldy, mask, out);
+    }
   }
 }
 
+template <class OutT>
 PAGEDLLM_BF16_TARGET void panels_bf16(const uint16_t* x, int64_t ldx, const uint16_t* packed, const uint16_t* bias,
-                                      uint16_t* y, int64_t ldy, int64_t M, int64_t K, int64_t N, int64_t p0,
+                                      OutT* y, int64_t ldy, int64_t M, int64_t K, int64_t N, int64_t p0,
                                       int64_t p1) {
   const int64_t kp = K / 2;
   for (int64_t p = p0; p < p1; ++p) {
@@ -102,7 +114,7 @@ PAGEDLLM_BF16_TARGET void panels_bf16(const uint16_t* x, int64_t ldx, const uint
     const uint16_t* bp = bias != nullptr ? bias + n0 : nullptr;
     for (int64_t m = 0; m < M; m += MR) {
       const uint16_t* xm = x + m * ldx;
-      uint16_t* ym = y + m * ldy + n0;
+      OutT* ym = y + m * ldy + n0;
       switch (std::min<int64_t>(MR, M - m)) {
         case 8: tile_bf16<8>(xm, ldx, panel, kp, bp, ym, ldy, mask); break;
         case 7: tile_bf16<7>(xm, ldx, panel, kp, bp, ym, ldy, mask); break;
@@ -119,7 +131,8 @@ PAGEDLLM_BF16_TARGET void panels_bf16(const uint16_t* x, int64_t ldx, const uint
 #endif
 
 // Portable C++ (tests, and any CPU without AVX-512 BF16): float32 sums of the exact bf16 products.
-void panels_generic(const uint16_t* x, int64_t ldx, const uint16_t* packed, const uint16_t* bias, uint16_t* y,
+template <class OutT>
+void panels_generic(const uint16_t* x, int64_t ldx, const uint16_t* packed, const uint16_t* bias, OutT* y,
                     int64_t ldy, int64_t M, int64_t K, int64_t N, int64_t p0, int64_t p1) {
   const int64_t kp = K / 2;
   for (int64_t p = p0; p < p1; ++p) {
@@ -132,10 +145,27 @@ void panels_generic(const uint16_t* x, int64_t ldx, const uint16_t* packed, cons
           s += bf16_to_float(x[m * ldx + 2 * j]) * bf16_to_float(panel[(j * NR + c) * 2]) +
                bf16_to_float(x[m * ldx + 2 * j + 1]) * bf16_to_float(panel[(j * NR + c) * 2 + 1]);
         if (bias != nullptr) s += bf16_to_float(bias[n0 + c]);
-        y[m * ldy + n0 + c] = float_to_bf16(s);
+        store_sum(s, y + m * ldy + n0 + c);
       }
     }
   }
+}
+
+inline void store_sum(float s, uint16_t* y) { *y = float_to_bf16(s); }
+
+template <class OutT>
+void run_panels(bool generic, const uint16_t* xp, int64_t ldx, const uint16_t* wp, const uint16_t* b, OutT* yp,
+                int64_t ldy, int64_t M, int64_t K, int64_t N, int64_t panels) {
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, M * K * NR));
+  at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+#if defined(__x86_64__)
+    if (!generic) {
+      panels_bf16<OutT>(xp, ldx, wp, b, yp, ldy, M, K, N, p0, p1);
+      return;
+    }
+#endif
+    panels_generic<OutT>(xp, ldx, wp, b, yp, ldy, M, K, N, p0, p1);
+  });
 }
 
 }  // namespace
@@ -171,25 +201,21 @@ torch::Tensor bf16_gemm(const torch::Tensor& x, const torch::Tensor& packed, int
   torch::Tensor y;
   if (out.has_value() && out->defined()) {
     y = *out;
-    TORCH_CHECK(y.dim() == 2 && y.size(0) == M && y.size(1) == N && y.scalar_type() == torch::kBFloat16 &&
-                y.stride(1) == 1 && y.stride(0) >= N, "out must be bfloat16 [M, N] with contiguous rows");
+    TORCH_CHECK(y.dim() == 2 && y.size(0) == M && y.size(1) == N &&
+                (y.scalar_type() == torch::kBFloat16 || y.scalar_type() == torch::kFloat32) &&
+                y.stride(1) == 1 && y.stride(0) >= N, "out must be bfloat16 or float32 [M, N] with contiguous rows");
   } else {
     y = torch::empty({M, N}, x.options());
   }
   if (M == 0) return y;
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t ldx = xc.stride(0), ldy = y.stride(0), panels = packed.size(0);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, M * K * NR));
-  at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
-#if defined(__x86_64__)
-    if (!generic) {
-      panels_bf16(xp, ldx, wp, b, yp, ldy, M, K, N, p0, p1);
-      return;
-    }
-#endif
-    panels_generic(xp, ldx, wp, b, yp, ldy, M, K, N, p0, p1);
-  });
+  if (y.scalar_type() == torch::kFloat32) {
+    run_panels(generic, xp, ldx, wp, b, y.data_ptr<float>(), ldy, M, K, N, panels);
+  } else {
+    run_panels(generic, xp, ldx, wp, b, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), ldy, M, K, N,
+               panels);
+  }
   return y;
 }

@@ -75,7 +75,8 @@ torch::Tensor w8a8_gemm(const torch::Tensor& x, const torch::Tensor& qweight, co
                         int64_t out_features, const std::optional<torch::Tensor>& bias,
                         const std::optional<torch::Tensor>& out);
 
-// bf16_gemm.cpp (AVX-512 BF16, or the portable loop when generic): x, W [ceil(N/16), K/2, 16, 2], bias, y in bf16
+// bf16_gemm.cpp (AVX-512 BF16, or the portable loop when generic): x, W [ceil(N/16), K/2, 16, 2], bias in bf16;
+// y bf16, or float32 where `out` is
 bool bf16_gemm_supported();
 torch::Tensor bf16_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                         const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& out,

@@ -34,6 +34,14 @@ from pagedllm.kernels.cpu import cpu_isa, kernels_name, sources_digest
 from pagedllm.logger import init_logger
 from pagedllm.model_executor.layers.quantization.bf16_weights import Bf16Weight
 from pagedllm.model_executor.layers.quantization.bound_weight import BoundWeight
+from pagedllm.model_executor.layers.quantization.dense_copy import (
+    DENSE_FIRST_BUCKET,
+    DenseCopy,
+    dense_candidates,
+    dense_copies_allowed,
+    dense_nbytes,
+    is_dense,
+)
 from pagedllm.model_executor.layers.quantization.float_weights import Float32Panels
 from pagedllm.model_executor.layers.quantization.packed_weight import PackedWeight
 from pagedllm.model_executor.layers.quantization.qpanels import (
@@ -83,8 +91,11 @@ def _isas(kernels: Any) -> list[int]:
     return fast or [3]
 
 
-def candidates(weight: PackedWeight) -> dict[str, Callable[[], tuple[PackedWeight, int]]]:
-    """name ("dot8/avx2", ...) -> a maker of (the weight in that candidate's layout, its ISA code)."""
+def candidates(weight: PackedWeight, dense: bool = True, exact_output: bool = False
+               ) -> dict[str, Callable[[], tuple[PackedWeight | DenseCopy, int]]]:
+    """name ("dot8/avx2", ...) -> a maker of (the weight in that candidate's layout, its ISA code); with
+    ``dense``, the dense copies too (``dense_copy.py``: "dense-bf16/onednn", ...), for many rows;
+    ``exact_output``: only float32 ones (the LM head)."""
     if not isinstance(weight, QPanels):
         return {}
     kernels = platform_of(weight.qweight).cpu_kernels(torch.float32)
@@ -115,6 +126,9 @@ def candidates(weight: PackedWeight) -> dict[str, Callable[[], tuple[PackedWeigh
             if layout in vnni_only and isa not in W8A8_ISAS + (AMX_ISA,):
                 continue
             out[f"{layout}/{ISA_NAMES[isa]}"] = lambda make=make, isa=isa: (make(), isa)
+    if dense:
+        for name, make_copy in dense_candidates(weight, exact_output).items():
+            out[name] = lambda make_copy=make_copy: (make_copy(), 0)
     return out
 
 
@@ -134,10 +148,13 @@ class LayerTuning:
     #: one choice per bucket -> (the weight bound to run them, the bytes of the second copy it keeps, if any)
     build: Callable[[list[str]], tuple[BoundWeight, int]]
     dtype: torch.dtype = torch.float32  # of the activations the candidates are timed on
+    #: The first bucket of rows a dense copy may be chosen for (``dense_copy.DENSE_FIRST_BUCKET``; 0 for the LM
+    #: head, which runs outside CPU step graphs).
+    dense_first_bucket: int = DENSE_FIRST_BUCKET
 
 
-def _quantized_tuning(weight: QPanels) -> LayerTuning | None:
-    makers = candidates(weight)
+def _quantized_tuning(weight: QPanels, dense: bool = True, exact_output: bool = False) -> LayerTuning | None:
+    makers = candidates(weight, dense, exact_output)
     if len(makers) < 2:
         return None
 
@@ -148,7 +165,10 @@ def _quantized_tuning(weight: QPanels) -> LayerTuning | None:
     def build(choices: list[str]) -> tuple[BoundWeight, int]:
         made = {name: makers[name]() for name in dict.fromkeys(choices)}
         bound = {name: w.bind(isa) for name, (w, isa) in made.items()}
-        primary = made[choices[0]][0]  # the layout few-row steps run stays the layer's weight
+        # The quantized layout few-row steps run stays the layer's weight (the packed one where every bucket
+        # chose a dense copy: it stays the form the layer reports, and its reference).
+        packed = [w for w, _ in made.values() if isinstance(w, PackedWeight)]
+        primary = packed[0] if packed else weight
         primary.rebind(autotune.by_rows([bound[name] for name in choices]))
         copies = {id(w): w for w, _ in made.values()}
         return primary, sum(w.nbytes() for w in copies.values() if w is not primary)
@@ -185,11 +205,19 @@ def release_tuning_state(model: nn.Module) -> None:
                 module.bind_weight(released)
 
 
-def tuning_for(layer: nn.Module) -> LayerTuning | None:
-    """The autotuner's plan for a linear layer (a ``Linear``) on the CPU, or None where it has one kernel only."""
+def tuning_for(layer: nn.Module, dense: bool = True) -> LayerTuning | None:
+    """The autotuner's plan for a linear layer (a ``Linear``) on the CPU, or None where it has one kernel only;
+    ``dense``: a quantized weight's dense copies are candidates too."""
     weight = layer.packed
     if isinstance(weight, QPanels):
-        return _quantized_tuning(weight) if weight.cpu_matmul() is not None else None
+        if weight.cpu_matmul() is None:
+            return None
+        head = is_lm_head(layer)
+        tuning = _quantized_tuning(weight, dense, exact_output=head)
+        if tuning is not None and head:
+            tuning.key += ":head"  # its candidates differ from a hidden layer's of the same shape
+            tuning.dense_first_bucket = 0  # logits are computed outside the step graphs: every bucket may
+        return tuning
     if isinstance(weight, Float32Panels | Bf16Weight):
         return _float_tuning(weight)
     return None
@@ -204,9 +232,14 @@ def autotune_model(model: nn.Module, mode: str, timer: Callable[..., float] = au
         raise ValueError(f"cpu_kernel_autotune: must be one of {list(autotune.MODES)}, got {mode!r}")
     if mode == "off":
         return
+    linears = [module for module in model.modules() if isinstance(module, Linear)]
+    dense, why_not = dense_copies_allowed(sum(dense_nbytes(layer.packed) for layer in linears
+                                              if isinstance(layer.packed, QPanels)))
+    if why_not and any(isinstance(layer.packed, QPanels) for layer in linears):
+        logger.info("cpu kernel autotune: no dense copies of quantized weights for many rows: %s", why_not)
     groups: dict[str, list[tuple[Linear, LayerTuning]]] = {}
-    for module in model.modules():
-        plan = tuning_for(module) if isinstance(module, Linear) else None
+    for module in linears:
+        plan = tuning_for(module, dense)
         if plan is not None:
             groups.setdefault(plan.key, []).append((module, plan))
     if not groups:
@@ -214,10 +247,19 @@ def autotune_model(model: nn.Module, mode: str, timer: Callable[..., float] = au
     table = autotune.AutotuneTable.open(autotune.fingerprint(f"{kernels_name()}-{sources_digest()}"))
     if table.stale:
         logger.info("cpu kernel autotune: the saved table was measured on another machine or build; measuring")
+    # Entries measured on a busy machine (or still disagreeing with their neighbours) are measured again once a
+    # start finds the machine quiet.
+    stale = [key for key in groups if table.needs_refresh(key)] if mode == "on" and not table.read_only else []
+    quiet = bool(stale) and autotune.load_now() < autotune.BUSY_LOAD
+    if stale:
+        logger.info("cpu kernel autotune: %d entries were measured on a busy machine or disagree with their "
+                    "neighbours; %s", len(stale), "measuring them again" if quiet else "the machine is still busy: "
+                    "kept until a quieter start")
 
     def missing() -> list[str]:
         return [key for key, plans in groups.items()
-                if mode == "force" or not _valid(table.choices(key), plans[0][1])]
+                if mode == "force" or not _valid(table.choices(key), plans[0][1])
+                or (quiet and table.needs_refresh(key))]
 
     if missing():
         with autotune.measuring_lock(table):
@@ -226,8 +268,17 @@ def autotune_model(model: nn.Module, mode: str, timer: Callable[..., float] = au
                 plan = groups[key][0][1]
                 made = {name: make() for name, make in plan.kernels.items()}
                 timed = {name: kernel for name, kernel in made.items() if kernel is not None}
-                choices, timings = autotune.choose(timed, plan.in_features, timer, dtype=plan.dtype)
-                table.record(key, choices, timings)
+                before = autotune.cpu_snapshot()
+                # Dense copies only for many rows: smaller batches run in CPU step graphs, which their torch
+                # ops would end (dense_copy.py); the LM head runs outside them.
+                first = {name: plan.dense_first_bucket for name in timed if is_dense(name)}
+                choices, timings = autotune.choose(timed, plan.in_features, timer, dtype=plan.dtype,
+                                                   first_bucket=first)
+                load = autotune.other_load(before, autotune.cpu_snapshot())
+                table.record(key, choices, timings, load)
+                if load >= autotune.BUSY_LOAD:
+                    logger.info("cpu kernel autotune %s: other processes kept %.0f%% of the CPUs busy while it was "
+                                "measured; a quieter start measures it again", key, 100 * load)
             if todo:
                 table.save()
     extra = 0
@@ -239,10 +290,43 @@ def autotune_model(model: nn.Module, mode: str, timer: Callable[..., float] = au
             weight, copy_nbytes = plan.build(choices)
             layer.bind_weight(weight)  # the layer rebinds: the autotuner only chose
             extra += copy_nbytes
+            if is_lm_head(layer):
+                logger.info("LM head %s", head_summary(layer, choices, copy_nbytes))
         _log(key, choices, table.entries[key].get("ms", {}), len(plans))
     if extra:
         logger.info("cpu kernel autotune: layers keeping two copies of their weight (one per kernel) add %s",
                     format_bytes(extra))
+
+
+def is_lm_head(layer: nn.Module) -> bool:
+    """Whether a linear layer is a model's LM head (its outputs are the logits)."""
+    return getattr(layer, "prefix", "").rsplit(".", 1)[-1] == "lm_head"
+
+
+def head_summary(layer: nn.Module, choices: list[str], copy_nbytes: int) -> str:
+    """What the LM head keeps and runs per range of rows, for the start-up log: "49152x576 (gguf Q8_0): the
+    quantized weight (dot4/avx512) for 1-32 rows; a dense bf16 copy (dense-bf16/onednn, 54.0 MiB) from 33 rows"."""
+    ranges: list[tuple[str, int, int]] = []  # (kernel, first bucket, last bucket)
+    for b, name in enumerate(choices):
+        if ranges and ranges[-1][0] == name:
+            ranges[-1] = (name, ranges[-1][1], b)
+        else:
+            ranges.append((name, b, b))
+    lows = [1] + [edge + 1 for edge in autotune._UPPER_EDGES]
+    parts = []
+    for name, first, last in ranges:
+        if first == 0 and last == len(choices) - 1:
+            span = "at every batch size"
+        elif last == len(choices) - 1:
+            span = f"from {lows[first]} rows"
+        else:
+            span = f"for {lows[first]}-{lows[last + 1] - 1} rows"
+        what = (f"a dense {name[len('dense-'):].split('/')[0]} copy ({name})" if is_dense(name)
+                else f"the quantized weight ({name})")
+        parts.append(f"{what} {span}")
+    scheme = layer.quant_method.scheme(layer)
+    size = f", the copies add {format_bytes(copy_nbytes)}" if copy_nbytes else ""
+    return f"{layer.out_features}x{layer.in_features} ({scheme}): " + "; ".join(parts) + size
 
 
 def _valid(choices: list[str] | None, plan: LayerTuning) -> bool:
