@@ -43,3 +43,28 @@ def save_tiny_moe(variant: str, path: str | os.PathLike, seed: int = 0) -> tuple
     model.save_pretrained(str(path))
     save_word_tokenizer(path)
     return str(path), model
+
+
+def gpt_oss_config(**overrides: Any) -> Any:
+    """A tiny gpt-oss: 3 layers (sliding, full, sliding; window 8), 8 experts top-2, a low SwiGLU limit (so the
+    clamps bite on random weights), default yarn rope."""
+    import transformers as tf
+
+    settings = dict(_COMMON, num_hidden_layers=3, head_dim=16, intermediate_size=32, num_local_experts=8,
+                    num_experts_per_tok=2, sliding_window=8, swiglu_limit=0.5)
+    return tf.GptOssConfig(**{**settings, **overrides}, architectures=["GptOssForCausalLM"])
+
+
+def save_tiny_gpt_oss(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> tuple[str, Any]:
+    """Save a tiny random gpt-oss (its own fused, interleaved expert tensors) + tokenizer; sinks drawn wide (std 1)
+    so that they change the softmax visibly. Returns (path, the transformers model)."""
+    import torch
+
+    model = hf_model(gpt_oss_config(**overrides), seed)
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape,
+                                                    generator=torch.Generator().manual_seed(seed + i)))
+    model.save_pretrained(str(path))
+    save_word_tokenizer(path)
+    return str(path), model

@@ -25,6 +25,7 @@ from pagedllm.model_executor.layers.parallel_linear import (
     even_part,
     row_parallel_linear,
 )
+from pagedllm.model_executor.layers.quantization.base import set_weight_loader
 from pagedllm.model_executor.layers.rotary_embedding import RopeStep
 
 _LINEAR_TAKES_QUANT = "quant_config" in inspect.signature(Linear.__init__).parameters
@@ -80,15 +81,18 @@ class RotaryAttention(DirectCall, nn.Module):
 
     ``qk_norm``: a factory ``(head_dim) -> norm module`` (Qwen3, Gemma 3) applied per head before rotary.
     ``scale`` defaults to 1/sqrt(head_dim). A step passes ``rope=None`` for models without rotary (GPT-2).
+    ``sinks``: one learned softmax-denominator logit per head (gpt-oss), ``attn.sinks``; each rank loads its heads'.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *, layer_idx: int,
                  dtype: torch.dtype, spec: AttentionSpec | None = None, scale: float | None = None,
                  qkv_bias: bool = False, o_bias: bool = False,
                  qk_norm: Callable[[int], nn.Module] | None = None, quant_config: Any = None,
-                 prefix: str = "") -> None:
+                 prefix: str = "", sinks: bool = False) -> None:
         super().__init__()
+        first_head = 0  # this rank's first query head
         if get_tp().is_parallel:
+            first_head = get_tp().rank * divide(num_heads, get_tp().world_size, f"{prefix}: num_attention_heads")
             num_heads, num_kv_heads = self._init_parallel(hidden_size, num_heads, num_kv_heads, head_dim, dtype,
                                                           qkv_bias, o_bias, quant_config, prefix)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -103,7 +107,12 @@ class RotaryAttention(DirectCall, nn.Module):
         self.q_norm = qk_norm(head_dim) if qk_norm else None
         self.k_norm = qk_norm(head_dim) if qk_norm else None
         self.attn = Attention(num_heads, head_dim, scale if scale is not None else head_dim ** -0.5, num_kv_heads,
-                              layer_idx=layer_idx, spec=spec)
+                              layer_idx=layer_idx, spec=spec, sinks=sinks)
+        if sinks and get_tp().is_parallel:
+            def load_sinks(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+                param.data.copy_(loaded.narrow(0, first_head, num_heads))
+
+            set_weight_loader(self.attn.sinks, load_sinks)
 
     def _init_parallel(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                        dtype: torch.dtype, qkv_bias: bool, o_bias: bool, quant_config: Any,

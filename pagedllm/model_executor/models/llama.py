@@ -38,7 +38,7 @@ class LlamaDecoderLayer(DirectCall, nn.Module):
             qkv_bias=attention_bias if arch.qkv_bias is None else arch.qkv_bias,
             o_bias=attention_bias if arch.o_proj_bias is None else arch.o_proj_bias,
             qk_norm=(lambda d: RMSNorm(d, eps, dtype)) if arch.qk_norm else None,
-            quant_config=quant_config, prefix=f"{prefix}.self_attn")
+            quant_config=quant_config, prefix=f"{prefix}.self_attn", sinks=arch.attention_sinks)
         self.mlp = arch.make_mlp(cfg, layer_idx, dtype, quant_config, prefix=f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
@@ -93,6 +93,7 @@ class LlamaForCausalLM(CausalLM):
     qkv_bias: bool | None = None  # None: the config's attention_bias
     o_proj_bias: bool | None = None
     qk_norm = False
+    attention_sinks = False  # a learned per-head logit in each softmax's denominator (gpt-oss)
     weight_mapping = WeightMapping(stacked=STACKED_QKV_GATE_UP, skip=("rotary_emb.inv_freq",))
 
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, quant_config: Any = None) -> None:

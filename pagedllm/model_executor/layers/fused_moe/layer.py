@@ -25,6 +25,7 @@ How the experts multiply (``process_weights_after_loading`` picks one, once; ``d
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -69,10 +70,15 @@ class FusedMoE(DirectCall, nn.Module):
 
     ``forward(x [T, H], router_logits [T, E]) -> [T, H]``: the router weights applied and the k experts' outputs
     summed per token (all-reduced across tensor-parallel ranks).
+
+    ``act``: an HF ``hidden_act`` name or a gated activation [R, 2I] -> [R, I] (gpt-oss's ``ClampedSwiGLU``).
+    ``bias``: each expert's projections have biases (gpt-oss), ``gate_up_proj_bias`` [E, 2I] and
+    ``down_proj_bias`` [E, H]; an expert's output includes its down bias before the router weight scales it.
     """
 
-    def __init__(self, rule: RoutingRule, hidden_size: int, intermediate_size: int, act: str = "silu", *,
-                 dtype: torch.dtype, quant_config: Any = None, prefix: str = "") -> None:
+    def __init__(self, rule: RoutingRule, hidden_size: int, intermediate_size: int,
+                 act: str | Callable[[torch.Tensor], torch.Tensor] = "silu", *, dtype: torch.dtype,
+                 quant_config: Any = None, prefix: str = "", bias: bool = False) -> None:
         super().__init__()
         tp = get_tp()
         # A GGUF file's experts arrive as each expert's raw blocks (``loader/gguf_file.iter_expert_tensors``): kept
@@ -109,7 +115,16 @@ class FusedMoE(DirectCall, nn.Module):
         self.down_proj = set_weight_loader(
             nn.Parameter(torch.empty(stacks, hidden_size, down_width, dtype=dtype), requires_grad=False),
             self._load_down)
-        self.act_and_mul = gated_activation(act)
+        self.act_and_mul = gated_activation(act) if isinstance(act, str) else act
+        self.gate_up_proj_bias: nn.Parameter | None = None
+        self.down_proj_bias: nn.Parameter | None = None
+        if bias:
+            self.gate_up_proj_bias = set_weight_loader(
+                nn.Parameter(torch.empty(num_experts, 2 * part, dtype=dtype), requires_grad=False),
+                self._load_gate_up_bias)
+            self.down_proj_bias = set_weight_loader(
+                nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False),
+                self._load_down_bias)
         # Set by process_weights_after_loading (one of the three forms; see the module docstring).
         self._kernels: Any = None  # the C++ kernels module of the panel form
         self._quantized: list[tuple[Linear, Linear]] | None = None  # per expert (gate_up, down) of the scheme
@@ -155,6 +170,24 @@ class FusedMoE(DirectCall, nn.Module):
             self._gguf_blocks[(local, DOWN)] = loaded
         elif local is not None:
             param.data[local].copy_(loaded.narrow(1, start, size))
+
+    def _load_gate_up_bias(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        """Every expert's gate and up biases fused, [E, 2I] laid out [gate | up]."""
+        full, part = self.part.full, self.part
+        self._check(loaded, (self.rule.num_experts, 2 * full), "gate_up_proj_bias")
+        local = loaded.narrow(0, self.first_expert, self.num_local_experts)
+        for which in (GATE, UP):
+            param.data.narrow(1, which * part.size, part.size).copy_(local.narrow(1, which * full + part.start,
+                                                                                  part.size))
+
+    def _load_down_bias(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        """Every expert's down bias, [E, H]. Split by intermediate columns across ranks, the down projections' partial
+        sums are all-reduced, so only rank 0 adds the bias (the others hold zeros)."""
+        self._check(loaded, (self.rule.num_experts, self.hidden_size), "down_proj_bias")
+        if self.tensor_parallel and not self.expert_parallel and get_tp().rank != 0:
+            param.data.zero_()
+            return
+        param.data.copy_(loaded.narrow(0, self.first_expert, self.num_local_experts))
 
     def _local(self, expert: int) -> int | None:
         """This rank's index of checkpoint expert ``expert``, None where another rank holds it."""
@@ -290,17 +323,34 @@ class FusedMoE(DirectCall, nn.Module):
         out = out.to(x.dtype)
         return all_reduce(out) if self.tensor_parallel else out
 
+    def _row_bias(self, bias: torch.Tensor | None, ends: torch.Tensor, num_rows: int) -> torch.Tensor | None:
+        """bias [E, N] -> each sorted row's expert's bias [R, N] (None without biases)."""
+        if bias is None:
+            return None
+        counts = torch.diff(ends.to(torch.int64), prepend=ends.new_zeros(1, dtype=torch.int64))
+        return bias.repeat_interleave(counts.to(bias.device), dim=0, output_size=num_rows)
+
     def _experts_panels(self, rows: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         """float32 panels: rows [R, H] sorted by expert -> [R, H], two C++ calls threading over (expert, panels)."""
         moe_gemm = self._kernels.moe_packed_gemm
         gate_up = moe_gemm(rows, self.gate_up_proj_panels, groups.ends, 2 * self.part.size)
-        return moe_gemm(self.act_and_mul(gate_up), self.down_proj_panels, groups.ends, self.hidden_size)
+        if self.gate_up_proj_bias is not None:
+            gate_up += self._row_bias(self.gate_up_proj_bias, groups.ends, rows.shape[0])
+        y = moe_gemm(self.act_and_mul(gate_up), self.down_proj_panels, groups.ends, self.hidden_size)
+        if self.down_proj_bias is not None:
+            y += self._row_bias(self.down_proj_bias, groups.ends, rows.shape[0])
+        return y
 
     def _experts_grouped(self, rows: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         """Float stacks: rows [R, H] sorted by expert -> each row through its expert's MLP, [R, H]."""
         ends = groups.ends.to(rows.device)
         gate_up = grouped_matmul(rows, self.gate_up_proj, ends)
-        return grouped_matmul(self.act_and_mul(gate_up), self.down_proj, ends)
+        if self.gate_up_proj_bias is not None:
+            gate_up += self._row_bias(self.gate_up_proj_bias, ends, rows.shape[0])
+        y = grouped_matmul(self.act_and_mul(gate_up), self.down_proj, ends)
+        if self.down_proj_bias is not None:
+            y += self._row_bias(self.down_proj_bias, ends, rows.shape[0])
+        return y
 
     def _experts_quantized(self, rows: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         """Per-expert layers: each expert with rows this step multiplies its run of ``rows`` [R, H] -> [R, H]. The
@@ -312,13 +362,19 @@ class FusedMoE(DirectCall, nn.Module):
             if end > start:
                 gate_up, down = self._quantized[expert]
                 run = y[start:end]
-                got = down(self.act_and_mul(gate_up(rows[start:end])), run)  # written into y where the form can
+                hidden = gate_up(rows[start:end])
+                if self.gate_up_proj_bias is not None:
+                    hidden = hidden + self.gate_up_proj_bias[expert]
+                got = down(self.act_and_mul(hidden), run)  # written into y where the form can
                 if got.data_ptr() != run.data_ptr():
                     run.copy_(got)
+                if self.down_proj_bias is not None:
+                    run += self.down_proj_bias[expert]
             start = end
         return y
 
     def extra_repr(self) -> str:
         r = self.rule
         return (f"experts={r.num_experts}, top_k={r.top_k}, scoring={r.scoring}, renormalize={r.renormalize}, "
-                f"hidden={self.hidden_size}, intermediate={self.part.size}/{self.part.full}")
+                f"hidden={self.hidden_size}, intermediate={self.part.size}/{self.part.full}, "
+                f"bias={self.down_proj_bias is not None}")
