@@ -68,3 +68,29 @@ def save_tiny_gpt_oss(path: str | os.PathLike, seed: int = 0, **overrides: Any) 
     model.save_pretrained(str(path))
     save_word_tokenizer(path)
     return str(path), model
+
+
+def olmoe_config(**overrides: Any) -> Any:
+    """A tiny OLMoE: 8 experts top-2 renormalised, q/k norms over all heads, clip_qkv low enough to bite."""
+    import transformers as tf
+
+    settings = dict(_COMMON, intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                    clip_qkv=0.8)
+    return tf.OlmoeConfig(**{**settings, **overrides}, architectures=["OlmoeForCausalLM"])
+
+
+def granite_moe_config(**overrides: Any) -> Any:
+    """A tiny Granite-MoE: 4 experts top-2 (top-k then softmax) and every multiplier away from 1."""
+    import transformers as tf
+
+    settings = dict(_COMMON, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                    embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.5)
+    return tf.GraniteMoeConfig(**{**settings, **overrides}, architectures=["GraniteMoeForCausalLM"])
+
+
+def save_tiny(config: Any, path: str | os.PathLike, seed: int = 0) -> tuple[str, Any]:
+    """Save a tiny random model of ``config`` + tokenizer; returns (path, the transformers model)."""
+    model = hf_model(config, seed)
+    model.save_pretrained(str(path))
+    save_word_tokenizer(path)
+    return str(path), model
