@@ -30,9 +30,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_gemm", step_graph::recorded<4>("packed_gemm", &packed_gemm), "x[M,K] @ W^T (+ bias) with W packed in 16-column panels [N/16, K, 16]",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none(),
         py::arg("out") = py::none());
-  m.def("moe_packed_gemm", &moe_packed_gemm,
+  m.def("moe_packed_gemm", step_graph::recorded<4>("moe_packed_gemm", &moe_packed_gemm),
         "MoE experts: x[R,K] sorted by expert, rows [ends[e-1], ends[e]) @ expert e's W^T, W [E, N/16, K, 16] panels",
         py::arg("x"), py::arg("packed"), py::arg("ends"), py::arg("out_features"), py::arg("out") = py::none());
+  m.def("moe_route", step_graph::recorded<-1>("moe_route", &moe_route),
+        "MoE router logits [T, E] -> top-k experts and weights, rows sorted by expert: token_of, weight, ends",
+        py::arg("router_logits"), py::arg("top_k"), py::arg("topk_first"), py::arg("renormalize"),
+        py::arg("token_of"), py::arg("weight"), py::arg("ends"));
+  m.def("moe_gather_rows", step_graph::recorded<-1>("moe_gather_rows", &moe_gather_rows),
+        "out[r] = x[token_of[r]]", py::arg("x"), py::arg("token_of"), py::arg("out"));
+  m.def("moe_combine", step_graph::recorded<-1>("moe_combine", &moe_combine),
+        "out[t] = sum of weight[r] * y[r] over the rows r of token t (out overwritten)", py::arg("y"),
+        py::arg("token_of"), py::arg("weight"), py::arg("out"));
   m.def("bf16_gemm", step_graph::recorded<4>("bf16_gemm", &bf16_gemm),
         "bf16 x[M,K] @ W^T (+ bias) -> bf16, W in panels of 16 columns and pairs of k [ceil(N/16), K/2, 16, 2]",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none(),

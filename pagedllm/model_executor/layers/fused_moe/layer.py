@@ -128,6 +128,7 @@ class FusedMoE(DirectCall, nn.Module):
         # Set by process_weights_after_loading (one of the three forms; see the module docstring).
         self._kernels: Any = None  # the C++ kernels module of the panel form
         self._quantized: list[tuple[Linear, Linear]] | None = None  # per expert (gate_up, down) of the scheme
+        self._routes_in_kernels = False  # float32 panels with moe_route / moe_gather_rows / moe_combine
         self._processed = False
 
     # -- loading --------------------------------------------------------------------------------------------------
@@ -247,6 +248,9 @@ class FusedMoE(DirectCall, nn.Module):
                 panels = torch.stack([pack_weight(stack[e]) for e in range(stack.shape[0])])
                 self.register_buffer(f"{name}_panels", panels, persistent=False)
             self._kernels = kernels
+            # The routing kernels too (a build that has them), except under expert parallelism (other ranks'
+            # experts are masked out in torch).
+            self._routes_in_kernels = hasattr(kernels, "moe_route") and not self.expert_parallel
             self._drop_stacks()
 
     def _drop_stacks(self) -> None:
@@ -304,6 +308,8 @@ class FusedMoE(DirectCall, nn.Module):
     # -- forward --------------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [T, H], router_logits [T, E] -> [T, H] in x's dtype."""
+        if self._routes_in_kernels and router_logits.dtype == torch.float32 and x.stride(-1) == 1:
+            return self._forward_kernels(x, router_logits)
         weights, ids = select_experts(router_logits, self.rule)
         if self.expert_parallel:  # other ranks' experts go to a bucket past this rank's, which is then left out
             ids = ids - self.first_expert
@@ -321,6 +327,24 @@ class FusedMoE(DirectCall, nn.Module):
         out = torch.zeros(x.shape[0], self.hidden_size, dtype=torch.float32, device=x.device)
         out.index_add_(0, groups.token_of, y.float() * groups.weight)
         out = out.to(x.dtype)
+        return all_reduce(out) if self.tensor_parallel else out
+
+    def _forward_kernels(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """The float32 panels form with the routing in C++ too (``moe_route.cpp``: top-k, the sort by expert, the
+        gather of rows, the weighted sum back), every result in a tensor allocated here: a decode step of a model
+        made of such layers is nothing but kernel calls, which a CPU step graph records. x [T, H] -> [T, H]."""
+        kernels, rule = self._kernels, self.rule
+        t, num_rows = x.shape[0], x.shape[0] * rule.top_k
+        token_of = torch.empty(num_rows, dtype=torch.int64, device=x.device)
+        weight = torch.empty(num_rows, 1, dtype=torch.float32, device=x.device)
+        ends = torch.empty(rule.num_experts, dtype=torch.int32, device=x.device)
+        kernels.moe_route(router_logits, rule.top_k, rule.scoring == "topk_softmax", rule.renormalize, token_of,
+                          weight, ends)
+        rows = torch.empty(num_rows, self.hidden_size, dtype=x.dtype, device=x.device)
+        kernels.moe_gather_rows(x, token_of, rows)
+        y = self._experts_panels(rows, ExpertGroups(token_of, weight, ends))
+        out = torch.empty(t, self.hidden_size, dtype=x.dtype, device=x.device)
+        kernels.moe_combine(y, token_of, weight, out)
         return all_reduce(out) if self.tensor_parallel else out
 
     def _row_bias(self, bias: torch.Tensor | None, ends: torch.Tensor, num_rows: int) -> torch.Tensor | None:
