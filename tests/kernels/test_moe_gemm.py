@@ -108,3 +108,16 @@ def test_moe_route_checks_its_buffers(kernels) -> None:
     with pytest.raises(RuntimeError, match="top_k must be between 1 and the number of experts"):
         kernels.moe_route(logits, 5, False, True, torch.empty(15, dtype=torch.int64), torch.empty(15, 1),
                           torch.empty(4, dtype=torch.int32))
+
+
+def test_moe_combine_adds_the_gated_shared_expert(kernels) -> None:
+    g = torch.Generator().manual_seed(7)
+    token_of = torch.tensor([2, 0, 1, 2, 0, 1])
+    weight, y = torch.rand(6, 1, generator=g), torch.randn(6, 40, generator=g)
+    shared, gate = torch.randn(3, 40, generator=g), torch.randn(3, 1, generator=g)
+    out = torch.empty(3, 40)
+    kernels.moe_combine(y, token_of, weight, out, shared, gate)
+    want = torch.zeros(3, 40).index_add_(0, token_of, y * weight) + torch.sigmoid(gate) * shared
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+    with pytest.raises(RuntimeError, match="shared and shared_gate come together"):
+        kernels.moe_combine(y, token_of, weight, out, shared, None)

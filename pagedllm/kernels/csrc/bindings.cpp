@@ -40,8 +40,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_gather_rows", step_graph::recorded<-1>("moe_gather_rows", &moe_gather_rows),
         "out[r] = x[token_of[r]]", py::arg("x"), py::arg("token_of"), py::arg("out"));
   m.def("moe_combine", step_graph::recorded<-1>("moe_combine", &moe_combine),
-        "out[t] = sum of weight[r] * y[r] over the rows r of token t (out overwritten)", py::arg("y"),
-        py::arg("token_of"), py::arg("weight"), py::arg("out"));
+        "out[t] = sum of weight[r] * y[r] over the rows r of token t (+ sigmoid(shared_gate[t]) * shared[t]); out "
+        "overwritten", py::arg("y"), py::arg("token_of"), py::arg("weight"), py::arg("out"),
+        py::arg("shared") = py::none(), py::arg("shared_gate") = py::none());
   m.def("bf16_gemm", step_graph::recorded<4>("bf16_gemm", &bf16_gemm),
         "bf16 x[M,K] @ W^T (+ bias) -> bf16, W in panels of 16 columns and pairs of k [ceil(N/16), K/2, 16, 2]",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none(),

@@ -17,6 +17,8 @@ void moe_route(const torch::Tensor& router_logits, int64_t top_k, bool topk_firs
                const torch::Tensor& token_of, const torch::Tensor& weight, const torch::Tensor& ends);
 // out[r] = x[token_of[r]]: x float32 [T, H] -> out [R, H].
 void moe_gather_rows(const torch::Tensor& x, const torch::Tensor& token_of, const torch::Tensor& out);
-// out[t] = sum over rows r of token t of weight[r] * y[r]: y float32 [R, H] -> out [T, H] (overwritten).
+// out[t] = sum over rows r of token t of weight[r] * y[r]: y float32 [R, H] -> out [T, H] (overwritten); with a
+// shared expert (Qwen2-MoE), plus sigmoid(shared_gate[t]) * shared[t] (shared [T, H], shared_gate logits [T, 1]).
 void moe_combine(const torch::Tensor& y, const torch::Tensor& token_of, const torch::Tensor& weight,
-                 const torch::Tensor& out);
+                 const torch::Tensor& out, const std::optional<torch::Tensor>& shared,
+                 const std::optional<torch::Tensor>& shared_gate);

@@ -96,7 +96,8 @@ void moe_gather_rows(const torch::Tensor& x, const torch::Tensor& token_of, cons
 }
 
 void moe_combine(const torch::Tensor& y, const torch::Tensor& token_of, const torch::Tensor& weight,
-                 const torch::Tensor& out) {
+                 const torch::Tensor& out, const std::optional<torch::Tensor>& shared,
+                 const std::optional<torch::Tensor>& shared_gate) {
   TORCH_CHECK(y.dim() == 2 && y.scalar_type() == torch::kFloat32 && y.stride(1) == 1, "y must be float32 [R, H]");
   const int64_t R = y.size(0), H = y.size(1);
   TORCH_CHECK(token_of.scalar_type() == torch::kInt64 && token_of.is_contiguous() && token_of.numel() == R,
@@ -110,9 +111,32 @@ void moe_combine(const torch::Tensor& y, const torch::Tensor& token_of, const to
   const float* yp = y.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t T = out.size(0), ldy = y.stride(0);
+  const bool has_shared = shared.has_value() && shared->defined();
+  TORCH_CHECK(has_shared == (shared_gate.has_value() && shared_gate->defined()),
+              "shared and shared_gate come together");
+  const float* sp = nullptr;
+  int64_t lds = 0;
+  std::vector<float> gate;  // sigmoid of each token's shared-expert gate logit
+  if (has_shared) {
+    TORCH_CHECK(shared->dim() == 2 && shared->size(0) == T && shared->size(1) == H &&
+                shared->scalar_type() == torch::kFloat32 && shared->stride(1) == 1, "shared must be float32 [T, H]");
+    TORCH_CHECK(shared_gate->scalar_type() == torch::kFloat32 && shared_gate->numel() == T,
+                "shared_gate must be float32 [T, 1]");
+    const torch::Tensor g = shared_gate->contiguous();
+    gate.resize(static_cast<size_t>(T));
+    for (int64_t t = 0; t < T; ++t) gate[t] = 1.f / (1.f + std::exp(-g.data_ptr<float>()[t]));
+    sp = shared->data_ptr<float>();
+    lds = shared->stride(0);
+  }
   // Threads own column ranges, so each token's sum runs in row order on one thread (no races, one result).
   at::parallel_for(0, H, 64, [&](int64_t c0, int64_t c1) {
-    for (int64_t t = 0; t < T; ++t) std::fill(op + t * H + c0, op + t * H + c1, 0.f);
+    for (int64_t t = 0; t < T; ++t) {
+      if (has_shared) {
+        for (int64_t c = c0; c < c1; ++c) op[t * H + c] = gate[t] * sp[t * lds + c];
+      } else {
+        std::fill(op + t * H + c0, op + t * H + c1, 0.f);
+      }
+    }
     for (int64_t r = 0; r < R; ++r) {
       float* dst = op + tok[r] * H;
       const float* src = yp + r * ldy;

@@ -61,10 +61,10 @@ class SparseMoeBlock(DirectCall, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        out = self.experts(x, self.gate(x))
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        if self.shared_expert is None:
+            return self.experts(x, self.gate(x))
+        # The experts add the gated shared expert (in their C++ combine where they route in C++: no torch op left).
+        return self.experts(x, self.gate(x), shared=(self.shared_expert(x), self.shared_expert_gate(x)))
 
 
 class MixtralForCausalLM(LlamaForCausalLM):

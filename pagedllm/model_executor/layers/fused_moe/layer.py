@@ -306,10 +306,17 @@ class FusedMoE(DirectCall, nn.Module):
         return layer
 
     # -- forward --------------------------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """x [T, H], router_logits [T, E] -> [T, H] in x's dtype."""
-        if self._routes_in_kernels and router_logits.dtype == torch.float32 and x.stride(-1) == 1:
-            return self._forward_kernels(x, router_logits)
+    def routes_in_kernels(self, x: torch.Tensor, router_logits: torch.Tensor) -> bool:
+        """Whether this call runs entirely in the C++ kernels (``_forward_kernels``)."""
+        return self._routes_in_kernels and router_logits.dtype == torch.float32 and x.stride(-1) == 1
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor,
+                shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [T, H], router_logits [T, E] -> [T, H] in x's dtype. ``shared``: (a shared expert's output [T, H], its
+        gate logits [T, 1]) to add as ``sigmoid(gate) * output`` (Qwen2-MoE), on one rank only (under tensor
+        parallelism the shared expert all-reduces its own output)."""
+        if self.routes_in_kernels(x, router_logits):
+            return self._forward_kernels(x, router_logits, shared)
         weights, ids = select_experts(router_logits, self.rule)
         if self.expert_parallel:  # other ranks' experts go to a bucket past this rank's, which is then left out
             ids = ids - self.first_expert
@@ -327,9 +334,11 @@ class FusedMoE(DirectCall, nn.Module):
         out = torch.zeros(x.shape[0], self.hidden_size, dtype=torch.float32, device=x.device)
         out.index_add_(0, groups.token_of, y.float() * groups.weight)
         out = out.to(x.dtype)
-        return all_reduce(out) if self.tensor_parallel else out
+        out = all_reduce(out) if self.tensor_parallel else out
+        return out if shared is None else out + torch.sigmoid(shared[1]) * shared[0]
 
-    def _forward_kernels(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def _forward_kernels(self, x: torch.Tensor, router_logits: torch.Tensor,
+                         shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The float32 panels form with the routing in C++ too (``moe_route.cpp``: top-k, the sort by expert, the
         gather of rows, the weighted sum back), every result in a tensor allocated here: a decode step of a model
         made of such layers is nothing but kernel calls, which a CPU step graph records. x [T, H] -> [T, H]."""
@@ -344,8 +353,12 @@ class FusedMoE(DirectCall, nn.Module):
         kernels.moe_gather_rows(x, token_of, rows)
         y = self._experts_panels(rows, ExpertGroups(token_of, weight, ends))
         out = torch.empty(t, self.hidden_size, dtype=x.dtype, device=x.device)
+        if shared is not None and not self.tensor_parallel:
+            kernels.moe_combine(y, token_of, weight, out, shared[0], shared[1])
+            return out
         kernels.moe_combine(y, token_of, weight, out)
-        return all_reduce(out) if self.tensor_parallel else out
+        out = all_reduce(out) if self.tensor_parallel else out
+        return out if shared is None else out + torch.sigmoid(shared[1]) * shared[0]
 
     def _row_bias(self, bias: torch.Tensor | None, ends: torch.Tensor, num_rows: int) -> torch.Tensor | None:
         """bias [E, N] -> each sorted row's expert's bias [R, N] (None without biases)."""
