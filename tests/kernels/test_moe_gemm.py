@@ -121,3 +121,22 @@ def test_moe_combine_adds_the_gated_shared_expert(kernels) -> None:
     torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
     with pytest.raises(RuntimeError, match="shared and shared_gate come together"):
         kernels.moe_combine(y, token_of, weight, out, shared, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_heads_in_place_equals_rms_norm_of_each_head(kernels, dtype: torch.dtype) -> None:
+    """Qwen3's per-head q/k norms inside the fused qkv rows (strided), as the row kernel gives each head alone;
+    the v columns are left as they are."""
+    g = torch.Generator().manual_seed(8)
+    heads, kv_heads, d = 4, 2, 16
+    qkv = torch.randn(5, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    wq, wk = torch.randn(d, generator=g).to(dtype), torch.randn(d, generator=g).to(dtype)
+    want = qkv.clone()
+    want[:, :heads * d] = kernels.rms_norm(qkv[:, :heads * d].reshape(-1, d), wq, 1e-6).view(5, -1)
+    want[:, heads * d:(heads + kv_heads) * d] = kernels.rms_norm(
+        qkv[:, heads * d:(heads + kv_heads) * d].reshape(-1, d), wk, 1e-6).view(5, -1)
+    kernels.rms_norm_heads_(qkv, wq, 0, heads, 1e-6)
+    kernels.rms_norm_heads_(qkv, wk, heads * d, kv_heads, 1e-6)
+    assert torch.equal(qkv, want)
+    with pytest.raises(RuntimeError, match="the heads run past x's columns"):
+        kernels.rms_norm_heads_(qkv, wk, heads * d, 5, 1e-6)

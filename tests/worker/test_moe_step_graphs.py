@@ -21,8 +21,8 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
                                                                 use_tqdm=False)]
 
 
-# Qwen3-MoE decodes eagerly as dense Qwen3 does: its per-head q/k norms are joined back by a torch cat.
-@pytest.mark.parametrize("variant,graphs", [("mixtral-e4-top2", True), ("qwen2moe-e8-top4-shared", True)])
+@pytest.mark.parametrize("variant,graphs", [("mixtral-e4-top2", True), ("qwen2moe-e8-top4-shared", True),
+                                            ("qwen3moe-e8-top3", True)])  # per-head q/k norms in place (C++)
 def test_moe_decode_step_graphs_equal_eager_and_transformers(variant: str, graphs: bool, tmp_path) -> None:
     path, hf = save_tiny_moe(variant, tmp_path / variant)
     prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (4, 19, 9)]

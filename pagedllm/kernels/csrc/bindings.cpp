@@ -97,6 +97,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("mask_row"));
   m.def("rms_norm_", step_graph::recorded<-1>("rms_norm_", &rms_norm_), "In place: residual += x (if given); x = rms_norm(residual or x) * weight");
   m.def("rotary_", step_graph::recorded<-1>("rotary_", &rotary_), "In place rotate-half rotary embedding on the first num_heads heads of each row");
+  m.def("rms_norm_heads_", step_graph::recorded<-1>("rms_norm_heads_", &rms_norm_heads_),
+        "In place: each of num_heads heads (weight.numel() values) from column col of every row of x RMS-normed",
+        py::arg("x"), py::arg("weight"), py::arg("col"), py::arg("num_heads"), py::arg("eps"));
   m.def("rms_norm", step_graph::recorded<3>("rms_norm", &rms_norm), "rms_norm(x) * weight into out (new if none)",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("out") = py::none());
   m.def("layer_norm_", step_graph::recorded<-1>("layer_norm_", &layer_norm_),

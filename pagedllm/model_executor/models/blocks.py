@@ -18,6 +18,7 @@ from pagedllm.distributed.parallel_state import divide, get_tp
 from pagedllm.model_executor.layers.activation import gated_activation
 from pagedllm.model_executor.layers.attention import Attention
 from pagedllm.model_executor.layers.direct_call import DirectCall
+from pagedllm.model_executor.layers.layernorm import RMSNorm
 from pagedllm.model_executor.layers.linear import Linear
 from pagedllm.model_executor.layers.parallel_linear import (
     Slice,
@@ -146,11 +147,26 @@ class RotaryAttention(DirectCall, nn.Module):
                                           prefix=f"{prefix}.o_proj")
         return local_heads, local_kv
 
+    def _norm_heads_in_place(self, qkv: torch.Tensor) -> bool:
+        """Per-head q/k RMSNorms (weights w, not Gemma's 1 + w) in place inside ``qkv`` [T, q + 2kv] by the C++
+        kernel, where the platform has it: no copy out and back (a torch op, which would keep the decode step out of
+        a CPU step graph). False: nothing done."""
+        q_norm, k_norm = self.q_norm, self.k_norm
+        if not (self.qk_norm_per_head and isinstance(q_norm, RMSNorm) and isinstance(k_norm, RMSNorm)
+                and not q_norm.weight_offset and qkv.dim() == 2 and q_norm.weight.dtype == qkv.dtype):
+            return False
+        kernels = q_norm._kernels(qkv)
+        if kernels is None or not hasattr(kernels, "rms_norm_heads_"):
+            return False
+        kernels.rms_norm_heads_(qkv, q_norm.weight, 0, self.num_heads, q_norm.eps)
+        kernels.rms_norm_heads_(qkv, k_norm.weight, self.q_size, self.num_kv_heads, k_norm.eps)
+        return True
+
     def forward(self, x: torch.Tensor, rope: RopeStep | None) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
         qkv = self.qkv_proj(x)
         q_end, k_end = self.q_size, self.q_size + self.kv_size
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self._norm_heads_in_place(qkv):
             d = self.head_dim if self.qk_norm_per_head else None
             q = qkv[:, :q_end] if d is None else qkv[:, :q_end].reshape(-1, d)
             k = qkv[:, q_end:k_end] if d is None else qkv[:, q_end:k_end].reshape(-1, d)
