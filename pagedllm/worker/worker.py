@@ -323,6 +323,10 @@ def _capture_cuda_graphs(self: Worker) -> None:
         logger.info("attention backend %r reads tensors on the host: decode steps run eagerly (no CUDA graphs)",
                     self.attention_backend.name)
         return
+    if any(m.sinks is not None for m in attention_layers(self.runner.model)):
+        logger.info("attention sinks attend through torch ops that read the host: decode steps run eagerly "
+                    "(no CUDA graphs)")
+        return
     sched, bs = self.config.scheduler, self.config.cache.block_size
     graphs = DecodeGraphRunner(self.runner.model, self.device, graph_batch_sizes(sched.max_num_seqs),
                                max_blocks_per_seq=-(-sched.max_model_len // bs), block_size=bs,
@@ -343,6 +347,8 @@ def _capture_cpu_graphs(self: Worker) -> None:
         why = f"attention backend {self.attention_backend.name!r} (only the C++ kernels record)"
     elif any(m.spec.kind != "causal" for m in attention_layers(self.runner.model)):
         why = "layers that are not plain causal attention (the sliding window's path is torch ops)"
+    elif any(m.sinks is not None for m in attention_layers(self.runner.model)):
+        why = "attention sinks (their path is torch ops)"
     if why is not None:
         logger.info("CPU step graphs not recorded for %s: decode steps run eagerly", why)
         return

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.moe_configs import save_tiny_moe
+from helpers.moe_configs import save_tiny_gpt_oss, save_tiny_moe
 from helpers.tp_helpers import greedy
 
 
@@ -36,6 +36,14 @@ def test_moe_ep2_greedy_equals_tp1(variant: str, tmp_path) -> None:
 def test_int8_moe_ep2_equals_int8_tp1(tmp_path) -> None:
     path, _ = save_tiny_moe("mixtral-e4-top2", tmp_path / "m", seed=3)
     assert greedy(path, 2, quantization="int8", enable_expert_parallel=True) == greedy(path, 1, quantization="int8")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_gpt_oss_tp2_and_ep2_greedy_equal_tp1(expert_parallel: bool, tmp_path) -> None:
+    """gpt-oss: each rank's heads' sinks; the expert biases split with the experts (the down bias added once)."""
+    path, _ = save_tiny_gpt_oss(tmp_path / "gpt_oss", seed=3)
+    assert greedy(path, 2, enable_expert_parallel=expert_parallel) == greedy(path, 1)
 
 
 def test_moe_sizes_that_do_not_divide_fail_naming_them_and_ep_ranks_hold_their_experts() -> None:

@@ -43,3 +43,54 @@ def save_tiny_moe(variant: str, path: str | os.PathLike, seed: int = 0) -> tuple
     model.save_pretrained(str(path))
     save_word_tokenizer(path)
     return str(path), model
+
+
+def gpt_oss_config(**overrides: Any) -> Any:
+    """A tiny gpt-oss: 3 layers (sliding, full, sliding; window 8), 8 experts top-2, a low SwiGLU limit (so the
+    clamps bite on random weights), default yarn rope."""
+    import transformers as tf
+
+    settings = dict(_COMMON, num_hidden_layers=3, head_dim=16, intermediate_size=32, num_local_experts=8,
+                    num_experts_per_tok=2, sliding_window=8, swiglu_limit=0.5)
+    return tf.GptOssConfig(**{**settings, **overrides}, architectures=["GptOssForCausalLM"])
+
+
+def save_tiny_gpt_oss(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> tuple[str, Any]:
+    """Save a tiny random gpt-oss (its own fused, interleaved expert tensors) + tokenizer; sinks drawn wide (std 1)
+    so that they change the softmax visibly. Returns (path, the transformers model)."""
+    import torch
+
+    model = hf_model(gpt_oss_config(**overrides), seed)
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape,
+                                                    generator=torch.Generator().manual_seed(seed + i)))
+    model.save_pretrained(str(path))
+    save_word_tokenizer(path)
+    return str(path), model
+
+
+def olmoe_config(**overrides: Any) -> Any:
+    """A tiny OLMoE: 8 experts top-2 renormalised, q/k norms over all heads, clip_qkv low enough to bite."""
+    import transformers as tf
+
+    settings = dict(_COMMON, intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                    clip_qkv=0.8)
+    return tf.OlmoeConfig(**{**settings, **overrides}, architectures=["OlmoeForCausalLM"])
+
+
+def granite_moe_config(**overrides: Any) -> Any:
+    """A tiny Granite-MoE: 4 experts top-2 (top-k then softmax) and every multiplier away from 1."""
+    import transformers as tf
+
+    settings = dict(_COMMON, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                    embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.5)
+    return tf.GraniteMoeConfig(**{**settings, **overrides}, architectures=["GraniteMoeForCausalLM"])
+
+
+def save_tiny(config: Any, path: str | os.PathLike, seed: int = 0) -> tuple[str, Any]:
+    """Save a tiny random model of ``config`` + tokenizer; returns (path, the transformers model)."""
+    model = hf_model(config, seed)
+    model.save_pretrained(str(path))
+    save_word_tokenizer(path)
+    return str(path), model

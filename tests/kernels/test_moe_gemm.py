@@ -69,3 +69,74 @@ def test_moe_packed_gemm_writes_into_out_and_checks_arguments(kernels) -> None:
         kernels.moe_packed_gemm(x, packed, torch.tensor([1, 2, 5], dtype=torch.int32), 20)
     with pytest.raises(RuntimeError, match="columns"):
         kernels.moe_packed_gemm(torch.randn(5, 9), packed, ends, 20)
+
+
+@pytest.mark.parametrize("scoring,renormalize,top_k", [("softmax_topk", True, 2), ("softmax_topk", False, 4),
+                                                       ("topk_softmax", False, 3), ("softmax_topk", True, 1)])
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_moe_route_gather_and_combine_equal_the_torch_routing(kernels, scoring: str, renormalize: bool, top_k: int,
+                                                               tokens: int) -> None:
+    """moe_route = select_experts + group_by_expert (same rows in the same order, weights to float rounding);
+    moe_gather_rows = index_select; moe_combine = the weighted index_add back per token."""
+    from pagedllm.model_executor.layers.fused_moe import RoutingRule, select_experts
+    from pagedllm.model_executor.layers.fused_moe.grouping import group_by_expert
+
+    rule = RoutingRule(8, top_k, scoring, renormalize=renormalize)
+    g = torch.Generator().manual_seed(tokens + top_k)
+    logits, x = torch.randn(tokens, 8, generator=g), torch.randn(tokens, 24, generator=g)
+    want = group_by_expert(*select_experts(logits, rule), rule.num_experts)
+    rows = tokens * top_k
+    token_of, weight = torch.empty(rows, dtype=torch.int64), torch.empty(rows, 1)
+    ends = torch.empty(8, dtype=torch.int32)
+    kernels.moe_route(logits, top_k, scoring == "topk_softmax", renormalize, token_of, weight, ends)
+    assert torch.equal(ends, want.ends) and torch.equal(token_of, want.token_of)
+    torch.testing.assert_close(weight, want.weight, atol=1e-6, rtol=1e-6)
+    gathered = torch.empty(rows, 24)
+    kernels.moe_gather_rows(x, token_of, gathered)
+    assert torch.equal(gathered, x.index_select(0, token_of))
+    y = torch.randn(rows, 24, generator=g)
+    out = torch.full((tokens, 24), float("nan"))  # overwritten, not accumulated into
+    kernels.moe_combine(y, token_of, weight, out)
+    torch.testing.assert_close(out, torch.zeros(tokens, 24).index_add_(0, token_of, y * weight), atol=1e-6, rtol=1e-6)
+
+
+def test_moe_route_checks_its_buffers(kernels) -> None:
+    logits = torch.randn(3, 4)
+    with pytest.raises(RuntimeError, match=r"token_of must be contiguous int64 \[T \* k\]"):
+        kernels.moe_route(logits, 2, False, True, torch.empty(5, dtype=torch.int64), torch.empty(6, 1),
+                          torch.empty(4, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="top_k must be between 1 and the number of experts"):
+        kernels.moe_route(logits, 5, False, True, torch.empty(15, dtype=torch.int64), torch.empty(15, 1),
+                          torch.empty(4, dtype=torch.int32))
+
+
+def test_moe_combine_adds_the_gated_shared_expert(kernels) -> None:
+    g = torch.Generator().manual_seed(7)
+    token_of = torch.tensor([2, 0, 1, 2, 0, 1])
+    weight, y = torch.rand(6, 1, generator=g), torch.randn(6, 40, generator=g)
+    shared, gate = torch.randn(3, 40, generator=g), torch.randn(3, 1, generator=g)
+    out = torch.empty(3, 40)
+    kernels.moe_combine(y, token_of, weight, out, shared, gate)
+    want = torch.zeros(3, 40).index_add_(0, token_of, y * weight) + torch.sigmoid(gate) * shared
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+    with pytest.raises(RuntimeError, match="shared and shared_gate come together"):
+        kernels.moe_combine(y, token_of, weight, out, shared, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_heads_in_place_equals_rms_norm_of_each_head(kernels, dtype: torch.dtype) -> None:
+    """Qwen3's per-head q/k norms inside the fused qkv rows (strided), as the row kernel gives each head alone;
+    the v columns are left as they are."""
+    g = torch.Generator().manual_seed(8)
+    heads, kv_heads, d = 4, 2, 16
+    qkv = torch.randn(5, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    wq, wk = torch.randn(d, generator=g).to(dtype), torch.randn(d, generator=g).to(dtype)
+    want = qkv.clone()
+    want[:, :heads * d] = kernels.rms_norm(qkv[:, :heads * d].reshape(-1, d), wq, 1e-6).view(5, -1)
+    want[:, heads * d:(heads + kv_heads) * d] = kernels.rms_norm(
+        qkv[:, heads * d:(heads + kv_heads) * d].reshape(-1, d), wk, 1e-6).view(5, -1)
+    kernels.rms_norm_heads_(qkv, wq, 0, heads, 1e-6)
+    kernels.rms_norm_heads_(qkv, wk, heads * d, kv_heads, 1e-6)
+    assert torch.equal(qkv, want)
+    with pytest.raises(RuntimeError, match="the heads run past x's columns"):
+        kernels.rms_norm_heads_(qkv, wk, heads * d, 5, 1e-6)

@@ -145,3 +145,44 @@ def test_loader_takes_per_expert_and_fused_tensors_and_names_bad_shapes() -> Non
         assert torch.equal(layer.gate_up_proj, gate_up) and torch.equal(layer.down_proj, down)
     with pytest.raises(ValueError, match=r"m\.experts\.2\.down_proj: checkpoint \(16, 31\)"):
         fused.down_proj.weight_loader(fused.down_proj, torch.randn(16, 31), (2, 0))
+
+
+@pytest.mark.parametrize("form", ["panels", "grouped", "bf16 per expert"])
+def test_expert_biases_and_clamped_swiglu_equal_the_per_expert_loop(form: str) -> None:
+    """gpt-oss's experts: biases on both projections (the down bias scaled by the router weight with the rest) and the
+    clamped SwiGLU, in each weight form (panels: the C++ kernel; grouped: weights never bound, the portable form)."""
+    from pagedllm.model_executor.layers.activation import ClampedSwiGLU
+
+    rule = RoutingRule(8, 2, "topk_softmax")
+    gate_up, down = _weights(rule, 64, 32)
+    g = torch.Generator().manual_seed(3)
+    gate_up_bias, down_bias = torch.randn(8, 64, generator=g), torch.randn(8, 64, generator=g)
+    act = ClampedSwiGLU(alpha=1.702, limit=0.5)  # a low limit: both clamps bite on these activations
+    dtype = torch.bfloat16 if form.startswith("bf16") else torch.float32
+    layer = FusedMoE(rule, 64, 32, act, dtype=dtype, prefix="m.experts", bias=True)
+    for param, tensor in ((layer.gate_up_proj, gate_up), (layer.down_proj, down),
+                          (layer.gate_up_proj_bias, gate_up_bias), (layer.down_proj_bias, down_bias)):
+        param.weight_loader(param, tensor.to(dtype), None)
+    if form != "grouped":
+        layer.process_weights_after_loading()
+    assert {"panels": "panels", "grouped": "grouped_mm", "bf16 per expert": "per expert"}[form] in layer.describe()
+    x, logits = torch.randn(29, 64), torch.randn(29, 8)
+    want = reference_moe(x, logits, gate_up, down, rule, gate_up_bias, down_bias, act)
+    without_bias = reference_moe(x, logits, gate_up, down, rule, act_and_mul=act)
+    assert (want - without_bias).abs().max() > 0.1
+    got = layer(x.to(dtype), logits).float()
+    tol = dict(atol=0.05, rtol=0.05) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(layer(x[:1].to(dtype), logits[:1]).float(), want[:1], **tol)  # one decode token
+
+
+def test_clamped_swiglu_is_transformers_gpt_oss_gate() -> None:
+    """Our [gate | up] halves against transformers' interleaved columns (gate = even, up = odd)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssConfig, GptOssExperts
+
+    from pagedllm.model_executor.layers.activation import ClampedSwiGLU
+
+    hf = GptOssExperts(GptOssConfig(num_local_experts=1, hidden_size=8, intermediate_size=16, swiglu_limit=1.5))
+    interleaved = torch.randn(5, 32, generator=torch.Generator().manual_seed(4)) * 3
+    ours = torch.cat([interleaved[:, 0::2], interleaved[:, 1::2]], dim=1)
+    torch.testing.assert_close(ClampedSwiGLU(1.702, 1.5)(ours), hf._apply_gate(interleaved))

@@ -30,9 +30,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_gemm", step_graph::recorded<4>("packed_gemm", &packed_gemm), "x[M,K] @ W^T (+ bias) with W packed in 16-column panels [N/16, K, 16]",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none(),
         py::arg("out") = py::none());
-  m.def("moe_packed_gemm", &moe_packed_gemm,
+  m.def("moe_packed_gemm", step_graph::recorded<4>("moe_packed_gemm", &moe_packed_gemm),
         "MoE experts: x[R,K] sorted by expert, rows [ends[e-1], ends[e]) @ expert e's W^T, W [E, N/16, K, 16] panels",
         py::arg("x"), py::arg("packed"), py::arg("ends"), py::arg("out_features"), py::arg("out") = py::none());
+  m.def("moe_route", step_graph::recorded<-1>("moe_route", &moe_route),
+        "MoE router logits [T, E] -> top-k experts and weights, rows sorted by expert: token_of, weight, ends",
+        py::arg("router_logits"), py::arg("top_k"), py::arg("topk_first"), py::arg("renormalize"),
+        py::arg("token_of"), py::arg("weight"), py::arg("ends"));
+  m.def("moe_gather_rows", step_graph::recorded<-1>("moe_gather_rows", &moe_gather_rows),
+        "out[r] = x[token_of[r]]", py::arg("x"), py::arg("token_of"), py::arg("out"));
+  m.def("moe_combine", step_graph::recorded<-1>("moe_combine", &moe_combine),
+        "out[t] = sum of weight[r] * y[r] over the rows r of token t (+ sigmoid(shared_gate[t]) * shared[t]); out "
+        "overwritten", py::arg("y"), py::arg("token_of"), py::arg("weight"), py::arg("out"),
+        py::arg("shared") = py::none(), py::arg("shared_gate") = py::none());
   m.def("bf16_gemm", step_graph::recorded<4>("bf16_gemm", &bf16_gemm),
         "bf16 x[M,K] @ W^T (+ bias) -> bf16, W in panels of 16 columns and pairs of k [ceil(N/16), K/2, 16, 2]",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none(),
@@ -87,6 +97,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("mask_row"));
   m.def("rms_norm_", step_graph::recorded<-1>("rms_norm_", &rms_norm_), "In place: residual += x (if given); x = rms_norm(residual or x) * weight");
   m.def("rotary_", step_graph::recorded<-1>("rotary_", &rotary_), "In place rotate-half rotary embedding on the first num_heads heads of each row");
+  m.def("rms_norm_heads_", step_graph::recorded<-1>("rms_norm_heads_", &rms_norm_heads_),
+        "In place: each of num_heads heads (weight.numel() values) from column col of every row of x RMS-normed",
+        py::arg("x"), py::arg("weight"), py::arg("col"), py::arg("num_heads"), py::arg("eps"));
   m.def("rms_norm", step_graph::recorded<3>("rms_norm", &rms_norm), "rms_norm(x) * weight into out (new if none)",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("out") = py::none());
   m.def("layer_norm_", step_graph::recorded<-1>("layer_norm_", &layer_norm_),

@@ -291,6 +291,24 @@ torch::Tensor layer_norm(const torch::Tensor& x, const torch::Tensor& weight, co
   return y;
 }
 
+// In place: each of num_heads heads of D = weight.numel() values, from column col of every row of x (rows may be
+// strided: the fused qkv output), -> rms_norm(head) * weight (Qwen3's per-head q/k norms, without a copy out and
+// back). The heads of one row are D apart and the rows stride(0) apart, so one call of rms_norm_rows per head.
+void rms_norm_heads_(torch::Tensor& x, const torch::Tensor& weight, int64_t col, int64_t num_heads, double eps) {
+  check_rows(x, "x");
+  check_same_dtype(weight, x, "weight");
+  const int64_t D = weight.numel();
+  TORCH_CHECK(weight.is_contiguous() && D > 0, "weight must be [D], contiguous");
+  TORCH_CHECK(col >= 0 && num_heads >= 0 && col + num_heads * D <= x.size(1), "the heads run past x's columns");
+  with_element_type(x, [&](auto e) {
+    using E = decltype(e);
+    E* base = x.data_ptr<E>() + col;
+    for (int64_t h = 0; h < num_heads; ++h)
+      rms_norm_rows<E>(base + h * D, x.stride(0), base + h * D, x.stride(0), nullptr, 0, weight.data_ptr<E>(),
+                       x.size(0), D, static_cast<float>(eps));
+  });
+}
+
 // x [T, C] -> rms_norm(x) * weight [T, C] in out (allocated when none), x left as it is.
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
                        const std::optional<torch::Tensor>& out) {

@@ -98,6 +98,8 @@ void rms_norm_(torch::Tensor& x, const std::optional<torch::Tensor>& residual, c
                double eps);
 void rotary_(torch::Tensor& qk, const torch::Tensor& positions, const torch::Tensor& cos_sin, int64_t num_heads,
              int64_t head_dim);
+// In place: num_heads heads of weight.numel() values from column col of each (strided) row of x, each RMS-normed.
+void rms_norm_heads_(torch::Tensor& x, const torch::Tensor& weight, int64_t col, int64_t num_heads, double eps);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
                        const std::optional<torch::Tensor>& out);
 void layer_norm_(torch::Tensor& x, const std::optional<torch::Tensor>& residual, const torch::Tensor& weight,

@@ -50,6 +50,23 @@ def gelu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate) * up
 
 
+class ClampedSwiGLU:
+    """gpt-oss's gated activation on gate_up [T, 2I] laid out [gate | up] -> [T, I]: the gate clamped from above
+    and the up projection to [-limit, limit], then ``(up + 1) * gate * sigmoid(alpha * gate)`` (transformers'
+    ``GptOssExperts._apply_gate``; alpha 1.702 and limit 7 in gpt-oss's config)."""
+
+    __slots__ = ("alpha", "limit")
+
+    def __init__(self, alpha: float, limit: float) -> None:
+        self.alpha, self.limit = float(alpha), float(limit)
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
 _GATED = {"silu": silu_and_mul, "swish": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul,
           "gelu_new": gelu_tanh_and_mul, "gelu_fast": gelu_tanh_and_mul, "gelu": gelu_and_mul}
 _PLAIN = {"silu": F.silu, "swish": F.silu, "relu": F.relu, "gelu": F.gelu,

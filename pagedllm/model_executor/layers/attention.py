@@ -11,6 +11,7 @@ from torch import nn
 
 from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.attention.backends.selector import DeviceAttentionBackend
+from pagedllm.attention.backends.torch_sinks import sink_attention
 from pagedllm.attention.forward_context import forward_context, get_attn_metadata
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.spec import AttentionSpec
@@ -24,11 +25,13 @@ class Attention(DirectCall, nn.Module):
 
     ``spec`` says what the layer attends to (causal, sliding window, encoder). The model runner binds
     ``kv_cache`` ([2, num_blocks, block_size, Hkv, D]) after allocating it; encoder layers keep none.
+    ``sinks``: a learned logit per head in the softmax's denominator (gpt-oss; ``num_heads`` of them, loaded by the
+    model): such a layer attends through ``torch_sinks`` whatever its backend is.
     """
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
                  layer_idx: int = 0, spec: AttentionSpec | None = None,
-                 backend: AttentionBackend | None = None) -> None:
+                 backend: AttentionBackend | None = None, sinks: bool = False) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.head_size = head_size
@@ -39,6 +42,11 @@ class Attention(DirectCall, nn.Module):
         self.backend = backend or _DEFAULT_BACKEND
         self.kv_cache: torch.Tensor | None = None
         self.kv_group = 0  # the KV cache group whose block tables index kv_cache (set by bind_kv_caches)
+        self.sinks: nn.Parameter | None = None
+        if sinks:
+            if not self.spec.uses_kv_cache or self.spec.kind == "cross":
+                raise ValueError("attention sinks are implemented for causal and sliding-window layers only")
+            self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None) -> torch.Tensor:
         """query: [T, H*D], key/value: [T, Hkv*D] -> [T, H*D]. key = value = None: this step's K/V is in
@@ -46,6 +54,13 @@ class Attention(DirectCall, nn.Module):
         if self.kv_cache is None and self.spec.uses_kv_cache:
             raise RuntimeError(f"no KV cache bound to attention layer {self.layer_idx}")
         t = query.shape[0]
+        if self.sinks is not None:
+            meta = get_attn_metadata(self.kv_group)
+            out = sink_attention(query.view(t, self.num_heads, self.head_size),
+                                 key.view(t, self.num_kv_heads, self.head_size),
+                                 value.view(t, self.num_kv_heads, self.head_size), self.kv_cache, meta, self.scale,
+                                 self.sinks, self.spec.window_for(meta.max_seq_len))
+            return out.view(t, self.num_heads * self.head_size)
         out = self.backend.forward(
             query.view(t, self.num_heads, self.head_size),
             None if key is None else key.view(t, self.num_kv_heads, self.head_size),
@@ -65,7 +80,8 @@ class Attention(DirectCall, nn.Module):
     def write_kv_with_rotary(self, qkv: torch.Tensor, rope: Any) -> bool:
         """Rotate q/k inside ``qkv`` [T, (H + 2*Hkv) * D] and write this step's K/V into the cache in one
         kernel, when the backend allows it (CUDA, Triton); False: nothing done, rotate and attend as usual."""
-        if self.kv_cache is None or not self.spec.uses_kv_cache or not self.backend.takes_kv_from_rotary(qkv):
+        if self.kv_cache is None or not self.spec.uses_kv_cache or self.sinks is not None \
+                or not self.backend.takes_kv_from_rotary(qkv):
             return False
         rope.rotate_qk_and_write_kv(qkv, self.num_heads, self.num_kv_heads, self.kv_cache,
                                     get_attn_metadata(self.kv_group).slot_mapping)

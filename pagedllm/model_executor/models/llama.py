@@ -38,7 +38,9 @@ class LlamaDecoderLayer(DirectCall, nn.Module):
             qkv_bias=attention_bias if arch.qkv_bias is None else arch.qkv_bias,
             o_bias=attention_bias if arch.o_proj_bias is None else arch.o_proj_bias,
             qk_norm=(lambda d: RMSNorm(d, eps, dtype)) if arch.qk_norm else None,
-            quant_config=quant_config, prefix=f"{prefix}.self_attn")
+            quant_config=quant_config, prefix=f"{prefix}.self_attn", sinks=arch.attention_sinks,
+            scale=arch.attention_scale(cfg), qk_norm_per_head=arch.qk_norm_per_head,
+            clip_qkv=getattr(cfg, "clip_qkv", None))
         self.mlp = arch.make_mlp(cfg, layer_idx, dtype, quant_config, prefix=f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
@@ -97,12 +99,19 @@ class LlamaForCausalLM(CausalLM):
     qkv_bias: bool | None = None  # None: the config's attention_bias
     o_proj_bias: bool | None = None
     qk_norm = False
+    qk_norm_per_head = True  # False: q/k norms over the whole projection (OLMoE)
+    attention_sinks = False  # a learned per-head logit in each softmax's denominator (gpt-oss)
     weight_mapping = WeightMapping(stacked=STACKED_QKV_GATE_UP, skip=("rotary_emb.inv_freq",))
 
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, quant_config: Any = None) -> None:
         super().__init__()
         self.model = LlamaModel(hf_config, type(self), dtype, quant_config)
         self._init_head(hf_config, dtype, quant_config)
+
+    @classmethod
+    def attention_scale(cls, cfg: Any) -> float | None:
+        """The softmax scale of attention scores; None: 1/sqrt(head_dim)."""
+        return None
 
     @classmethod
     def make_mlp(cls, cfg: Any, layer_idx: int, dtype: torch.dtype, quant_config: Any, prefix: str) -> nn.Module:

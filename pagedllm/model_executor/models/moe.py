@@ -1,4 +1,5 @@
-"""Mixture-of-experts decoders of the Llama shape: Mixtral, Qwen2-MoE, Qwen3-MoE.
+"""Mixture-of-experts decoders of the Llama shape: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite-MoE (gpt-oss:
+``gpt_oss.py``).
 
 The decoder layer is Llama's (``llama.py``); its feed-forward block is a ``SparseMoeBlock``: a router, the fused
 experts (``layers/fused_moe``) and, for Qwen2-MoE, a shared expert every token runs, scaled by a sigmoid gate.
@@ -11,6 +12,7 @@ implement (grouped routing, a score correction bias, a scaling factor) is refuse
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -59,10 +61,10 @@ class SparseMoeBlock(DirectCall, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        out = self.experts(x, self.gate(x))
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        if self.shared_expert is None:
+            return self.experts(x, self.gate(x))
+        # The experts add the gated shared expert (in their C++ combine where they route in C++: no torch op left).
+        return self.experts(x, self.gate(x), shared=(self.shared_expert(x), self.shared_expert_gate(x)))
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
@@ -110,3 +112,73 @@ class Qwen3MoeForCausalLM(Qwen2MoeForCausalLM):
     qkv_bias, o_proj_bias = None, None
     qk_norm = True
     has_shared_expert = False
+
+
+class OlmoeForCausalLM(Qwen3MoeForCausalLM):
+    """OLMoE: Qwen3-MoE's routing (softmax then top-k, renormalised when ``norm_topk_prob``); its q/k RMSNorms span
+    the whole projection (all heads together) and ``clip_qkv`` clamps q, k and v. Tensor parallelism is refused (the
+    norms would need every head's sum of squares)."""
+
+    qk_norm_per_head = False
+
+    @classmethod
+    def make_mlp(cls, cfg: Any, layer_idx: int, dtype: torch.dtype, quant_config: Any, prefix: str) -> nn.Module:
+        check_routing_config(cfg)
+        rule = RoutingRule(cfg.num_experts, cfg.num_experts_per_tok, "softmax_topk",
+                           renormalize=bool(getattr(cfg, "norm_topk_prob", False)))
+        return SparseMoeBlock(rule, cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "hidden_act", "silu"),
+                              dtype=dtype, quant_config=quant_config, prefix=prefix)
+
+
+# Granite-MoE experts' down projections: as its checkpoints save them, and as transformers 5 holds them.
+_GRANITE_DOWN = ("block_sparse_moe.output_linear.weight", ".mlp.experts.down_proj")
+
+
+class GraniteMoeForCausalLM(LlamaForCausalLM):
+    """Granite-MoE: top-k router logits then a softmax over those k; experts stored fused (``input_linear`` [E, 2I, H]
+    rows [gate | up], ``output_linear`` [E, H, I]); four scalars transformers applies in its forward:
+    ``embedding_multiplier`` (input embeddings), ``attention_multiplier`` (the attention scale, instead of
+    1/sqrt(d)), ``residual_multiplier`` (each attention and MoE output before its residual add: folded into o_proj's
+    and the experts' down projections as they load) and ``logits_scaling`` (logits divided by it)."""
+
+    weight_mapping = WeightMapping(
+        stacked=STACKED_QKV_GATE_UP, skip=("rotary_emb.inv_freq",),
+        renames=(("block_sparse_moe.input_linear.weight", "mlp.experts.gate_up_proj"),
+                 ("block_sparse_moe.output_linear.weight", "mlp.experts.down_proj"),
+                 ("block_sparse_moe.router.layer.", "mlp.gate.")))
+
+    @classmethod
+    def attention_scale(cls, cfg: Any) -> float | None:
+        return float(cfg.attention_multiplier)
+
+    @classmethod
+    def make_mlp(cls, cfg: Any, layer_idx: int, dtype: torch.dtype, quant_config: Any, prefix: str) -> nn.Module:
+        if getattr(cfg, "shared_intermediate_size", 0):
+            raise ValueError("GraniteMoeForCausalLM: shared_intermediate_size (Granite-MoE-Shared's shared expert) "
+                             "is not supported")
+        rule = RoutingRule(cfg.num_local_experts, cfg.num_experts_per_tok, "topk_softmax")
+        return SparseMoeBlock(rule, cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "hidden_act", "silu"),
+                              dtype=dtype, quant_config=quant_config, prefix=prefix)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden [T, H], the embeddings scaled by ``embedding_multiplier``."""
+        embeds = self.model.embed_tokens(input_ids) * float(self.config.embedding_multiplier)
+        return self.model(input_ids, positions, inputs_embeds=embeds)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, vocab] float32, divided by ``logits_scaling``."""
+        logits = super().compute_logits(hidden, out)
+        return logits.div_(float(self.config.logits_scaling))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(self._residual_folded(weights))
+
+    def _residual_folded(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each layer's output projections (attention's o_proj, the experts' down) times ``residual_multiplier``."""
+        scale = float(self.config.residual_multiplier)
+        for name, tensor in weights:
+            if scale != 1.0 and (".self_attn.o_proj." in name or name.endswith(_GRANITE_DOWN)):
+                tensor = tensor * scale
+            yield name, tensor

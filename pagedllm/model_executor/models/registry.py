@@ -43,6 +43,13 @@ _ARCHITECTURES = [
     ArchitectureInfo("Qwen3MoeForCausalLM", "moe", "Qwen3MoeForCausalLM", "Qwen3-MoE (30B-A3B, 235B-A22B)",
                      ("hf", "gguf"), "top-k with norm_topk_prob; per-head q/k RMSNorm",
                      gguf_arch="qwen3moe"),
+    ArchitectureInfo("OlmoeForCausalLM", "moe", "OlmoeForCausalLM", "OLMoE", ("hf",),
+                     "q/k RMSNorm over all heads, clip_qkv; softmax then top-k; no tensor parallelism"),
+    ArchitectureInfo("GraniteMoeForCausalLM", "moe", "GraniteMoeForCausalLM", "Granite-MoE (granite-3.x-moe)", ("hf",),
+                     "embedding / attention / residual / logits multipliers; top-k then softmax; fused experts"),
+    ArchitectureInfo("GptOssForCausalLM", "gpt_oss", "GptOssForCausalLM", "gpt-oss (20b, 120b)", ("hf",),
+                     "attention sinks; alternating sliding / full layers; expert biases, clamped SwiGLU; "
+                     "bf16 / float32 experts (not MXFP4)"),
     ArchitectureInfo("WhisperForConditionalGeneration", "whisper", "WhisperForConditionalGeneration",
                      "Whisper (speech to text)", ("hf", "ct2"),
                      "encoder-decoder: audio_features prompts, a cross-attention KV cache group",
@@ -70,9 +77,6 @@ _BY_NAME = {a.name: a for a in _ARCHITECTURES}
 
 # Known architectures refused with the reason (instead of the generic "not supported").
 _REFUSED = {
-    "GptOssForCausalLM": "gpt-oss needs attention sinks, which pagedllm's attention backends do not implement",
-    "OlmoeForCausalLM": "OLMoE's q/k RMSNorm over all heads together is not implemented",
-    "GraniteMoeForCausalLM": "Granite-MoE's embedding/residual/logit multipliers are not implemented",
     "DeepseekV2ForCausalLM": "DeepSeek's multi-head latent attention and grouped routing are not implemented",
     "DeepseekV3ForCausalLM": "DeepSeek's multi-head latent attention and grouped routing are not implemented",
 }

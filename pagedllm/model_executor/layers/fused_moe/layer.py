@@ -25,6 +25,7 @@ How the experts multiply (``process_weights_after_loading`` picks one, once; ``d
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -69,10 +70,15 @@ class FusedMoE(DirectCall, nn.Module):
 
     ``forward(x [T, H], router_logits [T, E]) -> [T, H]``: the router weights applied and the k experts' outputs
     summed per token (all-reduced across tensor-parallel ranks).
+
+    ``act``: an HF ``hidden_act`` name or a gated activation [R, 2I] -> [R, I] (gpt-oss's ``ClampedSwiGLU``).
+    ``bias``: each expert's projections have biases (gpt-oss), ``gate_up_proj_bias`` [E, 2I] and
+    ``down_proj_bias`` [E, H]; an expert's output includes its down bias before the router weight scales it.
     """
 
-    def __init__(self, rule: RoutingRule, hidden_size: int, intermediate_size: int, act: str = "silu", *,
-                 dtype: torch.dtype, quant_config: Any = None, prefix: str = "") -> None:
+    def __init__(self, rule: RoutingRule, hidden_size: int, intermediate_size: int,
+                 act: str | Callable[[torch.Tensor], torch.Tensor] = "silu", *, dtype: torch.dtype,
+                 quant_config: Any = None, prefix: str = "", bias: bool = False) -> None:
         super().__init__()
         tp = get_tp()
         # A GGUF file's experts arrive as each expert's raw blocks (``loader/gguf_file.iter_expert_tensors``): kept
@@ -109,10 +115,20 @@ class FusedMoE(DirectCall, nn.Module):
         self.down_proj = set_weight_loader(
             nn.Parameter(torch.empty(stacks, hidden_size, down_width, dtype=dtype), requires_grad=False),
             self._load_down)
-        self.act_and_mul = gated_activation(act)
+        self.act_and_mul = gated_activation(act) if isinstance(act, str) else act
+        self.gate_up_proj_bias: nn.Parameter | None = None
+        self.down_proj_bias: nn.Parameter | None = None
+        if bias:
+            self.gate_up_proj_bias = set_weight_loader(
+                nn.Parameter(torch.empty(num_experts, 2 * part, dtype=dtype), requires_grad=False),
+                self._load_gate_up_bias)
+            self.down_proj_bias = set_weight_loader(
+                nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False),
+                self._load_down_bias)
         # Set by process_weights_after_loading (one of the three forms; see the module docstring).
         self._kernels: Any = None  # the C++ kernels module of the panel form
         self._quantized: list[tuple[Linear, Linear]] | None = None  # per expert (gate_up, down) of the scheme
+        self._routes_in_kernels = False  # float32 panels with moe_route / moe_gather_rows / moe_combine
         self._processed = False
 
     # -- loading --------------------------------------------------------------------------------------------------
@@ -155,6 +171,24 @@ class FusedMoE(DirectCall, nn.Module):
             self._gguf_blocks[(local, DOWN)] = loaded
         elif local is not None:
             param.data[local].copy_(loaded.narrow(1, start, size))
+
+    def _load_gate_up_bias(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        """Every expert's gate and up biases fused, [E, 2I] laid out [gate | up]."""
+        full, part = self.part.full, self.part
+        self._check(loaded, (self.rule.num_experts, 2 * full), "gate_up_proj_bias")
+        local = loaded.narrow(0, self.first_expert, self.num_local_experts)
+        for which in (GATE, UP):
+            param.data.narrow(1, which * part.size, part.size).copy_(local.narrow(1, which * full + part.start,
+                                                                                  part.size))
+
+    def _load_down_bias(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        """Every expert's down bias, [E, H]. Split by intermediate columns across ranks, the down projections' partial
+        sums are all-reduced, so only rank 0 adds the bias (the others hold zeros)."""
+        self._check(loaded, (self.rule.num_experts, self.hidden_size), "down_proj_bias")
+        if self.tensor_parallel and not self.expert_parallel and get_tp().rank != 0:
+            param.data.zero_()
+            return
+        param.data.copy_(loaded.narrow(0, self.first_expert, self.num_local_experts))
 
     def _local(self, expert: int) -> int | None:
         """This rank's index of checkpoint expert ``expert``, None where another rank holds it."""
@@ -214,6 +248,9 @@ class FusedMoE(DirectCall, nn.Module):
                 panels = torch.stack([pack_weight(stack[e]) for e in range(stack.shape[0])])
                 self.register_buffer(f"{name}_panels", panels, persistent=False)
             self._kernels = kernels
+            # The routing kernels too (a build that has them), except under expert parallelism (other ranks'
+            # experts are masked out in torch).
+            self._routes_in_kernels = hasattr(kernels, "moe_route") and not self.expert_parallel
             self._drop_stacks()
 
     def _drop_stacks(self) -> None:
@@ -269,8 +306,17 @@ class FusedMoE(DirectCall, nn.Module):
         return layer
 
     # -- forward --------------------------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """x [T, H], router_logits [T, E] -> [T, H] in x's dtype."""
+    def routes_in_kernels(self, x: torch.Tensor, router_logits: torch.Tensor) -> bool:
+        """Whether this call runs entirely in the C++ kernels (``_forward_kernels``)."""
+        return self._routes_in_kernels and router_logits.dtype == torch.float32 and x.stride(-1) == 1
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor,
+                shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [T, H], router_logits [T, E] -> [T, H] in x's dtype. ``shared``: (a shared expert's output [T, H], its
+        gate logits [T, 1]) to add as ``sigmoid(gate) * output`` (Qwen2-MoE), on one rank only (under tensor
+        parallelism the shared expert all-reduces its own output)."""
+        if self.routes_in_kernels(x, router_logits):
+            return self._forward_kernels(x, router_logits, shared)
         weights, ids = select_experts(router_logits, self.rule)
         if self.expert_parallel:  # other ranks' experts go to a bucket past this rank's, which is then left out
             ids = ids - self.first_expert
@@ -288,19 +334,60 @@ class FusedMoE(DirectCall, nn.Module):
         out = torch.zeros(x.shape[0], self.hidden_size, dtype=torch.float32, device=x.device)
         out.index_add_(0, groups.token_of, y.float() * groups.weight)
         out = out.to(x.dtype)
-        return all_reduce(out) if self.tensor_parallel else out
+        out = all_reduce(out) if self.tensor_parallel else out
+        return out if shared is None else out + torch.sigmoid(shared[1]) * shared[0]
+
+    def _forward_kernels(self, x: torch.Tensor, router_logits: torch.Tensor,
+                         shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The float32 panels form with the routing in C++ too (``moe_route.cpp``: top-k, the sort by expert, the
+        gather of rows, the weighted sum back), every result in a tensor allocated here: a decode step of a model
+        made of such layers is nothing but kernel calls, which a CPU step graph records. x [T, H] -> [T, H]."""
+        kernels, rule = self._kernels, self.rule
+        t, num_rows = x.shape[0], x.shape[0] * rule.top_k
+        token_of = torch.empty(num_rows, dtype=torch.int64, device=x.device)
+        weight = torch.empty(num_rows, 1, dtype=torch.float32, device=x.device)
+        ends = torch.empty(rule.num_experts, dtype=torch.int32, device=x.device)
+        kernels.moe_route(router_logits, rule.top_k, rule.scoring == "topk_softmax", rule.renormalize, token_of,
+                          weight, ends)
+        rows = torch.empty(num_rows, self.hidden_size, dtype=x.dtype, device=x.device)
+        kernels.moe_gather_rows(x, token_of, rows)
+        y = self._experts_panels(rows, ExpertGroups(token_of, weight, ends))
+        out = torch.empty(t, self.hidden_size, dtype=x.dtype, device=x.device)
+        if shared is not None and not self.tensor_parallel:
+            kernels.moe_combine(y, token_of, weight, out, shared[0], shared[1])
+            return out
+        kernels.moe_combine(y, token_of, weight, out)
+        out = all_reduce(out) if self.tensor_parallel else out
+        return out if shared is None else out + torch.sigmoid(shared[1]) * shared[0]
+
+    def _row_bias(self, bias: torch.Tensor | None, ends: torch.Tensor, num_rows: int) -> torch.Tensor | None:
+        """bias [E, N] -> each sorted row's expert's bias [R, N] (None without biases)."""
+        if bias is None:
+            return None
+        counts = torch.diff(ends.to(torch.int64), prepend=ends.new_zeros(1, dtype=torch.int64))
+        return bias.repeat_interleave(counts.to(bias.device), dim=0, output_size=num_rows)
 
     def _experts_panels(self, rows: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         """float32 panels: rows [R, H] sorted by expert -> [R, H], two C++ calls threading over (expert, panels)."""
         moe_gemm = self._kernels.moe_packed_gemm
         gate_up = moe_gemm(rows, self.gate_up_proj_panels, groups.ends, 2 * self.part.size)
-        return moe_gemm(self.act_and_mul(gate_up), self.down_proj_panels, groups.ends, self.hidden_size)
+        if self.gate_up_proj_bias is not None:
+            gate_up += self._row_bias(self.gate_up_proj_bias, groups.ends, rows.shape[0])
+        y = moe_gemm(self.act_and_mul(gate_up), self.down_proj_panels, groups.ends, self.hidden_size)
+        if self.down_proj_bias is not None:
+            y += self._row_bias(self.down_proj_bias, groups.ends, rows.shape[0])
+        return y
 
     def _experts_grouped(self, rows: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         """Float stacks: rows [R, H] sorted by expert -> each row through its expert's MLP, [R, H]."""
         ends = groups.ends.to(rows.device)
         gate_up = grouped_matmul(rows, self.gate_up_proj, ends)
-        return grouped_matmul(self.act_and_mul(gate_up), self.down_proj, ends)
+        if self.gate_up_proj_bias is not None:
+            gate_up += self._row_bias(self.gate_up_proj_bias, ends, rows.shape[0])
+        y = grouped_matmul(self.act_and_mul(gate_up), self.down_proj, ends)
+        if self.down_proj_bias is not None:
+            y += self._row_bias(self.down_proj_bias, ends, rows.shape[0])
+        return y
 
     def _experts_quantized(self, rows: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         """Per-expert layers: each expert with rows this step multiplies its run of ``rows`` [R, H] -> [R, H]. The
@@ -312,13 +399,19 @@ class FusedMoE(DirectCall, nn.Module):
             if end > start:
                 gate_up, down = self._quantized[expert]
                 run = y[start:end]
-                got = down(self.act_and_mul(gate_up(rows[start:end])), run)  # written into y where the form can
+                hidden = gate_up(rows[start:end])
+                if self.gate_up_proj_bias is not None:
+                    hidden = hidden + self.gate_up_proj_bias[expert]
+                got = down(self.act_and_mul(hidden), run)  # written into y where the form can
                 if got.data_ptr() != run.data_ptr():
                     run.copy_(got)
+                if self.down_proj_bias is not None:
+                    run += self.down_proj_bias[expert]
             start = end
         return y
 
     def extra_repr(self) -> str:
         r = self.rule
         return (f"experts={r.num_experts}, top_k={r.top_k}, scoring={r.scoring}, renormalize={r.renormalize}, "
-                f"hidden={self.hidden_size}, intermediate={self.part.size}/{self.part.full}")
+                f"hidden={self.hidden_size}, intermediate={self.part.size}/{self.part.full}, "
+                f"bias={self.down_proj_bias is not None}")
