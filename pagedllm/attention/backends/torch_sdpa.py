@@ -107,7 +107,8 @@ def attend_fresh_groups(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 
 
 def _attend_with_context(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                         rows: list[int], scale: float, out: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
+                         rows: list[int], scale: float, out: torch.Tensor,
+                         kv_scale: torch.Tensor | None = None) -> None:
     """Portable path: the step's decodes batched, the other requests in ``rows`` one by one."""
     if meta.num_decodes:
         _attend_decodes(query, kv_cache, meta, scale, out, kv_scale)
