@@ -46,12 +46,14 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto", "fp8"])
     parser.add_argument("--max-tokens", type=int, default=2000)
+    parser.add_argument("--calculate-kv-scales", action="store_true", help="fp8 caches: scales from the first step")
     args = parser.parse_args()
     first = None
     for kv_dtype in args.kv_cache_dtypes:
         kw = {} if args.model is None else {"model": args.model}
+        fp8 = kv_dtype.startswith("fp8")
         llm = LLM(dtype=args.dtype, kv_cache_dtype=kv_dtype, kv_cache_memory="256MiB", max_num_batched_tokens=512,
-                  enable_prefix_caching=False, **kw)
+                  enable_prefix_caching=False, calculate_kv_scales=fp8 and args.calculate_kv_scales, **kw)
         ppl = perplexity(llm, text_ids(llm, args.max_tokens))
         first = first or ppl
         print(json.dumps({"kv_cache_dtype": kv_dtype, "perplexity": round(ppl, 4),
