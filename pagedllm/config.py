@@ -20,8 +20,9 @@ DEFAULT_POOLING_MODEL = "all-minilm-l6-v2"
 RUNNERS = ("auto", "generate", "pooling")
 # --model-impl (vLLM's flag): native code, the transformers fallback, or native where it exists.
 MODEL_IMPLS = ("auto", "pagedllm", "transformers")
-# --kv-cache-dtype values (vLLM's flag; its fp8 caches are not offered): auto is the model's dtype.
-KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float32", "fp32")
+# --kv-cache-dtype values (vLLM's flag and names): auto is the model's dtype; fp8 is fp8_e4m3 (as vLLM's on CPUs and
+# CUDA), stored with a per-layer scale (docs/kv_cache_fp8.md).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float32", "fp32", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass
@@ -121,9 +122,13 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None: device default (see above)
     gpu_memory_utilization: float = 0.9
-    # The K/V rows' dtype (--kv-cache-dtype), resolved: the model's, or bfloat16 under a float32 model (half
-    # the bytes each attention step reads; K/V rounded once as they are stored).
+    # The K/V rows' dtype (--kv-cache-dtype), resolved: the model's, bfloat16 under a float32 model (half
+    # the bytes each attention step reads; K/V rounded once as they are stored), or fp8_e4m3 / fp8_e5m2 (one byte
+    # per element, value / the layer's scale).
     kv_cache_dtype: str = "auto"
+    # fp8 caches: each layer's k/v scales from the first step's K/V (--calculate-kv-scales), else the
+    # checkpoint's (k_scale / v_scale tensors) or 1.0.
+    calculate_kv_scales: bool = False
     # CPU: every page of the cache written once at start-up, on huge pages where allowed (--kv-cache-prefault).
     kv_cache_prefault: bool = True
     enable_prefix_caching: bool = True

@@ -44,6 +44,7 @@ class EngineArgs:
     kv_cache_memory: str | int | None = None  # None: 2 GiB on CPUs, --gpu-memory-utilization on GPUs
     kv_cache_dtype: str = "auto"
     kv_cache_prefault: bool | None = None  # None: PAGEDLLM_KV_CACHE_PREFAULT (default on)
+    calculate_kv_scales: bool = False
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     attention_backend: str = "auto"
@@ -124,8 +125,15 @@ class EngineArgs:
                            help="dtype of the cached keys and values; auto = the model's dtype. bfloat16 under a "
                                 "float32 model (a GGUF file on the CPU) halves the KV cache's memory and the bytes "
                                 "each decode step reads, rounding K/V once as they are stored (what llama.cpp's "
-                                "f16 cache does). CPU: float32 or bfloat16 under either model dtype; elsewhere the "
-                                "model's own.")
+                                "f16 cache does). fp8 (= fp8_e4m3) or fp8_e5m2: one byte per element, twice a bf16 "
+                                "cache's tokens in the same memory; each layer stores K/V divided by its k/v scale "
+                                "(the checkpoint's k_scale/v_scale, else 1.0, or --calculate-kv-scales), and the "
+                                "attention kernels read the bytes directly. CPU: float32, bfloat16 or fp8 under "
+                                "either model dtype; CUDA: the model's own or fp8. See docs/kv_cache_fp8.md.")
+        group.add_argument("--calculate-kv-scales", action="store_true", default=d.calculate_kv_scales,
+                           help="With an fp8 KV cache: set each layer's k/v scales from the first step's K/V "
+                                "(max |K| / 200, max |V| / 100, as vLLM does) instead of the checkpoint's or 1.0. "
+                                "Not with --kv-transfer-config (both instances must store with the same scales).")
         group.add_argument("--kv-cache-prefault", action=argparse.BooleanOptionalAction,
                            default=d.kv_cache_prefault,
                            help="CPU only: write every page of the KV cache once at start-up, on transparent huge "
@@ -317,6 +325,10 @@ class EngineArgs:
         check_hash_algo(self.prefix_caching_hash_algo)
         kv_events = parse_kv_events_config(self.kv_events_config)
         kv_transfer = parse_kv_transfer_config(self.kv_transfer_config)
+        if self.calculate_kv_scales and kv_transfer is not None:
+            raise ValueError("calculate_kv_scales: not with kv_transfer_config: a transferred fp8 block is only "
+                             "read right with the scales it was stored with, and each instance would calculate "
+                             "its own (use the checkpoint's scales or the default 1.0)")
         hash_algo = self.prefix_caching_hash_algo
         if kv_transfer is not None and hash_algo == "builtin":
             hash_algo = "sha256"  # block hashes that mean the same in every process
@@ -332,6 +344,7 @@ class EngineArgs:
         kv_memory = None if self.kv_cache_memory in (None, "", "auto") else parse_size(self.kv_cache_memory)
         cache = CacheConfig(block_size=self.block_size, kv_cache_memory=kv_memory,
                             kv_cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, model.dtype),
+                            calculate_kv_scales=bool(self.calculate_kv_scales),
                             kv_cache_prefault=(envs.PAGEDLLM_KV_CACHE_PREFAULT if self.kv_cache_prefault is None
                                                else self.kv_cache_prefault),
                             gpu_memory_utilization=float(self.gpu_memory_utilization),

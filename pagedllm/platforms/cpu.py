@@ -66,10 +66,12 @@ class CpuPlatform(Platform):
         return self.elementwise_family(dtype) if table_dtype == dtype else None
 
     def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-        # The C++ kernels read float32 or bf16 K/V under float32 or bf16 queries, and write_kv rounds float32
-        # K/V into a bf16 cache; the portable path casts what it gathers.
+        # The C++ kernels read float32, bf16 or fp8 K/V under float32 or bf16 queries, and write_kv rounds float32
+        # K/V into a bf16 or fp8 cache; the portable path casts what it gathers.
         both = (torch.float32, torch.bfloat16)
-        return (model_dtype, *(d for d in both if d != model_dtype)) if model_dtype in both else (model_dtype,)
+        if model_dtype not in both:
+            return (model_dtype,)
+        return (model_dtype, *(d for d in both if d != model_dtype), torch.float8_e4m3fn, torch.float8_e5m2)
 
     def onednn_bf16(self) -> bool:
         return cpu_probes.onednn_bf16_available()

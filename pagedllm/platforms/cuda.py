@@ -27,6 +27,10 @@ class CudaPlatform(Platform):
     def is_available(self) -> bool:
         return torch.cuda.is_available()
 
+    def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+        # The Triton kernel reads fp8 rows (widened in registers: Triton converts fp8 natively from sm_89 on).
+        return (model_dtype, torch.float8_e4m3fn, torch.float8_e5m2)
+
     def max_tensor_parallel_size(self) -> int:
         return torch.cuda.device_count()
 

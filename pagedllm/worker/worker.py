@@ -22,6 +22,16 @@ logger = init_logger(__name__)
 CPU_DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3  # without --kv-cache-memory on a CPU
 
 
+def kv_format(model: torch.nn.Module, kv_dtype: torch.dtype) -> str:
+    """What a KV cache's bytes mean, for the two ends of a transfer to compare: its dtype and, for an 8-bit
+    cache, each layer's k/v scales."""
+    name = str(kv_dtype).removeprefix("torch.")
+    if kv_dtype.itemsize != 1:
+        return name
+    scales = [layer.kv_scale.tolist() for layer in attention_layers(model) if layer.spec.uses_kv_cache]
+    return name + ":" + ",".join(f"{k:.8g}/{v:.8g}" for k, v in scales)
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if platform_for("cuda").is_available() else "cpu")
@@ -45,7 +55,7 @@ class Worker:
                  tp_alive: Callable[[], None] | None = None) -> None:
         from pagedllm.distributed.parallel_state import get_tp, init_tensor_parallel
         from pagedllm.model_executor.loader import load_model
-        from pagedllm.model_executor.loader.dtype import torch_dtype
+        from pagedllm.model_executor.loader.dtype import kv_cache_torch_dtype, torch_dtype
 
         self.config = config
         self.kv_connector = None  # a KV connector's worker half (attach_kv_connector), else None
@@ -61,7 +71,7 @@ class Worker:
             self.tp = get_tp()
         mc = config.model
         self.dtype = torch_dtype(mc.dtype)
-        self.kv_dtype = torch_dtype(config.cache.kv_cache_dtype)
+        self.kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype)
         if self.kv_dtype not in self.platform.kv_cache_dtypes(self.dtype):
             allowed = ", ".join(str(d).removeprefix("torch.") for d in self.platform.kv_cache_dtypes(self.dtype))
             raise ValueError(f"kv_cache_dtype: {config.cache.kv_cache_dtype} is not available for a {mc.dtype} "
@@ -84,6 +94,12 @@ class Worker:
         # The windows the model's attention layers decide (part of the KV cache layout).
         self.sliding_window = self.runner.kv_sliding_window()
         self.sliding_group_window = self.runner.kv_cache_groups()[1]
+        if self.kv_dtype.itemsize == 1 and (self.sliding_window is not None or self.sliding_group_window is not None
+                                            or mc.is_encoder_decoder
+                                            or any(m.sinks is not None for m in attention_layers(model))):
+            raise ValueError(f"kv_cache_dtype: an fp8 KV cache serves models whose cached layers are all causal "
+                             f"full attention without sinks; {mc.architecture} has sliding-window, cross-attention "
+                             f"or sink layers")
         if mc.is_encoder_decoder:
             from pagedllm.sample.whisper_rules import WhisperDecodingRules, WhisperRulesStage
             from pagedllm.worker.encoder_decoder import attach_encoder_decoder
@@ -242,6 +258,8 @@ class Worker:
         logger.info("KV cache: %d blocks of %d tokens (%s, %s), %d tokens; max concurrency %.1fx at %d tokens "
                     "per request", num_blocks, cache.block_size, size, cache.kv_cache_dtype, tokens,
                     tokens / max_len, max_len)
+        if self.kv_dtype.itemsize == 1:
+            self._start_kv_scales()
         if self.platform.maps_kv_lazily:
             logger.info("KV cache: %s", f"resident from start-up, written in {elapsed:.2f} s (--no-kv-cache-prefault "
                         "maps pages as blocks are first used)" if cache.kv_cache_prefault else
@@ -258,6 +276,26 @@ class Worker:
                         "layers'", group[1], group[0], format_bytes(group[0] * self.runner.bytes_per_block(1)),
                         self.config.scheduler.max_num_seqs)
         self.capture_decode_graphs()
+
+    def _start_kv_scales(self) -> None:
+        """An fp8 cache: log where the layers' k/v scales come from; with --calculate-kv-scales, ask the layers to
+        set them from their first forward (the first real step: the graphs above recorded with the scale tensors,
+        which their replays read then)."""
+        from pagedllm.model_executor.layers.attention import attention_layers
+        from pagedllm.model_executor.layers.kv_cache_scales import set_calculate_kv_scales
+
+        models = [self.runner.model, *([d] if (d := getattr(self.runner, "draft_model", None)) is not None else [])]
+        if self.config.cache.calculate_kv_scales:
+            for model in models:
+                set_calculate_kv_scales(model, True)
+            logger.info("KV cache: fp8 scales of each layer set from the first step's K/V (--calculate-kv-scales)")
+            return
+        scales = [layer.kv_scale.tolist() for layer in attention_layers(self.runner.model) if layer.spec.uses_kv_cache]
+        loaded = sum(s != [1.0, 1.0] for s in scales)
+        logger.info("KV cache: fp8 scales %s", f"from the checkpoint for {loaded} of {len(scales)} layers (k_scale "
+                    f"{min(s[0] for s in scales):.4g}-{max(s[0] for s in scales):.4g})" if loaded else
+                    "1.0 (the checkpoint ships no k_scale/v_scale; --calculate-kv-scales sets them from the first "
+                    "step)")
 
     def capture_decode_graphs(self) -> None:
         """After the KV cache exists: record decode steps for a ladder of batch sizes, as CUDA graphs on a GPU
@@ -307,6 +345,7 @@ class Worker:
             raise ValueError("kv_transfer_config: a draft model's KV cache is not transferred; use the ngram "
                              "method or no speculation")
         self.platform.prepare_kv_for_transfer(runner.kv_caches)
+        connector.set_kv_format(kv_format(runner.model, runner.kv_caches[0].dtype))
         connector.register_kv_caches(runner.kv_caches)
         self.kv_connector = connector
 

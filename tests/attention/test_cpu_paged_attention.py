@@ -201,7 +201,7 @@ def test_bf16_query_and_output_match_the_bf16_reference(allow_amx: bool, block_s
     with pytest.raises(RuntimeError, match="both"):
         kernels.paged_attention(q16, cache[0], cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                 torch.zeros_like(query), 0.125, rows)
-    with pytest.raises(RuntimeError, match="bfloat16 cache"):
+    with pytest.raises(RuntimeError, match="bfloat16 or fp8 cache"):
         kernels.paged_attention(q16, cache[0].float(), cache[1].float(), meta.block_tables, meta.seq_lens,
                                 meta.query_start_loc, got, 0.125, rows)
 

@@ -235,3 +235,51 @@ def test_stale_non_finite_cache_slots_are_never_read(window: int) -> None:
     out = triton_paged_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), cache.to(DEVICE), meta, dim ** -0.5,
                                  sliding_window=window, num_splits=None)
     assert torch.isfinite(out.cpu()).all()
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("query_lens,num_splits", [([1, 1, 1, 7, 23], None), ([1, 1, 1], 4)])
+def test_fp8_cache_read_in_place_as_the_portable_path_reads_it(cache_dtype, query_dtype, query_lens,
+                                                                num_splits) -> None:
+    """--kv-cache-dtype fp8: the kernel loads the 8-bit rows, widens them in registers and applies the layer's
+    k/v scales (the k scale with the scores', the v scale on the output; split decodes too). Against the portable
+    torch path over a copy of the same cache: both store the step's K/V as the same bytes."""
+    from pagedllm.attention.backends.paged_kv import quantize_kv
+    from pagedllm.attention.backends.torch_sdpa import paged_attention as portable
+
+    from helpers.step_state import prepared
+
+    rng = random.Random(5)
+    torch.manual_seed(5)
+    block_size, num_heads, num_kv_heads, head_dim = 16, 6, 2, 32
+    context_lens = [13, 40, 70, 21, 0][:len(query_lens)]
+    seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 2
+    ids = list(range(1, num_blocks))
+    rng.shuffle(ids)
+    tables = []
+    for s in seq_lens:
+        n = -(-s // block_size)
+        tables.append(ids[:n])
+        ids = ids[n:]
+    kv_scale = torch.tensor([0.02, 0.05])
+    context = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim) * 3
+    cache = torch.stack([quantize_kv(context[c], cache_dtype, kv_scale[c]) for c in (0, 1)])
+    t = sum(query_lens)
+    query = torch.randn(t, num_heads, head_dim).to(query_dtype)
+    key = (torch.randn(t, num_kv_heads, head_dim) * 3).to(query_dtype)
+    value = (torch.randn(t, num_kv_heads, head_dim) * 3).to(query_dtype)
+    scale = head_dim ** -0.5
+    want_cache = cache.clone()
+    # float32 reference (a bf16 query's K/V widen exactly, and store the same bytes)
+    want = portable(query.float(), key.float(), value.float(), want_cache,
+                    prepared(build_attention_metadata(query_lens, seq_lens, tables, block_size)), scale, kv_scale)
+    on = {"device": DEVICE}
+    meta = build_attention_metadata(query_lens, seq_lens, tables, block_size, DEVICE)
+    got_cache = cache.to(**on)
+    got = triton_paged_attention(query.to(**on), key.to(**on), value.to(**on), got_cache, meta, scale,
+                                 num_splits=num_splits, kv_scale=kv_scale.to(**on)).cpu()
+    assert torch.equal(got_cache.cpu().view(torch.uint8), want_cache.view(torch.uint8))
+    tol = 2e-5 if query_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)

@@ -195,3 +195,35 @@ def _anon_huge_kb(address: int) -> int:
             elif inside and head == "AnonHugePages:":
                 return int(line.split()[1])
     return 0
+
+
+def test_fp8_blocks_move_as_bytes_and_a_peer_with_other_scales_is_refused() -> None:
+    """An fp8 cache's blocks move byte for byte between instances whose kv_format (dtype and every layer's k/v
+    scales) agrees; a producer that stored with other scales fails the receive (the prompt is recomputed)."""
+    def fp8_worker(role: str, kv_format: str) -> NixlConnector:
+        config = parse_kv_transfer_config({"kv_connector": "NixlConnector", "kv_role": role})
+        conn = NixlConnector(config, KVConnectorRole.WORKER, BS)
+        caches = [torch.zeros(2, BLOCKS, BS, HEADS, DIM, dtype=torch.float8_e4m3fn) for _ in range(LAYERS)]
+        if role == "kv_producer":
+            for c in caches:
+                c.copy_(torch.randn(c.shape).to(torch.float8_e4m3fn))
+        conn.set_kv_format(kv_format)
+        conn.register_kv_caches(caches)
+        return conn
+
+    same = "float8_e4m3fn:0.5/0.25,0.5/0.25,0.5/0.25"
+    prod, cons, other = (fp8_worker("kv_producer", same), fp8_worker("kv_consumer", same),
+                         fp8_worker("kv_consumer", same.replace("0.25", "0.125")))
+    try:
+        _step(prod, NixlMetadata(send={"p-1": [3, 5]}))
+        _step(cons, NixlMetadata(recv={"d-1": _spec(prod, [1, 2], [3, 5])}))
+        out = _until(cons, lambda o: "d-1" in o.finished_recving)
+        assert not out.failed_recving
+        for src, dst in zip(prod.kv_caches, cons.kv_caches):
+            assert torch.equal(dst[:, [1, 2]].view(torch.uint8), src[:, [3, 5]].view(torch.uint8))
+        _step(other, NixlMetadata(recv={"d-2": _spec(prod, [1], [3], rid="p-2")}))
+        _until(other, lambda o: "d-2" in o.failed_recving)
+        assert not other.kv_caches[0].view(torch.uint8).any()
+    finally:
+        for conn in (prod, cons, other):
+            conn.shutdown()

@@ -23,13 +23,17 @@ def _ids(llm: LLM, prompts: list[str] | str) -> list[list[int]]:
 
 def test_platforms_offer_the_dtypes_their_attention_reads() -> None:
     cpu = CpuPlatform()
-    assert cpu.kv_cache_dtypes(torch.float32) == (torch.float32, torch.bfloat16)
-    assert cpu.kv_cache_dtypes(torch.bfloat16) == (torch.bfloat16, torch.float32)
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    assert cpu.kv_cache_dtypes(torch.float32) == (torch.float32, torch.bfloat16, *fp8)
+    assert cpu.kv_cache_dtypes(torch.bfloat16) == (torch.bfloat16, torch.float32, *fp8)
     assert cpu.kv_cache_dtypes(torch.float16) == (torch.float16,)
-    assert Platform().kv_cache_dtypes(torch.bfloat16) == (torch.bfloat16,)  # CUDA: the model's own only
+    assert Platform().kv_cache_dtypes(torch.bfloat16) == (torch.bfloat16,)  # the interface: the model's own only
+    from pagedllm.platforms.cuda import CudaPlatform
+
+    assert CudaPlatform().kv_cache_dtypes(torch.bfloat16) == (torch.bfloat16, *fp8)  # Triton reads fp8 too
 
 
-@pytest.mark.parametrize("value", ["fp8", "float16", "int8"])
+@pytest.mark.parametrize("value", ["fp9", "float16", "int8", "fp8_e3m4"])
 def test_unsupported_kv_cache_dtype_names_the_field(tmp_path, value: str) -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineArgs(model=make_tiny_llama(tmp_path / "m"), kv_cache_dtype=value).create_engine_config()

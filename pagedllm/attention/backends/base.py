@@ -44,19 +44,22 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor | None,
-                meta: AttentionMetadata, spec: AttentionSpec, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, spec: AttentionSpec, scale: float,
+                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         """query: [T, H, D]; key/value: [T, Hkv, D] (this step's new tokens) -> output [T, H, D].
 
         ``kv_cache`` ([2, num_blocks, block_size, Hkv, D]) receives this step's K/V by ``meta.slot_mapping``
         before any request reads it; it is None for encoder layers, which keep no cache. key/value None
         (only where ``takes_kv_from_rotary`` said yes): the step's K/V is in the cache already.
+        ``kv_scale``: [2] float32 (k_scale, v_scale) of an fp8 cache (``paged_kv``), on the cache's device; None
+        or ignored for other caches.
         """
 
     def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
         """Store K/V computed outside a forward (an encoder's output for cross-attention) by slot.
         key/value: [T, Hkv, D] (token rows may be strided); slot_mapping: [T] int64."""
-        write_kv(kv_cache, key, value, slot_mapping)
+        write_kv(kv_cache, key, value, slot_mapping, kv_scale)
 
     def takes_kv_from_rotary(self, qkv: torch.Tensor) -> bool:
         """Whether, for tensors like ``qkv``, this backend lets the rotary kernel write the step's K/V into the

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from pagedllm import envs
-from pagedllm.attention.backends.paged_kv import as_stored, gather_tokens
+from pagedllm.attention.backends.paged_kv import as_stored, gather_tokens, is_fp8, kv_scale_of
 from pagedllm.attention.backends.torch_encoder import bf16_kernel
 from pagedllm.attention.backends.torch_sdpa import (
     AttentionPlan,
@@ -91,45 +91,53 @@ def kernel_limits(query: torch.Tensor) -> tuple[int, int]:
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    kernels: Any | None = None) -> torch.Tensor:
+                    kernels: Any | None = None, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """query: [T, H, D]; key/value: [T, Hkv, D] (this step's new tokens) -> output [T, H, D].
 
     K/V of this step are written to the cache first. The paged kernel takes decodes, short chunks and short fresh
     prompts (reading their K/V back from the cache while it is hot); longer ones go to the causal kernels or
     SDPA's blocked matmuls. Without ``kernels`` the portable path (``torch_sdpa.paged_attention``) serves it all.
+    An fp8 cache (``kv_scale``: its [2] k/v scales) is read by the paged kernel in place; the causal kernels take
+    long prompts and chunks over K/V rounded as stored and widened to the query's dtype.
     """
     if kernels is None:
-        return portable_paged_attention(query, key, value, kv_cache, meta, scale)
-    kernels.write_kv(key, value, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        return portable_paged_attention(query, key, value, kv_cache, meta, scale, kv_scale)
+    fp8 = is_fp8(kv_cache.dtype)
+    if not fp8:
+        kv_scale = None  # only an fp8 cache has scales
+    kernels.write_kv(key, value, kv_cache[0], kv_cache[1], meta.slot_mapping, kv_scale)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # query may be a strided view
     split = kernel_split(step_plan(meta), *kernel_limits(query))
     kernel_rows, fresh_left = split.kernel_rows, split.long_fresh
     if split.long_chunks:
         chunk_kernel = _causal_kernel(kernels, query)
         if chunk_kernel is not None:
-            _attend_chunks_in_kernel(query, kv_cache, meta, split.long_chunks, scale, out, kernels, chunk_kernel)
+            _attend_chunks_in_kernel(query, kv_cache, meta, split.long_chunks, scale, out, kernels, chunk_kernel,
+                                     kv_scale)
         else:
-            attend_chunks(query, kv_cache, meta, split.long_chunks, scale, out)
+            attend_chunks(query, kv_cache, meta, split.long_chunks, scale, out, kv_scale)
     if kernel_rows is not None:
-        # float32, or bf16 with a bf16 cache (the kernel widens each token's query itself); any other
+        # float32, or bf16 with a bf16 or fp8 cache (the kernel widens each token's query itself); any other
         # query goes through float32 copies.
-        native = query.dtype == torch.float32 or query.dtype == kv_cache.dtype == torch.bfloat16
+        native = query.dtype == torch.float32 or (query.dtype == torch.bfloat16 and
+                                                  (fp8 or kv_cache.dtype == torch.bfloat16))
         q_in = query if native else query.float()
         if not _heads_contiguous(q_in):
             q_in = q_in.contiguous()  # the kernel reads each token's heads as one row (views of a fused qkv do)
         out_k = out if native else torch.empty_like(q_in)
         kernels.paged_attention(q_in, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens,
-                                meta.query_start_loc, out_k, scale, kernel_rows)
+                                meta.query_start_loc, out_k, scale, kernel_rows, kv_scale=kv_scale)
         if out_k is not out:
             out.copy_(out_k)  # rows left to the other paths are overwritten below
     if fresh_left:
-        stored_key, stored_value = as_stored(key, kv_cache.dtype), as_stored(value, kv_cache.dtype)
+        stored_key = as_stored(key, kv_cache.dtype, kv_scale_of(kv_scale, 0))
+        stored_value = as_stored(value, kv_cache.dtype, kv_scale_of(kv_scale, 1))
         prompt_kernel = _causal_kernel(kernels, query, stored_key, stored_value)
         if prompt_kernel is not None:
             _attend_fresh_in_kernel(query, stored_key, stored_value, meta, fresh_left, scale, out, kernels,
                                     prompt_kernel)
             return out
-    attend_fresh_groups(query, key, value, kv_cache, meta, fresh_left, scale, out)
+    attend_fresh_groups(query, key, value, kv_cache, meta, fresh_left, scale, out, kv_scale)
     return out
 
 
@@ -182,7 +190,8 @@ def _attend_fresh_in_kernel(query: torch.Tensor, key: torch.Tensor, value: torch
 
 
 def _attend_chunks_in_kernel(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, rows: list[int],
-                             scale: float, out: torch.Tensor, kernels: Any, kernel: str) -> None:
+                             scale: float, out: torch.Tensor, kernels: Any, kernel: str,
+                             kv_scale: torch.Tensor | None = None) -> None:
     """Requests ``rows`` with earlier context (long later chunks, long rests of prefix-cache hits) through the C++
     causal attention kernel (``kernel``), one call each over K/V gathered through its block table: its q_len queries
     are the last q_len of its seq_len positions. Faster than SDPA with the chunk's mask (figures:
@@ -192,7 +201,8 @@ def _attend_chunks_in_kernel(query: torch.Tensor, kv_cache: torch.Tensor, meta: 
         start, end, seq_len = qsl[i], qsl[i + 1], seq_lens[i]
         table = meta.block_tables[i:i + 1]
         # [L, Hkv, D], each token's heads contiguous (a view of the gathered blocks)
-        k, v = (gather_tokens(kv_cache[c], table, seq_len, query.dtype)[0].transpose(0, 1) for c in (0, 1))
+        k, v = (gather_tokens(kv_cache[c], table, seq_len, query.dtype, kv_scale_of(kv_scale, c))[0].transpose(0, 1)
+                for c in (0, 1))
         offsets = torch.tensor([0, end - start], dtype=torch.int32)
         key_offsets = torch.tensor([0, seq_len], dtype=torch.int32)
         out[start:end] = kernels.encoder_attention(query[start:end], k, v, offsets, scale, kernel, True, key_offsets)
@@ -213,9 +223,10 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
         return self.kernels
 
     def _paged_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return paged_attention(query, key, value, kv_cache, meta, scale, self.kernels)
+                         meta: AttentionMetadata, scale: float, kv_scale: torch.Tensor | None) -> torch.Tensor:
+        return paged_attention(query, key, value, kv_cache, meta, scale, self.kernels, kv_scale)
 
     def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        self.kernels.write_kv(key, value, kv_cache[0], kv_cache[1], slot_mapping)
+                 slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
+        self.kernels.write_kv(key, value, kv_cache[0], kv_cache[1], slot_mapping,
+                              kv_scale if is_fp8(kv_cache.dtype) else None)

@@ -25,12 +25,14 @@ class DeviceAttentionBackend(AttentionBackend):
         return get_attention_backend(platform_of(qkv)).takes_kv_from_rotary(qkv)
 
     def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        get_attention_backend(platform_of(key)).write_kv(kv_cache, key, value, slot_mapping)
+                 slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
+        get_attention_backend(platform_of(key)).write_kv(kv_cache, key, value, slot_mapping, kv_scale)
 
     def prepare_step(self, meta: AttentionMetadata, specs: Collection[AttentionSpec]) -> None:
         get_attention_backend(platform_of(meta.seq_lens)).prepare_step(meta, specs)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor | None,
-                meta: AttentionMetadata, spec: AttentionSpec, scale: float) -> torch.Tensor:
-        return get_attention_backend(platform_of(query)).forward(query, key, value, kv_cache, meta, spec, scale)
+                meta: AttentionMetadata, spec: AttentionSpec, scale: float,
+                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+        return get_attention_backend(platform_of(query)).forward(query, key, value, kv_cache, meta, spec, scale,
+                                                                 kv_scale)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.attention.backends.cross_attention import build_cross_layout, cross_attention
-from pagedllm.attention.backends.paged_kv import as_stored, gather_tokens, write_kv
+from pagedllm.attention.backends.paged_kv import as_stored, gather_tokens, is_fp8, kv_scale_of, write_kv
 from pagedllm.attention.backends.torch_encoder import encoder_attention, encoder_state
 from pagedllm.attention.backends.torch_state import TorchStepState, missing, torch_state
 from pagedllm.attention.backends.torch_windowed import sliding_window_attention
@@ -78,43 +78,47 @@ def step_plan(meta: AttentionMetadata) -> AttentionPlan:
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """query: [T, H, D]; key/value: [T, Hkv, D] (this step's new tokens) -> output [T, H, D].
 
     K/V of this step are written to the cache first; requests with earlier context read it from there, fresh
-    prompts attend to their own new K/V.
+    prompts attend to their own new K/V. ``kv_scale``: an fp8 cache's [2] k/v scales (``paged_kv``).
     """
-    write_kv(kv_cache, key, value, meta.slot_mapping)
+    write_kv(kv_cache, key, value, meta.slot_mapping, kv_scale)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # query may be a strided view
     plan = step_plan(meta)
     if plan.with_context:
-        _attend_with_context(query, kv_cache, meta, plan.with_context, scale, out)
-    attend_fresh_groups(query, key, value, kv_cache, meta, plan.fresh_groups, scale, out)
+        _attend_with_context(query, kv_cache, meta, plan.with_context, scale, out, kv_scale)
+    attend_fresh_groups(query, key, value, kv_cache, meta, plan.fresh_groups, scale, out, kv_scale)
     return out
 
 
 def attend_fresh_groups(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                        meta: AttentionMetadata, groups: dict[int, list[int]], scale: float, out: torch.Tensor) -> None:
+                        meta: AttentionMetadata, groups: dict[int, list[int]], scale: float, out: torch.Tensor,
+                        kv_scale: torch.Tensor | None = None) -> None:
     """Fresh prompts (query length -> requests) through SDPA over their own K/V, read as the cache stores them."""
     if not groups:
         return
-    key, value = as_stored(key, kv_cache.dtype), as_stored(value, kv_cache.dtype)
+    key = as_stored(key, kv_cache.dtype, kv_scale_of(kv_scale, 0))
+    value = as_stored(value, kv_cache.dtype, kv_scale_of(kv_scale, 1))
     for q_len, rows in groups.items():
         _attend_fresh(query, key, value, meta, q_len, rows, scale, out)
 
 
 def _attend_with_context(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                         rows: list[int], scale: float, out: torch.Tensor) -> None:
+                         rows: list[int], scale: float, out: torch.Tensor,
+                         kv_scale: torch.Tensor | None = None) -> None:
     """Portable path: the step's decodes batched, the other requests in ``rows`` one by one."""
     if meta.num_decodes:
-        _attend_decodes(query, kv_cache, meta, scale, out)
+        _attend_decodes(query, kv_cache, meta, scale, out, kv_scale)
     chunks = [i for i in rows if i >= meta.num_decodes]
     if chunks:
-        attend_chunks(query, kv_cache, meta, chunks, scale, out)
+        attend_chunks(query, kv_cache, meta, chunks, scale, out, kv_scale)
 
 
 def _attend_decodes(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    out: torch.Tensor) -> None:
+                    out: torch.Tensor, kv_scale: torch.Tensor | None) -> None:
     """Portable path: the step's decodes (its first ``num_decodes`` requests) in one SDPA call over K/V gathered
     through their block tables."""
     _, num_heads, head_dim = query.shape
@@ -122,8 +126,8 @@ def _attend_decodes(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     nd = meta.num_decodes
     seq_len = meta.max_decode_seq_len
     tables = meta.block_tables[:nd]
-    k = gather_tokens(kv_cache[0], tables, seq_len, query.dtype)  # [nd, Hkv, L, D]
-    v = gather_tokens(kv_cache[1], tables, seq_len, query.dtype)
+    k = gather_tokens(kv_cache[0], tables, seq_len, query.dtype, kv_scale_of(kv_scale, 0))  # [nd, Hkv, L, D]
+    v = gather_tokens(kv_cache[1], tables, seq_len, query.dtype, kv_scale_of(kv_scale, 1))
     # GQA without copying K/V: the query heads of one KV group become G query rows.
     q = query[:nd].view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
     mask = torch.arange(seq_len, device=query.device)[None, :] < meta.seq_lens[:nd, None]
@@ -132,7 +136,7 @@ def _attend_decodes(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
 
 
 def attend_chunks(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, rows: list[int],
-                   scale: float, out: torch.Tensor) -> None:
+                   scale: float, out: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
     """Requests ``rows`` with earlier context (none a decode), one SDPA call each over K/V gathered through
     its block table: the portable path's, and the CPU backend's for long chunks."""
     num_heads, num_kv_heads = query.shape[1], kv_cache.shape[-2]
@@ -142,8 +146,8 @@ def attend_chunks(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
         start, end, seq_len = qsl[i], qsl[i + 1], seq_lens[i]
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]: 4-D (see _attend_fresh)
         table = meta.block_tables[i:i + 1]
-        k = gather_tokens(kv_cache[0], table, seq_len, query.dtype)  # [1, Hkv, L, D]
-        v = gather_tokens(kv_cache[1], table, seq_len, query.dtype)
+        k = gather_tokens(kv_cache[0], table, seq_len, query.dtype, kv_scale_of(kv_scale, 0))  # [1, Hkv, L, D]
+        v = gather_tokens(kv_cache[1], table, seq_len, query.dtype, kv_scale_of(kv_scale, 1))
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.chunk_mask(i, meta), scale=scale,
                                            enable_gqa=num_heads != num_kv_heads)
         out[start:end] = o[0].transpose(0, 1)
@@ -191,9 +195,9 @@ class TorchPagedAttentionBackend(AttentionBackend):
         return None
 
     def _paged_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                         meta: AttentionMetadata, scale: float, kv_scale: torch.Tensor | None) -> torch.Tensor:
         """A causal layer's attention (``paged_attention``'s contract); the CPU backend routes to its kernels."""
-        return paged_attention(query, key, value, kv_cache, meta, scale)
+        return paged_attention(query, key, value, kv_cache, meta, scale, kv_scale)
 
     def build_state(self, meta: AttentionMetadata, specs: Collection[AttentionSpec]) -> TorchStepState:
         """The pieces the layers of ``specs`` will read: the paged plan (causal layers, and sliding ones this
@@ -209,16 +213,20 @@ class TorchPagedAttentionBackend(AttentionBackend):
         return state
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor | None,
-                meta: AttentionMetadata, spec: AttentionSpec, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, spec: AttentionSpec, scale: float,
+                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         if spec.kind == "encoder":
             return encoder_attention(query, key, value, meta, scale, self._kernels(query))
+        if kv_cache is not None and is_fp8(kv_cache.dtype) and spec.kind != "causal":
+            raise ValueError(f"kv_cache_dtype: an fp8 KV cache serves causal attention layers only, not {spec.kind} "
+                             "ones")
         if spec.kind == "cross":
             return cross_attention(query, kv_cache, meta, scale, self._kernels(query))
         if kv_cache is None:
             raise RuntimeError("a causal or sliding-window attention layer has no KV cache bound")
         window = spec.window_for(meta.max_seq_len)
         if window is None:
-            return self._paged_attention(query, key, value, kv_cache, meta, scale)
+            return self._paged_attention(query, key, value, kv_cache, meta, scale, kv_scale)
         write_kv(kv_cache, key, value, meta.slot_mapping)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         sliding_window_attention(query, kv_cache, meta, window, scale, out)

@@ -24,7 +24,7 @@ from collections.abc import Collection
 import torch
 
 from pagedllm.attention.backends.base import AttentionBackend
-from pagedllm.attention.backends.paged_kv import write_kv
+from pagedllm.attention.backends.paged_kv import is_fp8, write_kv
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.spec import AttentionSpec
 from pagedllm.kernels.triton_ops import (
@@ -47,14 +47,14 @@ if triton is not None:
     @triton.jit
     def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-        scale,
+        scale, kv_scale_ptr,
         stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
         stride_k_block, stride_k_slot, stride_k_head,
         stride_v_block, stride_v_slot, stride_v_head,
         stride_table, part_ptr, m_part_ptr, l_part_ptr, num_heads,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
-        WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, NUM_SPLITS: tl.constexpr, FP8: tl.constexpr,
     ):
         req = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -81,6 +81,13 @@ if triton is not None:
             if DOT_FP32:
                 q = q.to(tl.float32)
             q_pos = context_len + tok  # absolute position of each row's token
+            # An fp8 cache: rows widened in registers (exactly: every e4m3 / e5m2 value is a bf16 and a half), the
+            # k scale folded into the scores' scale and the v scale into the output.
+            qk_scale = scale
+            v_scale = 1.0
+            if FP8:
+                qk_scale = scale * tl.load(kv_scale_ptr)
+                v_scale = tl.load(kv_scale_ptr + 1)
 
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -114,11 +121,13 @@ if triton is not None:
                 k = tl.load(k_cache_ptr + (block_id * stride_k_block + in_block * stride_k_slot
                                            + kv_head * stride_k_head)[:, None] + dims[None, :],
                             mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+                if FP8:
+                    k = k.to(tl.float32).to(q.dtype)
                 if DOT_FP32:
                     k = k.to(tl.float32)
-                    scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N]
+                    scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N]
                 else:
-                    scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+                    scores = tl.dot(q, tl.trans(k)).to(tl.float32) * qk_scale
                 allowed = key_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
                 if WINDOW > 0:
                     allowed = allowed & (k_pos[None, :] > q_pos[:, None] - WINDOW)
@@ -132,13 +141,15 @@ if triton is not None:
                 v = tl.load(v_cache_ptr + (block_id * stride_v_block + in_block * stride_v_slot
                                            + kv_head * stride_v_head)[:, None] + dims[None, :],
                             mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+                if FP8:
+                    v = v.to(tl.float32).to(q.dtype)
                 if DOT_FP32:
                     v = v.to(tl.float32)
                     acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
                 else:
                     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
                 m_i = m_new
-            acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            acc = acc * v_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             if NUM_SPLITS == 1:
                 o_offsets = (q_start + tok).to(tl.int64)[:, None] * stride_o_tok + head[:, None] * stride_o_head
                 tl.store(out_ptr + o_offsets + dims[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -210,20 +221,26 @@ def keys_per_iteration(head_dim: int, block_m: int, fp32_dots: bool, arch: int =
 
 def triton_paged_attention(query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
                            kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                           sliding_window: int = 0, num_splits: int | None = None) -> torch.Tensor:
+                           sliding_window: int = 0, num_splits: int | None = None,
+                           kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """query: [T, H, D]; key/value: [T, Hkv, D] (this step's tokens) -> [T, H, D].
 
     Writes this step's K/V into ``kv_cache`` ([2, num_blocks, block_size, Hkv, D]) by ``meta.slot_mapping``
     (key/value None: the rotary kernel did), then every request attends through its block table.
     ``sliding_window`` > 0: each query sees only the last ``sliding_window`` positions (itself included).
     ``num_splits``: shares of each context in a decode-only step (a power of two; default ``decode_splits``).
+    ``kv_scale``: an fp8 cache's [2] float32 k/v scales on the cache's device (None: 1.0), read by the kernel
+    from memory (graph-safe).
     """
     if triton is None:
         raise RuntimeError("the Triton attention backend needs triton (it ships with CUDA builds of torch)")
     if query.stride(-1) != 1:
         raise ValueError("query's head dimension must be contiguous")
+    fp8 = is_fp8(kv_cache.dtype)
+    if fp8 and kv_scale is None:
+        kv_scale = torch.ones(2, dtype=torch.float32, device=kv_cache.device)
     if key is not None:
-        write_kv(kv_cache, key, value, meta.slot_mapping)
+        write_kv(kv_cache, key, value, meta.slot_mapping, kv_scale if fp8 else None)
     num_tokens, num_heads, head_dim = query.shape
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -232,7 +249,7 @@ def triton_paged_attention(query: torch.Tensor, key: torch.Tensor | None, value:
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0:
         return out
-    fp32_cache = kv_cache.dtype == torch.float32
+    fp32_cache = kv_cache.dtype == torch.float32 or (fp8 and query.dtype == torch.float32)  # float32 dots
     block_m, block_q = tile_shape(group, max_query_len, head_dim, fp32_cache)
     if max_query_len != 1:
         num_splits = 1
@@ -252,7 +269,7 @@ def triton_paged_attention(query: torch.Tensor, key: torch.Tensor | None, value:
         grid = (meta.num_reqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
     _paged_attention_kernel[grid](
         out, query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        scale,
+        scale, kv_scale if fp8 else meta.seq_lens,  # (unread without FP8)
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -261,6 +278,7 @@ def triton_paged_attention(query: torch.Tensor, key: torch.Tensor | None, value:
         BLOCK_SIZE=block_size, BLOCK_N=keys_per_iteration(head_dim, block_m, fp32_cache, target_arch(query.device)),
         BLOCK_M=block_m, BLOCK_Q=block_q,
         WINDOW=max(0, int(sliding_window)), DOT_FP32=fp32_cache or interpreted(), NUM_SPLITS=num_splits,
+        FP8=fp8,
     )
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
@@ -293,8 +311,9 @@ class TritonPagedAttentionBackend(AttentionBackend):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
                 kv_cache: torch.Tensor | None, meta: AttentionMetadata, spec: AttentionSpec,
-                scale: float) -> torch.Tensor:
+                scale: float, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         if spec.kind in FALLBACK_KINDS or kv_cache is None:
             return self.fallback.forward(query, key, value, kv_cache, meta, spec, scale)
         window = spec.window if spec.kind == "sliding" else 0
-        return triton_paged_attention(query, key, value, kv_cache, meta, scale, sliding_window=window or 0)
+        return triton_paged_attention(query, key, value, kv_cache, meta, scale, sliding_window=window or 0,
+                                      kv_scale=kv_scale)

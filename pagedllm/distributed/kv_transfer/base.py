@@ -69,6 +69,9 @@ class KVConnectorBase_V1:  # noqa: N801 (vLLM's name)
     # True: the runner calls wait_for_layer_load / save_kv_layer around each layer (none of ours needs it:
     # whole blocks move before and after the forward).
     layerwise = False
+    # The cache's dtype and, for fp8, every layer's k/v scales (set_kv_format): a block read with other scales
+    # than it was stored with would be wrong, so the transfer connectors refuse a peer whose format differs.
+    kv_format = ""
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, block_size: int) -> None:
         self.config = config
@@ -77,6 +80,10 @@ class KVConnectorBase_V1:  # noqa: N801 (vLLM's name)
         self._metadata: KVConnectorMetadata | None = None
 
     # ---- worker half ---------------------------------------------------------------------------------
+    def set_kv_format(self, kv_format: str) -> None:
+        """Before register_kv_caches: what the cache's bytes mean (``kv_format``)."""
+        self.kv_format = kv_format
+
     def register_kv_caches(self, kv_caches: list[Any]) -> None:
         """The engine's KV cache, one tensor per cached layer [2, num_blocks, block_size, Hkv, D]."""
 

@@ -42,6 +42,11 @@ class MultiConnector(KVConnectorBase_V1):
         self._chosen: dict[str, int] = {}  # request id -> the connector providing its tokens
 
     # ---- worker half ---------------------------------------------------------------------------------
+    def set_kv_format(self, kv_format: str) -> None:
+        super().set_kv_format(kv_format)
+        for c in self.connectors:
+            c.set_kv_format(kv_format)
+
     def register_kv_caches(self, kv_caches: list[Any]) -> None:
         for c in self.connectors:
             c.register_kv_caches(kv_caches)

@@ -79,6 +79,7 @@ class HandshakeReply(msgspec.Struct):
     block_bytes: int = 0
     mem_type: str = "DRAM"
     device_id: int = 0
+    kv_format: str = ""  # the producer's KVConnectorBase_V1.kv_format: the consumer's must be the same
 
 
 @dataclass
@@ -270,7 +271,7 @@ class NixlConnector(KVConnectorBase_V1):
         self._consumers.add(req.engine_id)
         return HandshakeReply(True, engine_id=self.config.engine_id, agent_metadata=self.agent.get_agent_metadata(),
                               base_addrs=self.base_addrs, num_blocks=self.num_blocks, block_bytes=self.block_bytes,
-                              mem_type=self.mem_type, device_id=self.device_id)
+                              mem_type=self.mem_type, device_id=self.device_id, kv_format=self.kv_format)
 
     def _handshake(self, host: str, port: int) -> HandshakeReply:
         import zmq
@@ -378,11 +379,11 @@ class NixlConnector(KVConnectorBase_V1):
             out.finished_recving.add(rid)
             return
         if reply.engine_id != spec.remote_engine_id or reply.block_bytes != self.block_bytes or \
-                len(reply.base_addrs) != len(self.base_addrs) or \
+                reply.kv_format != self.kv_format or len(reply.base_addrs) != len(self.base_addrs) or \
                 max(spec.remote_block_ids, default=0) >= reply.num_blocks:
             del self._recvs[rid]
             logger.warning("NixlConnector: %s: the producer at %s:%d (engine %s) does not match the request or this "
-                           "cache's layout", rid, key[0], key[1], reply.engine_id)
+                           "cache's layout or format (dtype, fp8 scales)", rid, key[0], key[1], reply.engine_id)
             out.failed_recving.add(rid)
             return
         runs = block_runs(spec.local_block_ids, spec.remote_block_ids)

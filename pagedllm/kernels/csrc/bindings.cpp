@@ -6,11 +6,14 @@
 #include "step_graph.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("write_kv", step_graph::recorded<-1>("write_kv", &write_kv), "Store K/V rows at their cache slots");
+  m.def("write_kv", step_graph::recorded<-1>("write_kv", &write_kv),
+        "Store K/V rows at their cache slots (an fp8 cache: value / kv_scale, saturated)", py::arg("key"),
+        py::arg("value"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"),
+        py::arg("kv_scale") = py::none());
   m.def("paged_attention", step_graph::recorded<-1>("paged_attention", &paged_attention),
         "Paged attention reading K/V through block tables", py::arg("query"), py::arg("key_cache"),
         py::arg("value_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start"), py::arg("out"),
-        py::arg("scale"), py::arg("req_indices"), py::arg("allow_amx") = true);
+        py::arg("scale"), py::arg("req_indices"), py::arg("allow_amx") = true, py::arg("kv_scale") = py::none());
   m.def("encoder_attention", step_graph::recorded<-1>("encoder_attention", &encoder_attention),
         "Attention within each sequence of a flat batch (bidirectional, or causal), K/V read in place -> [T, H, D]; "
         "key_start: the sequences' offsets in key/value when they differ from query_start (causal: queries over "

@@ -10,9 +10,11 @@
 void paged_attention(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                      const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                      const torch::Tensor& query_start, torch::Tensor& out, double scale,
-                     const torch::Tensor& req_indices, bool allow_amx);
+                     const torch::Tensor& req_indices, bool allow_amx,
+                     const std::optional<torch::Tensor>& kv_scale);
 void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
-              torch::Tensor& value_cache, const torch::Tensor& slot_mapping);
+              torch::Tensor& value_cache, const torch::Tensor& slot_mapping,
+              const std::optional<torch::Tensor>& kv_scale);
 
 // encoder_attention.cpp: attention within each sequence (query_start [R + 1] int32, host; key_start the same for
 // key/value, default query_start), bidirectional or causal (a sequence's queries are the last of its key positions,

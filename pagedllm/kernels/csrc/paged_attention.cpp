@@ -4,7 +4,8 @@
 //
 // Shapes:
 //   query        [T, H, D]                 T flat query tokens of R requests (rows may be strided)
-//   key_cache    [num_blocks, block_size, Hkv, D]   (value_cache the same)
+//   key_cache    [num_blocks, block_size, Hkv, D]   (value_cache the same): float32, bf16 or fp8 (e4m3 / e5m2,
+//                                                    read in registers and multiplied by the layer's kv_scale)
 //   block_tables [R, max_blocks] int32
 //   seq_lens     [R] int32                 context length after this step (includes the new tokens)
 //   query_start  [R + 1] int32             offsets of each request's tokens in the flat batch
@@ -12,6 +13,7 @@
 // Query token j of request r sits at position seq_len - q_len + j and attends keys 0..that position.
 #include "attention_bf16.h"
 #include "bf16_rows.h"
+#include "fp8_rows.h"
 #include "head_tiles.h"
 #include "kernels.h"
 #include "row_max.h"
@@ -310,10 +312,13 @@ inline void accumulate_heads(const float* p, int64_t stride, int64_t G, const KV
   });
 }
 
+// k_mul / v_mul: what a load of a K / V element is multiplied by to give its value (an fp8 cache's scale times
+// kv_unit; 1 otherwise), folded into the scores' scale and the output's normalisation.
 template <typename KV, typename Q>
 void run(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
          const torch::Tensor& block_tables, const torch::Tensor& seq_lens, const torch::Tensor& query_start,
-         torch::Tensor& out, double scale, const torch::Tensor& req_indices, bool allow_amx) {
+         torch::Tensor& out, double scale, const torch::Tensor& req_indices, bool allow_amx, float k_mul = 1.f,
+         float v_mul = 1.f) {
   const int64_t num_reqs = req_indices.size(0);
   const int64_t H = query.size(1), D = query.size(2);
   const int64_t block_size = key_cache.size(1), Hkv = key_cache.size(2);
@@ -322,15 +327,15 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache, const torch
   const Q* q_ptr = query.data_ptr<Q>();
   const int64_t q_row = query.stride(0);  // q may be a slice of the fused qkv output
   Q* o_ptr = out.data_ptr<Q>();
-  const KV* k_ptr = key_cache.data_ptr<KV>();
-  const KV* v_ptr = value_cache.data_ptr<KV>();
+  const KV* k_ptr = static_cast<const KV*>(key_cache.data_ptr());
+  const KV* v_ptr = static_cast<const KV*>(value_cache.data_ptr());
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
   const int32_t* qs = query_start.data_ptr<int32_t>();
   const int32_t* ri = req_indices.data_ptr<int32_t>();
   const int64_t tok_stride = Hkv * D;  // between tokens inside a block
   const int64_t blk_stride = block_size * tok_stride;
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale) * k_mul;
   // bf16 query and cache on a CPU with AVX512-BF16 (a build for it): scores by bf16 dot products.
 #if defined(__AVX512BF16__)
   const bool bf16_dots = std::is_same_v<Q, at::BFloat16> && std::is_same_v<KV, at::BFloat16> && D % 32 == 0;
@@ -546,7 +551,7 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache, const torch
           continue;
         }
         Q* o = o_ptr + ((q_begin + j) * H + h_begin * G) * D;
-        for (int64_t g = 0; g < HG; ++g) store_row(o + g * D, acc.data() + g * D, 1.f / sum_of[g], D);  // bf16: RNE
+        for (int64_t g = 0; g < HG; ++g) store_row(o + g * D, acc.data() + g * D, v_mul / sum_of[g], D);  // bf16: RNE
       }
       ahead.finish();  // what this task's blocks did not cover (rows with fewer keys, empty partitions)
     }
@@ -588,7 +593,7 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache, const torch
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) sum_d[d] += e[2 + d] * w;
         }
-        const float inv = 1.f / total;
+        const float inv = v_mul / total;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) o[h * D + d] = static_cast<Q>(sum_d[d] * inv);
       }
@@ -598,23 +603,97 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache, const torch
 
 }  // namespace
 
-// Attention for the requests listed in req_indices [n] int32; query/out float32 (the cache float32 or bf16) or
-// bf16 (a bf16 cache). allow_amx=false keeps a bf16 query's scores on the AVX-512 dot products (tests compare).
+namespace {
+// An fp8 cache's (k_scale, v_scale): kv_scale [2] float32 on the host, read at each call (a recorded step graph
+// replays with the values of its time, e.g. scales --calculate-kv-scales set after the graphs were recorded);
+// none: 1.0 each.
+std::pair<float, float> kv_scales(const std::optional<torch::Tensor>& kv_scale) {
+  if (!kv_scale.has_value()) return {1.f, 1.f};
+  TORCH_CHECK(kv_scale->scalar_type() == torch::kFloat32 && kv_scale->numel() == 2 && kv_scale->is_contiguous() &&
+              kv_scale->device().is_cpu(), "kv_scale must be a contiguous float32 [2] CPU tensor (k, v)");
+  const float* s = kv_scale->data_ptr<float>();
+  return {s[0], s[1]};
+}
+
+// write_kv into an fp8 cache: key/value [T, Hkv, D] float32 or bf16 (token rows may be strided).
+void write_kv_fp8(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
+                  torch::Tensor& value_cache, const torch::Tensor& slot_mapping, std::pair<float, float> scales) {
+  TORCH_CHECK(key.scalar_type() == torch::kFloat32 || key.scalar_type() == torch::kBFloat16,
+              "K/V stored into an fp8 cache must be float32 or bfloat16");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64, "slot_mapping must be int64");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(scales.first > 0.f && scales.second > 0.f, "kv_scale must be positive");
+  auto rows = [](const torch::Tensor& t) {
+    return t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous();
+  };
+  const torch::Tensor k = rows(key), v = rows(value);
+  const int64_t T = k.size(0), row_elems = k.size(1) * k.size(2);
+  const int64_t num_slots = key_cache.numel() / std::max<int64_t>(row_elems, 1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot out of range");
+  const float k_mul = 1.f / scales.first, v_mul = 1.f / scales.second;
+  const auto store = [&](auto kv_tag, auto src_tag) {
+    using KV = decltype(kv_tag);
+    using Src = decltype(src_tag);
+    KV* kd = static_cast<KV*>(key_cache.data_ptr());
+    KV* vd = static_cast<KV*>(value_cache.data_ptr());
+    const Src* ks = static_cast<const Src*>(k.data_ptr());
+    const Src* vs = static_cast<const Src*>(v.data_ptr());
+    at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        store_row_fp8(kd + slots[t] * row_elems, ks + t * k.stride(0), k_mul, row_elems);
+        store_row_fp8(vd + slots[t] * row_elems, vs + t * v.stride(0), v_mul, row_elems);
+      }
+    });
+  };
+  const bool e4m3 = key_cache.scalar_type() == torch::kFloat8_e4m3fn;
+  if (key.scalar_type() == torch::kFloat32) {
+    e4m3 ? store(Fp8E4M3{}, float{}) : store(Fp8E5M2{}, float{});
+  } else {
+    e4m3 ? store(Fp8E4M3{}, at::BFloat16{}) : store(Fp8E5M2{}, at::BFloat16{});
+  }
+}
+}  // namespace
+
+// Attention for the requests listed in req_indices [n] int32; query/out float32 (the cache float32, bf16 or fp8) or
+// bf16 (a bf16 or fp8 cache). allow_amx=false keeps a bf16 query's scores on the AVX-512 dot products (tests
+// compare). kv_scale: an fp8 cache's per-layer scales (stored = value / scale); ignored for other caches.
 void paged_attention(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                      const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                      const torch::Tensor& query_start, torch::Tensor& out, double scale,
-                     const torch::Tensor& req_indices, bool allow_amx) {
+                     const torch::Tensor& req_indices, bool allow_amx, const std::optional<torch::Tensor>& kv_scale) {
   const bool bf16_query = query.scalar_type() == torch::kBFloat16;
   TORCH_CHECK((query.scalar_type() == torch::kFloat32 || bf16_query) && out.scalar_type() == query.scalar_type(),
               "query/out must both be float32, or both bfloat16");
-  TORCH_CHECK(!bf16_query || key_cache.scalar_type() == torch::kBFloat16, "a bfloat16 query needs a bfloat16 cache");
+  const auto kv_type = key_cache.scalar_type();
+  const bool fp8 = kv_type == torch::kFloat8_e4m3fn || kv_type == torch::kFloat8_e5m2;
+  TORCH_CHECK(!bf16_query || kv_type == torch::kBFloat16 || fp8, "a bfloat16 query needs a bfloat16 or fp8 cache");
+  TORCH_CHECK(value_cache.scalar_type() == kv_type, "key and value caches must share a dtype");
   TORCH_CHECK(req_indices.scalar_type() == torch::kInt32 && block_tables.scalar_type() == torch::kInt32 &&
               seq_lens.scalar_type() == torch::kInt32 && query_start.scalar_type() == torch::kInt32,
               "index tensors must be int32");
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2), "query heads must be contiguous per token");
   TORCH_CHECK(out.is_contiguous() && key_cache.is_contiguous() &&
               value_cache.is_contiguous() && block_tables.is_contiguous(), "inputs must be contiguous");
-  if (key_cache.scalar_type() == torch::kFloat32) {
+  if (fp8) {
+    const std::pair<float, float> scales = kv_scales(kv_scale);
+    const auto dispatch = [&](auto kv_tag) {
+      using KV = decltype(kv_tag);
+      const float k_mul = scales.first * kv_unit<KV>(), v_mul = scales.second * kv_unit<KV>();
+      if (bf16_query) {
+        run<KV, at::BFloat16>(query, key_cache, value_cache, block_tables, seq_lens, query_start, out, scale,
+                              req_indices, allow_amx, k_mul, v_mul);
+      } else {
+        run<KV, float>(query, key_cache, value_cache, block_tables, seq_lens, query_start, out, scale, req_indices,
+                       allow_amx, k_mul, v_mul);
+      }
+    };
+    if (kv_type == torch::kFloat8_e4m3fn) {
+      dispatch(Fp8E4M3{});
+    } else {
+      dispatch(Fp8E5M2{});
+    }
+  } else if (key_cache.scalar_type() == torch::kFloat32) {
     run<float, float>(query, key_cache, value_cache, block_tables, seq_lens, query_start, out, scale, req_indices,
                       allow_amx);
   } else if (key_cache.scalar_type() == torch::kBFloat16) {
@@ -626,18 +705,25 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
                                req_indices, allow_amx);
     }
   } else {
-    TORCH_CHECK(false, "KV cache dtype must be float32 or bfloat16");
+    TORCH_CHECK(false, "KV cache dtype must be float32, bfloat16, float8_e4m3fn or float8_e5m2");
   }
 }
 
 // Store this step's K/V: key/value [T, Hkv, D] (token rows may be strided, e.g. slices of the fused qkv
 // output) into caches [num_blocks * block_size, Hkv, D] at slot_mapping [T]. K/V of the cache's dtype are copied;
 // float32 K/V into a bfloat16 cache (--kv-cache-dtype bfloat16 under a float32 model) are rounded to nearest even,
-// bfloat16 K/V into a float32 cache (--kv-cache-dtype float32 under a bf16 model) widened (exactly).
+// bfloat16 K/V into a float32 cache (--kv-cache-dtype float32 under a bf16 model) widened (exactly); float32 or
+// bfloat16 K/V into an fp8 cache stored as value / scale (kv_scale's), saturated and rounded to nearest even.
 void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
-              torch::Tensor& value_cache, const torch::Tensor& slot_mapping) {
+              torch::Tensor& value_cache, const torch::Tensor& slot_mapping,
+              const std::optional<torch::Tensor>& kv_scale) {
   TORCH_CHECK(key.scalar_type() == value.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
               "K and V must share a dtype, and so must their caches");
+  const auto cache_type = key_cache.scalar_type();
+  if (cache_type == torch::kFloat8_e4m3fn || cache_type == torch::kFloat8_e5m2) {
+    write_kv_fp8(key, value, key_cache, value_cache, slot_mapping, kv_scales(kv_scale));
+    return;
+  }
   const bool rounds = key.scalar_type() == torch::kFloat32 && key_cache.scalar_type() == torch::kBFloat16;
   const bool widens = key.scalar_type() == torch::kBFloat16 && key_cache.scalar_type() == torch::kFloat32;
   TORCH_CHECK(rounds || widens || key.scalar_type() == key_cache.scalar_type(),

@@ -16,6 +16,7 @@ from pagedllm.attention.forward_context import forward_context, get_attn_metadat
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.spec import AttentionSpec
 from pagedllm.model_executor.layers.direct_call import DirectCall
+from pagedllm.model_executor.layers.kv_cache_scales import calculate_kv_scale_
 
 _DEFAULT_BACKEND = DeviceAttentionBackend()
 
@@ -27,6 +28,8 @@ class Attention(DirectCall, nn.Module):
     ``kv_cache`` ([2, num_blocks, block_size, Hkv, D]) after allocating it; encoder layers keep none.
     ``sinks``: a learned logit per head in the softmax's denominator (gpt-oss; ``num_heads`` of them, loaded by the
     model): such a layer attends through ``torch_sinks`` whatever its backend is.
+    ``kv_scale`` ([2] float32: k_scale, v_scale, on the cache's device): what an fp8 cache divides this layer's K/V
+    by (1.0 unless the checkpoint ships k_scale / v_scale or --calculate-kv-scales sets them; ``kv_cache_scales``).
     """
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
@@ -47,6 +50,9 @@ class Attention(DirectCall, nn.Module):
             if not self.spec.uses_kv_cache or self.spec.kind == "cross":
                 raise ValueError("attention sinks are implemented for causal and sliding-window layers only")
             self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False)
+        # Not a parameter (set in place, never trained); on the host until bind_kv_caches moves it to the cache.
+        self.kv_scale = torch.ones(2, dtype=torch.float32, device="cpu")
+        self.calculate_kv_scales = False  # set by the model runner for its first step (--calculate-kv-scales)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None) -> torch.Tensor:
         """query: [T, H*D], key/value: [T, Hkv*D] -> [T, H*D]. key = value = None: this step's K/V is in
@@ -54,6 +60,9 @@ class Attention(DirectCall, nn.Module):
         if self.kv_cache is None and self.spec.uses_kv_cache:
             raise RuntimeError(f"no KV cache bound to attention layer {self.layer_idx}")
         t = query.shape[0]
+        if self.calculate_kv_scales and key is not None:
+            calculate_kv_scale_(self.kv_scale, key, value)
+            self.calculate_kv_scales = False
         if self.sinks is not None:
             meta = get_attn_metadata(self.kv_group)
             out = sink_attention(query.view(t, self.num_heads, self.head_size),
@@ -65,7 +74,7 @@ class Attention(DirectCall, nn.Module):
             query.view(t, self.num_heads, self.head_size),
             None if key is None else key.view(t, self.num_kv_heads, self.head_size),
             None if value is None else value.view(t, self.num_kv_heads, self.head_size),
-            self.kv_cache, get_attn_metadata(self.kv_group), self.spec, self.scale)
+            self.kv_cache, get_attn_metadata(self.kv_group), self.spec, self.scale, self.kv_scale)
         return out.view(t, self.num_heads * self.head_size)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -75,7 +84,7 @@ class Attention(DirectCall, nn.Module):
             raise RuntimeError(f"no KV cache bound to attention layer {self.layer_idx}")
         t = key.shape[0]
         self.backend.write_kv(self.kv_cache, key.view(t, self.num_kv_heads, self.head_size),
-                              value.view(t, self.num_kv_heads, self.head_size), slot_mapping)
+                              value.view(t, self.num_kv_heads, self.head_size), slot_mapping, self.kv_scale)
 
     def write_kv_with_rotary(self, qkv: torch.Tensor, rope: Any) -> bool:
         """Rotate q/k inside ``qkv`` [T, (H + 2*Hkv) * D] and write this step's K/V into the cache in one
@@ -83,6 +92,8 @@ class Attention(DirectCall, nn.Module):
         if self.kv_cache is None or not self.spec.uses_kv_cache or self.sinks is not None \
                 or not self.backend.takes_kv_from_rotary(qkv):
             return False
+        if self.kv_cache.element_size() == 1:
+            return False  # an fp8 cache quantizes with the layer's scales as the backend stores K/V
         rope.rotate_qk_and_write_kv(qkv, self.num_heads, self.num_kv_heads, self.kv_cache,
                                     get_attn_metadata(self.kv_group).slot_mapping)
         return True
@@ -102,6 +113,7 @@ def bind_kv_caches(model: nn.Module, kv_caches: list[torch.Tensor], groups: list
     for i, layer in enumerate(layers):
         layer.kv_cache = kv_caches[layer.layer_idx]
         layer.kv_group = groups[i] if groups is not None else 0
+        layer.kv_scale = layer.kv_scale.to(layer.kv_cache.device)
 
 
 #: Who reads a step's metadata: (KV cache group, backend, the specs of that backend's layers there).

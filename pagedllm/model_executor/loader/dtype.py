@@ -42,13 +42,26 @@ def resolve_dtype(dtype: str | None, device: str = "cpu") -> str:
     return _ALIASES[name]
 
 
+# The 8-bit caches (vLLM's names): fp8 means e4m3, as vLLM's does on CPUs and CUDA.
+_FP8_KV_DTYPES = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+_FP8_TORCH_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
 def resolve_kv_cache_dtype(kv_cache_dtype: str | None, model_dtype: str) -> str:
-    """The KV cache's dtype name: ``model_dtype`` (already resolved) for auto, else the one asked for."""
+    """The KV cache's dtype name: ``model_dtype`` (already resolved) for auto, fp8_e4m3 for fp8, else the one
+    asked for (canonical name)."""
     name = (kv_cache_dtype or "auto").lower().replace("torch.", "")
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype: {kv_cache_dtype!r} is not supported; use one of "
                          f"{', '.join(KV_CACHE_DTYPES)}")
+    if name in _FP8_KV_DTYPES:
+        return _FP8_KV_DTYPES[name]
     return model_dtype if name == "auto" else _ALIASES[name]
+
+
+def kv_cache_torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a resolved ``kv_cache_dtype`` (fp8_e4m3 -> float8_e4m3fn, bfloat16 -> bfloat16 ...)."""
+    return _FP8_TORCH_DTYPES.get(name) or torch_dtype(name)
 
 
 def torch_dtype(name: str) -> torch.dtype:

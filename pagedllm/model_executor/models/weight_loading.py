@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagedllm.model_executor.layers.kv_cache_scales import load_kv_scale
+
 
 @dataclass(frozen=True)
 class WeightMapping:
@@ -93,6 +95,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
             continue
         for old, new in mapping.renames:
             name = name.replace(old, new)
+        if name.endswith(("k_scale", "v_scale")) and load_kv_scale(model, name, tensor):
+            continue  # an fp8 KV cache's per-layer scale (kv_cache_scales)
         # Raw quantized blocks (GGUF) are always stored [out, in]: only float checkpoint tensors transpose.
         if isinstance(tensor, torch.Tensor) and name.endswith(".weight") and any(f".{t}." in name
                                                                                 for t in mapping.transposed):
