@@ -83,11 +83,12 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in [
            "Default of `--cpu-kernel-autotune`: `on` times the quantized CPU matmuls' candidate kernels per "
            "shape and row count once per machine (the table is saved), `force` measures again, `off` keeps the "
            "default kernel."),
-    EnvVar("PAGEDLLM_CPU_DENSE_COPY", "auto", _choice("auto", "on", "off"),
-           "Whether the kernel autotuner may give a quantized CPU weight a dense copy (bf16 where the CPU has "
-           "native bf16, else float32) for the buckets of rows where the dense GEMM measures faster (many rows): "
-           "`auto` while the copies of the whole model fit in a quarter of the available memory, `on` always, "
-           "`off` never (the quantized kernels at every batch size)."),
+    EnvVar("PAGEDLLM_CPU_DENSE_COPY", "auto", _choice("auto", "on", "off", "bf16"),
+           "Whether the kernel autotuner may give a quantized CPU weight a dense float32 copy for the buckets of "
+           "rows where BLAS measures faster (many rows): `auto` while the copies of the whole model fit in a "
+           "quarter of the available memory, `on` always, `off` never (the quantized kernels at every batch "
+           "size); `bf16` always, as bf16 copies where the CPU has native bf16 (half the bytes, faster, but "
+           "many-row steps round activations to bf16: a request's greedy tokens may differ between batch sizes)."),
     EnvVar("PAGEDLLM_ENCODER_ATTENTION_BF16", "auto", _choice("auto", "amx", "avx512_bf16", "off"),
            "bf16 encoder attention (Whisper's encoder, BERT-style models) on the CPU: `auto` runs it on AMX tiles "
            "where the CPU has them, else on AVX-512 BF16 dot products where it has those (which then take a "

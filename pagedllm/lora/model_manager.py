@@ -41,7 +41,7 @@ class LoRAModelManager:
         self.base_shapes = base_module_shapes(hf_config)
         self.max_loras, self.max_cpu_loras, self.max_rank = max_loras, max_cpu_loras, max_rank
         self.device = device
-        kernel = getattr(kernels, "lora_sgmv_", None) if device.type == "cpu" else None
+        kernel = getattr(kernels, "lora_sgmv_", None)  # the platform gives C++ kernels on a CPU only
         self.context = LoRAStepContext(kernel, max_num_tokens)
         slot_dtype = torch.bfloat16 if kernel is not None and model_dtype == torch.bfloat16 else torch.float32
         self._rows_set = 0  # rows of row_slots written by the step running now

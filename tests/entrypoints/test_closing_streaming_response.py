@@ -19,11 +19,21 @@ def _events(closed: list[bool]):
     return gen()
 
 
-async def _leave_during_second_chunk(response_cls, spec_version: str) -> list[bool]:
+def _reader(source):
+    """A body over ``source`` (the engine's outputs), as the servers' ``_stream`` methods are: closed at its
+    yield, it leaves ``source`` suspended."""
+    async def gen():
+        async for event in source:
+            yield event
+    return gen()
+
+
+async def _leave_during_second_chunk(response_cls, spec_version: str, closed: list | None = None,
+                                     response=None) -> list[bool]:
     """Serve the response; the client leaves while the second body chunk is being sent. Whether the generator
     was closed, read as the response returns (before asyncio.run finalizes every generator left open)."""
-    closed: list[bool] = []
-    response = response_cls(_events(closed), media_type="text/event-stream")
+    closed = [] if closed is None else closed
+    response = response or response_cls(_events(closed), media_type="text/event-stream")
     left, sent = asyncio.Event(), []
 
     async def send(message):
@@ -57,3 +67,17 @@ def test_plain_streaming_response_leaves_it_suspended() -> None:
     """Why the subclass exists: Starlette's own response leaves the generator suspended at its yield."""
     closed = asyncio.run(_leave_during_second_chunk(StreamingResponse, "2.3"))
     assert closed == []
+
+
+@pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
+def test_the_source_a_body_reads_is_closed_too(spec_version) -> None:
+    """The engine outputs under a body are closed (their request aborted) when the body is closed at its
+    yield, which does not close what it was iterating."""
+    async def run(with_source: bool) -> list[bool]:
+        closed: list[bool] = []
+        source = _events(closed)
+        response = ClosingStreamingResponse(_reader(source), source=source if with_source else None)
+        return await _leave_during_second_chunk(None, spec_version, closed, response)
+
+    assert asyncio.run(run(with_source=True)) == [True]
+    assert asyncio.run(run(with_source=False)) == []  # the body alone left it open

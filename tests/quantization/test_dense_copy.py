@@ -15,6 +15,7 @@ import torch
 
 from pagedllm.benchmarks import kernels as bench_kernels
 from pagedllm.kernels import autotune
+from pagedllm.kernels.cpu import ISA_CODES, cpu_isa
 from pagedllm.model_executor.layers.linear import Linear
 from pagedllm.model_executor.layers.quantization import dense_copy, kernel_choice
 from pagedllm.model_executor.layers.quantization.dense_copy import dense_copies_allowed, is_dense
@@ -80,11 +81,30 @@ def _check(weight: QPanels, makers: dict, rows_list: tuple[int, ...] = ROWS) -> 
 
 
 @needs_kernels
+@pytest.mark.parametrize("mode", ["auto", "bf16"])
 @pytest.mark.parametrize(("fmt", "group"), FORMATS, ids=[f"{f}-g{g}" for f, g in FORMATS])
-def test_every_kernel_path_against_a_float_reference(fmt: str, group: int) -> None:
+def test_every_kernel_path_against_a_float_reference(fmt: str, group: int, mode: str, monkeypatch) -> None:
+    monkeypatch.setenv("PAGEDLLM_CPU_DENSE_COPY", mode)
     weight = _weight(fmt, 40, 128, group)  # 40 columns: a partial last panel
     names = _check(weight, kernel_choice.candidates(weight))
     assert any(is_dense(name) for name in names)
+
+
+@needs_kernels
+def test_default_dense_copies_keep_float32_activations(monkeypatch) -> None:
+    """By default every candidate computes in float32, so a request's greedy tokens do not depend on the batch
+    size that picks the kernel; bf16 copies (activations rounded to bf16) only when asked for."""
+    weight = _weight("int8", 40, 128, 32)
+    monkeypatch.setenv("PAGEDLLM_CPU_DENSE_COPY", "auto")
+    assert [n for n in kernel_choice.candidates(weight) if is_dense(n)] == ["dense-f32/blas"]
+    monkeypatch.setenv("PAGEDLLM_CPU_DENSE_COPY", "bf16")
+    bf16 = [n for n in kernel_choice.candidates(weight) if is_dense(n)]
+    if platform_for(torch.device("cpu")).onednn_bf16() and cpu_isa() != ISA_CODES["avx2"]:
+        assert "dense-bf16/onednn" in bf16 and "dense-f32/blas" not in bf16
+    x = torch.randn(64, 128)
+    monkeypatch.setenv("PAGEDLLM_CPU_DENSE_COPY", "auto")
+    copy, isa = kernel_choice.candidates(weight)["dense-f32/blas"]()
+    torch.testing.assert_close(copy.bind(isa)(x, None, None), x @ weight.dequantize().T, rtol=1e-5, atol=1e-5)
 
 
 @needs_kernels

@@ -21,7 +21,7 @@ def stub_worker(cache: CacheConfig, backend: object, pooling: object = None) -> 
         device=torch.device("cuda"), platform=platform_for("cuda"), attention_backend=backend, dtype=torch.float32,
         config=SimpleNamespace(cache=cache, device=DeviceConfig(), scheduler=SchedulerConfig(max_num_seqs=4),
                                model=SimpleNamespace(hf_config=SimpleNamespace(hidden_size=8))),
-        runner=SimpleNamespace(decode_graphs=None, pooling=pooling, encoder_decoder=None, model=None))
+        runner=SimpleNamespace(decode_graphs=None, pooling=pooling, encoder_decoder=None, model=torch.nn.Module()))
 
 
 @pytest.fixture

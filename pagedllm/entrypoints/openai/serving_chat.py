@@ -100,7 +100,8 @@ class ServingChat(OpenAIServing):
         created = int(time.time())
         if req.stream:
             outputs = await self.start(prepared, request_id, stream=True)
-            return ClosingStreamingResponse(self._stream(req, prepared, outputs, request_id, model, created))
+            return ClosingStreamingResponse(self._stream(req, prepared, outputs, request_id, model, created),
+                                            source=outputs)
 
         async def collect() -> ChatCompletionResponse:
             # A non-streamed request's first output is its last: watch for the client leaving from the start.

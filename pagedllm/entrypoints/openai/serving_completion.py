@@ -78,7 +78,8 @@ class ServingCompletion(OpenAIServing):
                    for i, p in enumerate(prompts)]
         if req.stream:
             outputs = await start_streams(streams)
-            return ClosingStreamingResponse(self._stream(req, prompts, outputs, request_id, model, created))
+            return ClosingStreamingResponse(self._stream(req, prompts, outputs, request_id, model, created),
+                                            source=outputs)
 
         async def collect() -> CompletionResponse:
             # A non-streamed request's first output is its last: watch for the client leaving from the start.

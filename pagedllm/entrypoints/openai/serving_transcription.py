@@ -137,8 +137,9 @@ class ServingTranscription:
         streams = [self.engine.generate(r.prompt, r.params, f"{request_id}-{i}", kind=kind)
                    for i, r in enumerate(requests)]
         if req.stream:
-            events = self._stream(req, options, chunks, duration, await start_streams(streams), start)
-            return ClosingStreamingResponse(events)
+            outputs = await start_streams(streams)
+            return ClosingStreamingResponse(self._stream(req, options, chunks, duration, outputs, start),
+                                            source=outputs)
 
         async def collect() -> Any:
             # A non-streamed request's first output is its last: watch for the client leaving from the start.

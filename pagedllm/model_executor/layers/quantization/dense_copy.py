@@ -5,23 +5,24 @@ dense matmul, but their cost grows with the rows far faster than a dense GEMM's:
 spent more time in the Q8_0 LM head alone than the whole bf16 step took. So each quantized weight also offers
 the autotuner its dequantized copy, run by the dense GEMM of the CPU:
 
-- ``dense-bf16/onednn``: bfloat16 [N, K] in oneDNN's prepacked layout (CPUs with native bf16: AVX-512 BF16 or
-  AMX), activations rounded to bf16, the result (rounded to bf16 by oneDNN) widened back to float32, the bias
-  added in float32;
-- ``dense-bf16/panels``: the same copy in the C++ bf16 panels (``bf16_gemm``, AVX-512 BF16), whose float32 sums
-  are written as they are (no rounding of the result);
-- ``dense-f32/blas``: float32 [N, K] through BLAS (``torch.addmm``): exact; on CPUs without native bf16 (AVX2).
+- ``dense-f32/blas``: float32 [N, K] through BLAS (``torch.addmm``): the same product as the quantized kernels
+  within float32 rounding, so a request's tokens do not depend on the batch it runs in. The default.
+- with ``PAGEDLLM_CPU_DENSE_COPY=bf16`` on CPUs with native bf16 (AVX-512 BF16 or AMX), bfloat16 copies
+  instead: ``dense-bf16/onednn`` (oneDNN's prepacked layout, the result rounded to bf16 and widened back, the
+  bias added in float32) and ``dense-bf16/panels`` (the C++ bf16 panels, ``bf16_gemm``, float32 sums written as
+  they are). Half the bytes and faster, but the activations of many-row steps are rounded to bf16 while a few
+  rows keep float32 (and the quantized kernels' two-int8-term activations keep ~16 bits): near-tied greedy
+  tokens can then differ between batch sizes. An opt-in for throughput.
 
 The LM head is offered only copies whose result stays float32 (``exact_output``: the bf16 panels, float32
-BLAS): a logit of 16 rounded to bf16 moves by up to 0.06, enough to swap near-tied greedy tokens between batch
-sizes. Inside the model a bf16 result's rounding is below the int8 activations' of the ``dot8`` kernels.
+BLAS): a logit of 16 rounded to bf16 moves by up to 0.06.
 
 The autotuner times them against the quantized kernels per bucket of rows and keeps a copy only where a bucket
 chooses it, from 33 rows on (``DENSE_FIRST_BUCKET``; the LM head at any row count); the start-up log says how
 many bytes such copies add.
-``PAGEDLLM_CPU_DENSE_COPY`` (``auto`` | ``on`` | ``off``) decides whether they are offered: ``auto`` offers them
-while the copies of the whole model fit in a quarter of the memory available (so a large model quantized to fit
-never doubles its footprint).
+``PAGEDLLM_CPU_DENSE_COPY`` (``auto`` | ``on`` | ``off`` | ``bf16``) decides whether they are offered: ``auto``
+offers them while the copies of the whole model fit in a quarter of the memory available (so a large model
+quantized to fit never doubles its footprint), ``on`` and ``bf16`` always.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from pagedllm.model_executor.layers.quantization.float_weights import nbytes_of,
 from pagedllm.model_executor.layers.quantization.packed_weight import PackedWeight
 from pagedllm.platforms import platform_of
 
-PREFIX = "dense-"  # candidate names: "dense-bf16/onednn", "dense-bf16/panels", "dense-f32/blas"
+PREFIX = "dense-"  # candidate names: "dense-f32/blas", "dense-bf16/onednn", "dense-bf16/panels"
 #: The first bucket of rows (``autotune.BUCKET_ROWS``: 33-128) a dense copy may be chosen for: smaller batches
 #: run in CPU step graphs (decode batches 1..16), which its torch ops (the bf16 conversion, oneDNN) would end.
 #: The LM head runs after the graph (logits of the sampled rows): its copies compete at every bucket.
@@ -115,6 +116,11 @@ class DenseCopy:
         return bf16
 
 
+def bf16_copies() -> bool:
+    """Whether dense copies are bf16 where the CPU has native bf16 (``PAGEDLLM_CPU_DENSE_COPY=bf16``)."""
+    return envs.PAGEDLLM_CPU_DENSE_COPY == "bf16"
+
+
 def _native_bf16(platform: Any) -> bool:
     """bf16 GEMMs run natively here (and the kernels' ISA is not forced to AVX2, which stands for a CPU without
     them: ``make test-avx2``)."""
@@ -126,10 +132,10 @@ def dense_candidates(weight: PackedWeight, exact_output: bool = False) -> dict[s
     each builds its copy only when called. ``exact_output``: only kernels whose result is not rounded to bf16
     (the LM head's logits; module docstring)."""
     platform = platform_of(weight.qweight)
-    if weight.qweight.device.type != "cpu":
+    if platform.cpu_kernels_family(torch.float32) is None:  # not a CPU: the autotuner's candidates are CPU kernels
         return {}
     out: dict[str, Callable[[], DenseCopy]] = {}
-    if _native_bf16(platform):
+    if bf16_copies() and _native_bf16(platform):
         kernels = platform.cpu_kernels(torch.bfloat16, (torch.bfloat16,))
         if not exact_output:
             out[f"{PREFIX}bf16/onednn"] = lambda: DenseCopy(weight, torch.bfloat16, "onednn", None)
@@ -142,8 +148,9 @@ def dense_candidates(weight: PackedWeight, exact_output: bool = False) -> dict[s
 
 
 def dense_nbytes(weight: PackedWeight) -> int:
-    """Bytes one dense copy of ``weight`` takes on this CPU (bf16 where it has native bf16, else float32)."""
-    per = 2 if _native_bf16(platform_of(weight.qweight)) else 4
+    """Bytes one dense copy of ``weight`` takes on this CPU (bf16 where ``bf16_copies()`` and the CPU has native
+    bf16, else float32)."""
+    per = 2 if bf16_copies() and _native_bf16(platform_of(weight.qweight)) else 4
     return weight.out_features * weight.in_features * per
 
 
@@ -163,7 +170,7 @@ def dense_copies_allowed(total_nbytes: int, available: int | None = None) -> tup
     mode = envs.PAGEDLLM_CPU_DENSE_COPY
     if mode == "off":
         return False, "PAGEDLLM_CPU_DENSE_COPY=off"
-    if mode == "on":
+    if mode in ("on", "bf16"):
         return True, ""
     available = _available_memory() if available is None else available
     if available and total_nbytes > BUDGET_FRACTION * available:

@@ -36,6 +36,7 @@ from pagedllm.model_executor.layers.quantization.bf16_weights import Bf16Weight
 from pagedllm.model_executor.layers.quantization.bound_weight import BoundWeight
 from pagedllm.model_executor.layers.quantization.dense_copy import (
     DENSE_FIRST_BUCKET,
+    PREFIX,
     DenseCopy,
     dense_candidates,
     dense_copies_allowed,
@@ -173,8 +174,9 @@ def _quantized_tuning(weight: QPanels, dense: bool = True, exact_output: bool = 
         copies = {id(w): w for w, _ in made.values()}
         return primary, sum(w.nbytes() for w in copies.values() if w is not primary)
 
-    return LayerTuning(shape_key(weight), weight.in_features, {name: lambda n=name: kernel(n) for name in makers},
-                       build)
+    # bf16 copies are another set of candidates: their own entry in the table
+    key = shape_key(weight) + (":bf16-copies" if any(n.startswith(f"{PREFIX}bf16") for n in makers) else "")
+    return LayerTuning(key, weight.in_features, {name: lambda n=name: kernel(n) for name in makers}, build)
 
 
 def _float_tuning(weight: Float32Panels | Bf16Weight) -> LayerTuning | None:
