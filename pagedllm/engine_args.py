@@ -325,6 +325,9 @@ class EngineArgs:
         check_hash_algo(self.prefix_caching_hash_algo)
         kv_events = parse_kv_events_config(self.kv_events_config)
         kv_transfer = parse_kv_transfer_config(self.kv_transfer_config)
+        if self.calculate_kv_scales and not str(self.kv_cache_dtype).lower().startswith("fp8"):
+            raise ValueError(f"calculate_kv_scales: sets the scales of an fp8 KV cache; pass --kv-cache-dtype fp8 "
+                             f"(got kv_cache_dtype {self.kv_cache_dtype!r})")
         if self.calculate_kv_scales and kv_transfer is not None:
             raise ValueError("calculate_kv_scales: not with kv_transfer_config: a transferred fp8 block is only "
                              "read right with the scales it was stored with, and each instance would calculate "

@@ -30,8 +30,7 @@ def table_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
     """A saved table -> one row per shape class and bucket: shape, rows (the bucket's timed rows and range),
     chosen, ms (candidate -> ms per call), measured, load, busy, suspect (this bucket disagreed with its
     neighbours)."""
-    lows = [1] + [edge + 1 for edge in autotune._UPPER_EDGES]
-    highs = [*autotune._UPPER_EDGES, None]
+    lows, highs = zip(*autotune.bucket_ranges(), strict=True)
     rows = []
     for key in sorted(data.get("entries", {})):
         entry = data["entries"][key]

@@ -21,7 +21,7 @@ import hmac
 import itertools
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -184,7 +184,8 @@ def build_app(config: ProxyConfig) -> FastAPI:
         if not stream:
             return Response(response.content, status_code=response.status_code, headers=out_headers)
         media_type = response.headers.get("content-type", "text/event-stream")
-        return ClosingStreamingResponse(_relay(response, decode, url), status_code=response.status_code,
+        close = _closer(response, decode, url)
+        return ClosingStreamingResponse(_relay(response, close), on_close=close, status_code=response.status_code,
                                         headers=out_headers, media_type=media_type)
 
     @app.post("/v1/completions")
@@ -231,9 +232,24 @@ def _release(pool: InstancePool, url: str) -> None:
     pool.in_flight[url] = max(pool.in_flight[url] - 1, 0)
 
 
-async def _relay(response: httpx.Response, pool: InstancePool, url: str) -> AsyncIterator[bytes]:
-    """The decode instance's stream, byte for byte; an in-band error if it breaks off. Closing the upstream
-    response when the client leaves makes the decode instance abort the request."""
+def _closer(response: httpx.Response, pool: InstancePool, url: str) -> Callable[[], Awaitable[None]]:
+    """Closes the upstream response (the decode instance then aborts the request) and frees its slot in the
+    pool, once however many times it is called."""
+    done = False
+
+    async def close() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            await response.aclose()
+            _release(pool, url)
+
+    return close
+
+
+async def _relay(response: httpx.Response, close: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
+    """The decode instance's stream, byte for byte; an in-band error if it breaks off. ``close`` (``_closer``)
+    when it ends, however it ends: a client that leaves makes the decode instance abort the request."""
     try:
         async for chunk in response.aiter_raw():
             yield chunk
@@ -242,5 +258,4 @@ async def _relay(response: httpx.Response, pool: InstancePool, url: str) -> Asyn
         body = error_body(f"the decode instance broke off the stream: {type(e).__name__}", 502)
         yield f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
     finally:
-        await response.aclose()
-        _release(pool, url)
+        await close()

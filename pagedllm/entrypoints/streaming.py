@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from starlette.responses import StreamingResponse
@@ -16,14 +16,17 @@ class ClosingStreamingResponse(StreamingResponse):
     collection finalizes it, which a reference cycle can put off past the answer's end. Closing it here
     aborts at once.
 
-    ``source``: the engine outputs the body reads (an async generator whose closing aborts the request). A body
-    closed at its ``yield`` leaves the iterator it was reading suspended, not closed, and a body closed before
-    its first step never reached it: so the source is closed here too, after the body."""
+    ``on_close``: what frees the body's source (closing the engine outputs it reads, which aborts the request;
+    an upstream stream), awaited after the body is closed. A body closed at its ``yield`` leaves the iterator it
+    was reading suspended, not closed, and a body closed before its first step never reached it, so its own
+    ``finally`` cannot be relied on for that. It may run twice (the body's ``finally`` may call it too): make it
+    idempotent."""
 
-    def __init__(self, body: AsyncIterator[Any], source: AsyncIterator[Any] | None = None, **kwargs: Any) -> None:
+    def __init__(self, body: AsyncGenerator[Any, None], on_close: Callable[[], Awaitable[Any]] | None = None,
+                 **kwargs: Any) -> None:
         kwargs.setdefault("media_type", "text/event-stream")
         super().__init__(body, **kwargs)
-        self._body, self._source = body, source
+        self._body, self._on_close = body, on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -32,5 +35,5 @@ class ClosingStreamingResponse(StreamingResponse):
             try:
                 await self._body.aclose()  # a no-op when the stream ran to its end
             finally:
-                if self._source is not None:
-                    await self._source.aclose()
+                if self._on_close is not None:
+                    await self._on_close()

@@ -28,8 +28,11 @@ class CudaPlatform(Platform):
         return torch.cuda.is_available()
 
     def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-        # The Triton kernel reads fp8 rows (widened in registers: Triton converts fp8 natively from sm_89 on).
-        return (model_dtype, torch.float8_e4m3fn, torch.float8_e5m2)
+        # The Triton kernel reads fp8 rows, widened in registers: Triton converts fp8 natively from sm_89 on, so
+        # an older GPU keeps its model's dtype (an fp8 request is refused at start-up, not at the first step).
+        if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9):
+            return (model_dtype, torch.float8_e4m3fn, torch.float8_e5m2)
+        return (model_dtype,)
 
     def max_tensor_parallel_size(self) -> int:
         return torch.cuda.device_count()

@@ -72,9 +72,6 @@ class _CostLine:
         self.added = 0
         self._line: tuple[float, float, float] | None = None
 
-    def __len__(self) -> int:
-        return len(self.order)
-
     def add(self, rows: int, verified: bool, seconds: float) -> None:
         kind = (rows, int(verified))
         self.kinds.setdefault(kind, deque(maxlen=PER_KIND)).append(seconds)

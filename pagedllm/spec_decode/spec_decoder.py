@@ -20,7 +20,7 @@ from pagedllm.sampling_params import SAMPLING_EPS, SamplingParams
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.draft_budget import DraftBudget
 from pagedllm.spec_decode.governor import DraftGovernor
-from pagedllm.spec_decode.model_drafter import make_draft_model_drafter, make_layer_skip_drafter
+from pagedllm.spec_decode.model_drafter import ModelDrafter, make_draft_model_drafter, make_layer_skip_drafter
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.spec_decode.proposer import DraftJob, Proposer
 from pagedllm.spec_decode.suffix_proposer import SuffixProposer
@@ -56,6 +56,8 @@ class SpecDecoder:
         # Drafts per request from measured costs and acceptance (auto_disable: false drafts all it may).
         self.budget = DraftBudget() if config.auto_disable else None
         self.propose_seconds = 0.0  # wall seconds of the last ``propose``: not part of the verifier's cost
+        # A drafting model runs on torch's intra-op threads, which the calling thread's CPU time leaves out.
+        self._proposer_on_threads = isinstance(self.proposer, ModelDrafter)
 
     def forget(self, req_id: str) -> None:
         self.draft_probs.pop(req_id, None)
@@ -164,10 +166,13 @@ class SpecDecoder:
         if not jobs:
             self.propose_seconds = time.perf_counter() - began
             return {}
-        cpu = time.thread_time()  # the proposer's own CPU time: what other processes on the machine leave alone
+        # A host proposer's cost is its thread's CPU time (what other processes on the machine leave alone); a
+        # drafting model's, its wall time.
+        clock = time.perf_counter if self._proposer_on_threads else time.thread_time
+        started = clock()
         proposals = self.proposer.propose_batch(jobs)
         if self.budget is not None:
-            self.budget.observe_proposer(time.thread_time() - cpu, sum(job.num_drafts > 0 for job in jobs))
+            self.budget.observe_proposer(clock() - started, sum(job.num_drafts > 0 for job in jobs))
         self.draft_probs.update(proposals.probs)
         self.propose_seconds = time.perf_counter() - began
         return {rid: d for rid, d in proposals.drafts.items() if d}

@@ -8,11 +8,13 @@ from dataclasses import replace
 
 import torch
 
+from pagedllm.attention.backends.paged_kv import is_fp8
 from pagedllm.attention.backends.registry import get_attention_backend
 from pagedllm.config import EngineConfig, KVCacheLayout
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.logger import init_logger
 from pagedllm.model_executor.layers.attention import attention_layers
+from pagedllm.model_executor.layers.kv_cache_scales import layer_kv_scales, set_calculate_kv_scales
 from pagedllm.platforms import platform_for
 from pagedllm.utils import cdiv, format_bytes
 from pagedllm.worker.model_runner import ModelRunner
@@ -26,10 +28,9 @@ def kv_format(model: torch.nn.Module, kv_dtype: torch.dtype) -> str:
     """What a KV cache's bytes mean, for the two ends of a transfer to compare: its dtype and, for an 8-bit
     cache, each layer's k/v scales."""
     name = str(kv_dtype).removeprefix("torch.")
-    if kv_dtype.itemsize != 1:
+    if not is_fp8(kv_dtype):
         return name
-    scales = [layer.kv_scale.tolist() for layer in attention_layers(model) if layer.spec.uses_kv_cache]
-    return name + ":" + ",".join(f"{k:.8g}/{v:.8g}" for k, v in scales)
+    return name + ":" + ",".join(f"{k:.8g}/{v:.8g}" for k, v in layer_kv_scales(model))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -94,7 +95,7 @@ class Worker:
         # The windows the model's attention layers decide (part of the KV cache layout).
         self.sliding_window = self.runner.kv_sliding_window()
         self.sliding_group_window = self.runner.kv_cache_groups()[1]
-        if self.kv_dtype.itemsize == 1 and (self.sliding_window is not None or self.sliding_group_window is not None
+        if is_fp8(self.kv_dtype) and (self.sliding_window is not None or self.sliding_group_window is not None
                                             or mc.is_encoder_decoder
                                             or any(m.sinks is not None for m in attention_layers(model))):
             raise ValueError(f"kv_cache_dtype: an fp8 KV cache serves models whose cached layers are all causal "
@@ -258,8 +259,6 @@ class Worker:
         logger.info("KV cache: %d blocks of %d tokens (%s, %s), %d tokens; max concurrency %.1fx at %d tokens "
                     "per request", num_blocks, cache.block_size, size, cache.kv_cache_dtype, tokens,
                     tokens / max_len, max_len)
-        if self.kv_dtype.itemsize == 1:
-            self._start_kv_scales()
         if self.platform.maps_kv_lazily:
             logger.info("KV cache: %s", f"resident from start-up, written in {elapsed:.2f} s (--no-kv-cache-prefault "
                         "maps pages as blocks are first used)" if cache.kv_cache_prefault else
@@ -276,21 +275,21 @@ class Worker:
                         "layers'", group[1], group[0], format_bytes(group[0] * self.runner.bytes_per_block(1)),
                         self.config.scheduler.max_num_seqs)
         self.capture_decode_graphs()
+        if is_fp8(self.kv_dtype):
+            self._start_kv_scales()  # after the capture: its warm-up forwards must not set the scales
 
     def _start_kv_scales(self) -> None:
         """An fp8 cache: log where the layers' k/v scales come from; with --calculate-kv-scales, ask the layers to
-        set them from their first forward (the first real step: the graphs above recorded with the scale tensors,
-        which their replays read then)."""
-        from pagedllm.model_executor.layers.attention import attention_layers
-        from pagedllm.model_executor.layers.kv_cache_scales import set_calculate_kv_scales
+        set them from their first forward (the first real step, a prompt's: the decode graphs captured above read
+        the scale tensors at each replay)."""
 
         models = [self.runner.model, *([d] if (d := getattr(self.runner, "draft_model", None)) is not None else [])]
         if self.config.cache.calculate_kv_scales:
             for model in models:
-                set_calculate_kv_scales(model, True)
+                set_calculate_kv_scales(model)
             logger.info("KV cache: fp8 scales of each layer set from the first step's K/V (--calculate-kv-scales)")
             return
-        scales = [layer.kv_scale.tolist() for layer in attention_layers(self.runner.model) if layer.spec.uses_kv_cache]
+        scales = layer_kv_scales(self.runner.model)
         loaded = sum(s != [1.0, 1.0] for s in scales)
         logger.info("KV cache: fp8 scales %s", f"from the checkpoint for {loaded} of {len(scales)} layers (k_scale "
                     f"{min(s[0] for s in scales):.4g}-{max(s[0] for s in scales):.4g})" if loaded else

@@ -21,7 +21,7 @@ def _ids(llm: LLM, prompts: list[str] | str) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
-def test_platforms_offer_the_dtypes_their_attention_reads() -> None:
+def test_platforms_offer_the_dtypes_their_attention_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = CpuPlatform()
     fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
     assert cpu.kv_cache_dtypes(torch.float32) == (torch.float32, torch.bfloat16, *fp8)
@@ -30,7 +30,11 @@ def test_platforms_offer_the_dtypes_their_attention_reads() -> None:
     assert Platform().kv_cache_dtypes(torch.bfloat16) == (torch.bfloat16,)  # the interface: the model's own only
     from pagedllm.platforms.cuda import CudaPlatform
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert CudaPlatform().kv_cache_dtypes(torch.bfloat16) == (torch.bfloat16, *fp8)  # Triton reads fp8 too
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert CudaPlatform().kv_cache_dtypes(torch.bfloat16) == (torch.bfloat16,)  # no native fp8 before sm_89
 
 
 @pytest.mark.parametrize("value", ["fp9", "float16", "int8", "fp8_e3m4"])

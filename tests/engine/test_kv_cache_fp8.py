@@ -60,6 +60,12 @@ def _ids(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) ->
     return [o.outputs[0].token_ids for o in outs]
 
 
+def fp8_graphs_expected(llm: LLM) -> bool:
+    """Whether this engine records CPU step graphs with an fp8 cache (the C++ kernels built, not eager)."""
+    worker = llm.engine.core.worker
+    return worker.platform.step_graph_kernels(worker.dtype) is not None and not worker.config.device.enforce_eager
+
+
 def _layers(llm: LLM):
     return [m for m in attention_layers(llm.engine.core.worker.runner.model) if m.spec.uses_kv_cache]
 
@@ -85,6 +91,8 @@ def test_names_resolve_as_vllms(tmp_path) -> None:
                    kv_transfer_config={"kv_connector": "SharedStorageConnector",
                                        "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}
                    ).create_engine_config()
+    with pytest.raises(ValueError, match="calculate_kv_scales: sets the scales of an fp8 KV cache"):
+        EngineArgs(model=model, calculate_kv_scales=True).create_engine_config()  # nothing to scale
 
 
 def test_cli_names_the_choices(capsys) -> None:
@@ -159,7 +167,9 @@ def test_checkpoint_scales_are_read_and_used(model_path: str, scaled_model_path:
 
 def test_calculate_kv_scales_sets_them_from_the_first_step(model_path: str, fp8_solo: list[list[int]]) -> None:
     llm = _llm(model_path, "fp8", calculate_kv_scales=True)
-    assert all(layer.kv_scale.tolist() == [1.0, 1.0] for layer in _layers(llm))
+    assert all(layer.kv_scale.tolist() == [1.0, 1.0] for layer in _layers(llm))  # the capture did not set them
+    if fp8_graphs_expected(llm):  # the scales' calculation did not stop the decode steps' graphs
+        assert llm.engine.core.worker.runner.decode_graphs is not None
     out = _ids(llm, PROMPTS[:1])
     scales = [layer.kv_scale.tolist() for layer in _layers(llm)]
     assert all(0 < k < 1 and 0 < v < 1 for k, v in scales)  # max |K| / 200, max |V| / 100 of a small model

@@ -76,8 +76,37 @@ def test_the_source_a_body_reads_is_closed_too(spec_version) -> None:
     async def run(with_source: bool) -> list[bool]:
         closed: list[bool] = []
         source = _events(closed)
-        response = ClosingStreamingResponse(_reader(source), source=source if with_source else None)
+        response = ClosingStreamingResponse(_reader(source), on_close=source.aclose if with_source else None)
         return await _leave_during_second_chunk(None, spec_version, closed, response)
 
     assert asyncio.run(run(with_source=True)) == [True]
     assert asyncio.run(run(with_source=False)) == []  # the body alone left it open
+
+
+def test_on_close_runs_when_the_body_never_started() -> None:
+    """A client gone before the first chunk: the body's own ``finally`` never runs, ``on_close`` does."""
+    closed: list[str] = []
+
+    async def body():
+        try:
+            yield "data: 0\n\n"
+        finally:
+            closed.append("body")
+
+    async def on_close() -> None:
+        closed.append("source")
+
+    async def send(message):
+        raise OSError("client gone")
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def run() -> None:
+        response = ClosingStreamingResponse(body(), on_close=on_close)
+        with pytest.raises(ClientDisconnect):
+            await response({"type": "http", "asgi": {"spec_version": "2.4"}, "method": "POST", "path": "/"},
+                           receive, send)
+
+    asyncio.run(run())
+    assert closed == ["source"]

@@ -101,7 +101,7 @@ class ServingChat(OpenAIServing):
         if req.stream:
             outputs = await self.start(prepared, request_id, stream=True)
             return ClosingStreamingResponse(self._stream(req, prepared, outputs, request_id, model, created),
-                                            source=outputs)
+                                            on_close=outputs.aclose)
 
         async def collect() -> ChatCompletionResponse:
             # A non-streamed request's first output is its last: watch for the client leaving from the start.

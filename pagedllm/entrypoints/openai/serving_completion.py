@@ -79,7 +79,7 @@ class ServingCompletion(OpenAIServing):
         if req.stream:
             outputs = await start_streams(streams)
             return ClosingStreamingResponse(self._stream(req, prompts, outputs, request_id, model, created),
-                                            source=outputs)
+                                            on_close=outputs.aclose)
 
         async def collect() -> CompletionResponse:
             # A non-streamed request's first output is its last: watch for the client leaving from the start.

@@ -77,7 +77,7 @@ class ServingMessages:
         message_id = f"msg_{random_uuid().replace('-', '')}"
         if req.stream:
             outputs = await self.chat.start(prepared, message_id, stream=True)
-            return ClosingStreamingResponse(self._stream(prepared, outputs, message_id, model), source=outputs)
+            return ClosingStreamingResponse(self._stream(prepared, outputs, message_id, model), on_close=outputs.aclose)
 
         async def collect() -> dict[str, Any]:
             # The only output is the last: watch for the client leaving from the start (it aborts the request).

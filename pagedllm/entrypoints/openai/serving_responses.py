@@ -262,7 +262,7 @@ class ServingResponses:
         if req.stream:
             outputs = await self.chat.start(prepared, response_id, stream=True)
             return ClosingStreamingResponse(self._stream(req, prepared, outputs, shell, input_items, context),
-                                            source=outputs)
+                                            on_close=outputs.aclose)
 
         async def collect() -> dict[str, Any]:
             # The only output is the last: watch for the client leaving from the start (it aborts the request).

@@ -139,7 +139,7 @@ class ServingTranscription:
         if req.stream:
             outputs = await start_streams(streams)
             return ClosingStreamingResponse(self._stream(req, options, chunks, duration, outputs, start),
-                                            source=outputs)
+                                            on_close=outputs.aclose)
 
         async def collect() -> Any:
             # A non-streamed request's first output is its last: watch for the client leaving from the start.

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backends.base import AttentionBackend
+from pagedllm.attention.backends.paged_kv import is_fp8
 from pagedllm.attention.backends.selector import DeviceAttentionBackend
 from pagedllm.attention.backends.torch_sinks import sink_attention
 from pagedllm.attention.forward_context import forward_context, get_attn_metadata
@@ -54,15 +55,21 @@ class Attention(DirectCall, nn.Module):
         self.kv_scale = torch.ones(2, dtype=torch.float32, device="cpu")
         self.calculate_kv_scales = False  # set by the model runner for its first step (--calculate-kv-scales)
 
+    def maybe_calculate_kv_scales(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """With ``calculate_kv_scales`` set (--calculate-kv-scales, the first step), set ``kv_scale`` from this
+        step's key / value ([T, Hkv*D] or [T, Hkv, D]) and clear it."""
+        if self.calculate_kv_scales:
+            calculate_kv_scale_(self.kv_scale, key, value)
+            self.calculate_kv_scales = False
+
     def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None) -> torch.Tensor:
         """query: [T, H*D], key/value: [T, Hkv*D] -> [T, H*D]. key = value = None: this step's K/V is in
         the cache already (``write_kv_with_rotary``)."""
         if self.kv_cache is None and self.spec.uses_kv_cache:
             raise RuntimeError(f"no KV cache bound to attention layer {self.layer_idx}")
         t = query.shape[0]
-        if self.calculate_kv_scales and key is not None:
-            calculate_kv_scale_(self.kv_scale, key, value)
-            self.calculate_kv_scales = False
+        if key is not None:
+            self.maybe_calculate_kv_scales(key, value)
         if self.sinks is not None:
             meta = get_attn_metadata(self.kv_group)
             out = sink_attention(query.view(t, self.num_heads, self.head_size),
@@ -92,7 +99,7 @@ class Attention(DirectCall, nn.Module):
         if self.kv_cache is None or not self.spec.uses_kv_cache or self.sinks is not None \
                 or not self.backend.takes_kv_from_rotary(qkv):
             return False
-        if self.kv_cache.element_size() == 1:
+        if is_fp8(self.kv_cache.dtype):
             return False  # an fp8 cache quantizes with the layer's scales as the backend stores K/V
         rope.rotate_qk_and_write_kv(qkv, self.num_heads, self.num_kv_heads, self.kv_cache,
                                     get_attn_metadata(self.kv_group).slot_mapping)

@@ -7,6 +7,7 @@ vLLM uses, which leave e4m3's range headroom for later tokens), from the checkpo
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -23,7 +24,7 @@ def calculate_kv_scale_(kv_scale: torch.Tensor, key: torch.Tensor, value: torch.
     """Set ``kv_scale`` [2] in place from one step's K/V ([T, Hkv*D] or [T, Hkv, D]); a zero tensor keeps 1.0."""
     for i, (t, divisor) in enumerate(((key, K_SCALE_DIVISOR), (value, V_SCALE_DIVISOR))):
         amax = float(t.detach().abs().max()) if t.numel() else 0.0
-        kv_scale[i] = amax / divisor if amax > 0 and amax == amax else 1.0
+        kv_scale[i] = amax / divisor if 0 < amax < math.inf else 1.0  # NaN and inf keep 1.0 too
 
 
 def kv_scale_target(name: str) -> tuple[str, int] | None:
@@ -56,11 +57,17 @@ def load_kv_scale(model: nn.Module, name: str, tensor: torch.Tensor) -> bool:
     return True
 
 
-def set_calculate_kv_scales(model: nn.Module, enabled: bool) -> None:
+def set_calculate_kv_scales(model: nn.Module) -> None:
     """Ask every cached attention layer of ``model`` to set its scales from the K/V of its next forward."""
     for layer in model.modules():
         if _has_kv_scale(layer) and layer.spec.uses_kv_cache:
-            layer.calculate_kv_scales = enabled
+            layer.calculate_kv_scales = True
+
+
+def layer_kv_scales(model: nn.Module) -> list[list[float]]:
+    """[k scale, v scale] of each cached attention layer of ``model``, in ``layer_idx`` order."""
+    layers = [m for m in model.modules() if _has_kv_scale(m) and m.spec.uses_kv_cache]
+    return [layer.kv_scale.tolist() for layer in sorted(layers, key=lambda m: m.layer_idx)]
 
 
 def _has_kv_scale(module: nn.Module) -> bool:

@@ -45,7 +45,7 @@ def vision_activation_kind(name: str) -> str:
 
 def vision_activation(name: str) -> Any:
     """The vision MLP's activation by its config name, applied in place to fc1's fresh output (the C++ GELU on
-    float32 / bfloat16 CPU tensors: torch's bf16 GELU was a third of the tower's time)."""
+    float32 / bfloat16 CPU tensors, one pass in place; docs/performance.md has what it saves)."""
     kind = vision_activation_kind(name)
     if kind == "quick_gelu":
         return lambda x: x.mul_(torch.sigmoid(1.702 * x))

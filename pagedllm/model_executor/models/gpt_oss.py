@@ -37,7 +37,7 @@ class GptOssMoeBlock(DirectCall, nn.Module):
         rule = RoutingRule(cfg.num_local_experts, cfg.num_experts_per_tok, "topk_softmax")
         self.router = make_linear(cfg.hidden_size, rule.num_experts, bias=True, dtype=dtype, prefix=f"{prefix}.router")
         self.experts = FusedMoE(rule, cfg.hidden_size, cfg.intermediate_size,
-                                ClampedSwiGLU(cfg.swiglu_alpha, cfg.swiglu_limit), dtype=dtype,
+                                ClampedSwiGLU(getattr(cfg, "swiglu_alpha", 1.702), cfg.swiglu_limit), dtype=dtype,
                                 quant_config=quant_config, prefix=f"{prefix}.experts", bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,7 @@ class LlamaModel(DirectCall, nn.Module):
             raise ValueError("partial_rotary_factor != 1 is not supported")
         specs = layer_attention_specs(cfg)
         self.embed_tokens = make_embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.embedding_scale = arch.embedding_scale(cfg)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, specs[i], arch, dtype, quant_config)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -77,7 +78,11 @@ class LlamaModel(DirectCall, nn.Module):
         first that many decoder layers (layer-skip drafting, ``spec_decode/model_drafter.py``); None: all.
         ``inputs_embeds`` [T, hidden]: the step's input embeddings instead of ``input_ids``'s (a VLM's, with image
         rows merged in)."""
-        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if inputs_embeds is None:
+            x = self.embed_tokens(input_ids)
+            x = x * self.embedding_scale if self.embedding_scale is not None else x
+        else:
+            x = inputs_embeds
         rope = self.rope_step(positions)  # once per step, shared by all layers
         residual = None
         for layer in self.layers if num_layers is None else islice(self.layers, num_layers):
@@ -111,6 +116,12 @@ class LlamaForCausalLM(CausalLM):
     @classmethod
     def attention_scale(cls, cfg: Any) -> float | None:
         """The softmax scale of attention scores; None: 1/sqrt(head_dim)."""
+        return None
+
+    @classmethod
+    def embedding_scale(cls, cfg: Any) -> float | None:
+        """A factor on the token embeddings (inside the decoder stack, so layer-skip drafts get it too); None:
+        none."""
         return None
 
     @classmethod

@@ -160,11 +160,9 @@ class GraniteMoeForCausalLM(LlamaForCausalLM):
         return SparseMoeBlock(rule, cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "hidden_act", "silu"),
                               dtype=dtype, quant_config=quant_config, prefix=prefix)
 
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [T] -> hidden [T, H], the embeddings scaled by ``embedding_multiplier``."""
-        embeds = self.model.embed_tokens(input_ids) * float(self.config.embedding_multiplier)
-        return self.model(input_ids, positions, inputs_embeds=embeds)
+    @classmethod
+    def embedding_scale(cls, cfg: Any) -> float | None:
+        return float(cfg.embedding_multiplier)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -307,14 +307,15 @@ class FusedMoE(DirectCall, nn.Module):
 
     # -- forward --------------------------------------------------------------------------------------------------
     def routes_in_kernels(self, x: torch.Tensor, router_logits: torch.Tensor) -> bool:
-        """Whether this call runs entirely in the C++ kernels (``_forward_kernels``)."""
+        """Whether this call (x [T, H], router_logits [T, E]) runs entirely in the C++ kernels
+        (``_forward_kernels``)."""
         return self._routes_in_kernels and router_logits.dtype == torch.float32 and x.stride(-1) == 1
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor,
                 shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x [T, H], router_logits [T, E] -> [T, H] in x's dtype. ``shared``: (a shared expert's output [T, H], its
-        gate logits [T, 1]) to add as ``sigmoid(gate) * output`` (Qwen2-MoE), on one rank only (under tensor
-        parallelism the shared expert all-reduces its own output)."""
+        gate logits [T, 1]) to add as ``sigmoid(gate) * output`` (Qwen2-MoE), after the experts' all-reduce under
+        tensor parallelism (the shared expert all-reduces its own output, so every rank adds the whole of it)."""
         if self.routes_in_kernels(x, router_logits):
             return self._forward_kernels(x, router_logits, shared)
         weights, ids = select_experts(router_logits, self.rule)

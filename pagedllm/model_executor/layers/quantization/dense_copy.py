@@ -1,9 +1,8 @@
 """A quantized weight's dense copy: the many-rows candidate of the CPU kernel autotuner (``kernel_choice.py``).
 
 The group-wise quantized kernels (``qpanels.py``) are bound by weight bytes for a few rows, where they beat a
-dense matmul, but their cost grows with the rows far faster than a dense GEMM's: a decode step of 200 requests
-spent more time in the Q8_0 LM head alone than the whole bf16 step took. So each quantized weight also offers
-the autotuner its dequantized copy, run by the dense GEMM of the CPU:
+dense matmul, but their cost grows with the rows faster than a dense GEMM's (docs/performance.md). So each
+quantized weight also offers the autotuner its dequantized copy, run by the dense GEMM of the CPU:
 
 - ``dense-f32/blas``: float32 [N, K] through BLAS (``torch.addmm``): the same product as the quantized kernels
   within float32 rounding, so a request's tokens do not depend on the batch it runs in. The default.

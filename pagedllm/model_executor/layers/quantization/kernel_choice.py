@@ -307,23 +307,24 @@ def is_lm_head(layer: nn.Module) -> bool:
 
 def head_summary(layer: nn.Module, choices: list[str], copy_nbytes: int) -> str:
     """What the LM head keeps and runs per range of rows, for the start-up log: "49152x576 (gguf Q8_0): the
-    quantized weight (dot4/avx512) for 1-32 rows; a dense bf16 copy (dense-bf16/onednn, 54.0 MiB) from 33 rows"."""
+    quantized weight (dot4/avx512) for 1-32 rows; a dense f32 copy (dense-f32/blas) from 33 rows, the copies add
+    108.0 MiB"."""
     ranges: list[tuple[str, int, int]] = []  # (kernel, first bucket, last bucket)
     for b, name in enumerate(choices):
         if ranges and ranges[-1][0] == name:
             ranges[-1] = (name, ranges[-1][1], b)
         else:
             ranges.append((name, b, b))
-    lows = [1] + [edge + 1 for edge in autotune._UPPER_EDGES]
+    buckets = autotune.bucket_ranges()
     parts = []
     for name, first, last in ranges:
         if first == 0 and last == len(choices) - 1:
             span = "at every batch size"
         elif last == len(choices) - 1:
-            span = f"from {lows[first]} rows"
+            span = f"from {buckets[first][0]} rows"
         else:
-            span = f"for {lows[first]}-{lows[last + 1] - 1} rows"
-        what = (f"a dense {name[len('dense-'):].split('/')[0]} copy ({name})" if is_dense(name)
+            span = f"for {buckets[first][0]}-{buckets[last][1]} rows"
+        what = (f"a dense {name[len(PREFIX):].split('/')[0]} copy ({name})" if is_dense(name)
                 else f"the quantized weight ({name})")
         parts.append(f"{what} {span}")
     scheme = layer.quant_method.scheme(layer)

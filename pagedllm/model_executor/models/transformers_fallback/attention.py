@@ -125,11 +125,7 @@ class PagedLayers:
         q = query[0].transpose(0, 1).contiguous()
         k = key[0].transpose(0, 1).contiguous()
         v = value[0].transpose(0, 1).contiguous()
-        if layer.calculate_kv_scales:
-            from pagedllm.model_executor.layers.kv_cache_scales import calculate_kv_scale_
-
-            calculate_kv_scale_(layer.kv_scale, k, v)
-            layer.calculate_kv_scales = False
+        layer.maybe_calculate_kv_scales(k, v)
         out = layer.backend.forward(q, k, v, layer.kv_cache, get_attn_metadata(layer.kv_group), layer.spec,
                                     layer.scale, layer.kv_scale)
         return out.unsqueeze(0)
