@@ -307,7 +307,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         from pagedllm.model_executor.loader import resolve_model_config
-        from pagedllm.model_executor.loader.dtype import resolve_kv_cache_dtype
+        from pagedllm.model_executor.loader.dtype import names_fp8_kv_cache, resolve_kv_cache_dtype
 
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if int(getattr(self, name)) < 1:
@@ -325,7 +325,7 @@ class EngineArgs:
         check_hash_algo(self.prefix_caching_hash_algo)
         kv_events = parse_kv_events_config(self.kv_events_config)
         kv_transfer = parse_kv_transfer_config(self.kv_transfer_config)
-        if self.calculate_kv_scales and not str(self.kv_cache_dtype).lower().startswith("fp8"):
+        if self.calculate_kv_scales and not names_fp8_kv_cache(self.kv_cache_dtype):
             raise ValueError(f"calculate_kv_scales: sets the scales of an fp8 KV cache; pass --kv-cache-dtype fp8 "
                              f"(got kv_cache_dtype {self.kv_cache_dtype!r})")
         if self.calculate_kv_scales and kv_transfer is not None:

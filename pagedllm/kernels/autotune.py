@@ -48,11 +48,6 @@ MODES = AUTOTUNE_MODES
 #: 1-2 -> 1, 3-8 -> 4, 9-32 -> 16, 33-128 -> 64, 129+ -> 256.
 BUCKET_ROWS = (1, 4, 16, 64, 256)
 _UPPER_EDGES = (2, 8, 32, 128)  # largest M of each bucket but the last
-
-
-def bucket_ranges() -> list[tuple[int, int | None]]:
-    """(first, last) rows of each bucket of ``BUCKET_ROWS``; the last bucket's last is None (no end)."""
-    return list(zip([1] + [edge + 1 for edge in _UPPER_EDGES], [*_UPPER_EDGES, None], strict=True))
 TABLE_VERSION = 2  # 2: medians (1 kept each candidate's fastest call)
 #: A bucket whose time disagrees with its neighbours by this factor is measured again.
 SUSPECT_RATIO = 3.0
@@ -63,6 +58,11 @@ BUSY_LOAD = 0.25
 MAX_REFRESHES = 2
 
 Kernel = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
+
+
+def bucket_ranges() -> list[tuple[int, int | None]]:
+    """(first, last) rows of each bucket of ``BUCKET_ROWS``; the last bucket's last is None (no end)."""
+    return list(zip([1] + [edge + 1 for edge in _UPPER_EDGES], [*_UPPER_EDGES, None], strict=True))
 
 
 def bucket_index(rows: int) -> int:

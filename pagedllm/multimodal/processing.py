@@ -47,7 +47,7 @@ def load_hf_processor(model_path: str) -> Any:
         except (OSError, ValueError):
             raise e from None
         logger.warning("multimodal processor: AutoProcessor failed (%s: %s); using the model's image processor and "
-                    "tokenizer (images only)", type(e).__name__, str(e)[:120])
+                       "tokenizer (images only)", type(e).__name__, str(e)[:120])
         return processor
 
 

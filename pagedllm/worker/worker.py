@@ -96,8 +96,8 @@ class Worker:
         self.sliding_window = self.runner.kv_sliding_window()
         self.sliding_group_window = self.runner.kv_cache_groups()[1]
         if is_fp8(self.kv_dtype) and (self.sliding_window is not None or self.sliding_group_window is not None
-                                            or mc.is_encoder_decoder
-                                            or any(m.sinks is not None for m in attention_layers(model))):
+                                      or mc.is_encoder_decoder
+                                      or any(m.sinks is not None for m in attention_layers(model))):
             raise ValueError(f"kv_cache_dtype: an fp8 KV cache serves models whose cached layers are all causal "
                              f"full attention without sinks; {mc.architecture} has sliding-window, cross-attention "
                              f"or sink layers")
@@ -282,7 +282,6 @@ class Worker:
         """An fp8 cache: log where the layers' k/v scales come from; with --calculate-kv-scales, ask the layers to
         set them from their first forward (the first real step, a prompt's: the decode graphs captured above read
         the scale tensors at each replay)."""
-
         models = [self.runner.model, *([d] if (d := getattr(self.runner, "draft_model", None)) is not None else [])]
         if self.config.cache.calculate_kv_scales:
             for model in models:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.attention.backends.paged_kv import is_fp8, write_kv
+from pagedllm.attention.backends.paged_kv import write_kv
 from pagedllm.attention.metadata import AttentionMetadata
 
 
@@ -50,9 +50,8 @@ def sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     """query [T, H, D], key/value [T, Hkv, D] (this step's new tokens, written to ``kv_cache`` by slot first),
     sinks [H] (this rank's heads), ``window`` None for a causal layer -> [T, H, D].
 
-    kv_cache: [2, num_blocks, block_size, Hkv, D], in the model's dtype (these reads apply no fp8 scales)."""
-    if is_fp8(kv_cache.dtype):
-        raise ValueError("kv_cache_dtype: attention-sink layers read an unscaled cache; an fp8 one is not supported")
+    kv_cache: [2, num_blocks, block_size, Hkv, D], in the model's dtype: these reads apply no fp8 scales, so the
+    worker refuses an fp8 cache for a model with sink layers."""
     write_kv(kv_cache, key, value, meta.slot_mapping)
     _, num_heads, head_dim = query.shape
     num_kv_heads, bs = kv_cache.shape[-2], kv_cache.shape[2]

@@ -47,6 +47,11 @@ _FP8_KV_DTYPES = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5
 _FP8_TORCH_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
+def names_fp8_kv_cache(kv_cache_dtype: str | None) -> bool:
+    """Whether a ``--kv-cache-dtype`` value asks for an fp8 cache (fp8, fp8_e4m3, fp8_e5m2, any case)."""
+    return (kv_cache_dtype or "").lower() in _FP8_KV_DTYPES
+
+
 def resolve_kv_cache_dtype(kv_cache_dtype: str | None, model_dtype: str) -> str:
     """The KV cache's dtype name: ``model_dtype`` (already resolved) for auto, fp8_e4m3 for fp8, else the one
     asked for (canonical name)."""
