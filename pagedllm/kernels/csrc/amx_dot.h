@@ -12,15 +12,7 @@ namespace amx_dot {
 // Whether this CPU has AMX-INT8 and the kernel granted this process the tile state (asked for once).
 bool supported();
 
-// One weight in panels of 16 output columns (P = ceil(N / 16), panel p at w + p * panel_bytes).
-struct Weights {
-  const uint8_t* w;
-  int64_t panel_bytes;
-  bool nibbles;          // true: 4-bit "dot8" blocks (8 k per 64 bytes, levels 0..15); false: "dot4" (q + 128)
-  const void* scales;    // [P, G, 16] float16 bits, or float when !half_scales
-  bool half_scales;
-  const uint16_t* mins;  // [P, G, 16] float16 bits (4-bit weights), else nullptr
-};
+using dot_gemm::Weights;
 
 // y[M, N] (+ bias) = x @ w^T with x given as its two int8 terms (group a multiple of 4 dividing K; 8 for nibbles).
 void gemm(const dot_gemm::Activations& a, int64_t M, int64_t N, int64_t K, int64_t group, const Weights& wt,

@@ -8,6 +8,9 @@ constexpr int ISA_AUTO = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_GENERIC = 3;
 // The byte-dot-product matmuls (q4_dot_gemm, q8_dot_gemm) also take 4: AMX tiles (amx_dot.h), never chosen by auto
 // (the autotuner times it per row count: it wins for many rows only).
 constexpr int ISA_AMX = 4;
+// ... and a flag on 0..3: their "words" tiles (words_gemm.h: int16 pair products, for many rows; the autotuner
+// times them per row count).
+constexpr int ISA_WORDS = 8;
 
 inline bool cpu_has_avx2() {
 #if defined(__x86_64__)

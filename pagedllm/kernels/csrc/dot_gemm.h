@@ -15,6 +15,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <new>
 #include <vector>
 
 namespace dot_gemm {
@@ -22,12 +24,29 @@ namespace dot_gemm {
 constexpr int64_t NR = isa::NR;          // output columns per panel
 constexpr float RESIDUAL_STEPS = 254.f;  // x2's step is dx / 254: |residual| <= dx / 2 -> |x2| <= 127
 
+// An allocator whose resize leaves new elements uninitialised: buffers that a kernel writes in full before reading
+// (zero-filling the activations of a many-row call cost a few percent of it).
+template <class T>
+struct Uninitialised : std::allocator<T> {
+  template <class U>
+  struct rebind {
+    using other = Uninitialised<U>;
+  };
+  using std::allocator<T>::allocator;
+  template <class U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+};
+template <class T>
+using Buffer = std::vector<T, Uninitialised<T>>;
+
 // x split per (row, group): x1, x2 int8 [M, K]; dx = max|x| / 127 and xs = sum(x), float [M, G]; the integer
 // sums of x1 and x2 over each group, int32 [M, G] (what a weight offset of +128 adds to a u8 x s8 dot product).
 struct Activations {
-  std::vector<int8_t> x1, x2;
-  std::vector<float> d, s;
-  std::vector<int32_t> s1, s2;
+  Buffer<int8_t> x1, x2;
+  Buffer<float> d, s;
+  Buffer<int32_t> s1, s2;
 };
 
 // One group of one row: x1, x2, and (dx, sum x, sum x1, sum x2). Every path rounds as the portable one does
@@ -81,6 +100,17 @@ inline void quantize_activations(const float* x, int64_t ldx, int64_t M, int64_t
     }
   });
 }
+
+// One weight in panels of 16 output columns (P = ceil(N / 16), panel p at w + p * panel_bytes), as the AMX tiles
+// (amx_dot.h) and the words tiles (words_gemm.h) take it.
+struct Weights {
+  const uint8_t* w;
+  int64_t panel_bytes;
+  bool nibbles;          // true: 4-bit "dot8" blocks (8 k per 64 bytes, levels 0..15); false: "dot4" (q + 128)
+  const void* scales;    // [P, G, 16] float16 bits, or float when !half_scales
+  bool half_scales;
+  const uint16_t* mins;  // [P, G, 16] float16 bits (4-bit weights), else nullptr
+};
 
 // The tiles' view of a call: weights (w, panel_bytes, scales, half_scales, mins) and these activations.
 inline isa::DotProblem dot_problem(const Activations& a, const uint8_t* w, int64_t panel_bytes, const void* scales,

@@ -16,11 +16,13 @@ using namespace isa;
 #include "simd/vec_avx2.h"
 #include "simd/widen_tiles.h"
 #include "simd/dot_tiles.h"
+#include "simd/word_tiles.h"
 }  // namespace
 #pragma GCC pop_options
 
 namespace isa {
 extern constexpr WidenKernels kAvx2Widen = widen_kernels<Avx2, false>();
 extern constexpr DotKernels kAvx2Dot = dot_kernels<Avx2, false, false>();
+extern constexpr WordKernels kAvx2Words = word_kernels<Avx2, 4, 1>();
 }  // namespace isa
 #endif

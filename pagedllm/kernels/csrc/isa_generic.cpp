@@ -16,9 +16,11 @@ using namespace isa;
 #include "simd/vec_scalar.h"
 #include "simd/widen_tiles.h"
 #include "simd/dot_tiles.h"
+#include "simd/word_tiles.h"
 }  // namespace
 
 namespace isa {
 extern constexpr WidenKernels kScalarWiden = widen_kernels<Scalar, false>();
 extern constexpr DotKernels kScalarDot = dot_kernels<Scalar, true, false>();
+extern constexpr WordKernels kScalarWords = word_kernels<Scalar, 4, 1>();
 }  // namespace isa

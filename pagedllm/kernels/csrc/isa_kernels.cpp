@@ -5,11 +5,12 @@
 
 namespace isa {
 namespace {
-const Kernels kGeneric{"generic", &kScalarWiden, &kScalarDot};
+const Kernels kGeneric{"generic", &kScalarWiden, &kScalarDot, &kScalarWords};
 #if defined(__x86_64__)
-const Kernels kAvx2{"avx2", &kAvx2Widen, &kAvx2Dot};
-const Kernels kAvx512Vnni{"avx512-vnni", &kAvx512Widen, &kVnni512Dot};
-const Kernels kAvx512{"avx512", &kAvx512Widen, &kAvx2Dot};  // no VNNI: AVX2's byte products
+const Kernels kAvx2{"avx2", &kAvx2Widen, &kAvx2Dot, &kAvx2Words};
+const Kernels kAvx512Vnni{"avx512-vnni", &kAvx512Widen, &kVnni512Dot, &kVnni512Words};
+// no VNNI: AVX2's byte products, and int16 pair products by vpmaddwd
+const Kernels kAvx512{"avx512", &kAvx512Widen, &kAvx2Dot, &kAvx512Words};
 #endif
 }  // namespace
 

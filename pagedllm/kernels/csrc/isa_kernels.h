@@ -16,6 +16,8 @@ constexpr int64_t NR = 16;          // output columns per weight panel
 constexpr int kMaxWidenRows = 8;    // rows of the widest widening tile
 constexpr int kDotRows = 4;         // rows of a byte-dot tile
 constexpr int kW8a8Rows = 8;
+constexpr int kMaxWordRows = 8;     // rows of the widest words tile
+constexpr int kMaxWordPanels = 2;   // panels of 16 columns a words tile spans at most
 
 // Weights widened to float in registers (quant_gemm.cpp). The tiles compute rows x 16 columns of panel p into
 // tmp [rows][16] (scaled, without bias).
@@ -78,11 +80,46 @@ struct DotKernels {
   W8a8Tile w8a8[kW8a8Rows];                          // nullptr without VNNI
 };
 
+// The "words" tiles (words_gemm.cpp): dot8 / dot4 panels widened once per block of rows into int16 pairs, times
+// x as one int16 term x16 = 254 x1 + x2 (the two int8 terms above, combined exactly), by int16 pair products
+// (AVX-512 VNNI's vpdpwssd, vpmaddwd elsewhere): for many rows, where the byte tiles' two products per 4 k and
+// their per-group float work bound the loop.
+struct WordsProblem {
+  const int16_t* x16;     // [M, K]
+  const float* dx;        // [M, G] x16's step: dx / 254
+  const float* s;         // [M, G] sum of x (4-bit weights' mins)
+  const int32_t* offsets;  // [M, G] 128 * sum of x16 (8-bit weights, stored + 128), else nullptr
+  int64_t K, G, group;
+};
+// The panels one tile spans, widened: q int32 pairs [NP][K/2][16]; scales and mins float [NP][G][16] (mins
+// nullptr for 8-bit weights).
+struct WidenedPanels {
+  const int32_t* q;
+  const float* scales;
+  const float* mins;
+};
+using WordsTile = void (*)(const WordsProblem&, const WidenedPanels&, int64_t m0, float* acc);
+using WidenPanel = void (*)(const uint8_t* panel, int64_t K, int32_t* dst);  // one panel -> int16 pairs [K/2][16]
+using WidenHalves = void (*)(const uint16_t* src, int64_t n, float* dst);     // float16 bits -> float (n % 16 == 0)
+// acc [rows][width] (+ bias[0, cols)) -> y [rows][0, cols) (rows ldy apart), streamed past the caches or not
+using StoreRows = void (*)(const float* acc, int rows, int64_t width, int64_t cols, const float* bias, float* y,
+                           int64_t ldy, bool stream);
+
+struct WordKernels {
+  int rows, panels;                                   // the largest tile: rows x (panels x 16) columns
+  // [panels - 1][rows - 1]: 4-bit weights (with mins) and 8-bit ones (+ 128: without)
+  WordsTile q4[kMaxWordPanels][kMaxWordRows], q8[kMaxWordPanels][kMaxWordRows];
+  WidenPanel widen_dot8, widen_dot4;
+  WidenHalves widen_halves;
+  StoreRows store_rows;
+};
+
 // A resolved instruction set: its name and its tiles.
 struct Kernels {
   const char* name;
   const WidenKernels* widen;
   const DotKernels* dot;
+  const WordKernels* words;
 };
 
 // The tiles for `isa` (cpu_features.h: 0 = best on this CPU, 1 = AVX2, 2 = AVX-512, 3 = portable); an error
@@ -94,5 +131,6 @@ bool has_byte_dot();
 // Defined by the ISA translation units.
 extern const WidenKernels kScalarWiden, kAvx2Widen, kAvx512Widen;
 extern const DotKernels kScalarDot, kAvx2Dot, kVnni512Dot;
+extern const WordKernels kScalarWords, kAvx2Words, kAvx512Words, kVnni512Words;
 
 }  // namespace isa

@@ -28,6 +28,7 @@
 #include "isa_kernels.h"
 #include "kernels.h"
 #include "tile_loop.h"
+#include "words_gemm.h"
 
 namespace {
 
@@ -55,9 +56,12 @@ torch::Tensor q4_dot_gemm(const torch::Tensor& x, const torch::Tensor& qweight, 
               "scales must be contiguous float16 [P, K/group, 16]");
   TORCH_CHECK(mins.is_contiguous() && mins.scalar_type() == torch::kHalf && mins.numel() == P * G * NR,
               "mins must be contiguous float16 [P, K/group, 16]");
-  const bool amx = isa_code == ISA_AMX;
+  const bool amx = isa_code == ISA_AMX, words = (isa_code & ISA_WORDS) != 0;
   TORCH_CHECK(!amx || amx_dot::supported(), "q4_dot_gemm: isa 4 (AMX) on a CPU without AMX tiles");
-  const isa::DotKernels& kernels = *isa::kernels_for(amx ? ISA_AVX512 : isa_code).dot;  // AMX splits x so too
+  TORCH_CHECK(!words || group <= words_gemm::MAX_Q4_GROUP, "q4_dot_gemm: the words tiles take groups of at most ",
+              words_gemm::MAX_Q4_GROUP, " k, got ", group);
+  const isa::Kernels& resolved = isa::kernels_for(amx ? ISA_AVX512 : isa_code & ~ISA_WORDS);  // AMX splits x so too
+  const isa::DotKernels& kernels = *resolved.dot;
   const torch::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   torch::Tensor bc;
   const float* b = gemm_bias(bias, N, bc);
@@ -69,9 +73,13 @@ torch::Tensor q4_dot_gemm(const torch::Tensor& x, const torch::Tensor& qweight, 
   const isa::DotProblem pb = dot_gemm::dot_problem(
       act, qweight.data_ptr<uint8_t>(), (K / BLOCK_K) * BLOCK_BYTES, scales.data_ptr<at::Half>(), true,
       reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()), K, group);
+  const dot_gemm::Weights wt{pb.w, pb.panel_bytes, true, pb.scales, true, pb.mins};
   if (amx) {
-    amx_dot::gemm(act, M, N, K, group, {pb.w, pb.panel_bytes, true, pb.scales, true, pb.mins}, b, y.data_ptr<float>(),
-                  y.stride(0));
+    amx_dot::gemm(act, M, N, K, group, wt, b, y.data_ptr<float>(), y.stride(0));
+    return y;
+  }
+  if (words) {
+    words_gemm::gemm(act, M, N, K, group, wt, *resolved.words, b, y.data_ptr<float>(), y.stride(0));
     return y;
   }
   const isa::DotTile* tiles = group <= SHORT_GROUP_K ? kernels.q4_short : kernels.q4;

@@ -23,6 +23,7 @@
 #include "isa_kernels.h"
 #include "kernels.h"
 #include "tile_loop.h"
+#include "words_gemm.h"
 
 namespace {
 
@@ -50,12 +51,15 @@ torch::Tensor q8_dot_gemm(const torch::Tensor& x, const torch::Tensor& qweight, 
   const bool half = scales.scalar_type() == torch::kHalf;
   TORCH_CHECK(scales.is_contiguous() && (half || scales.scalar_type() == torch::kFloat32) &&
               scales.numel() == P * G * NR, "scales must be contiguous float16 or float32 [P, K/group, 16]");
-  const bool amx = isa_code == ISA_AMX;
+  const bool amx = isa_code == ISA_AMX, words = (isa_code & ISA_WORDS) != 0;
   TORCH_CHECK(!amx || amx_dot::supported(), "q8_dot_gemm: isa 4 (AMX) on a CPU without AMX tiles");
-  const isa::Kernels& kernels = isa::kernels_for(amx ? ISA_AVX512 : isa_code);  // AMX splits x as AVX-512 does
+  TORCH_CHECK(!words || group <= words_gemm::MAX_Q8_GROUP, "q8_dot_gemm: the words tiles take groups of at most ",
+              words_gemm::MAX_Q8_GROUP, " k, got ", group);
+  // AMX splits x as AVX-512 does
+  const isa::Kernels& kernels = isa::kernels_for(amx ? ISA_AVX512 : isa_code & ~ISA_WORDS);
   const isa::DotTile* tiles = half ? kernels.dot->q8_half : kernels.dot->q8_float;
-  TORCH_CHECK(tiles[0] != nullptr, "q8_dot_gemm runs on AVX-512 VNNI (isa 0 or 2) or the portable path (isa 3); ",
-              "asked for isa ", isa_code, " (", kernels.name, ")");
+  TORCH_CHECK(words || tiles[0] != nullptr, "q8_dot_gemm runs on AVX-512 VNNI (isa 0 or 2), the portable path ",
+              "(isa 3) or the words tiles of any ISA (isa | 8); asked for isa ", isa_code, " (", kernels.name, ")");
   const torch::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   torch::Tensor bc;
   const float* b = gemm_bias(bias, N, bc);
@@ -66,9 +70,13 @@ torch::Tensor q8_dot_gemm(const torch::Tensor& x, const torch::Tensor& qweight, 
   dot_gemm::quantize_activations(xc.data_ptr<float>(), xc.stride(0), M, K, group, act, kernels.dot->split_group);
   const isa::DotProblem pb = dot_gemm::dot_problem(act, qweight.data_ptr<uint8_t>(), (K / BLOCK_K) * BLOCK_BYTES,
                                                    scales.data_ptr(), half, nullptr, K, group);
+  const dot_gemm::Weights wt{pb.w, pb.panel_bytes, false, pb.scales, half, nullptr};
   if (amx) {
-    amx_dot::gemm(act, M, N, K, group, {pb.w, pb.panel_bytes, false, pb.scales, half, nullptr}, b,
-                  y.data_ptr<float>(), y.stride(0));
+    amx_dot::gemm(act, M, N, K, group, wt, b, y.data_ptr<float>(), y.stride(0));
+    return y;
+  }
+  if (words) {
+    words_gemm::gemm(act, M, N, K, group, wt, *kernels.words, b, y.data_ptr<float>(), y.stride(0));
     return y;
   }
   for_each_tile(M, N, K, dot_tile_loop(K), b, y.data_ptr<float>(), y.stride(0), no_panel_setup,

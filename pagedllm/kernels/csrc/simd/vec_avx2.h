@@ -10,6 +10,7 @@ struct Avx2 {
   static F fzero() { return _mm256_setzero_ps(); }
   static F fload(const float* p) { return _mm256_loadu_ps(p); }
   static void fstore(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static void fstream(float* p, F v) { _mm256_stream_ps(p, v); }  // p 32-byte aligned; past the caches
   static F fset1(float v) { return _mm256_set1_ps(v); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F fmsub(F a, F b, F c) { return _mm256_fmsub_ps(a, b, c); }
@@ -75,6 +76,13 @@ struct Avx2 {
   static B bload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   static B bset1(int32_t word) { return _mm256_set1_epi32(word); }
   static B low_nibbles(B b) { return _mm256_and_si256(b, _mm256_set1_epi8(15)); }
+  static B band(B a, B b) { return _mm256_and_si256(a, b); }
+  static B bor(B a, B b) { return _mm256_or_si256(a, b); }
+  static B shl32(B a, int n) { return _mm256_slli_epi32(a, n); }
+  static B shr32(B a, int n) { return _mm256_srli_epi32(a, n); }
+  static void bstore(int32_t* p, B b) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), b); }
+  // acc + the sum of each lane's 2 products of int16 words (vpmaddwd: exact, as |q x16| < 2^24 here).
+  static I dot_s16(I acc, B a, B b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
   static B high_nibbles(B b) { return _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi8(15)); }
 
   // Nibble x int8 sums without VNNI: vpmaddubsw (pairs into int16) + vpmaddwd (pairs of int16 into int32), both on

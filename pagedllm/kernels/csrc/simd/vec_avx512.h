@@ -11,6 +11,7 @@ struct Avx512 {
   static F fzero() { return _mm512_setzero_ps(); }
   static F fload(const float* p) { return _mm512_loadu_ps(p); }
   static void fstore(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static void fstream(float* p, F v) { _mm512_stream_ps(p, v); }  // p 64-byte aligned; past the caches
   static F fset1(float v) { return _mm512_set1_ps(v); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F fmsub(F a, F b, F c) { return _mm512_fmsub_ps(a, b, c); }
@@ -56,6 +57,11 @@ struct Avx512 {
   static B bload(const uint8_t* p) { return _mm512_loadu_si512(p); }
   static B bset1(int32_t word) { return _mm512_set1_epi32(word); }  // 4 bytes repeated in every lane
   static B low_nibbles(B b) { return _mm512_and_si512(b, _mm512_set1_epi8(15)); }
+  static B band(B a, B b) { return _mm512_and_si512(a, b); }
+  static B bor(B a, B b) { return _mm512_or_si512(a, b); }
+  static B shl32(B a, int n) { return _mm512_slli_epi32(a, n); }
+  static B shr32(B a, int n) { return _mm512_srli_epi32(a, n); }
+  static void bstore(int32_t* p, B b) { _mm512_storeu_si512(p, b); }
   static B high_nibbles(B b) { return _mm512_and_si512(_mm512_srli_epi16(b, 4), _mm512_set1_epi8(15)); }
 
   // Sums of nibble x int8 products, per int32 lane. Low and high nibbles sum into separate registers: vpdpbusd's
@@ -75,4 +81,6 @@ struct Avx512 {
   // acc + the sum of each lane's 4 products of u (unsigned bytes) by s (signed bytes), exact in int32. Only
   // isa_vnni512.cpp (built for VNNI) defines it; a byte-dot tile instantiated elsewhere would not link.
   static I dot_u8s8(I acc, B u, B s);
+  // acc + the sum of each lane's 2 products of int16 words, exact in int32 (vpdpwssd with VNNI, else vpmaddwd).
+  static I dot_s16(I acc, B a, B b);
 };

@@ -10,6 +10,7 @@ struct Scalar {
   static F fzero() { return 0.f; }
   static F fload(const float* p) { return *p; }
   static void fstore(float* p, F v) { *p = v; }
+  static void fstream(float* p, F v) { *p = v; }
   static F fset1(float v) { return v; }
   static F fmadd(F a, F b, F c) { return a * b + c; }
   static F fmsub(F a, F b, F c) { return std::fma(a, b, -c); }  // fused in every path (dot_gemm.h's residual)
@@ -52,6 +53,15 @@ struct Scalar {
   }
   static B bset1(int32_t word) { return static_cast<B>(word); }
   static B low_nibbles(B b) { return b & 0x0F0F0F0Fu; }
+  static B band(B a, B b) { return a & b; }
+  static B bor(B a, B b) { return a | b; }
+  static B shl32(B a, int n) { return a << n; }
+  static B shr32(B a, int n) { return a >> n; }
+  static void bstore(int32_t* p, B b) { std::memcpy(p, &b, 4); }
+  static I dot_s16(I acc, B a, B b) {
+    return acc + static_cast<int16_t>(a & 0xFFFF) * static_cast<int16_t>(b & 0xFFFF) +
+           static_cast<int16_t>(a >> 16) * static_cast<int16_t>(b >> 16);
+  }
   static B high_nibbles(B b) { return (b >> 4) & 0x0F0F0F0Fu; }
   static I dot_u8s8(I acc, B u, B s) {
     for (int t = 0; t < 4; ++t)

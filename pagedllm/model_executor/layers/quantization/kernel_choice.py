@@ -13,6 +13,10 @@ so a choice changes speed only:
 - for 8-bit weights on a CPU with AVX-512 VNNI, both layouts: ``panels`` (float activations) and ``dot4``
   (activations split into two int8 terms, VNNI byte dot products: bound by the weight's bytes, not by widening
   them: faster for the default model's tied Q8_0 LM head at one row; figures in docs/performance.md);
+- for the byte-dot layouts (``dot8``, ``dot4``), their "words" tiles on each ISA (``dot8/words-avx512``: the
+  panels widened to int16 pairs once per block of rows, x as one int16 term: one product per 2 k where the byte
+  tiles take two per 4 k; faster for many rows, kernels/csrc/words_gemm.h). ``dot4`` is offered for them on CPUs
+  without VNNI too;
 - for float32 weights, the C++ panels and BLAS on the plain rows; for bf16 weights, oneDNN's layout and the C++
   bf16 panels (``float_weights.py``, ``bf16_weights.py``). A mix keeps both copies.
 
@@ -50,6 +54,8 @@ from pagedllm.model_executor.layers.quantization.qpanels import (
     AMX_LAYOUTS,
     PANEL,
     W8A8_ISAS,
+    WORDS,
+    WORDS_MAX_GROUP,
     Int8Dot4Panels,
     Int8Panels,
     Q4Dot8Panels,
@@ -113,20 +119,22 @@ def candidates(weight: PackedWeight, dense: bool = True, exact_output: bool = Fa
             return cache[0]
 
         layouts["pairs" if isinstance(weight, Q4Dot8Panels) else "dot8"] = alt
-    vnni_only = set()
-    if type(weight) is Int8Panels and weight.group % 4 == 0 and kernels.q8_dot_supported():
+    vnni = kernels.q8_dot_supported()
+    if type(weight) is Int8Panels and weight.group % 4 == 0 and (vnni or weight.group <= WORDS_MAX_GROUP["dot4"]):
         layouts["dot4"] = lambda: Int8Dot4Panels.pack(_rows(weight.qweight, weight.out_features),
                                                       _rows(weight.scales, weight.out_features))
-        vnni_only.add("dot4")
     isas = _isas(kernels)
     out: dict[str, Callable[[], tuple[PackedWeight, int]]] = {}
     for layout, make in layouts.items():
         # AMX tiles for the byte-dot-product layouts, timed like any other candidate (they win for many rows).
         amx = [AMX_ISA] if layout in AMX_LAYOUTS and not cpu_isa() and kernels.amx_dot_supported() else []
         for isa in isas + amx:
-            if layout in vnni_only and isa not in W8A8_ISAS + (AMX_ISA,):
-                continue
+            if layout == "dot4" and type(weight) is Int8Panels and (not vnni or isa not in W8A8_ISAS + (AMX_ISA,)):
+                continue  # the byte tiles of 8-bit levels need VNNI
             out[f"{layout}/{ISA_NAMES[isa]}"] = lambda make=make, isa=isa: (make(), isa)
+        if layout in WORDS_MAX_GROUP and weight.group <= WORDS_MAX_GROUP[layout]:
+            for isa in isas:
+                out[f"{layout}/words-{ISA_NAMES[isa]}"] = lambda make=make, isa=isa: (make(), isa | WORDS)
     if dense:
         for name, make_copy in dense_candidates(weight, exact_output).items():
             out[name] = lambda make_copy=make_copy: (make_copy(), 0)

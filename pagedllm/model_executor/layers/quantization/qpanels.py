@@ -10,7 +10,9 @@ float scales, in panels of 16 output rows ``[P = ceil(N / 16), ..., 16]`` zero-p
   blocks of 4 k x 16 columns [P, K/4, 64], x quantized per group to int8 and multiplied by AVX-512 VNNI byte dot
   products (CPUs with VNNI; the autotuner chooses it over ``Int8Panels`` where it measures faster);
   ``dot8`` and ``dot4`` weights also run on AMX tiles (isa ``AMX_ISA``, kernels/csrc/amx_dot.h) with the same
-  results, which the autotuner times per row count where the CPU has them (they win for many rows);
+  results, which the autotuner times per row count where the CPU has them (they win for many rows), and on the
+  "words" tiles of every ISA (isa ``| WORDS``, kernels/csrc/words_gemm.h: the panels widened to int16 once per
+  block of rows, x as one int16 term; faster for many rows, equal within float32 rounding);
 - ``Q4Dot8Panels`` (``q4_dot_gemm``, kernels/csrc/q4_dot_gemm.cpp): w = scale * q + min, q in 0..15 in
   64-byte blocks of 8 k x 16 columns [P, K/8, 64]; x is quantized per group to int8 and multiplied by byte dot
   products, about twice the speed of widening the weights to float. The default wherever the group is a
@@ -41,6 +43,9 @@ W8A8_MIN_ROWS = 16  # below this the weight-only kernel (weight-bound) is as fas
 W8A8_ISAS = (0, 2)  # auto, avx512: the VNNI kernels (w8a8, q8 dot4) have no AVX2 path
 AMX_ISA = 4  # the byte-dot-product layouts' AMX tiles (kernels/csrc/amx_dot.h): only where amx_dot_supported()
 AMX_LAYOUTS = ("dot8", "dot4")
+WORDS = 8  # a flag on an ISA code: the byte-dot layouts' words tiles (kernels/csrc/words_gemm.h)
+#: The largest group the words tiles take per layout (their int32 sums stay exact below it).
+WORDS_MAX_GROUP = {"dot8": 4096, "dot4": 256}
 
 
 def _present_isa(kernels: Any, isa: int) -> int:
@@ -173,7 +178,7 @@ class Int8Dot4Panels(QPanels):
 
     def _bind_kernel(self, kernels: Any, isa: int) -> CpuMatmul:
         isa = _present_isa(kernels, isa)
-        if isa != AMX_ISA and (isa not in W8A8_ISAS or not kernels.q8_dot_supported()):
+        if isa != AMX_ISA and not isa & WORDS and (isa not in W8A8_ISAS or not kernels.q8_dot_supported()):
             isa = 3  # no VNNI: the portable loop (same results, slow; the autotuner never picks it there)
         dot4, qw, s, g, n = kernels.q8_dot_gemm, self.qweight, self.scales, self.group, self.out_features
         return lambda x, bias, out: dot4(x, qw, s, g, n, bias, out, isa)
