@@ -36,3 +36,19 @@ def dense_for_many_rows(model: torch.nn.Module) -> dict:
             dense = next(n for n in names if n.startswith("dense-"))
             entries[plan.key] = {"choices": [names[0]] * 3 + [dense] * 2}
     return {"entries": entries}
+
+
+def words_from_three_rows(model: torch.nn.Module) -> dict:
+    """A forced autotune table that runs every dot8 / dot4 capable layer of ``model`` (the LM head included) on its
+    packing's own kernel for 1-2 rows and on its words tiles (kernels/csrc/words_gemm.h) from 3 rows on."""
+    from pagedllm.model_executor.layers.quantization import kernel_choice
+
+    entries = {}
+    for layer in model.modules():
+        if isinstance(getattr(layer, "packed", None), kernel_choice.QPanels):
+            plan = kernel_choice.tuning_for(layer)
+            names = list(plan.kernels)
+            words = [n for n in names if "/words-" in n]
+            if words:
+                entries[plan.key] = {"choices": [names[0]] + [words[-1]] * 4}
+    return {"entries": entries}

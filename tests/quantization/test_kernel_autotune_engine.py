@@ -12,7 +12,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.model_executor.layers.quantization import kernel_choice
 from pagedllm.platforms import platform_for
 
-from helpers.autotune import dense_for_many_rows
+from helpers.autotune import dense_for_many_rows, words_from_three_rows
 
 PROMPTS = ["The capital of France is", "Write a short poem about the sea:", "1, 2, 3, 4,",
            "def fibonacci(n):", "Water boils at", "My favourite book is"]
@@ -70,5 +70,28 @@ def test_dense_copies_for_many_rows_keep_greedy_outputs(default_model_path, tmp_
     monkeypatch.setenv("PAGEDLLM_CPU_KERNEL_AUTOTUNE_TABLE", str(table))
     llm = LLM(default_model_path, kv_cache_memory="64MiB", cpu_kernel_autotune="on")
     batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS * 6, params, use_tqdm=False)]  # 36 rows
+    for i, want in enumerate(expected):
+        assert batched[i] == want, PROMPTS[i]
+
+
+@pytest.mark.slow
+def test_words_tiles_for_many_rows_keep_greedy_outputs(default_model_path, tmp_path, monkeypatch) -> None:
+    """Every 4-bit layer and the Q8_0 LM head on their words tiles from 3 rows on (int16 pair products, rounded
+    once per group where the byte tiles round twice): a batch of 24 decodes the same greedy tokens as each prompt
+    alone on the byte tiles."""
+    kernels = platform_for(torch.device("cpu")).cpu_kernels(torch.float32)
+    if kernels is None:
+        pytest.skip("the C++ CPU kernels did not build here")
+    params = SamplingParams(temperature=0, max_tokens=12)
+    plain = LLM(default_model_path, kv_cache_memory="64MiB", cpu_kernel_autotune="off")
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]
+    forced = words_from_three_rows(plain.engine.core.worker.runner.model)
+    assert any(key.endswith(":head") for key in forced["entries"]) and len(forced["entries"]) >= 4
+    del plain
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps(forced))
+    monkeypatch.setenv("PAGEDLLM_CPU_KERNEL_AUTOTUNE_TABLE", str(table))
+    llm = LLM(default_model_path, kv_cache_memory="64MiB", cpu_kernel_autotune="on")
+    batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS * 4, params, use_tqdm=False)]
     for i, want in enumerate(expected):
         assert batched[i] == want, PROMPTS[i]
