@@ -38,7 +38,7 @@ _SOURCES = ["bindings.cpp", "paged_attention.cpp", "packed_gemm.cpp", "sampling.
             "encoder_attention.cpp", "encoder_attention_amx.cpp", "encoder_attention_avx512bf16.cpp",
             "encoder_ops.cpp", "bf16_gemm.cpp", "step_graph.cpp", "isa_kernels.cpp", "isa_generic.cpp",
             "isa_avx2.cpp", "isa_avx512.cpp", "isa_vnni512.cpp", "amx_tiles.cpp", "moe_gemm.cpp", "lora_sgmv.cpp",
-            "moe_route.cpp", "words_gemm.cpp"]
+            "moe_route.cpp", "words_gemm.cpp", "moe_quant_gemm.cpp"]
 
 
 @functools.cache

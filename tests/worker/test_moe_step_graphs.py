@@ -42,3 +42,25 @@ def test_moe_decode_step_graphs_equal_eager_and_transformers(variant: str, graph
             want = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                                do_sample=False)[0, len(prompt):].tolist()
         assert got == want
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_moe_decodes_through_step_graphs(quantization: str, tmp_path) -> None:
+    """Quantized experts stacked for ``moe_quant_gemm``: the whole MoE layer is kernel calls, so decode steps record
+    graphs, and greedy tokens equal the eager engine's, batched and alone."""
+    path, _ = save_tiny_moe("qwen2moe-e8-top4-shared", tmp_path / "m")
+    prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 8)]
+    runs = {}
+    for eager in (True, False):
+        llm = LLM(model=path, dtype="float32", quantization=quantization, kv_cache_memory="8MiB", max_num_seqs=4,
+                  enforce_eager=eager)
+        try:
+            runner = llm.engine.core.worker.runner
+            assert (runner.decode_graphs is not None) == (not eager)
+            assert all("stacked (moe_quant_gemm)" in m.describe() for m in runner.model.modules()
+                       if hasattr(m, "routes_in_kernels"))
+            runs[eager] = _greedy(llm, prompts)
+            assert _greedy(llm, prompts[:1]) == runs[eager][:1]
+        finally:
+            llm.engine.core.close()
+    assert runs[False] == runs[True]

@@ -8,6 +8,7 @@
 // packed into k-major tiles once per row block.
 #include "moe_gemm.h"
 
+#include "moe_items.h"
 #include "packed_panels.h"
 
 #include <ATen/Parallel.h>
@@ -20,9 +21,7 @@ namespace {
 constexpr int64_t NR = 16;
 constexpr int64_t MIN_ITEM_WORK = int64_t{1} << 18;  // multiply-adds per item at least (as packed_gemm's grain)
 
-struct Item {
-  int64_t expert, row0, rows, p0, p1;
-};
+using moe_items::Item;
 
 // All rows of one item: row blocks that stay in L2, each packed once, then the item's panels over them.
 void run_item(const Item& it, const float* x, int64_t ldx, const float* packed, int64_t P, int64_t K, int64_t N,
@@ -50,14 +49,11 @@ torch::Tensor moe_packed_gemm(const torch::Tensor& x, const torch::Tensor& packe
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [R, K]");
   TORCH_CHECK(packed.dim() == 4 && packed.size(3) == NR && packed.scalar_type() == torch::kFloat32 &&
               packed.is_contiguous(), "packed experts must be contiguous float32 [E, ceil(N/16), K, 16]");
-  TORCH_CHECK(ends.dim() == 1 && ends.scalar_type() == torch::kInt32 && ends.device().is_cpu(),
-              "ends must be int32 [E] on the CPU");
   const int64_t E = packed.size(0), P = packed.size(1), K = packed.size(2), N = out_features, R = x.size(0);
   TORCH_CHECK(ends.size(0) == E, "ends has ", ends.size(0), " experts, the packed weights ", E);
   TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, the packed experts ", K);
   TORCH_CHECK(N > 0 && (N + NR - 1) / NR == P, "out_features ", N, " does not match the packing");
   const torch::Tensor xc = x.stride(1) == 1 && x.stride(0) >= K ? x : x.contiguous();
-  const torch::Tensor endc = ends.contiguous();
   torch::Tensor y;
   if (out.has_value() && out->defined()) {
     y = *out;
@@ -66,25 +62,7 @@ torch::Tensor moe_packed_gemm(const torch::Tensor& x, const torch::Tensor& packe
   } else {
     y = torch::empty({R, N}, x.options());
   }
-  const int32_t* e_end = endc.data_ptr<int32_t>();
-  TORCH_CHECK(E == 0 || e_end[E - 1] == R, "ends[-1] (", E ? e_end[E - 1] : 0, ") must equal the rows of x (", R, ")");
-  // Work items: each expert with rows, its panels cut into ranges of at least MIN_ITEM_WORK multiply-adds and at
-  // most one per thread (one decode token: k experts x threads items; a prefill: few items per expert, so its rows
-  // are packed into tiles few times).
-  const int64_t threads = at::get_num_threads();
-  std::vector<Item> items;
-  int64_t start = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t end = e_end[e];
-    TORCH_CHECK(end >= start && end <= R, "ends must be non-decreasing and at most the rows of x");
-    const int64_t rows = end - start;
-    if (rows > 0) {
-      const int64_t by_work = std::max<int64_t>(1, MIN_ITEM_WORK / std::max<int64_t>(1, rows * K * NR));
-      const int64_t chunk = std::max(by_work, std::max<int64_t>(1, P / threads));
-      for (int64_t p0 = 0; p0 < P; p0 += chunk) items.push_back({e, start, rows, p0, std::min(P, p0 + chunk)});
-    }
-    start = end;
-  }
+  const std::vector<Item> items = moe_items::expert_items(ends, R, P, K, MIN_ITEM_WORK);
   const float* xp = xc.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();

@@ -10,6 +10,13 @@
 torch::Tensor moe_packed_gemm(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& ends,
                               int64_t out_features, const std::optional<torch::Tensor>& out);
 
+// moe_quant_gemm.cpp: the same for quantized experts, their panels stacked [E, ...] (layout 0 int8, 1 4-bit pairs,
+// 2 fp8, 3 dot8, 4 dot4: the dense formats of qpanels.py), scales (and 4-bit mins) [E, ceil(N/16), K/group, 16].
+torch::Tensor moe_quant_gemm(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
+                             const std::optional<torch::Tensor>& mins, int64_t layout, int64_t group,
+                             int64_t out_features, const torch::Tensor& ends, const std::optional<torch::Tensor>& out,
+                             int64_t isa);
+
 // moe_route.cpp: router logits float32 [T, E] -> each token's top_k experts (softmax over all then top-k, the k
 // weights renormalised if asked; or with topk_first the top k logits then a softmax over those), the T * k rows sorted
 // by expert: token_of int64 [T*k], weight float32 [T*k(, 1)], ends int32 [E] (end of each expert's run).

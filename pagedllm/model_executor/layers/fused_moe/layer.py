@@ -18,7 +18,9 @@ How the experts multiply (``process_weights_after_loading`` picks one, once; ``d
 - a ``--quantization`` scheme, bf16 on the CPU, or a GGUF file's blocks kept quantized: each expert's two
   projections are ``Linear`` layers of that scheme (packed weights, the same ``BoundWeight`` forms and kernels dense
   layers use: int8 / int4 / fp8 panels, oneDNN's bf16 layout or bf16 panels, GGUF Q8_0 / Q4 panels), called for the
-  experts that have rows;
+  experts that have rows. Float32 activations on a CPU with the C++ kernels: where every expert's projection
+  packed into the same panel format, the panels are stacked and the experts run in one ``moe_quant_gemm`` call
+  per projection, routed in C++ as the float32 panels are (``stacked.py``);
 - other float weights (CUDA, a CPU without the C++ kernels): the grouped matmul over the sorted rows
   (``torch.nn.functional.grouped_mm``: one call per projection, experts with no rows skipped).
 """
@@ -37,6 +39,7 @@ from pagedllm.model_executor.layers.activation import gated_activation
 from pagedllm.model_executor.layers.direct_call import DirectCall
 from pagedllm.model_executor.layers.fused_moe.grouping import ExpertGroups, group_by_expert
 from pagedllm.model_executor.layers.fused_moe.routing import RoutingRule, select_experts
+from pagedllm.model_executor.layers.fused_moe.stacked import StackedProjection, stack_projection
 from pagedllm.model_executor.layers.linear import Linear
 from pagedllm.model_executor.layers.parallel_linear import Slice, even_part
 from pagedllm.model_executor.layers.quantization.base import set_weight_loader, to_empty_keeping_loaders
@@ -128,7 +131,9 @@ class FusedMoE(DirectCall, nn.Module):
         # Set by process_weights_after_loading (one of the three forms; see the module docstring).
         self._kernels: Any = None  # the C++ kernels module of the panel form
         self._quantized: list[tuple[Linear, Linear]] | None = None  # per expert (gate_up, down) of the scheme
-        self._routes_in_kernels = False  # float32 panels with moe_route / moe_gather_rows / moe_combine
+        self._stacked: tuple[StackedProjection, StackedProjection] | None = None  # quantized experts, stacked
+        self._scheme = ""  # the quantized experts' scheme, for describe()
+        self._routes_in_kernels = False  # C++ experts with moe_route / moe_gather_rows / moe_combine
         self._processed = False
 
     # -- loading --------------------------------------------------------------------------------------------------
@@ -225,8 +230,7 @@ class FusedMoE(DirectCall, nn.Module):
             gate_up = [self._bind_blocks([self._gguf_blocks.pop((e, GATE)), self._gguf_blocks.pop((e, UP))],
                                          "gate_up_proj") for e in experts]
             down = [self._bind_blocks([self._gguf_blocks.pop((e, DOWN))], "down_proj") for e in experts]
-            self.experts_gate_up, self.experts_down = nn.ModuleList(gate_up), nn.ModuleList(down)
-            self._quantized = list(zip(gate_up, down, strict=True))
+            self._keep_quantized(gate_up, down)
             return
         # Per-expert layers: a quantization scheme's packed weights, or on the CPU bf16's own forms (oneDNN's
         # prepacked layout / bf16 panels: torch's grouped matmul would repack every expert's weight on each call).
@@ -236,9 +240,7 @@ class FusedMoE(DirectCall, nn.Module):
             gate_up = [self._bind_expert(self.gate_up_proj[e], "gate_up_proj") for e in experts]
             down = [self._bind_expert(self.down_proj[e], "down_proj", self.part if self._down_whole_rows else None)
                     for e in experts]
-            # Registered, so the memory report and the CPU kernel autotuner see them like any Linear.
-            self.experts_gate_up, self.experts_down = nn.ModuleList(gate_up), nn.ModuleList(down)
-            self._quantized = list(zip(gate_up, down, strict=True))
+            self._keep_quantized(gate_up, down)
             self._drop_stacks()
             return
         kernels = platform_of(weight).cpu_kernels(weight.dtype) if weight.dtype == torch.float32 else None
@@ -253,6 +255,24 @@ class FusedMoE(DirectCall, nn.Module):
             self._routes_in_kernels = hasattr(kernels, "moe_route") and not self.expert_parallel
             self._drop_stacks()
 
+    def _keep_quantized(self, gate_up: list[Linear], down: list[Linear]) -> None:
+        """The experts' per-projection layers, stacked for ``moe_quant_gemm`` where the C++ kernels run them (float32
+        activations on the CPU, every expert in one panel format), else kept as layers called one by one."""
+        self._scheme = gate_up[0].quant_method.scheme(gate_up[0])
+        weight = self.gate_up_proj
+        kernels = None
+        if not platform_of(weight).is_accelerator and weight.dtype == torch.float32:
+            kernels = platform_of(weight).cpu_kernels(torch.float32)
+        if kernels is not None and hasattr(kernels, "moe_quant_gemm"):
+            stacked = (stack_projection(gate_up), stack_projection(down))
+            if stacked[0] is not None and stacked[1] is not None:
+                self._stacked, self._kernels = stacked, kernels  # the layers (and their copies) are dropped
+                self._routes_in_kernels = hasattr(kernels, "moe_route") and not self.expert_parallel
+                return
+        # Registered, so the memory report and the CPU kernel autotuner see them like any Linear.
+        self.experts_gate_up, self.experts_down = nn.ModuleList(gate_up), nn.ModuleList(down)
+        self._quantized = list(zip(gate_up, down, strict=True))
+
     def _drop_stacks(self) -> None:
         """The float stacks become empty: another copy of the experts is the weight from here on."""
         for name in ("gate_up_proj", "down_proj"):
@@ -261,14 +281,18 @@ class FusedMoE(DirectCall, nn.Module):
     def experts_weight_nbytes(self) -> int:
         """Bytes of the experts held by this module itself (stacks or panels; quantized experts are Linear layers
         of their own, reported as such)."""
-        return sum(t.numel() * t.element_size() for t in [*self.parameters(recurse=False),
-                                                           *self.buffers(recurse=False)])
+        stacked = sum(s.nbytes() for s in self._stacked) if self._stacked is not None else 0
+        return stacked + sum(t.numel() * t.element_size() for t in [*self.parameters(recurse=False),
+                                                                    *self.buffers(recurse=False)])
 
     def describe(self) -> str:
         """The experts' weight form ("float32 panels (moe_packed_gemm)", "int8 per-channel per expert",
-        "unquantized bfloat16 (oneDNN packed) per expert", "float16 grouped_mm")."""
+        "unquantized bfloat16 (oneDNN packed) per expert", "int8 per-channel stacked (moe_quant_gemm)",
+        "float16 grouped_mm")."""
+        if self._stacked is not None:
+            return f"{self._scheme} stacked (moe_quant_gemm)"
         if self._quantized is not None:
-            return f"{self._quantized[0][0].quant_method.scheme(self._quantized[0][0])} per expert"
+            return f"{self._scheme} per expert"
         if self._kernels is not None:
             return "float32 panels (moe_packed_gemm)"
         return f"{str(self.gate_up_proj.dtype).removeprefix('torch.')} grouped_mm"
@@ -327,7 +351,7 @@ class FusedMoE(DirectCall, nn.Module):
             groups = group_by_expert(weights, ids, self.rule.num_experts)
         rows = x.index_select(0, groups.token_of)  # [R, H]: each token once per chosen expert, by expert
         if self._kernels is not None:
-            y = self._experts_panels(rows, groups)
+            y = self._experts_kernels(rows, groups)
         elif self._quantized is not None:
             y = self._experts_quantized(rows, groups)
         else:
@@ -340,7 +364,7 @@ class FusedMoE(DirectCall, nn.Module):
 
     def _forward_kernels(self, x: torch.Tensor, router_logits: torch.Tensor,
                          shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """The float32 panels form with the routing in C++ too (``moe_route.cpp``: top-k, the sort by expert, the
+        """The C++ experts (float32 panels or stacked quantized panels) with the routing in C++ too (``moe_route.cpp``: top-k, the sort by expert, the
         gather of rows, the weighted sum back), every result in a tensor allocated here: a decode step of a model
         made of such layers is nothing but kernel calls, which a CPU step graph records. x [T, H] -> [T, H]."""
         kernels, rule = self._kernels, self.rule
@@ -352,7 +376,7 @@ class FusedMoE(DirectCall, nn.Module):
                           weight, ends)
         rows = torch.empty(num_rows, self.hidden_size, dtype=x.dtype, device=x.device)
         kernels.moe_gather_rows(x, token_of, rows)
-        y = self._experts_panels(rows, ExpertGroups(token_of, weight, ends))
+        y = self._experts_kernels(rows, ExpertGroups(token_of, weight, ends))
         out = torch.empty(t, self.hidden_size, dtype=x.dtype, device=x.device)
         if shared is not None and not self.tensor_parallel:
             kernels.moe_combine(y, token_of, weight, out, shared[0], shared[1])
@@ -368,13 +392,21 @@ class FusedMoE(DirectCall, nn.Module):
         counts = torch.diff(ends.to(torch.int64), prepend=ends.new_zeros(1, dtype=torch.int64))
         return bias.repeat_interleave(counts.to(bias.device), dim=0, output_size=num_rows)
 
-    def _experts_panels(self, rows: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
-        """float32 panels: rows [R, H] sorted by expert -> [R, H], two C++ calls threading over (expert, panels)."""
-        moe_gemm = self._kernels.moe_packed_gemm
-        gate_up = moe_gemm(rows, self.gate_up_proj_panels, groups.ends, 2 * self.part.size)
+    def _experts_kernels(self, rows: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        """float32 or stacked quantized panels: rows [R, H] sorted by expert -> [R, H], two C++ calls threading over
+        (expert, panels)."""
+        if self._stacked is not None:
+            gate_up_w, down_w = self._stacked
+            gate_up = gate_up_w(self._kernels, rows, groups.ends)
+        else:
+            gate_up = self._kernels.moe_packed_gemm(rows, self.gate_up_proj_panels, groups.ends, 2 * self.part.size)
         if self.gate_up_proj_bias is not None:
             gate_up += self._row_bias(self.gate_up_proj_bias, groups.ends, rows.shape[0])
-        y = moe_gemm(self.act_and_mul(gate_up), self.down_proj_panels, groups.ends, self.hidden_size)
+        hidden = self.act_and_mul(gate_up)
+        if self._stacked is not None:
+            y = down_w(self._kernels, hidden, groups.ends)
+        else:
+            y = self._kernels.moe_packed_gemm(hidden, self.down_proj_panels, groups.ends, self.hidden_size)
         if self.down_proj_bias is not None:
             y += self._row_bias(self.down_proj_bias, groups.ends, rows.shape[0])
         return y
