@@ -364,9 +364,10 @@ class FusedMoE(DirectCall, nn.Module):
 
     def _forward_kernels(self, x: torch.Tensor, router_logits: torch.Tensor,
                          shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """The C++ experts (float32 panels or stacked quantized panels) with the routing in C++ too (``moe_route.cpp``: top-k, the sort by expert, the
-        gather of rows, the weighted sum back), every result in a tensor allocated here: a decode step of a model
-        made of such layers is nothing but kernel calls, which a CPU step graph records. x [T, H] -> [T, H]."""
+        """The C++ experts (float32 panels or stacked quantized panels) with the routing in C++ too
+        (``moe_route.cpp``: top-k, the sort by expert, the gather of rows, the weighted sum back), every result in a
+        tensor allocated here: a decode step of a model made of such layers is nothing but kernel calls, which a CPU
+        step graph records. x [T, H] -> [T, H]."""
         kernels, rule = self._kernels, self.rule
         t, num_rows = x.shape[0], x.shape[0] * rule.top_k
         token_of = torch.empty(num_rows, dtype=torch.int64, device=x.device)
