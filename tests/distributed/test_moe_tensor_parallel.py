@@ -90,7 +90,8 @@ def test_int8_down_of_a_rank_has_the_codes_of_one_rank() -> None:
         layer.gate_up_proj.weight_loader(layer.gate_up_proj, torch.randn(2, 128, 16), None)
         layer.down_proj.weight_loader(layer.down_proj, down, None)
         layer.process_weights_after_loading()
-        return layer.experts_down[1].packed.dequantize()
+        assert layer._stacked is not None  # the experts' panels stacked for moe_quant_gemm
+        return layer._stacked[1].expert(1).dequantize()
 
     saved = parallel_state._TP
     try:

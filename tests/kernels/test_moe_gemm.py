@@ -140,3 +140,12 @@ def test_rms_norm_heads_in_place_equals_rms_norm_of_each_head(kernels, dtype: to
     assert torch.equal(qkv, want)
     with pytest.raises(RuntimeError, match="the heads run past x's columns"):
         kernels.rms_norm_heads_(qkv, wk, heads * d, 5, 1e-6)
+
+
+def test_gather_and_combine_refuse_tokens_out_of_range(kernels) -> None:
+    x = torch.randn(3, 8)
+    rows = torch.empty(2, 8)
+    with pytest.raises(RuntimeError, match="token_of"):
+        kernels.moe_gather_rows(x, torch.tensor([0, 3]), rows)
+    with pytest.raises(RuntimeError, match="token_of"):
+        kernels.moe_combine(torch.randn(2, 8), torch.tensor([-1, 0]), torch.ones(2, 1), torch.empty(3, 8))

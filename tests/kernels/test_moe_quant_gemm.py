@@ -55,6 +55,7 @@ def test_stacked_experts_equal_each_expert_alone(isa: str, kind: str, counts: li
     experts = [_pack(kind, torch.randn(n, k)) for _ in counts]
     stacked = stack_projection([_Layer(p) for p in experts])
     assert stacked is not None and stacked.layout == LAYOUTS[type(experts[0])]
+    assert torch.equal(stacked.expert(len(counts) - 1).dequantize(), experts[-1].dequantize())
     x = torch.randn(sum(counts), k)
     ends = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     got = KERNELS.moe_quant_gemm(x, stacked.qweight, stacked.scales, stacked.mins, stacked.layout, GROUP, n, ends,

@@ -80,6 +80,12 @@ void moe_route(const torch::Tensor& router_logits, int64_t top_k, bool topk_firs
   }
 }
 
+// Every row's token within [0, T): a token_of filled by anything but moe_route must not index past x or out.
+static void check_tokens(const int64_t* tok, int64_t R, int64_t T) {
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(tok[r] >= 0 && tok[r] < T, "token_of[", r, "] = ", tok[r], " is not a token of the ", T, " given");
+}
+
 void moe_gather_rows(const torch::Tensor& x, const torch::Tensor& token_of, const torch::Tensor& out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1, "x must be float32 [T, H]");
   TORCH_CHECK(token_of.scalar_type() == torch::kInt64 && token_of.is_contiguous(), "token_of must be int64 [R]");
@@ -87,6 +93,7 @@ void moe_gather_rows(const torch::Tensor& x, const torch::Tensor& token_of, cons
   TORCH_CHECK(out.dim() == 2 && out.size(0) == R && out.size(1) == H && out.scalar_type() == torch::kFloat32 &&
               out.is_contiguous(), "out must be contiguous float32 [R, H]");
   const int64_t* tok = token_of.data_ptr<int64_t>();
+  check_tokens(tok, R, x.size(0));
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t ldx = x.stride(0);
@@ -111,6 +118,7 @@ void moe_combine(const torch::Tensor& y, const torch::Tensor& token_of, const to
   const float* yp = y.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t T = out.size(0), ldy = y.stride(0);
+  check_tokens(tok, R, T);
   const bool has_shared = shared.has_value() && shared->defined();
   TORCH_CHECK(has_shared == (shared_gate.has_value() && shared_gate->defined()),
               "shared and shared_gate come together");

@@ -11,6 +11,7 @@ struct Avx2 {
   static F fload(const float* p) { return _mm256_loadu_ps(p); }
   static void fstore(float* p, F v) { _mm256_storeu_ps(p, v); }
   static void fstream(float* p, F v) { _mm256_stream_ps(p, v); }  // p 32-byte aligned; past the caches
+  static void stream_fence() { _mm_sfence(); }  // streamed stores visible before the call returns
   static F fset1(float v) { return _mm256_set1_ps(v); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F fmsub(F a, F b, F c) { return _mm256_fmsub_ps(a, b, c); }

@@ -12,6 +12,7 @@ struct Avx512 {
   static F fload(const float* p) { return _mm512_loadu_ps(p); }
   static void fstore(float* p, F v) { _mm512_storeu_ps(p, v); }
   static void fstream(float* p, F v) { _mm512_stream_ps(p, v); }  // p 64-byte aligned; past the caches
+  static void stream_fence() { _mm_sfence(); }  // streamed stores visible before the call returns
   static F fset1(float v) { return _mm512_set1_ps(v); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F fmsub(F a, F b, F c) { return _mm512_fmsub_ps(a, b, c); }

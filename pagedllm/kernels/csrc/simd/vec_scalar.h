@@ -11,6 +11,7 @@ struct Scalar {
   static F fload(const float* p) { return *p; }
   static void fstore(float* p, F v) { *p = v; }
   static void fstream(float* p, F v) { *p = v; }
+  static void stream_fence() {}
   static F fset1(float v) { return v; }
   static F fmadd(F a, F b, F c) { return a * b + c; }
   static F fmsub(F a, F b, F c) { return std::fma(a, b, -c); }  // fused in every path (dot_gemm.h's residual)

@@ -70,6 +70,7 @@ void store_rows(const float* acc, int rows, int64_t width, int64_t cols, const f
     }
     for (; j < cols; ++j) yr[j] = bias != nullptr ? r[j] + bias[j] : r[j];
   }
+  if (stream) V::stream_fence();
 }
 
 // R rows x (NP panels of 16 columns) from widened weights: per group, int32 sums D = sum_k q x16 by int16 pair

@@ -20,6 +20,7 @@ from pagedllm.model_executor.layers.quantization.qpanels import (
     Int8Panels,
     Q4Dot8Panels,
     Q4PairsPanels,
+    QPanels,
 )
 
 #: Panel format -> moe_quant_gemm's layout code (exact types: W8A8Panels, which quantizes x for many rows, is not one)
@@ -37,11 +38,18 @@ class StackedProjection:
     layout: int
     group: int
     out_features: int
+    in_features: int
 
     def __call__(self, kernels: Any, rows: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """rows float32 [R, K] sorted by expert, ends int32 [E] -> [R, out_features]."""
         return kernels.moe_quant_gemm(rows, self.qweight, self.scales, self.mins, self.layout, self.group,
                                       self.out_features, ends)
+
+    def expert(self, e: int) -> QPanels:
+        """Expert ``e``'s packed weight (views of the stacks), as its layer held it."""
+        kind = next(k for k, code in LAYOUTS.items() if code == self.layout)
+        mins = self.mins[e] if self.mins is not None else None
+        return kind(self.qweight[e], self.scales[e], mins, self.group, self.out_features, self.in_features)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins) if t is not None)
@@ -61,4 +69,4 @@ def stack_projection(layers: list[Any]) -> StackedProjection | None:
             return None
     mins = torch.stack([p.mins for p in packs]) if first.mins is not None else None
     return StackedProjection(torch.stack([p.qweight for p in packs]), torch.stack([p.scales for p in packs]), mins,
-                             LAYOUTS[kind], first.group, first.out_features)
+                             LAYOUTS[kind], first.group, first.out_features, first.in_features)
