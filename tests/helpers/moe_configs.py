@@ -94,3 +94,13 @@ def save_tiny(config: Any, path: str | os.PathLike, seed: int = 0) -> tuple[str,
     model.save_pretrained(str(path))
     save_word_tokenizer(path)
     return str(path), model
+
+
+def bf16_experts_form() -> str:
+    """How ``FusedMoE.describe()`` ends for bf16 experts on this CPU: stacked bf16 panels where it has AVX-512 BF16
+    (``moe_bf16_gemm``), else the dense layers' bf16 form per expert."""
+    from pagedllm.kernels.cpu import load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    stacked = kernels is not None and hasattr(kernels, "moe_bf16_gemm") and kernels.bf16_gemm_supported()
+    return "stacked (moe_bf16_gemm)" if stacked else "per expert"

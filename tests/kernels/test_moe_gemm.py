@@ -149,3 +149,26 @@ def test_gather_and_combine_refuse_tokens_out_of_range(kernels) -> None:
         kernels.moe_gather_rows(x, torch.tensor([0, 3]), rows)
     with pytest.raises(RuntimeError, match="token_of"):
         kernels.moe_combine(torch.randn(2, 8), torch.tensor([-1, 0]), torch.ones(2, 1), torch.empty(3, 8))
+
+
+@pytest.mark.parametrize("counts", [[1, 0, 0, 2], [0, 3, 0, 0, 1], [20, 0, 9, 33]])
+def test_moe_bf16_gemm_equals_each_expert_alone(kernels, counts: list[int]) -> None:
+    """bf16 experts stacked as bf16_gemm's panels: each run of rows equals its expert's bf16_gemm bit for bit (the
+    AVX-512 BF16 tiles where the CPU has them, and the portable loop)."""
+    from pagedllm.model_executor.layers.quantization.float_weights import pack_bf16_weight
+
+    torch.manual_seed(sum(counts))
+    n, k = 40, 64
+    w = torch.randn(len(counts), n, k).bfloat16()
+    packed = torch.stack([pack_bf16_weight(w[e]) for e in range(len(counts))])
+    x = torch.randn(sum(counts), k).bfloat16()
+    ends = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    for generic in [True] + ([False] if kernels.bf16_gemm_supported() else []):
+        got = kernels.moe_bf16_gemm(x, packed, ends, n, generic=generic)
+        start = 0
+        for e, rows in enumerate(counts):
+            want = kernels.bf16_gemm(x[start:start + rows], packed[e], n, generic=generic)
+            assert torch.equal(got[start:start + rows], want)
+            start += rows
+    with pytest.raises(RuntimeError, match="experts"):
+        kernels.moe_bf16_gemm(x, packed, ends[:-1], n, generic=True)

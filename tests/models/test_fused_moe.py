@@ -11,6 +11,8 @@ from pagedllm.model_executor.layers.fused_moe import FusedMoE, RoutingRule, sele
 from pagedllm.model_executor.layers.fused_moe.grouping import group_by_expert
 from pagedllm.model_executor.layers.fused_moe.reference import reference_moe
 
+from helpers.moe_configs import bf16_experts_form
+
 
 def _weights(rule: RoutingRule, hidden: int, inter: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Random float32 stacks: gate_up [E, 2I, H], down [E, H, I]."""
@@ -111,7 +113,7 @@ def test_bfloat16_experts_close_to_float32() -> None:
     x, logits = torch.randn(20, 64), torch.randn(20, 8)
     want = reference_moe(x, logits, gate_up, down, rule)
     bf16 = _layer(rule, gate_up, down, dtype=torch.bfloat16)
-    assert "bfloat16" in bf16.describe() and bf16.describe().endswith("per expert")  # the dense layers' bf16 form
+    assert "bfloat16" in bf16.describe() and bf16.describe().endswith(bf16_experts_form())
     got = bf16(x.bfloat16(), logits)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, atol=0.03, rtol=0.05)
@@ -147,7 +149,7 @@ def test_loader_takes_per_expert_and_fused_tensors_and_names_bad_shapes() -> Non
         fused.down_proj.weight_loader(fused.down_proj, torch.randn(16, 31), (2, 0))
 
 
-@pytest.mark.parametrize("form", ["panels", "grouped", "bf16 per expert"])
+@pytest.mark.parametrize("form", ["panels", "grouped", "bf16"])
 def test_expert_biases_and_clamped_swiglu_equal_the_per_expert_loop(form: str) -> None:
     """gpt-oss's experts: biases on both projections (the down bias scaled by the router weight with the rest) and the
     clamped SwiGLU, in each weight form (panels: the C++ kernel; grouped: weights never bound, the portable form)."""
@@ -165,7 +167,7 @@ def test_expert_biases_and_clamped_swiglu_equal_the_per_expert_loop(form: str) -
         param.weight_loader(param, tensor.to(dtype), None)
     if form != "grouped":
         layer.process_weights_after_loading()
-    assert {"panels": "panels", "grouped": "grouped_mm", "bf16 per expert": "per expert"}[form] in layer.describe()
+    assert {"panels": "panels", "grouped": "grouped_mm", "bf16": bf16_experts_form()}[form] in layer.describe()
     x, logits = torch.randn(29, 64), torch.randn(29, 8)
     want = reference_moe(x, logits, gate_up, down, rule, gate_up_bias, down_bias, act)
     without_bias = reference_moe(x, logits, gate_up, down, rule, act_and_mul=act)

@@ -14,6 +14,8 @@
 // (dense_copy.py) keeps float32 activations and logits).
 #include "cpu_features.h"
 #include "kernels.h"
+#include "moe_gemm.h"
+#include "moe_items.h"
 
 #include <ATen/Parallel.h>
 
@@ -217,5 +219,51 @@ torch::Tensor bf16_gemm(const torch::Tensor& x, const torch::Tensor& packed, int
     run_panels(generic, xp, ldx, wp, b, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), ldy, M, K, N,
                panels);
   }
+  return y;
+}
+
+// The experts of a MoE layer in bf16 (moe_gemm.h): rows [ends[e-1], ends[e]) of x times expert e's panels, each
+// work item (expert, rows, range of panels; moe_items.h) running the tiles above on its expert's rows.
+torch::Tensor moe_bf16_gemm(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& ends,
+                            int64_t out_features, const std::optional<torch::Tensor>& out, bool generic) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x must be bfloat16 [R, K]");
+  TORCH_CHECK(packed.dim() == 5 && packed.size(3) == NR && packed.size(4) == 2 &&
+              packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous(),
+              "packed experts must be contiguous bfloat16 [E, ceil(N/16), K/2, 16, 2]");
+  const int64_t R = x.size(0), K = x.size(1), N = out_features, E = packed.size(0), P = packed.size(1);
+  TORCH_CHECK(K % 2 == 0 && packed.size(2) * 2 == K, "x has ", K, " columns, the packed experts ", packed.size(2) * 2);
+  TORCH_CHECK(N > 0 && (N + NR - 1) / NR == P, "out_features ", N, " does not match the packing");
+  TORCH_CHECK(generic || bf16_gemm_supported(), "moe_bf16_gemm: this CPU has no AVX-512 BF16");
+  TORCH_CHECK(ends.size(0) == E, "ends has ", ends.size(0), " experts, the packed weights ", E);
+  const std::vector<moe_items::Item> items = moe_items::expert_items(ends, R, P, K, int64_t{1} << 18);
+  const torch::Tensor xc = x.stride(1) == 1 && x.stride(0) >= K && x.stride(0) % 2 == 0 ? x : x.contiguous();
+  torch::Tensor y;
+  if (out.has_value() && out->defined()) {
+    y = *out;
+    TORCH_CHECK(y.dim() == 2 && y.size(0) == R && y.size(1) == N && y.scalar_type() == torch::kBFloat16 &&
+                y.stride(1) == 1 && y.stride(0) >= N, "out must be bfloat16 [R, N] with contiguous rows");
+  } else {
+    y = torch::empty({R, N}, x.options());
+  }
+  if (R == 0) return y;
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int64_t ldx = xc.stride(0), ldy = y.stride(0), expert_elems = P * (K / 2) * NR * 2;
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const moe_items::Item& it = items[i];
+      const uint16_t* x0 = xp + it.row0 * ldx;
+      const uint16_t* w = wp + it.expert * expert_elems;
+      uint16_t* y0 = yp + it.row0 * ldy;
+#if defined(__x86_64__)
+      if (!generic) {
+        panels_bf16<uint16_t>(x0, ldx, w, nullptr, y0, ldy, it.rows, K, N, it.p0, it.p1);
+        continue;
+      }
+#endif
+      panels_generic<uint16_t>(x0, ldx, w, nullptr, y0, ldy, it.rows, K, N, it.p0, it.p1);
+    }
+  });
   return y;
 }

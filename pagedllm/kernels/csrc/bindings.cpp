@@ -41,6 +41,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "quantized panels stacked [E, ...] (layout 0 int8, 1 q4 pairs, 2 fp8, 3 dot8, 4 dot4)",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("layout"), py::arg("group"),
         py::arg("out_features"), py::arg("ends"), py::arg("out") = py::none(), py::arg("isa") = 0);
+  m.def("moe_bf16_gemm", step_graph::recorded<4>("moe_bf16_gemm", &moe_bf16_gemm),
+        "MoE bf16 experts: x[R,K] bf16 sorted by expert, rows [ends[e-1], ends[e]) @ expert e's W^T, W bf16 panels "
+        "[E, N/16, K/2, 16, 2]", py::arg("x"), py::arg("packed"), py::arg("ends"), py::arg("out_features"),
+        py::arg("out") = py::none(), py::arg("generic") = false);
   m.def("moe_route", step_graph::recorded<-1>("moe_route", &moe_route),
         "MoE router logits [T, E] -> top-k experts and weights, rows sorted by expert: token_of, weight, ends",
         py::arg("router_logits"), py::arg("top_k"), py::arg("topk_first"), py::arg("renormalize"),

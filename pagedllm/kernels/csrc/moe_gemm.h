@@ -17,6 +17,11 @@ torch::Tensor moe_quant_gemm(const torch::Tensor& x, const torch::Tensor& qweigh
                              int64_t out_features, const torch::Tensor& ends, const std::optional<torch::Tensor>& out,
                              int64_t isa);
 
+// bf16_gemm.cpp: the same for bf16 experts, each packed as bf16_gemm's panels [E, ceil(N/16), K/2, 16, 2]; x and y
+// bf16 (float32 sums rounded once). generic: the portable loop (tests; CPUs without AVX-512 BF16).
+torch::Tensor moe_bf16_gemm(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& ends,
+                            int64_t out_features, const std::optional<torch::Tensor>& out, bool generic);
+
 // moe_route.cpp: router logits float32 [T, E] -> each token's top_k experts (softmax over all then top-k, the k
 // weights renormalised if asked; or with topk_first the top k logits then a softmax over those), the T * k rows sorted
 // by expert: token_of int64 [T*k], weight float32 [T*k(, 1)], ends int32 [E] (end of each expert's run).

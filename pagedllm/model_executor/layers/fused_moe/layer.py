@@ -43,7 +43,7 @@ from pagedllm.model_executor.layers.fused_moe.stacked import StackedProjection, 
 from pagedllm.model_executor.layers.linear import Linear
 from pagedllm.model_executor.layers.parallel_linear import Slice, even_part
 from pagedllm.model_executor.layers.quantization.base import set_weight_loader, to_empty_keeping_loaders
-from pagedllm.model_executor.layers.quantization.float_weights import pack_weight
+from pagedllm.model_executor.layers.quantization.float_weights import pack_bf16_weight, pack_weight
 from pagedllm.platforms import platform_of
 
 GATE, UP = 0, 1  # row shards of gate_up_proj, the ``which`` of a per-expert tensor's (expert, which) shard id
@@ -232,9 +232,11 @@ class FusedMoE(DirectCall, nn.Module):
             down = [self._bind_blocks([self._gguf_blocks.pop((e, DOWN))], "down_proj") for e in experts]
             self._keep_quantized(gate_up, down)
             return
+        on_host = not platform_of(weight).is_accelerator
+        if self.quant_config is None and on_host and weight.dtype == torch.bfloat16 and self._stack_bf16():
+            return
         # Per-expert layers: a quantization scheme's packed weights, or on the CPU bf16's own forms (oneDNN's
         # prepacked layout / bf16 panels: torch's grouped matmul would repack every expert's weight on each call).
-        on_host = not platform_of(weight).is_accelerator
         if self.quant_config is not None or (on_host and weight.dtype != torch.float32):
             experts = range(self.num_local_experts)
             gate_up = [self._bind_expert(self.gate_up_proj[e], "gate_up_proj") for e in experts]
@@ -254,6 +256,21 @@ class FusedMoE(DirectCall, nn.Module):
             # experts are masked out in torch).
             self._routes_in_kernels = hasattr(kernels, "moe_route") and not self.expert_parallel
             self._drop_stacks()
+
+    def _stack_bf16(self) -> bool:
+        """bf16 experts on a CPU with AVX-512 BF16: every expert's projections packed as bf16_gemm's panels and
+        stacked, for one ``moe_bf16_gemm`` call per projection; False (nothing changed) where that cannot run."""
+        kernels = platform_of(self.gate_up_proj).cpu_kernels(torch.float32)
+        if (kernels is None or not hasattr(kernels, "moe_bf16_gemm") or not kernels.bf16_gemm_supported()
+                or self.hidden_size % 2 or self.down_proj.shape[-1] % 2):
+            return False
+        for name in ("gate_up_proj", "down_proj"):
+            stack = getattr(self, name)
+            panels = torch.stack([pack_bf16_weight(stack[e]) for e in range(stack.shape[0])])
+            self.register_buffer(f"{name}_bf16", panels, persistent=False)
+        self._kernels = kernels
+        self._drop_stacks()
+        return True
 
     def _keep_quantized(self, gate_up: list[Linear], down: list[Linear]) -> None:
         """The experts' per-projection layers, stacked for ``moe_quant_gemm`` where the C++ kernels run them (float32
@@ -291,6 +308,8 @@ class FusedMoE(DirectCall, nn.Module):
         "float16 grouped_mm")."""
         if self._stacked is not None:
             return f"{self._scheme} stacked (moe_quant_gemm)"
+        if getattr(self, "gate_up_proj_bf16", None) is not None:
+            return "bfloat16 panels stacked (moe_bf16_gemm)"
         if self._quantized is not None:
             return f"{self._scheme} per expert"
         if self._kernels is not None:
@@ -396,9 +415,12 @@ class FusedMoE(DirectCall, nn.Module):
     def _experts_kernels(self, rows: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         """float32 or stacked quantized panels: rows [R, H] sorted by expert -> [R, H], two C++ calls threading over
         (expert, panels)."""
+        bf16 = getattr(self, "gate_up_proj_bf16", None) is not None
         if self._stacked is not None:
             gate_up_w, down_w = self._stacked
             gate_up = gate_up_w(self._kernels, rows, groups.ends)
+        elif bf16:
+            gate_up = self._kernels.moe_bf16_gemm(rows, self.gate_up_proj_bf16, groups.ends, 2 * self.part.size)
         else:
             gate_up = self._kernels.moe_packed_gemm(rows, self.gate_up_proj_panels, groups.ends, 2 * self.part.size)
         if self.gate_up_proj_bias is not None:
@@ -406,6 +428,8 @@ class FusedMoE(DirectCall, nn.Module):
         hidden = self.act_and_mul(gate_up)
         if self._stacked is not None:
             y = down_w(self._kernels, hidden, groups.ends)
+        elif bf16:
+            y = self._kernels.moe_bf16_gemm(hidden, self.down_proj_bf16, groups.ends, self.hidden_size)
         else:
             y = self._kernels.moe_packed_gemm(hidden, self.down_proj_panels, groups.ends, self.hidden_size)
         if self.down_proj_bias is not None:
