@@ -20,7 +20,9 @@ How the experts multiply (``process_weights_after_loading`` picks one, once; ``d
   layers use: int8 / int4 / fp8 panels, oneDNN's bf16 layout or bf16 panels, GGUF Q8_0 / Q4 panels), called for the
   experts that have rows. Float32 activations on a CPU with the C++ kernels: where every expert's projection
   packed into the same panel format, the panels are stacked and the experts run in one ``moe_quant_gemm`` call
-  per projection, routed in C++ as the float32 panels are (``stacked.py``);
+  per projection, routed in C++ as the float32 panels are (``stacked.py``). bf16 on a CPU with AVX-512 BF16:
+  ``bf16_gemm``'s panels of every expert stacked [E, P, K/2, 16, 2], one ``moe_bf16_gemm`` call per projection
+  (routed in torch: the C++ routing is float32);
 - other float weights (CUDA, a CPU without the C++ kernels): the grouped matmul over the sorted rows
   (``torch.nn.functional.grouped_mm``: one call per projection, experts with no rows skipped).
 """
