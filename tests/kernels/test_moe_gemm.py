@@ -172,3 +172,29 @@ def test_moe_bf16_gemm_equals_each_expert_alone(kernels, counts: list[int]) -> N
             start += rows
     with pytest.raises(RuntimeError, match="experts"):
         kernels.moe_bf16_gemm(x, packed, ends[:-1], n, generic=True)
+
+
+def test_routing_kernels_take_bf16_rows(kernels) -> None:
+    """A bf16 model's MoE layer routed in C++: bf16 router logits scored in float32 (the float32 logits' experts),
+    bf16 rows gathered as they are, the weighted sums (and the gated shared expert) in float32 rounded once."""
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(5, 8, generator=g).bfloat16()
+    routed = [torch.empty(10, dtype=torch.int64), torch.empty(10, 1), torch.empty(8, dtype=torch.int32)]
+    kernels.moe_route(logits, 2, False, True, *routed)
+    want = [torch.empty(10, dtype=torch.int64), torch.empty(10, 1), torch.empty(8, dtype=torch.int32)]
+    kernels.moe_route(logits.float(), 2, False, True, *want)
+    assert all(torch.equal(a, b) for a, b in zip(routed, want, strict=True))
+    token_of, weight, _ = routed
+    x = torch.randn(5, 24, generator=g).bfloat16()
+    rows = torch.empty(10, 24, dtype=torch.bfloat16)
+    kernels.moe_gather_rows(x, token_of, rows)
+    assert torch.equal(rows, x.index_select(0, token_of))
+    y = torch.randn(10, 24, generator=g).bfloat16()
+    shared, gate = torch.randn(5, 24, generator=g).bfloat16(), torch.randn(5, 1, generator=g).bfloat16()
+    out = torch.empty(5, 24, dtype=torch.bfloat16)
+    kernels.moe_combine(y, token_of, weight, out, shared, gate)
+    exact = torch.zeros(5, 24).index_add_(0, token_of, y.float() * weight)
+    exact += torch.sigmoid(gate.float()) * shared.float()
+    torch.testing.assert_close(out.float(), exact.bfloat16().float(), atol=1e-2, rtol=1e-2)
+    with pytest.raises(RuntimeError, match="type"):
+        kernels.moe_combine(y, token_of, weight, torch.empty(5, 24))  # out of another type than y

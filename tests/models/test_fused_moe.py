@@ -188,3 +188,20 @@ def test_clamped_swiglu_is_transformers_gpt_oss_gate() -> None:
     interleaved = torch.randn(5, 32, generator=torch.Generator().manual_seed(4)) * 3
     ours = torch.cat([interleaved[:, 0::2], interleaved[:, 1::2]], dim=1)
     torch.testing.assert_close(ClampedSwiGLU(1.702, 1.5)(ours), hf._apply_gate(interleaved))
+
+
+def test_bf16_experts_routed_in_kernels_equal_the_torch_routing() -> None:
+    """bf16 experts stacked for ``moe_bf16_gemm`` and routed by the C++ routing kernels (bf16 rows, float32 sums):
+    the same output as the torch routing of the same layer, and close to the float32 reference."""
+    rule = RoutingRule(8, 2, "softmax_topk", renormalize=True)
+    gate_up, down = _weights(rule, 64, 32)
+    layer = _layer(rule, gate_up, down, dtype=torch.bfloat16)
+    x, logits = torch.randn(21, 64).bfloat16(), torch.randn(21, 8).bfloat16()
+    if bf16_experts_form() != "stacked (moe_bf16_gemm)":
+        pytest.skip("bf16 experts run per expert on a CPU without AVX-512 BF16")
+    assert layer.routes_in_kernels(x, logits)
+    in_kernels = layer(x, logits)
+    layer._routes_in_kernels = False  # the torch routing of the same experts
+    torch.testing.assert_close(in_kernels, layer(x, logits), atol=1e-2, rtol=1e-2)
+    want = reference_moe(x.float(), logits.float(), gate_up, down, rule)
+    torch.testing.assert_close(in_kernels.float(), want, atol=0.05, rtol=0.05)

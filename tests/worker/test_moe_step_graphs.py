@@ -64,3 +64,4 @@ def test_quantized_moe_decodes_through_step_graphs(quantization: str, tmp_path) 
         finally:
             llm.engine.core.close()
     assert runs[False] == runs[True]
+

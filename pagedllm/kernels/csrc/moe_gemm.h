@@ -22,15 +22,16 @@ torch::Tensor moe_quant_gemm(const torch::Tensor& x, const torch::Tensor& qweigh
 torch::Tensor moe_bf16_gemm(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& ends,
                             int64_t out_features, const std::optional<torch::Tensor>& out, bool generic);
 
-// moe_route.cpp: router logits float32 [T, E] -> each token's top_k experts (softmax over all then top-k, the k
+// moe_route.cpp: router logits float32 or bf16 [T, E] -> each token's top_k experts (softmax over all then top-k, the k
 // weights renormalised if asked; or with topk_first the top k logits then a softmax over those), the T * k rows sorted
 // by expert: token_of int64 [T*k], weight float32 [T*k(, 1)], ends int32 [E] (end of each expert's run).
 void moe_route(const torch::Tensor& router_logits, int64_t top_k, bool topk_first, bool renormalize,
                const torch::Tensor& token_of, const torch::Tensor& weight, const torch::Tensor& ends);
-// out[r] = x[token_of[r]]: x float32 [T, H] -> out [R, H].
+// out[r] = x[token_of[r]]: x float32 or bf16 [T, H] -> out [R, H] of x's type.
 void moe_gather_rows(const torch::Tensor& x, const torch::Tensor& token_of, const torch::Tensor& out);
-// out[t] = sum over rows r of token t of weight[r] * y[r]: y float32 [R, H] -> out [T, H] (overwritten); with a
-// shared expert (Qwen2-MoE), plus sigmoid(shared_gate[t]) * shared[t] (shared [T, H], shared_gate logits [T, 1]).
+// out[t] = sum over rows r of token t of weight[r] * y[r]: y float32 or bf16 [R, H] -> out [T, H] of y's type
+// (overwritten; float32 sums rounded once); with a shared expert (Qwen2-MoE), plus sigmoid(shared_gate[t]) *
+// shared[t] (shared [T, H] of y's type, shared_gate logits [T, 1]).
 void moe_combine(const torch::Tensor& y, const torch::Tensor& token_of, const torch::Tensor& weight,
                  const torch::Tensor& out, const std::optional<torch::Tensor>& shared,
                  const std::optional<torch::Tensor>& shared_gate);

@@ -21,8 +21,8 @@ How the experts multiply (``process_weights_after_loading`` picks one, once; ``d
   experts that have rows. Float32 activations on a CPU with the C++ kernels: where every expert's projection
   packed into the same panel format, the panels are stacked and the experts run in one ``moe_quant_gemm`` call
   per projection, routed in C++ as the float32 panels are (``stacked.py``). bf16 on a CPU with AVX-512 BF16:
-  ``bf16_gemm``'s panels of every expert stacked [E, P, K/2, 16, 2], one ``moe_bf16_gemm`` call per projection
-  (routed in torch: the C++ routing is float32);
+  ``bf16_gemm``'s panels of every expert stacked [E, P, K/2, 16, 2], one ``moe_bf16_gemm`` call per projection,
+  routed in C++ too (bf16 rows gathered and summed back, the sums in float32);
 - other float weights (CUDA, a CPU without the C++ kernels): the grouped matmul over the sorted rows
   (``torch.nn.functional.grouped_mm``: one call per projection, experts with no rows skipped).
 """
@@ -271,6 +271,7 @@ class FusedMoE(DirectCall, nn.Module):
             panels = torch.stack([pack_bf16_weight(stack[e]) for e in range(stack.shape[0])])
             self.register_buffer(f"{name}_bf16", panels, persistent=False)
         self._kernels = kernels
+        self._routes_in_kernels = hasattr(kernels, "moe_route") and not self.expert_parallel
         self._drop_stacks()
         return True
 
@@ -354,7 +355,9 @@ class FusedMoE(DirectCall, nn.Module):
     def routes_in_kernels(self, x: torch.Tensor, router_logits: torch.Tensor) -> bool:
         """Whether this call (x [T, H], router_logits [T, E]) runs entirely in the C++ kernels
         (``_forward_kernels``)."""
-        return self._routes_in_kernels and router_logits.dtype == torch.float32 and x.stride(-1) == 1
+        kinds = (torch.float32, torch.bfloat16)
+        return (self._routes_in_kernels and router_logits.dtype in kinds and x.dtype in kinds
+                and x.stride(-1) == 1)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor,
                 shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
