@@ -196,7 +196,10 @@ def test_bf16_experts_routed_in_kernels_equal_the_torch_routing() -> None:
     rule = RoutingRule(8, 2, "softmax_topk", renormalize=True)
     gate_up, down = _weights(rule, 64, 32)
     layer = _layer(rule, gate_up, down, dtype=torch.bfloat16)
-    x, logits = torch.randn(21, 64).bfloat16(), torch.randn(21, 8).bfloat16()
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(21, 64, generator=g).bfloat16()
+    # distinct logits per token: bf16 rounds random logits into ties, whose order torch.topk leaves unspecified
+    logits = torch.stack([torch.randperm(8, generator=g) for _ in range(21)]).float().div(2).bfloat16()
     if bf16_experts_form() != "stacked (moe_bf16_gemm)":
         pytest.skip("bf16 experts run per expert on a CPU without AVX-512 BF16")
     assert layer.routes_in_kernels(x, logits)

@@ -52,24 +52,33 @@ def test_mixed_layouts_by_row_count_keep_greedy_outputs(default_model_path, tmp_
     assert batched[:len(PROMPTS)] == expected
 
 
-@pytest.mark.slow
-def test_dense_copies_for_many_rows_keep_greedy_outputs(default_model_path, tmp_path, monkeypatch) -> None:
-    """Every quantized layer (the LM head included) on its dense copy from 33 rows on: a batch of 36 sequences
-    decodes the same greedy tokens as each prompt alone on the quantized kernels."""
+def _alone_and_batched_on_a_forced_table(model_path, tmp_path, monkeypatch, make_table, copies: int
+                                         ) -> tuple[dict, list, list]:
+    """(the forced table ``make_table(model)`` builds, each prompt's greedy tokens alone on the packings' own
+    kernels, the tokens of ``PROMPTS * copies`` batched on the forced table)."""
     kernels = platform_for(torch.device("cpu")).cpu_kernels(torch.float32)
     if kernels is None:
         pytest.skip("the C++ CPU kernels did not build here")
     params = SamplingParams(temperature=0, max_tokens=12)
-    plain = LLM(default_model_path, kv_cache_memory="64MiB", cpu_kernel_autotune="off")
+    plain = LLM(model_path, kv_cache_memory="64MiB", cpu_kernel_autotune="off")
     expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]
-    forced = dense_for_many_rows(plain.engine.core.worker.runner.model)
-    assert any(key.endswith(":head") for key in forced["entries"])
+    forced = make_table(plain.engine.core.worker.runner.model)
     del plain
     table = tmp_path / "table.json"
     table.write_text(json.dumps(forced))
     monkeypatch.setenv("PAGEDLLM_CPU_KERNEL_AUTOTUNE_TABLE", str(table))
-    llm = LLM(default_model_path, kv_cache_memory="64MiB", cpu_kernel_autotune="on")
-    batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS * 6, params, use_tqdm=False)]  # 36 rows
+    llm = LLM(model_path, kv_cache_memory="64MiB", cpu_kernel_autotune="on")
+    batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS * copies, params, use_tqdm=False)]
+    return forced, expected, batched
+
+
+@pytest.mark.slow
+def test_dense_copies_for_many_rows_keep_greedy_outputs(default_model_path, tmp_path, monkeypatch) -> None:
+    """Every quantized layer (the LM head included) on its dense copy from 33 rows on: a batch of 36 sequences
+    decodes the same greedy tokens as each prompt alone on the quantized kernels."""
+    forced, expected, batched = _alone_and_batched_on_a_forced_table(default_model_path, tmp_path, monkeypatch,
+                                                                     dense_for_many_rows, 6)  # 36 rows
+    assert any(key.endswith(":head") for key in forced["entries"])
     for i, want in enumerate(expected):
         assert batched[i] == want, PROMPTS[i]
 
@@ -79,19 +88,8 @@ def test_words_tiles_for_many_rows_keep_greedy_outputs(default_model_path, tmp_p
     """Every 4-bit layer and the Q8_0 LM head on their words tiles from 3 rows on (int16 pair products, rounded
     once per group where the byte tiles round twice): a batch of 24 decodes the same greedy tokens as each prompt
     alone on the byte tiles."""
-    kernels = platform_for(torch.device("cpu")).cpu_kernels(torch.float32)
-    if kernels is None:
-        pytest.skip("the C++ CPU kernels did not build here")
-    params = SamplingParams(temperature=0, max_tokens=12)
-    plain = LLM(default_model_path, kv_cache_memory="64MiB", cpu_kernel_autotune="off")
-    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]
-    forced = words_from_three_rows(plain.engine.core.worker.runner.model)
+    forced, expected, batched = _alone_and_batched_on_a_forced_table(default_model_path, tmp_path, monkeypatch,
+                                                                     words_from_three_rows, 4)
     assert any(key.endswith(":head") for key in forced["entries"]) and len(forced["entries"]) >= 4
-    del plain
-    table = tmp_path / "table.json"
-    table.write_text(json.dumps(forced))
-    monkeypatch.setenv("PAGEDLLM_CPU_KERNEL_AUTOTUNE_TABLE", str(table))
-    llm = LLM(default_model_path, kv_cache_memory="64MiB", cpu_kernel_autotune="on")
-    batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS * 4, params, use_tqdm=False)]
     for i, want in enumerate(expected):
         assert batched[i] == want, PROMPTS[i]

@@ -13,6 +13,7 @@
 // y is bf16, or float32 where `out` is (the float32 sums as they are: a quantized weight's dense bf16 copy
 // (dense_copy.py) keeps float32 activations and logits).
 #include "cpu_features.h"
+#include "gemm_args.h"
 #include "kernels.h"
 #include "moe_gemm.h"
 #include "moe_items.h"
@@ -237,14 +238,7 @@ torch::Tensor moe_bf16_gemm(const torch::Tensor& x, const torch::Tensor& packed,
   TORCH_CHECK(ends.size(0) == E, "ends has ", ends.size(0), " experts, the packed weights ", E);
   const std::vector<moe_items::Item> items = moe_items::expert_items(ends, R, P, K, int64_t{1} << 18);
   const torch::Tensor xc = x.stride(1) == 1 && x.stride(0) >= K && x.stride(0) % 2 == 0 ? x : x.contiguous();
-  torch::Tensor y;
-  if (out.has_value() && out->defined()) {
-    y = *out;
-    TORCH_CHECK(y.dim() == 2 && y.size(0) == R && y.size(1) == N && y.scalar_type() == torch::kBFloat16 &&
-                y.stride(1) == 1 && y.stride(0) >= N, "out must be bfloat16 [R, N] with contiguous rows");
-  } else {
-    y = torch::empty({R, N}, x.options());
-  }
+  torch::Tensor y = gemm_output(out, R, N, x.options());
   if (R == 0) return y;
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());

@@ -13,12 +13,15 @@ inline const float* gemm_bias(const std::optional<torch::Tensor>& bias, int64_t 
   return keep.data_ptr<float>();
 }
 
-// The [M, N] float32 result: `out` when given (rows contiguous, possibly strided), else a new tensor.
+// The [M, N] result of `options`' type (float32 for every caller but the bf16 experts): `out` when given (rows
+// contiguous, possibly strided), else a new tensor.
 inline torch::Tensor gemm_output(const std::optional<torch::Tensor>& out, int64_t M, int64_t N,
                                  const torch::TensorOptions& options) {
   if (!out.has_value() || !out->defined()) return torch::empty({M, N}, options);
   const torch::Tensor& y = *out;
-  TORCH_CHECK(y.dim() == 2 && y.size(0) == M && y.size(1) == N && y.scalar_type() == torch::kFloat32 &&
-              y.stride(1) == 1 && y.stride(0) >= N, "out must be float32 [M, N] with contiguous rows");
+  const auto type = c10::typeMetaToScalarType(options.dtype());
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == M && y.size(1) == N && y.scalar_type() == type && y.stride(1) == 1 &&
+              y.stride(0) >= N, "out must be ", type == torch::kFloat32 ? "float32" : c10::toString(type),
+              " [M, N] with contiguous rows");
   return y;
 }

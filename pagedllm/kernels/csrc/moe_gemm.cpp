@@ -8,6 +8,7 @@
 // packed into k-major tiles once per row block.
 #include "moe_gemm.h"
 
+#include "gemm_args.h"
 #include "moe_items.h"
 #include "packed_panels.h"
 
@@ -54,14 +55,7 @@ torch::Tensor moe_packed_gemm(const torch::Tensor& x, const torch::Tensor& packe
   TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, the packed experts ", K);
   TORCH_CHECK(N > 0 && (N + NR - 1) / NR == P, "out_features ", N, " does not match the packing");
   const torch::Tensor xc = x.stride(1) == 1 && x.stride(0) >= K ? x : x.contiguous();
-  torch::Tensor y;
-  if (out.has_value() && out->defined()) {
-    y = *out;
-    TORCH_CHECK(y.dim() == 2 && y.size(0) == R && y.size(1) == N && y.scalar_type() == torch::kFloat32 &&
-                y.stride(1) == 1 && y.stride(0) >= N, "out must be float32 [R, N] with contiguous rows");
-  } else {
-    y = torch::empty({R, N}, x.options());
-  }
+  torch::Tensor y = gemm_output(out, R, N, x.options());
   const std::vector<Item> items = moe_items::expert_items(ends, R, P, K, MIN_ITEM_WORK);
   const float* xp = xc.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();

@@ -17,6 +17,7 @@
 
 #include "cpu_features.h"
 #include "dot_gemm.h"
+#include "gemm_args.h"
 #include "isa_kernels.h"
 #include "moe_items.h"
 
@@ -122,14 +123,7 @@ torch::Tensor moe_quant_gemm(const torch::Tensor& x, const torch::Tensor& qweigh
   TORCH_CHECK(ends.size(0) == E, "ends has ", ends.size(0), " experts, the weights ", E);
   const std::vector<moe_items::Item> items = moe_items::expert_items(ends, R, P, K, MIN_ITEM_WORK);
   const torch::Tensor xc = x.stride(1) == 1 && x.stride(0) >= K ? x : x.contiguous();
-  torch::Tensor y;
-  if (out.has_value() && out->defined()) {
-    y = *out;
-    TORCH_CHECK(y.dim() == 2 && y.size(0) == R && y.size(1) == N && y.scalar_type() == torch::kFloat32 &&
-                y.stride(1) == 1 && y.stride(0) >= N, "out must be float32 [R, N] with contiguous rows");
-  } else {
-    y = torch::empty({R, N}, x.options());
-  }
+  torch::Tensor y = gemm_output(out, R, N, x.options());
   if (R == 0) return y;
   const Stacked st{static_cast<const uint8_t*>(qweight.data_ptr()), P * panel_rows * row_bytes, panel_rows * row_bytes,
                    scales.data_ptr(), nibbles ? mins->data_ptr() : nullptr, P * G * NR, half};

@@ -134,6 +134,8 @@ class FusedMoE(DirectCall, nn.Module):
         self._kernels: Any = None  # the C++ kernels module of the panel form
         self._quantized: list[tuple[Linear, Linear]] | None = None  # per expert (gate_up, down) of the scheme
         self._stacked: tuple[StackedProjection, StackedProjection] | None = None  # quantized experts, stacked
+        self.register_buffer("gate_up_proj_bf16", None, persistent=False)  # bf16 experts' stacked panels
+        self.register_buffer("down_proj_bf16", None, persistent=False)
         self._scheme = ""  # the quantized experts' scheme, for describe()
         self._routes_in_kernels = False  # C++ experts with moe_route / moe_gather_rows / moe_combine
         self._processed = False
@@ -249,10 +251,7 @@ class FusedMoE(DirectCall, nn.Module):
             return
         kernels = platform_of(weight).cpu_kernels(weight.dtype) if weight.dtype == torch.float32 else None
         if kernels is not None and hasattr(kernels, "moe_packed_gemm"):
-            for name in ("gate_up_proj", "down_proj"):
-                stack = getattr(self, name)
-                panels = torch.stack([pack_weight(stack[e]) for e in range(stack.shape[0])])
-                self.register_buffer(f"{name}_panels", panels, persistent=False)
+            self._stack_panels(pack_weight, "panels")
             self._kernels = kernels
             # The routing kernels too (a build that has them), except under expert parallelism (other ranks'
             # experts are masked out in torch).
@@ -266,14 +265,18 @@ class FusedMoE(DirectCall, nn.Module):
         if (kernels is None or not hasattr(kernels, "moe_bf16_gemm") or not kernels.bf16_gemm_supported()
                 or self.hidden_size % 2 or self.down_proj.shape[-1] % 2):
             return False
-        for name in ("gate_up_proj", "down_proj"):
-            stack = getattr(self, name)
-            panels = torch.stack([pack_bf16_weight(stack[e]) for e in range(stack.shape[0])])
-            self.register_buffer(f"{name}_bf16", panels, persistent=False)
+        self._stack_panels(pack_bf16_weight, "bf16")
         self._kernels = kernels
         self._routes_in_kernels = hasattr(kernels, "moe_route") and not self.expert_parallel
         self._drop_stacks()
         return True
+
+    def _stack_panels(self, pack: Callable[[torch.Tensor], torch.Tensor], suffix: str) -> None:
+        """Each expert's two projections packed by ``pack`` and stacked [E, ...] into buffers ``{name}_{suffix}``."""
+        for name in ("gate_up_proj", "down_proj"):
+            stack = getattr(self, name)
+            panels = torch.stack([pack(stack[e]) for e in range(stack.shape[0])])
+            self.register_buffer(f"{name}_{suffix}", panels, persistent=False)
 
     def _keep_quantized(self, gate_up: list[Linear], down: list[Linear]) -> None:
         """The experts' per-projection layers, stacked for ``moe_quant_gemm`` where the C++ kernels run them (float32
@@ -311,7 +314,7 @@ class FusedMoE(DirectCall, nn.Module):
         "float16 grouped_mm")."""
         if self._stacked is not None:
             return f"{self._scheme} stacked (moe_quant_gemm)"
-        if getattr(self, "gate_up_proj_bf16", None) is not None:
+        if self.gate_up_proj_bf16 is not None:
             return "bfloat16 panels stacked (moe_bf16_gemm)"
         if self._quantized is not None:
             return f"{self._scheme} per expert"
@@ -420,7 +423,7 @@ class FusedMoE(DirectCall, nn.Module):
     def _experts_kernels(self, rows: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         """float32 or stacked quantized panels: rows [R, H] sorted by expert -> [R, H], two C++ calls threading over
         (expert, panels)."""
-        bf16 = getattr(self, "gate_up_proj_bf16", None) is not None
+        bf16 = self.gate_up_proj_bf16 is not None
         if self._stacked is not None:
             gate_up_w, down_w = self._stacked
             gate_up = gate_up_w(self._kernels, rows, groups.ends)
