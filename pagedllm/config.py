@@ -81,6 +81,8 @@ class ModelConfig:
     is_encoder_decoder: bool = False
     # Vision-language (LLaVA): prompts may carry images, processed by the model's HF processor (multimodal/).
     is_multimodal: bool = False
+    # Its image tokens attend to each other both ways (Gemma 3): the scheduler keeps each image's run in one step.
+    image_tokens_attend_bidirectionally: bool = False
 
     @property
     def is_pooling(self) -> bool:
@@ -188,6 +190,9 @@ class SchedulerConfig:
     # (core/encoder_cache.py); 0: max(max_num_batched_tokens, 8192). A step encodes at most max_num_batched_tokens
     # image tokens.
     encoder_cache_size: int = 0
+    # Multimodal models whose image tokens attend to each other both ways (Gemma 3): a chunk never ends inside an
+    # image's run of tokens, so each run is computed in one step.
+    whole_image_runs: bool = False
     # LoRA: distinct adapters the running requests may use at once (the worker's slots; 0: LoRA off).
     max_loras: int = 0
 

@@ -372,6 +372,7 @@ class EngineArgs:
                                     num_lookahead_tokens=0 if speculative is None else
                                     speculative.num_lookahead_tokens,
                                     encoder_cache_size=int(self.encoder_cache_size),
+                                    whole_image_runs=model.image_tokens_attend_bidirectionally,
                                     max_loras=lora.max_loras if lora is not None else 0)
         from pagedllm.core.encoder_decoder import configure_encoder_decoder
 

@@ -44,6 +44,10 @@ class AttentionMetadata:
     # A model with several KV cache groups: every group's metadata, this one (group 0) first; the groups
     # differ only in block_tables and slot_mapping. None: one group, or all groups share this table.
     group_metadata: list[AttentionMetadata] | None = field(default=None, repr=False)
+    # Runs of image tokens that attend to each other both ways (Gemma 3), each (request index, first row, end row
+    # in the flat batch, position that ends the run): those rows also see the run's later keys. Set by the model
+    # runner on every group's metadata of a step that computes such a run whole; None: plain causal.
+    bidirectional_runs: list[tuple[int, int, int, int]] | None = field(default=None, repr=False)
     # What a backend derives from this step once and every layer reuses (its plan of the batch), keyed by the
     # backend's state class (``AttentionBackend.state_type``): the metadata describes the step, each backend keeps
     # its own state here. Written by ``AttentionBackend.prepare_step`` only; read through ``step_state``.

@@ -41,6 +41,34 @@ class MultiModalFeature:
         """Whether positions ``[start, end)`` hold any of this image's tokens."""
         return self.offset < end and start < self.end
 
+    def runs(self) -> list[tuple[int, int]]:
+        """Its runs of consecutive embedded positions, ``[(start, end), ...]`` in prompt positions: the whole span,
+        or each tile's where text tags sit between them."""
+        if self.embed_mask is None:
+            return [(self.offset, self.end)]
+        runs, begin = [], None
+        for i, flag in enumerate(self.embed_mask):
+            if flag and begin is None:
+                begin = i
+            elif not flag and begin is not None:
+                runs.append((self.offset + begin, self.offset + i))
+                begin = None
+        if begin is not None:
+            runs.append((self.offset + begin, self.end))
+        return runs
+
+
+def end_outside_runs(features: list[MultiModalFeature], start: int, end: int) -> int:
+    """The end of a chunk ``[start, end)`` moved back so that it splits no image run (models whose image tokens
+    attend to each other both ways compute each run in one step): the start of the run it would split, or
+    ``start`` (nothing now) when the chunk begins inside that run and cannot reach its end."""
+    for feature in features:
+        if feature.overlaps(start, end):
+            for run_start, run_end in feature.runs():
+                if run_start < end < run_end:
+                    return max(run_start, start)
+    return end
+
 
 def multimodal_block_keys(features: list[MultiModalFeature], start: int, end: int) -> tuple:
     """Extra block-hash keys of the block of positions ``[start, end)``: the content hash of each image with tokens

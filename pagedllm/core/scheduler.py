@@ -15,7 +15,7 @@ from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.encoder_cache import EncoderCacheManager
 from pagedllm.core.encoder_decoder import encoder_cost
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.multimodal import check_images_fit
+from pagedllm.core.multimodal import check_images_fit, end_outside_runs
 from pagedllm.core.remote_kv import PROMPT_TOKEN_SOURCES, RemoteKVState, count_prompt_sources
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import (
@@ -293,9 +293,13 @@ class Scheduler:
         """(tokens of ``[start, start + num_new)`` it may compute now, indices of its images to encode first).
 
         An image with tokens in the chunk is either in the encoder cache already, or is encoded this step if the
-        step's encoder budget and the cache have room; otherwise the chunk stops before that image."""
+        step's encoder budget and the cache have room; otherwise the chunk stops before that image. Where image
+        tokens attend to each other both ways (``whole_image_runs``), a chunk also never ends inside an image's run.
+        """
         if not request.mm_features:
             return num_new, []
+        if self.config.whole_image_runs:
+            num_new = end_outside_runs(request.mm_features, start, start + num_new) - start
         to_encode: list[int] = []
         rows, planned = 0, set()
         for index, feature in enumerate(request.mm_features):

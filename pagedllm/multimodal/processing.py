@@ -59,10 +59,14 @@ class MultiModalProcessor:
         self.limits = dict(limits or {})
         tokenizer = self.hf_processor.tokenizer
         self.image_token = getattr(self.hf_processor, "image_token", None) or "<image>"
-        self.image_token_id = int(getattr(self.hf_processor, "image_token_id", None)
+        # The token the processor expands an image into (Gemma 3's differs from its placeholder: image_token_ids).
+        expanded = (getattr(self.hf_processor, "image_token_ids", None) or [None])[0]
+        self.image_token_id = int(expanded if expanded is not None else
+                                  getattr(self.hf_processor, "image_token_id", None)
                                   or tokenizer.convert_tokens_to_ids(self.image_token))
-        logger.info("multimodal processor: %s with %s (image token %r = %d)", type(self.hf_processor).__name__,
-                    type(self.hf_processor.image_processor).__name__, self.image_token, self.image_token_id)
+        logger.info("multimodal processor: %s with %s (placeholder %r, image token id %d)",
+                    type(self.hf_processor).__name__, type(self.hf_processor.image_processor).__name__,
+                    self.image_token, self.image_token_id)
 
     def check_limit(self, modality: str, count: int) -> None:
         limit = self.limits.get(modality)

@@ -276,6 +276,8 @@ class ModelRunner:
         meta, input_ids, positions = self._prepare_inputs(states, query_lens, spec)
         if self.multimodal is not None and self.multimodal.uses_mrope:
             positions = self.multimodal.mrope_positions(states, query_lens, positions)
+        if self.multimodal is not None and self.multimodal.bidirectional:
+            self.multimodal.mark_bidirectional_runs(meta, states, query_lens)
         if self.encoder_decoder is not None:
             self.encoder_decoder.run_encoders(sched)  # new requests' cross-attention K/V, before the decoder reads
 

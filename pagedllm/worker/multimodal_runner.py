@@ -31,6 +31,8 @@ class MultiModalRunner:
         self.num_encoded_images = 0  # encoder runs, one per image (tests and logs count them)
         self.num_encoder_calls = 0  # batched calls of the vision encoder
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))  # Qwen2-VL: 3-axis text positions
+        # Gemma 3: each image's tokens attend to each other both ways (attention/backends/bidirectional_runs.py).
+        self.bidirectional = bool(getattr(model, "image_tokens_attend_bidirectionally", False))
 
     def free(self, identifiers: list[str]) -> None:
         for identifier in identifiers:
@@ -69,6 +71,24 @@ class MultiModalRunner:
             if len(picked):
                 embeds[torch.from_numpy(at + picked)] = output[torch.from_numpy(rows[first + picked])]
         return embeds
+
+    def mark_bidirectional_runs(self, meta: Any, states: list[Any], query_lens: list[int]) -> None:
+        """For a model whose image tokens attend to each other both ways: name on every KV cache group's metadata
+        the step's rows of image runs, each (request index, first row, end row, position ending the run)."""
+        runs, row = [], 0
+        for index, (state, q) in enumerate(zip(states, query_lens)):
+            start = state.num_computed_tokens
+            for feature in state.mm_features:
+                if not feature.overlaps(start, start + q):
+                    continue
+                for run_start, run_end in feature.runs():
+                    if run_start < start + q and start < run_end:
+                        lo = max(run_start, start)
+                        runs.append((index, row + lo - start, row + min(run_end, start + q) - start, run_end))
+            row += q
+        if runs:
+            for group_meta in meta.group_metadata or [meta]:
+                group_meta.bidirectional_runs = runs
 
     def mrope_positions(self, states: list[Any], query_lens: list[int], positions: torch.Tensor) -> torch.Tensor:
         """The step's positions as an M-RoPE model takes them: [3, T] when a scheduled token is an image's (its

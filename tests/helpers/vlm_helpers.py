@@ -241,3 +241,67 @@ def qwen2_vl_generate(model: Any, processor: tuple[Any, Any], text: str, images:
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+# ---- Gemma 3 (multimodal) ----------------------------------------------------------------------------------------
+GEMMA3_TAGS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+GEMMA3_IMAGE_TOKENS = 16  # a 32 px picture: 8 x 8 patches of 4 px, pooled 2 x 2
+
+
+def _gemma3_tokenizer() -> Any:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(TEXT_VOCAB)}
+    for token in GEMMA3_TAGS:
+        vocab[token] = len(vocab)
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0", bos_token="t1", eos_token="t2",
+                                   pad_token="t0", extra_special_tokens={"boi_token": "<start_of_image>",
+                                                                         "eoi_token": "<end_of_image>",
+                                                                         "image_token": "<image_soft_token>"})
+
+
+def make_tiny_gemma3_mm(path: str | os.PathLike, seed: int = 0, tie_word_embeddings: bool = False
+                        ) -> tuple[str, Any, Any]:
+    """Save a random tiny Gemma 3 multimodal model (SigLIP tower, 2 x 2 average pool to 16 image tokens; text
+    layers sliding (window 8) / full / sliding, so a window cuts into the image run) and its processor (prompts put
+    <start_of_image> where a picture goes)."""
+    import transformers as tf
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tokenizer = _gemma3_tokenizer()
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in GEMMA3_TAGS}
+    vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   image_size=32, patch_size=4)
+    text = tf.Gemma3TextConfig(vocab_size=len(tokenizer) + 4, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               max_position_embeddings=512, sliding_window=8, query_pre_attn_scalar=16,
+                               layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                               bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = tf.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                             mm_tokens_per_image=GEMMA3_IMAGE_TOKENS, image_token_id=ids["<image_soft_token>"],
+                             boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
+                             tie_word_embeddings=tie_word_embeddings, architectures=["Gemma3ForConditionalGeneration"])
+    torch.manual_seed(seed)
+    model = tf.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+            elif "norm" in name:
+                p.normal_(0.0, 0.1)  # Gemma's RMSNorms scale by (1 + w); SigLIP's LayerNorms by w
+                if "layer_norm" in name or "post_layernorm" in name:
+                    p.add_(1.0)
+            else:
+                p.normal_(0.0, 0.05)
+        # A strong patch embedding, so that pictures of random pixels differ to the model.
+        model.model.vision_tower.embeddings.patch_embedding.weight.normal_(0.0, 0.5)
+    model.save_pretrained(str(path))
+    processor = tf.Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 32, "width": 32}),
+                                   tokenizer=tokenizer, image_seq_length=GEMMA3_IMAGE_TOKENS,
+                                   chat_template=CHAT_TEMPLATE.replace("<image>", "<start_of_image>"))
+    processor.save_pretrained(str(path))
+    processor.tokenizer.save_pretrained(str(path))
+    return str(path), model, processor

@@ -12,6 +12,7 @@ from pagedllm import LLM, SamplingParams
 
 from helpers.vlm_helpers import (
     QWEN_IMAGE,
+    make_tiny_gemma3_mm,
     make_tiny_idefics3,
     make_tiny_llava,
     make_tiny_qwen2_vl,
@@ -22,18 +23,21 @@ from helpers.vlm_helpers import (
 BF16_REL_TOL = 3e-2  # of the reference logits' range, as tests/models/test_llama.py
 TOP = 20
 PROMPT = "t5 t9 <image> t7 t33"
-MAKERS = {"llava": make_tiny_llava, "idefics3": make_tiny_idefics3, "qwen2_vl": make_tiny_qwen2_vl}
+MAKERS = {"llava": make_tiny_llava, "idefics3": make_tiny_idefics3, "qwen2_vl": make_tiny_qwen2_vl,
+          "gemma3": make_tiny_gemma3_mm}
+IMAGE_TAGS = {"qwen2_vl": QWEN_IMAGE, "gemma3": "<start_of_image>"}
 
 
 def _prompt(family: str) -> str:
-    return PROMPT.replace("<image>", QWEN_IMAGE) if family == "qwen2_vl" else PROMPT
+    return PROMPT.replace("<image>", IMAGE_TAGS.get(family, "<image>"))
 
 
 def _reference_logprobs(hf, processor, family: str, image) -> torch.Tensor:
     if family == "qwen2_vl":
         inputs = qwen2_vl_inputs(processor, _prompt(family), [image])
     else:
-        inputs = processor(text=PROMPT, images=[image] if family == "llava" else [[image]], return_tensors="pt")
+        inputs = processor(text=_prompt(family), images=[image] if family in ("llava", "gemma3") else [[image]],
+                           return_tensors="pt")
     with torch.no_grad():
         return torch.log_softmax(hf(**inputs).logits[0, -1].float(), dim=-1)
 
@@ -50,7 +54,7 @@ def test_bf16_next_token_logprobs_within_the_bf16_bound(family, tmp_path) -> Non
     llm = LLM(model=path, dtype="bfloat16", block_size=4, kv_cache_memory="4MiB", max_model_len=256)
     model = llm.engine.core.worker.runner.model
     assert model.dtype == torch.bfloat16
-    tower = {"llava": "vision_tower", "idefics3": "vision_model", "qwen2_vl": "visual"}[family]
+    tower = {"idefics3": "vision_model", "qwen2_vl": "visual"}.get(family, "vision_tower")
     tower_layer = getattr(model, tower).layers[0]
     assert tower_layer.mlp.fc1.weight is None or tower_layer.mlp.fc1.weight.dtype == torch.bfloat16
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=TOP)

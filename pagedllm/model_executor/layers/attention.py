@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backends.base import AttentionBackend
+from pagedllm.attention.backends.bidirectional_runs import attend_bidirectional_runs
 from pagedllm.attention.backends.paged_kv import is_fp8
 from pagedllm.attention.backends.selector import DeviceAttentionBackend
 from pagedllm.attention.backends.torch_sinks import sink_attention
@@ -77,11 +78,15 @@ class Attention(DirectCall, nn.Module):
                                  value.view(t, self.num_kv_heads, self.head_size), self.kv_cache, meta, self.scale,
                                  self.sinks, self.spec.window_for(meta.max_seq_len))
             return out.view(t, self.num_heads * self.head_size)
+        meta = get_attn_metadata(self.kv_group)
+        q = query.view(t, self.num_heads, self.head_size)
         out = self.backend.forward(
-            query.view(t, self.num_heads, self.head_size),
-            None if key is None else key.view(t, self.num_kv_heads, self.head_size),
+            q, None if key is None else key.view(t, self.num_kv_heads, self.head_size),
             None if value is None else value.view(t, self.num_kv_heads, self.head_size),
-            self.kv_cache, get_attn_metadata(self.kv_group), self.spec, self.scale, self.kv_scale)
+            self.kv_cache, meta, self.spec, self.scale, self.kv_scale)
+        if meta.bidirectional_runs and self.spec.kind in ("causal", "sliding"):
+            attend_bidirectional_runs(q, out, self.kv_cache, meta, self.scale, self.spec.window_for(meta.max_seq_len),
+                                      self.kv_scale)
         return out.view(t, self.num_heads * self.head_size)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -167,6 +167,8 @@ def _resolve_runner(mc: ModelConfig, folder: str | None) -> int | None:
         mc.is_encoder_only = bool(getattr(model_cls, "is_encoder_only", False))
         mc.is_encoder_decoder = bool(getattr(model_cls, "is_encoder_decoder", False))
         mc.is_multimodal = bool(getattr(model_cls, "supports_multimodal", False))
+        mc.image_tokens_attend_bidirectionally = bool(getattr(model_cls, "image_tokens_attend_bidirectionally",
+                                                              False))
         default_pooling_type = getattr(model_cls, "default_pooling_type", "LAST")
     mc.runner = resolve_runner(mc.runner, mc.is_encoder_only, folder, mc.architecture)
     if not mc.is_pooling:

@@ -82,10 +82,17 @@ class Gemma3Model(DirectCall, nn.Module):
         self.rotary_local = RotaryEmbedding(head_dim, max_pos, *_rope_params(cfg, "sliding_attention"), dtype)
         self.rotary_global = RotaryEmbedding(head_dim, max_pos, *_rope_params(cfg, "full_attention"), dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> scaled token embeddings [T, hidden] (the scale rounded to the model dtype first, as the
+        reference does)."""
         x = self.embed_tokens(input_ids)
-        # The scale is rounded to the model dtype first, as the reference does.
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        return x * torch.tensor(self.embed_scale, dtype=x.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: [T]; inputs_embeds: [T, hidden], already scaled (``embed``, image rows merged
+        unscaled as Gemma 3's multimodal model merges them), or None -> hidden [T, hidden]."""
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         rope_local, rope_global = RopeStep(self.rotary_local, positions), RopeStep(self.rotary_global, positions)
         residual = None
         for layer in self.layers:

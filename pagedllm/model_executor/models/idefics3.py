@@ -23,41 +23,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.model_executor.layers.direct_call import DirectCall
-from pagedllm.model_executor.layers.layernorm import LayerNorm
 from pagedllm.model_executor.models.blocks import make_linear
-from pagedllm.model_executor.models.clip_vision import VisionEncoderLayer, run_vision_layers
 from pagedllm.model_executor.models.image_text import ImageTextLM
 from pagedllm.model_executor.models.llama import LlamaForCausalLM, LlamaModel
+from pagedllm.model_executor.models.siglip_vision import SiglipVisionTower
 from pagedllm.model_executor.models.weight_loading import STACKED_QKV_GATE_UP, WeightMapping
 
 _PREFIXES = (("model.text_model.", "model."), ("model.vision_model.", "vision_model."),
              ("model.connector.", "connector."), ("vision_model.encoder.layers.", "vision_model.layers."),
              ("vision_model.embeddings.", "vision_model."))
-
-
-class Idefics3VisionTower(DirectCall, nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
-        super().__init__()
-        d = cfg.hidden_size
-        self.patch_size = int(cfg.patch_size)
-        self.num_patches = (int(cfg.image_size) // self.patch_size) ** 2
-        self.patch_embedding = nn.Conv2d(cfg.num_channels, d, self.patch_size, stride=self.patch_size, dtype=dtype)
-        self.position_embedding = nn.Embedding(self.num_patches, d, dtype=dtype)
-        self.layers = nn.ModuleList(VisionEncoderLayer(cfg, i, dtype, "vision_model.encoder.layers")
-                                    for i in range(cfg.num_hidden_layers))
-        self.post_layernorm = LayerNorm(d, cfg.layer_norm_eps, dtype)
-
-    def forward(self, tiles: torch.Tensor) -> torch.Tensor:
-        """tiles: [n, C, S, S] (S = the config's image_size) -> [n, patches, d]."""
-        x = self.patch_embedding(tiles).flatten(2).transpose(1, 2)
-        n, seq, d = x.shape
-        if seq != self.num_patches:
-            raise ValueError(f"image: a {tuple(tiles.shape[2:])} tile gives {seq} patches; the vision tower takes "
-                             f"{self.num_patches} (its processor's max_image_size)")
-        x = (x + self.position_embedding.weight).reshape(n * seq, d).contiguous()  # one tile: still transposed
-        x = run_vision_layers(self, self.layers, x, [seq] * n)
-        return self.post_layernorm(x).view(n, seq, d)
 
 
 class Idefics3Connector(nn.Module):
@@ -91,7 +65,7 @@ class Idefics3ForConditionalGeneration(ImageTextLM):
         if text.model_type not in ("llama",):
             raise ValueError(f"Idefics3: text model type {text.model_type!r} is not supported (llama)")
         self.image_token_id = int(hf_config.image_token_id)
-        self.vision_model = Idefics3VisionTower(vision, dtype)
+        self.vision_model = SiglipVisionTower(vision, dtype, "vision_model")
         self.connector = Idefics3Connector(vision.hidden_size, text.hidden_size, int(hf_config.scale_factor), dtype)
         self.model = LlamaModel(text, LlamaForCausalLM, dtype, quant_config)
         # transformers ties the head by the top-level flag, not the text model's.
