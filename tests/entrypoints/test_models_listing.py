@@ -11,7 +11,7 @@ from pagedllm.model_executor.models.registry import get_model_cls, supported_arc
 EXPECTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
             "Gemma3ForCausalLM", "GPT2LMHeadModel", "BertModel", "WhisperForConditionalGeneration",
             "LlavaForConditionalGeneration", "Idefics3ForConditionalGeneration", "Qwen2VLForConditionalGeneration",
-            "Qwen2_5_VLForConditionalGeneration", "Gemma3ForConditionalGeneration",
+            "Qwen2_5_VLForConditionalGeneration", "Gemma3ForConditionalGeneration", "LlavaNextForConditionalGeneration",
             "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM",
             "OlmoeForCausalLM", "GraniteMoeForCausalLM"}
 

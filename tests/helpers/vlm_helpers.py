@@ -72,6 +72,40 @@ def make_tiny_llava(path: str | os.PathLike, seed: int = 0) -> tuple[str, Any, A
     return str(path), model, processor
 
 
+def make_tiny_llava_next(path: str | os.PathLike, seed: int = 0) -> tuple[str, Any, Any]:
+    """Save a random tiny LLaVA-NeXT (the tiny LLaVA's tower and decoder; grids of 32 px tiles up to 2 x 2, so a
+    40 x 48 picture takes the 64 x 64 grid: 4 tiles + the base one, its padded rows cut) and its processor."""
+    import transformers as tf
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    llava = tiny_llava_config()
+    pinpoints = [[32, 64], [64, 32], [64, 64]]
+    config = tf.LlavaNextConfig(vision_config=llava.vision_config.to_dict(), text_config=llava.text_config.to_dict(),
+                                image_token_id=IMAGE_TOKEN_ID, image_grid_pinpoints=pinpoints,
+                                architectures=["LlavaNextForConditionalGeneration"])
+    torch.manual_seed(seed)
+    model = tf.LlavaNextForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+            elif "norm" in name:
+                p.normal_(1.0, 0.1)
+            else:
+                p.normal_(0.0, 0.05)
+        model.model.image_newline.normal_(0.0, 0.5)  # its rows must move the answer
+    model.save_pretrained(str(path))
+    image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": IMAGE_SIZE},
+                                                 crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+                                                 image_grid_pinpoints=pinpoints)
+    processor = tf.LlavaNextProcessor(image_processor=image_processor, tokenizer=_tokenizer(), patch_size=PATCH,
+                                      vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                      chat_template=CHAT_TEMPLATE)
+    processor.save_pretrained(str(path))
+    processor.tokenizer.save_pretrained(str(path))
+    return str(path), model, processor
+
+
 def random_image(seed: int, size: tuple[int, int] = (40, 48)) -> Any:
     """A random RGB picture (PIL), different for each seed."""
     from PIL import Image
