@@ -2,8 +2,8 @@
 SmolVLM-256M's size, built from the default model's config and tokenizer (SmolLM2-135M, with image tokens added):
 
 - ``--family smolvlm`` (default): Idefics3 with SmolVLM-256M's vision config (SigLIP-style, 768 wide, 12 layers,
-  512 px tiles of 16 px patches, pixel shuffle 4: 64 tokens a tile); pictures of 384 x 448 px, so the processor
-  (longest edge 512) makes 1 tile + the whole picture: 128 image tokens each.
+  512 px tiles of 16 px patches, pixel shuffle 4: 64 tokens a tile); pictures of 384 x 448 px, which the processor
+  (longest edge 512) does not split: one tile, 64 image tokens each.
 - ``--family llava``: a CLIP ViT-B/16 at 224 px (196 image tokens a picture) in front of the same decoder.
 
     # images/s: 32 image+text requests, pagedllm vs transformers' batched generate, side by side; both in the
@@ -149,8 +149,8 @@ def ttft(folder: Path, args: argparse.Namespace) -> dict:
     pictures = images(args.num_requests, 4)
     if args.family == "llava":
         one_image_tokens = (IMAGE_SIZE // PATCH) ** 2
-    else:  # one tile + the whole picture
-        one_image_tokens = 2 * (TILE // TILE_PATCH) ** 2 // SHUFFLE ** 2
+    else:  # one tile: the pictures fit the longest edge unsplit
+        one_image_tokens = (TILE // TILE_PATCH) ** 2 // SHUFFLE ** 2
     results = {}
     for label, cache_size in (("encoder_cache", 0), ("no_reuse", one_image_tokens)):
         engine = LLMEngine.from_engine_args(EngineArgs(model=str(folder), dtype=args.dtype,
