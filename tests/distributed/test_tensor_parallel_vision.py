@@ -8,6 +8,7 @@ import pytest
 from helpers.vlm_helpers import (
     QWEN_IMAGE,
     hf_generate,
+    make_tiny_gemma3_mm,
     make_tiny_llava,
     make_tiny_qwen2_vl,
     qwen2_vl_generate,
@@ -49,4 +50,21 @@ def test_tp2_qwen2_vl_equals_transformers(tmp_path, version: str) -> None:
     finally:
         llm.engine.core.close()
     assert [list(o.outputs[0].token_ids) for o in outs] == [qwen2_vl_generate(hf, processor, text, [image], 8)
+                                                            for image in images]
+
+
+def test_tp2_gemma3_mm_equals_transformers(tmp_path) -> None:
+    """Gemma 3: each rank recomputes its own heads' rows of the image runs (two-way attention inside the image)."""
+    from pagedllm import LLM, SamplingParams
+
+    path, hf, processor = make_tiny_gemma3_mm(tmp_path / "gemma3")
+    text = "t5 t9 t11 <start_of_image> t7 t33"
+    images = [random_image(1), random_image(2)]
+    llm = LLM(path, tensor_parallel_size=2, kv_cache_memory="16MiB", max_model_len=128, dtype="float32")
+    try:
+        outs = llm.generate([{"prompt": text, "multi_modal_data": {"image": image}} for image in images],
+                            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.engine.core.close()
+    assert [list(o.outputs[0].token_ids) for o in outs] == [hf_generate(hf, processor, text, [image], 8)
                                                             for image in images]
