@@ -20,14 +20,39 @@ function showKeyForm(message) {
   $("key-status").textContent = message;
 }
 
+const plural = (n, word) => `${n} ${word}${n === 1 ? "" : "s"}`;
+
+// Base models first; LoRA adapters (a card with a parent: --lora-modules or loaded at run time) in their own
+// group, so that picking one sends its name as the request's model. The choice survives a refresh.
+function fillModelSelect(select, cards) {
+  const previous = select.value;
+  const bases = cards.filter((m) => !m.parent);
+  const adapters = cards.filter((m) => m.parent);
+  const listed = JSON.stringify(cards.map((m) => [m.id, m.parent]));
+  // Unchanged: leave the options alone (rebuilding them would close a list the user just opened).
+  if (select.dataset.listed === listed) return { bases: bases.length, adapters: adapters.length };
+  select.dataset.listed = listed;
+  const options = bases.map((m) => new Option(m.id, m.id));
+  if (adapters.length) {
+    const group = document.createElement("optgroup");
+    group.label = "LoRA adapters";
+    group.append(...adapters.map((m) => new Option(`${m.id} (adapter of ${m.parent})`, m.id)));
+    options.push(group);
+  }
+  select.replaceChildren(...options);
+  if (cards.some((m) => m.id === previous)) select.value = previous;
+  return { bases: bases.length, adapters: adapters.length };
+}
+
 async function loadModels() {
   const select = $("model");
   try {
     const resp = await apiFetch("/v1/models");
     const data = await resp.json();
-    select.replaceChildren(...data.data.map((m) => new Option(m.id, m.id)));
+    const counts = fillModelSelect(select, data.data);
     showAudioTab(data.data.some((m) => SPEECH_ARCHITECTURES.includes(m.architecture)));
-    $("conn-status").textContent = `Connected · ${data.data.length} model${data.data.length === 1 ? "" : "s"}`;
+    $("conn-status").textContent = `Connected · ${plural(counts.bases, "model")}` +
+      (counts.adapters ? `, ${plural(counts.adapters, "adapter")}` : "");
     if (getApiKey()) {
       // Connected with a key: keep only "Forget" (the key stays in this tab's session storage).
       $("key-form").classList.add("saved");
@@ -104,6 +129,9 @@ $("key-forget").addEventListener("click", () => {
   $("key-status").textContent = "Forgot the API key.";
   loadModels();
 });
+
+// Adapters loaded or unloaded at run time (/v1/load_lora_adapter) show up when the list gets the focus again.
+$("model").addEventListener("focus", () => loadModels());
 
 selectTab(location.hash.slice(1) || "chat");
 loadModels();
