@@ -25,21 +25,23 @@ from pagedllm.model_executor.layers.quantization.bound_weight import BoundWeight
 class LoRAStepContext:
     """What every ``LoRAWeight`` of a model reads in the step running now.
 
-    ``kernel``: the C++ ``lora_sgmv_`` (None: the torch path). With it, ``row_slots`` [capacity] int32 holds each
-    row's slot (-1: the base model; every entry -1 outside a step, so the padded rows of a replayed step graph add
-    nothing) and ``active`` says whether the layers call it (a step with an adapter row, or a step graph recording:
-    the call must be in the graph). Without it, ``plan`` is the step's grouped-term plan (None: nothing to add).
+    ``kernel``: a ``lora_sgmv_``, the C++ one or Triton's on CUDA (None: the torch path). With it, ``row_slots``
+    [capacity] int32, on the model's device, holds each row's slot (-1: the base model; every entry -1 outside a
+    step, so the padded rows of a replayed step graph add nothing) and ``active`` says whether the layers call it (a
+    step with an adapter row, or a step graph recording: the call must be in the graph). Without it, ``plan`` is
+    the step's grouped-term plan (None: nothing to add).
     """
 
-    def __init__(self, kernel: Callable[..., None] | None = None, capacity: int = 0) -> None:
+    def __init__(self, kernel: Callable[..., None] | None = None, capacity: int = 0,
+                 device: torch.device | str = "cpu") -> None:
         self.plan: LoRAStepPlan | None = None
         self.kernel = kernel
         self.active = False
-        self.row_slots = torch.full((capacity if kernel is not None else 0,), -1, dtype=torch.int32)
+        self.row_slots = torch.full((capacity if kernel is not None else 0,), -1, dtype=torch.int32, device=device)
 
     def add_term(self, y: torch.Tensor, x: torch.Tensor, weight: LoRAWeight) -> torch.Tensor:
         """y [T, N] += each adapter row's term of x [T, K] (in place; returns y)."""
-        if self.kernel is not None:  # given for float32 / bf16 models only (worker.py), whose activations these are
+        if self.kernel is not None:  # given for float32 / bf16 models (C++) or on CUDA (Triton): worker.py
             if self.active:
                 self.kernel(y, x, weight.a_slots, weight.b_slots, weight.slot_ranks, weight.max_rank,
                             self.row_slots[:x.shape[0]])
@@ -74,7 +76,7 @@ class LoRAWeight(BoundWeight):
         self.a_slots, self.b_slots = slots
         # The rank each slot's bands use here (0: the adapter has no module on this layer): the kernel reads
         # only those columns of A and rows of B.
-        self.slot_ranks = torch.zeros(self.a_slots.shape[0], dtype=torch.int32)
+        self.slot_ranks = torch.zeros(self.a_slots.shape[0], dtype=torch.int32, device=self.a_slots.device)
 
     # ---- the adapters in slots -----------------------------------------------------------------------------
     def set_slot(self, slot: int, modules: dict[int | None, LoRAModule]) -> None:

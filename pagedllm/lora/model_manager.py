@@ -3,8 +3,9 @@
 ``LoRAModelManager`` wraps every layer an adapter may target in a ``LoRAWeight`` once, at start-up. Per step,
 ``begin_step`` puts the step's adapters in slots (an adapter already in a slot stays; a new one takes a free slot or
 the least recently used one that this step does not need) and says which rows carry which slot: with the C++
-kernel, each row's slot in the context's ``row_slots`` buffer (what a recorded CPU step graph reads at replay, so
-adapter steps replay graphs too); without it, a grouped-term plan (``segments.plan_step``). ``end_step`` resets
+kernel (or Triton's on CUDA), each row's slot in the context's ``row_slots`` buffer on the model's device (what a
+recorded CPU step graph reads at replay, so adapter steps replay graphs too); without one, a grouped-term plan
+(``segments.plan_step``). ``end_step`` resets
 them. The scheduler never runs more distinct adapters than there
 are slots (``SchedulerConfig.max_loras``); the loaded pool (``max_cpu_loras``) drops its least recently used adapter
 when full. Adapters are identified by their content digest, checked again when their files are read here.
@@ -14,8 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -31,19 +31,38 @@ from pagedllm.model_executor.layers.linear import Linear
 logger = init_logger(__name__)
 
 
+def choose_lora_kernel(cpu_kernels: object | None, device: torch.device) -> tuple[Callable[..., None] | None, bool]:
+    """(the ``lora_sgmv_`` that adds the terms, whether step graphs may record its calls): the C++ kernel where the
+    CPU kernels are loaded (recorded in CPU step graphs), Triton's on CUDA where Triton is installed (adapter steps
+    run eagerly there: the CUDA graphs hold the base model), else (None, False): the grouped torch ops."""
+    kernel = getattr(cpu_kernels, "lora_sgmv_", None)
+    if kernel is not None:
+        return kernel, True
+    if torch.device(device).type == "cuda":
+        from pagedllm.kernels import triton_ops
+
+        if triton_ops.triton_available():
+            from pagedllm.kernels.triton_lora import lora_sgmv_
+
+            return lora_sgmv_, False
+    return None, False
+
+
 class LoRAModelManager:
     def __init__(self, model: nn.Module, hf_config: object, max_loras: int, max_cpu_loras: int, max_rank: int,
-                 device: torch.device, kernels: Any | None = None, max_num_tokens: int = 0,
-                 model_dtype: torch.dtype = torch.float32) -> None:
-        """``kernels``: the C++ CPU kernels module (its ``lora_sgmv_`` then adds the terms), None for the torch
-        path; ``max_num_tokens``: the most rows a step (or a recorded step graph) can have; ``model_dtype``: with
-        the kernel, a bf16 model keeps its slot buffers in bf16 (half the bytes each decode step reads)."""
+                 device: torch.device, kernel: Callable[..., None] | None = None, max_num_tokens: int = 0,
+                 model_dtype: torch.dtype = torch.float32, kernel_in_graphs: bool = False) -> None:
+        """``kernel``: a ``lora_sgmv_`` that adds the terms (the C++ CPU kernel, or Triton's on CUDA:
+        ``lora_kernel``), None for the torch path; ``kernel_in_graphs``: step graphs may record its calls (the C++
+        kernel's, in CPU step graphs); ``max_num_tokens``: the most rows a step (or a recorded step graph) can have;
+        ``model_dtype``: with the C++ kernel, a bf16 model keeps its slot buffers in bf16 (half the bytes each
+        decode step reads)."""
         self.base_shapes = base_module_shapes(hf_config)
         self.max_loras, self.max_cpu_loras, self.max_rank = max_loras, max_cpu_loras, max_rank
         self.device = device
-        kernel = getattr(kernels, "lora_sgmv_", None)  # the platform gives C++ kernels on a CPU only
-        self.context = LoRAStepContext(kernel, max_num_tokens)
-        slot_dtype = torch.bfloat16 if kernel is not None and model_dtype == torch.bfloat16 else torch.float32
+        self.context = LoRAStepContext(kernel, max_num_tokens, device)
+        self._kernel_in_graphs = kernel is not None and kernel_in_graphs
+        slot_dtype = torch.bfloat16 if self._kernel_in_graphs and model_dtype == torch.bfloat16 else torch.float32
         self._rows_set = 0  # rows of row_slots written by the step running now
         linears = {m.prefix: m for m in model.modules() if isinstance(m, Linear)}
         self.layers: dict[str, LoRAWeight] = {}
@@ -68,14 +87,15 @@ class LoRAModelManager:
         self.rank_width = 3 * max_rank  # the widest layer (q/k/v): what the tile choice weighs
         logger.info("LoRA: %d layers carry adapters; %d slots, rank up to %d, %d adapters kept loaded; terms by %s "
                     "(%s slots)", len(self.layers), max_loras, max_rank, max_cpu_loras,
-                    "the C++ kernel lora_sgmv_" if kernel is not None else "grouped torch ops",
+                    "grouped torch ops" if kernel is None else
+                    "the C++ kernel lora_sgmv_" if kernel_in_graphs else "the Triton kernel lora_sgmv_",
                     str(slot_dtype).removeprefix("torch."))
 
     @property
     def graphs_hold_adapters(self) -> bool:
         """Whether step graphs recorded under ``recording_graphs`` run adapter steps too (the C++ kernel's call
-        is in them, reading each row's slot at replay)."""
-        return self.context.kernel is not None
+        is in them, reading each row's slot at replay; CUDA graphs hold the base model only)."""
+        return self._kernel_in_graphs
 
     @contextlib.contextmanager
     def recording_graphs(self) -> Iterator[None]:

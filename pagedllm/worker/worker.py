@@ -109,16 +109,17 @@ class Worker:
             rules = WhisperDecodingRules.from_config(mc.hf_config, mc.vocab_size)
             self.runner.add_model_rules_stage(WhisperRulesStage(rules))
         if config.lora is not None:
-            from pagedllm.lora.model_manager import LoRAModelManager
+            from pagedllm.lora.model_manager import LoRAModelManager, choose_lora_kernel
 
             if mc.is_pooling or mc.is_encoder_decoder:
                 raise ValueError("enable_lora: LoRA adapters are served on decoder (generate) models only")
-            kernels = self.platform.cpu_kernels(self.dtype, (torch.float32, torch.bfloat16))
+            kernel, in_graphs = choose_lora_kernel(
+                self.platform.cpu_kernels(self.dtype, (torch.float32, torch.bfloat16)), self.device)
             spec_tokens = config.speculative.num_speculative_tokens if config.speculative is not None else 0
             max_rows = max(config.scheduler.max_num_batched_tokens, 16 * (1 + spec_tokens))  # steps and graphs
             self.runner.lora = LoRAModelManager(model, mc.hf_config, config.lora.max_loras, config.lora.cpu_loras,
-                                                config.lora.max_lora_rank, self.device, kernels, max_rows,
-                                                self.dtype)
+                                                config.lora.max_lora_rank, self.device, kernel, max_rows,
+                                                self.dtype, kernel_in_graphs=in_graphs)
         if config.speculative is not None:
             from pagedllm.spec_decode.setup import attach_spec_decoder
 

@@ -42,3 +42,40 @@ def test_triton_kernel_equals_the_torch_reference(rows: int, max_rank: int, dtyp
     torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol)
     base = torch.tensor([s < 0 or ranks[s] == 0 for s in row_slots])
     assert torch.equal(got.cpu()[base], y0[base])
+
+
+def test_the_triton_kernel_in_the_engine_equals_peft(tmp_path) -> None:
+    """The kernel as CUDA runs it (``choose_lora_kernel``: adapter steps eager, row slots on the model's device),
+    through the interpreter in a float32 engine on the CPU: a batch mixing the base model with two adapters equals
+    transformers + peft request by request."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.kernels.triton_lora import lora_sgmv_
+    from pagedllm.lora.model_manager import choose_lora_kernel
+    from pagedllm.lora.request import LoRARequest
+
+    from helpers.arch_configs import save_word_tokenizer
+    from helpers.lora_helpers import make_adapter, peft_greedy
+    from helpers.model_helpers import make_tiny_llama
+
+    assert choose_lora_kernel(None, torch.device("cuda")) == (lora_sgmv_, False)
+    assert choose_lora_kernel(None, torch.device("cpu")) == (None, False)  # no C++ kernels: the torch path
+    base = make_tiny_llama(tmp_path / "base")
+    save_word_tokenizer(base)
+    adapters = [make_adapter(base, tmp_path / f"a{i}", r=r, seed=40 + i) for i, r in enumerate((4, 8))]
+    prompts = [[1, *range(10, 30)], [1, 7, 99, 3, 42, 8], [1, *range(200, 170, -3)]]
+    llm = LLM(base, enable_lora=True, dtype="float32", kv_cache_dtype="float32", max_model_len=128,
+              kv_cache_memory="8MiB", max_loras=2, enforce_eager=True)
+    lora = llm.engine.core.worker.runner.lora
+    calls = []
+
+    def counted(*args) -> None:
+        calls.append(args[-1].numel())
+        lora_sgmv_(*args)
+
+    lora.context.kernel, lora._kernel_in_graphs = counted, False  # as choose_lora_kernel sets it on CUDA
+    requests = [None, LoRARequest("a0", 1, adapters[0]), LoRARequest("a1", 2, adapters[1])]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=requests)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [
+        peft_greedy(base, None if r is None else r.lora_path, p, 6) for p, r in zip(prompts, requests)]
+    assert calls  # the terms came from the Triton kernel
