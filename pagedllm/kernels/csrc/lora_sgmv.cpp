@@ -255,45 +255,58 @@ void sgmv_bf16(uint16_t* y, int64_t y_stride, const uint16_t* x, int64_t x_strid
   const int64_t flops = live * (K + N) * std::min<int64_t>(R, bands * 16);
   const int64_t grain = flops < (1 << 15) ? num_blocks * col_chunks : 1;
 
-  at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {  // shrink: h = x @ A[s]
-    for (int64_t bi = begin; bi < end; ++bi) {
-      const Block& blk = blocks[bi];
-      const uint16_t* xrows[kRows];
-      for (int64_t j = 0; j < blk.count; ++j) xrows[j] = x + order[blk.first + j] * x_stride;
-      const uint16_t* as = a + blk.slot * K * R;
-      const int64_t rank = ranks[blk.slot];
-      float* hb = h.data() + blk.first * R;
-      with_rows(blk.count, [&]<int M>() {
-        for (int64_t g0 = 0; g0 < R; g0 += kLanes) {
-          const int64_t w = std::min(kLanes, R - g0);
-          if (!group_live(g0, w, max_rank, rank)) {
-            for (int64_t j = 0; j < M; ++j) std::fill(hb + j * R + g0, hb + j * R + g0 + w, 0.f);
-          } else {
-            shrink_tile_bf16<M>(xrows, K, as + g0, R, hb + g0, R, w);
-          }
+  auto shrink = [&](int64_t bi) {  // h = x @ A[s] for block bi, then h in bf16
+    const Block& blk = blocks[bi];
+    const uint16_t* xrows[kRows];
+    for (int64_t j = 0; j < blk.count; ++j) xrows[j] = x + order[blk.first + j] * x_stride;
+    const uint16_t* as = a + blk.slot * K * R;
+    const int64_t rank = ranks[blk.slot];
+    float* hb = h.data() + blk.first * R;
+    with_rows(blk.count, [&]<int M>() {
+      for (int64_t g0 = 0; g0 < R; g0 += kLanes) {
+        const int64_t w = std::min(kLanes, R - g0);
+        if (!group_live(g0, w, max_rank, rank)) {
+          for (int64_t j = 0; j < M; ++j) std::fill(hb + j * R + g0, hb + j * R + g0 + w, 0.f);
+        } else {
+          shrink_tile_bf16<M>(xrows, K, as + g0, R, hb + g0, R, w);
         }
-      });
-      for (int64_t i = 0; i < blk.count * R; ++i) {  // h in bf16, once per block
-        c10::BFloat16 v;
-        narrow(&v, hb[i]);
-        h16[blk.first * R + i] = v.x;
       }
+    });
+    for (int64_t i = 0; i < blk.count * R; ++i) {
+      c10::BFloat16 v;
+      narrow(&v, hb[i]);
+      h16[blk.first * R + i] = v.x;
     }
+  };
+  auto expand = [&](int64_t bi, int64_t chunk) {  // y += h @ B[s] for block bi, columns of one chunk
+    const Block& blk = blocks[bi];
+    const int64_t n0 = chunk * kCols, width = std::min(kCols, N - n0);
+    const uint16_t* bs = b + blk.slot * R * N;
+    const int64_t rank = ranks[blk.slot];
+    uint16_t* yrows[kRows];
+    for (int64_t j = 0; j < blk.count; ++j) yrows[j] = y + order[blk.first + j] * y_stride;
+    with_rows(blk.count, [&]<int M>() {
+      for (int64_t c0 = n0; c0 < n0 + width; c0 += kTile)
+        expand_tile_bf16<M>(h16.data() + blk.first * R, R, bs, N, bands, max_rank, rank, yrows, c0,
+                            std::min(kTile, n0 + width - c0));
+    });
+  };
+  if (num_blocks >= 4 * at::get_num_threads()) {
+    // Blocks enough for every thread: one parallel region, each block shrunk and expanded by one thread (a row
+    // belongs to one block, so no two threads write one row), one fork and join instead of two.
+    at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t bi = begin; bi < end; ++bi) {
+        shrink(bi);
+        for (int64_t chunk = 0; chunk < col_chunks; ++chunk) expand(bi, chunk);
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t bi = begin; bi < end; ++bi) shrink(bi);
   });
-  at::parallel_for(0, num_blocks * col_chunks, grain, [&](int64_t begin, int64_t end) {  // expand: y += h @ B[s]
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const Block& blk = blocks[unit / col_chunks];
-      const int64_t n0 = (unit % col_chunks) * kCols, width = std::min(kCols, N - n0);
-      const uint16_t* bs = b + blk.slot * R * N;
-      const int64_t rank = ranks[blk.slot];
-      uint16_t* yrows[kRows];
-      for (int64_t j = 0; j < blk.count; ++j) yrows[j] = y + order[blk.first + j] * y_stride;
-      with_rows(blk.count, [&]<int M>() {
-        for (int64_t c0 = n0; c0 < n0 + width; c0 += kTile)
-          expand_tile_bf16<M>(h16.data() + blk.first * R, R, bs, N, bands, max_rank, rank, yrows, c0,
-                              std::min(kTile, n0 + width - c0));
-      });
-    }
+  at::parallel_for(0, num_blocks * col_chunks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t unit = begin; unit < end; ++unit) expand(unit / col_chunks, unit % col_chunks);
   });
 }
 #endif

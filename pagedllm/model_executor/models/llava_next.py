@@ -26,6 +26,9 @@ from pagedllm.model_executor.models.llava import LlavaForConditionalGeneration
 class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, quant_config: Any = None) -> None:
         super().__init__(hf_config, dtype, quant_config)
+        if self.select_strategy != "default":
+            raise ValueError("LLaVA-NeXT: vision_feature_select_strategy 'full' is not supported (the grid layout "
+                             "takes the patches without the class token)")
         self.image_grid_pinpoints = [list(p) for p in hf_config.image_grid_pinpoints]
         self.tile_size = int(hf_config.vision_config.image_size)
         self.patches_per_side = self.tile_size // int(hf_config.vision_config.patch_size)
