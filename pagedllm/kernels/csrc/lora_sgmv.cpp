@@ -291,17 +291,6 @@ void sgmv_bf16(uint16_t* y, int64_t y_stride, const uint16_t* x, int64_t x_strid
                             std::min(kTile, n0 + width - c0));
     });
   };
-  if (num_blocks >= 4 * at::get_num_threads()) {
-    // Blocks enough for every thread: one parallel region, each block shrunk and expanded by one thread (a row
-    // belongs to one block, so no two threads write one row), one fork and join instead of two.
-    at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t bi = begin; bi < end; ++bi) {
-        shrink(bi);
-        for (int64_t chunk = 0; chunk < col_chunks; ++chunk) expand(bi, chunk);
-      }
-    });
-    return;
-  }
   at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t bi = begin; bi < end; ++bi) shrink(bi);
   });
