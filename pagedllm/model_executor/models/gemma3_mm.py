@@ -71,9 +71,9 @@ class Gemma3ForConditionalGeneration(ImageTextLM):
 
     supports_multimodal = True
     image_tokens_attend_bidirectionally = True
+    # SigLIP's pooling head is skipped: Gemma 3 reads the patches' last hidden states.
     weight_mapping = WeightMapping(stacked=STACKED_QKV_GATE_UP, renames=(("self_attn.out_proj.", "self_attn.o_proj."),),
-                                   skip=("rotary_emb.inv_freq", "vision_tower.head."))  # SigLIP's pooling head:
-    # Gemma 3 reads the patches' last hidden states
+                                   skip=("rotary_emb.inv_freq", "vision_tower.head."))
 
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, quant_config: Any = None) -> None:
         super().__init__()
