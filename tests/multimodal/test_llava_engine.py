@@ -189,17 +189,17 @@ def test_the_encoder_cache_bound_holds_in_the_runner(tiny) -> None:
 def test_checkpoint_names_in_every_layout_reach_our_parameters() -> None:
     """transformers' saved layout, its in-memory one, and the original llava-hf one (vision_tower.vision_model.*);
     vision layers past the feature layer are dropped."""
-    from types import SimpleNamespace
-
     from pagedllm.model_executor.models.llava import LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.__new__(LlavaForConditionalGeneration)  # naming needs no weights
+    object.__setattr__(model, "num_vision_layers", 2)
 
     names = ["language_model.model.layers.0.mlp.up_proj.weight", "language_model.lm_head.weight",
              "model.language_model.norm.weight", "lm_head.weight",
              "vision_tower.vision_model.encoder.layers.1.mlp.fc1.weight",
              "model.vision_tower.embeddings.class_embedding",
              "vision_tower.encoder.layers.2.layer_norm1.weight", "model.multi_modal_projector.linear_1.bias"]
-    ours = [n for n, _ in LlavaForConditionalGeneration._our_names(SimpleNamespace(num_vision_layers=2),
-                                                                   [(n, None) for n in names])]
+    ours = [n for n in map(model.our_name, names) if n is not None]
     assert ours == ["model.layers.0.mlp.up_proj.weight", "lm_head.weight", "model.norm.weight", "lm_head.weight",
                     "vision_tower.layers.1.mlp.fc1.weight", "vision_tower.embeddings.class_embedding",
                     "multi_modal_projector.linear_1.bias"]

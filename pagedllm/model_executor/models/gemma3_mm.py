@@ -19,7 +19,6 @@ scheduler compute each image's run in one step and the attention layers attend a
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -71,6 +70,7 @@ class Gemma3ForConditionalGeneration(ImageTextLM):
 
     supports_multimodal = True
     image_tokens_attend_bidirectionally = True
+    checkpoint_prefixes = _PREFIXES
     # SigLIP's pooling head is skipped: Gemma 3 reads the patches' last hidden states.
     weight_mapping = WeightMapping(stacked=STACKED_QKV_GATE_UP, renames=(("self_attn.out_proj.", "self_attn.o_proj."),),
                                    skip=("rotary_emb.inv_freq", "vision_tower.head."))
@@ -105,15 +105,3 @@ class Gemma3ForConditionalGeneration(ImageTextLM):
         pixels = torch.cat([torch.as_tensor(np.asarray(image["pixel_values"])) for image in images])
         states = self.vision_tower(pixels.to(device=device, dtype=self.dtype))  # [n, patches, d]
         return list(self.multi_modal_projector(states).unbind(0))
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(self._our_names(weights))
-
-    @staticmethod
-    def _our_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in weights:
-            for old, new in _PREFIXES:
-                if name.startswith(old):
-                    name = new + name[len(old):]
-            yield name, tensor

@@ -16,7 +16,6 @@ a partly padded tile (splitting off) is refused.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -56,6 +55,7 @@ class Idefics3ForConditionalGeneration(ImageTextLM):
     """``forward(input_ids, positions, inputs_embeds=None)`` is the decoder step; ``embed_images`` the vision part."""
 
     supports_multimodal = True
+    checkpoint_prefixes = _PREFIXES
     weight_mapping = WeightMapping(stacked=STACKED_QKV_GATE_UP, renames=(("self_attn.out_proj.", "self_attn.o_proj."),),
                                    skip=("rotary_emb.inv_freq",))
 
@@ -89,15 +89,3 @@ class Idefics3ForConditionalGeneration(ImageTextLM):
         states = self.vision_model(torch.cat(tiles).to(device=device, dtype=self.dtype))
         embeds = self.connector(states)  # [tiles, image_seq_len, hidden]
         return [e.reshape(-1, e.shape[-1]) for e in embeds.split(counts)]
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(self._our_names(weights))
-
-    @staticmethod
-    def _our_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in weights:
-            for old, new in _PREFIXES:
-                if name.startswith(old):
-                    name = new + name[len(old):]
-            yield name, tensor

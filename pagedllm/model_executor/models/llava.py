@@ -15,7 +15,6 @@ layout transformers saves (``language_model.model.*``, ``vision_tower.*``) and t
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -57,6 +56,7 @@ class LlavaForConditionalGeneration(ImageTextLM):
     """``forward(input_ids, positions, inputs_embeds=None)`` is the decoder step; ``embed_images`` the vision part."""
 
     supports_multimodal = True
+    checkpoint_prefixes = _PREFIXES
     weight_mapping = WeightMapping(stacked=STACKED_QKV_GATE_UP, renames=(("self_attn.out_proj.", "self_attn.o_proj."),),
                                    skip=("rotary_emb.inv_freq", "vision_tower.post_layernorm."))
 
@@ -99,17 +99,8 @@ class LlavaForConditionalGeneration(ImageTextLM):
         embeds = self.multi_modal_projector(states.reshape(n * tokens, d))
         return list(embeds.view(n, tokens, -1).unbind(0))
 
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(self._our_names(weights))
-
-    def _our_names(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Checkpoint names in our layout; vision layers past the feature layer (never run) are dropped."""
-        for name, tensor in weights:
-            for old, new in _PREFIXES:
-                if name.startswith(old):
-                    name = new + name[len(old):]
-            match = _VISION_LAYER.match(name)
-            if match and int(match.group(1)) >= self.num_vision_layers:
-                continue
-            yield name, tensor
+    def our_name(self, name: str) -> str | None:
+        """Vision layers past the feature layer (never run) are not loaded."""
+        name = super().our_name(name)
+        match = _VISION_LAYER.match(name)
+        return None if match and int(match.group(1)) >= self.num_vision_layers else name

@@ -13,7 +13,6 @@ layout is the reference's by construction; the weights are LLaVA's plus ``image_
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -24,6 +23,9 @@ from pagedllm.model_executor.models.llava import LlavaForConditionalGeneration
 
 
 class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
+    checkpoint_prefixes = (*LlavaForConditionalGeneration.checkpoint_prefixes,
+                           ("model.image_newline", "image_newline"))
+
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, quant_config: Any = None) -> None:
         super().__init__(hf_config, dtype, quant_config)
         if self.select_strategy != "default":
@@ -75,12 +77,3 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
         h, w = picture.shape[1:]
         with_newlines = torch.cat([picture, newline[:, None, None].expand(hidden, h, 1)], dim=2)
         return torch.cat([base, with_newlines.reshape(hidden, h * (w + 1)).t()])
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(self._newline_named(weights))
-
-    @staticmethod
-    def _newline_named(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in weights:
-            yield ("image_newline" if name == "model.image_newline" else name), tensor

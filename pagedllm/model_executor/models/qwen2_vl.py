@@ -14,7 +14,6 @@ positions of a request come from its prompt (``prompt_positions``) and are kept 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -136,6 +135,7 @@ class Qwen2VLForConditionalGeneration(ImageTextLM):
 
     supports_multimodal = True
     uses_mrope = True
+    checkpoint_prefixes = _PREFIXES
     vision_tower_class: type[Qwen2VisionTower] = Qwen2VisionTower
     weight_mapping = WeightMapping(stacked=STACKED_QKV_GATE_UP, skip=("rotary_emb.inv_freq",))
 
@@ -173,17 +173,9 @@ class Qwen2VLForConditionalGeneration(ImageTextLM):
             spans.append((feature.offset, t, h // self.merge, w // self.merge))
         return prompt_positions(num_tokens, spans)
 
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(self._our_names(weights))
-
-    @staticmethod
-    def _our_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in weights:
-            for old, new in _PREFIXES:
-                if name.startswith(old):
-                    name = new + name[len(old):]
-            if name.startswith("visual."):
-                for old, new in _VISION_RENAMES:
-                    name = name.replace(old, new)
-            yield name, tensor
+    def our_name(self, name: str) -> str | None:
+        name = super().our_name(name)
+        if name.startswith("visual."):
+            for old, new in _VISION_RENAMES:
+                name = name.replace(old, new)
+        return name
