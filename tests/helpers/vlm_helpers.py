@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import io
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,20 @@ def _tokenizer() -> Any:
                                    pad_token="t0", extra_special_tokens={"image_token": "<image>"})
 
 
+def _random_weights(model: Any, is_norm: Callable[[str], bool] = lambda name: "norm" in name,
+                    norm_mean: Callable[[str], float] = lambda name: 1.0) -> None:
+    """Matrices at std 0.08 (so images and tokens move the logits), norm weights near ``norm_mean``, the rest
+    small."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+            elif is_norm(name):
+                p.normal_(norm_mean(name), 0.1)
+            else:
+                p.normal_(0.0, 0.05)
+
+
 def tiny_llava_config(**text_overrides: Any) -> Any:
     import transformers as tf
 
@@ -53,14 +68,7 @@ def make_tiny_llava(path: str | os.PathLike, seed: int = 0) -> tuple[str, Any, A
 
     torch.manual_seed(seed)
     model = tf.LlavaForConditionalGeneration(tiny_llava_config()).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)
-            elif "norm" in name:
-                p.normal_(1.0, 0.1)
-            else:
-                p.normal_(0.0, 0.05)
+    _random_weights(model)
     model.save_pretrained(str(path))
     image_processor = CLIPImageProcessorPil(size={"shortest_edge": IMAGE_SIZE},
                                             crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
@@ -85,14 +93,8 @@ def make_tiny_llava_next(path: str | os.PathLike, seed: int = 0) -> tuple[str, A
                                 architectures=["LlavaNextForConditionalGeneration"])
     torch.manual_seed(seed)
     model = tf.LlavaNextForConditionalGeneration(config).eval()
+    _random_weights(model)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)
-            elif "norm" in name:
-                p.normal_(1.0, 0.1)
-            else:
-                p.normal_(0.0, 0.05)
         model.model.image_newline.normal_(0.0, 0.5)  # its rows must move the answer
     model.save_pretrained(str(path))
     image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": IMAGE_SIZE},
@@ -166,14 +168,7 @@ def make_tiny_idefics3(path: str | os.PathLike, seed: int = 0) -> tuple[str, Any
                                architectures=["Idefics3ForConditionalGeneration"])
     torch.manual_seed(seed)
     model = tf.Idefics3ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)
-            elif "norm" in name:
-                p.normal_(1.0, 0.1)
-            else:
-                p.normal_(0.0, 0.05)
+    _random_weights(model)
     model.save_pretrained(str(path))
     image_processor = Idefics3ImageProcessorPil(size={"longest_edge": 2 * IDEFICS_TILE},
                                                 max_image_size={"longest_edge": IDEFICS_TILE}, do_image_splitting=True)
@@ -233,14 +228,7 @@ def make_tiny_qwen2_vl(path: str | os.PathLike, seed: int = 0, version: str = "2
                               architectures=[model_class.__name__])
     torch.manual_seed(seed)
     model = model_class(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)
-            elif "norm" in name or "ln_q" in name:  # LayerNorm and RMSNorm weights near 1
-                p.normal_(1.0, 0.1)
-            else:
-                p.normal_(0.0, 0.05)
+    _random_weights(model, is_norm=lambda name: "norm" in name or "ln_q" in name)  # LayerNorm and RMSNorm
     model.save_pretrained(str(path))
     image_processor = Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2,
                                                size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64})
@@ -320,16 +308,9 @@ def make_tiny_gemma3_mm(path: str | os.PathLike, seed: int = 0, tie_word_embeddi
                              tie_word_embeddings=tie_word_embeddings, architectures=["Gemma3ForConditionalGeneration"])
     torch.manual_seed(seed)
     model = tf.Gemma3ForConditionalGeneration(config).eval()
+    # Gemma's RMSNorms scale by (1 + w), SigLIP's LayerNorms by w.
+    _random_weights(model, norm_mean=lambda name: 1.0 if "layer_norm" in name or "post_layernorm" in name else 0.0)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)
-            elif "norm" in name:
-                p.normal_(0.0, 0.1)  # Gemma's RMSNorms scale by (1 + w); SigLIP's LayerNorms by w
-                if "layer_norm" in name or "post_layernorm" in name:
-                    p.add_(1.0)
-            else:
-                p.normal_(0.0, 0.05)
         # A strong patch embedding, so that pictures of random pixels differ to the model.
         model.model.vision_tower.embeddings.patch_embedding.weight.normal_(0.0, 0.5)
     model.save_pretrained(str(path))
