@@ -5,9 +5,7 @@ the list is opened again."""
 
 from __future__ import annotations
 
-import os
 import signal
-from pathlib import Path
 
 import httpx
 import pytest
@@ -15,14 +13,11 @@ import pytest
 from helpers.arch_configs import save_word_tokenizer
 from helpers.lora_helpers import make_adapter
 from helpers.model_helpers import make_tiny_llama
+from helpers.playground_page import ask, playground_page
 from helpers.vlm_helpers import CHAT_TEMPLATE
 
 pytestmark = pytest.mark.slow  # a server and a browser
 
-CHROMIUM = os.environ.get("PAGEDLLM_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-LAST_ANSWER = "document.querySelector('article.message.assistant:last-of-type')"
 MESSAGE = "t5 t9 t11 t12 t13"
 MAX_TOKENS = 6
 
@@ -49,30 +44,8 @@ def served(tmp_path_factory: pytest.TempPathFactory, remote_server_cls):
 
 @pytest.fixture(scope="module")
 def page(served):
-    from playwright.sync_api import sync_playwright
-
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"chromium not found at {CHROMIUM}: apt-get install -y chromium (make test does it)")
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        pg = browser.new_page()
-        errors: list[str] = []
-        pg.on("pageerror", lambda e: errors.append(str(e)))
-        pg.set_default_timeout(30_000)
-        pg.goto(served[0].url + "/")
+    with playground_page(served[0].url) as pg:
         yield pg
-        browser.close()
-        assert not errors, f"JavaScript errors on the page: {errors}"
-
-
-def _ask(page, text: str) -> str:
-    before = page.evaluate("() => document.querySelectorAll('article.message.assistant').length")
-    page.fill("#message", text)
-    page.click("#send")
-    page.wait_for_function(f"() => document.querySelectorAll('article.message.assistant').length > {before} && "
-                           "document.querySelector('#stop').disabled && "
-                           f"{LAST_ANSWER}.querySelector('.stats').textContent.includes('tokens')")
-    return page.evaluate(f"() => {LAST_ANSWER}.querySelector('.content').textContent")
 
 
 def _api_answer(server, model: str) -> str:
@@ -97,7 +70,7 @@ def test_adapters_are_listed_under_their_base_and_picking_one_uses_it(served, pa
     for model in ("base", "a1"):
         page.click("#new-chat")
         page.select_option("#model", model)
-        answers[model] = _ask(page, MESSAGE)
+        answers[model] = ask(page, MESSAGE)
         assert answers[model] == _api_answer(server, model)
     assert answers["a1"] != answers["base"]  # the adapter changed the answer
 
