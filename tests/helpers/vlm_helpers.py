@@ -122,6 +122,21 @@ def png_data_url(image: Any) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
+def image_prompt(text: str, *images: Any) -> dict:
+    """An offline prompt with ``images`` for ``text``'s placeholders, as vLLM takes it."""
+    return {"prompt": text, "multi_modal_data": {"image": list(images)}}
+
+
+def generated_tokens(llm: Any, prompts: list, params: Any) -> list[list[int]]:
+    """Each prompt's generated token ids from ``llm.generate``."""
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def encoded_images(llm: Any) -> int:
+    """Vision encoder runs of ``llm``'s engine so far (one per image)."""
+    return llm.engine.core.worker.runner.multimodal.num_encoded_images
+
+
 def hf_generate(model: Any, processor: Any, text: str, images: list | None, max_new_tokens: int) -> list[int]:
     """transformers' greedy ``generate`` on the processor's inputs; the new token ids."""
     inputs = processor(text=text, images=images or None, return_tensors="pt")

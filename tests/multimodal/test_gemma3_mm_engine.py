@@ -9,7 +9,16 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 
-from helpers.vlm_helpers import GEMMA3_IMAGE_TOKENS, hf_generate, make_tiny_gemma3_mm, png_data_url, random_image
+from helpers.vlm_helpers import (
+    GEMMA3_IMAGE_TOKENS,
+    encoded_images,
+    generated_tokens,
+    hf_generate,
+    image_prompt,
+    make_tiny_gemma3_mm,
+    png_data_url,
+    random_image,
+)
 
 TEXT = "t5 t9 t11 <start_of_image> t7 t33 t45"  # 3 + <boi> + 16 image + <eoi> + 3 tokens
 MAX_TOKENS = 8
@@ -27,18 +36,6 @@ def llm(tiny) -> LLM:
     return LLM(model=tiny[0], dtype="float32", block_size=BLOCK, kv_cache_memory="4MiB", max_model_len=256)
 
 
-def _prompt(text: str, *images) -> dict:
-    return {"prompt": text, "multi_modal_data": {"image": list(images)}}
-
-
-def _tokens(llm: LLM, prompts: list) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-
-
-def _encoded(llm: LLM) -> int:
-    return llm.engine.core.worker.runner.multimodal.num_encoded_images
-
-
 def _hf_causal_only(hf, processor, text: str, image) -> list[int]:
     """transformers' answer without the image block mask (no token_type_ids): what a causal-only engine gives."""
     inputs = processor(text=text, images=[image], return_tensors="pt")
@@ -53,7 +50,7 @@ def test_greedy_equals_transformers_with_the_image_block_mask(tiny, llm) -> None
     images = [random_image(1), random_image(2), random_image(3)]
     refs = [hf_generate(hf, processor, TEXT, [image], MAX_TOKENS) for image in images]
     assert len({tuple(r) for r in refs}) > 1  # the picture matters to this model
-    assert _tokens(llm, [_prompt(TEXT, image) for image in images]) == refs
+    assert generated_tokens(llm, [image_prompt(TEXT, image) for image in images], GREEDY) == refs
     # The two-way attention inside the image matters too: a causal-only model answers otherwise.
     assert any(ref != _hf_causal_only(hf, processor, TEXT, image) for ref, image in zip(refs, images))
 
@@ -61,17 +58,17 @@ def test_greedy_equals_transformers_with_the_image_block_mask(tiny, llm) -> None
 def test_text_only_prompt_equals_transformers(tiny, llm) -> None:
     _, hf, processor = tiny
     text = "t5 t9 t7 t33 t45 t40"
-    assert _tokens(llm, [text]) == [hf_generate(hf, processor, text, None, MAX_TOKENS)]
+    assert generated_tokens(llm, [text], GREEDY) == [hf_generate(hf, processor, text, None, MAX_TOKENS)]
 
 
 def test_sixteen_requests_four_images_equal_each_alone_and_encode_once(tiny, llm) -> None:
     _, hf, processor = tiny
     images = [random_image(10 + i) for i in range(4)]
-    before = _encoded(llm)
-    batched = _tokens(llm, [_prompt(TEXT, images[i % 4]) for i in range(16)])
-    assert _encoded(llm) - before == 4
+    before = encoded_images(llm)
+    batched = generated_tokens(llm, [image_prompt(TEXT, images[i % 4]) for i in range(16)], GREEDY)
+    assert encoded_images(llm) - before == 4
     llm.reset_prefix_cache()
-    alone = [_tokens(llm, [_prompt(TEXT, image)])[0] for image in images]
+    alone = [generated_tokens(llm, [image_prompt(TEXT, image)], GREEDY)[0] for image in images]
     assert batched == [alone[i % 4] for i in range(16)]
     assert alone == [hf_generate(hf, processor, TEXT, [image], MAX_TOKENS) for image in images]
 
@@ -83,11 +80,11 @@ def test_a_prefix_hit_that_ends_inside_the_image_equals_transformers(tiny, llm) 
     image = random_image(20)
     first, second = "t5 <start_of_image> t7 t33 t45", "t5 <start_of_image> t40 t41"
     llm.reset_prefix_cache()
-    llm.generate(_prompt(first, image), GREEDY, use_tqdm=False)
-    hit = llm.generate(_prompt(second, image), GREEDY, use_tqdm=False)[0]
+    llm.generate(image_prompt(first, image), GREEDY, use_tqdm=False)
+    hit = llm.generate(image_prompt(second, image), GREEDY, use_tqdm=False)[0]
     assert hit.num_cached_tokens == 16
     assert list(hit.outputs[0].token_ids) == hf_generate(hf, processor, second, [image], MAX_TOKENS)
-    other = llm.generate(_prompt(second, random_image(21)), GREEDY, use_tqdm=False)[0]
+    other = llm.generate(image_prompt(second, random_image(21)), GREEDY, use_tqdm=False)[0]
     assert other.num_cached_tokens == 0  # block 0 holds the image's first token already
 
 
@@ -99,9 +96,9 @@ def test_chunks_never_split_an_image_and_equal_transformers(tiny) -> None:
               max_num_batched_tokens=20, enable_prefix_caching=False)
     text = "t5 t9 t11 t12 t13 t14 <start_of_image> t7 <start_of_image> t33"
     pairs = [(random_image(40), random_image(41)), (random_image(41), random_image(42))]
-    got = _tokens(llm, [_prompt(text, *pair) for pair in pairs])
+    got = generated_tokens(llm, [image_prompt(text, *pair) for pair in pairs], GREEDY)
     assert got == [hf_generate(hf, processor, text, list(pair), MAX_TOKENS) for pair in pairs]
-    assert _encoded(llm) == 3
+    assert encoded_images(llm) == 3
 
 
 def test_preempted_requests_equal_transformers(tiny) -> None:
@@ -110,7 +107,7 @@ def test_preempted_requests_equal_transformers(tiny) -> None:
               enable_prefix_caching=False)
     params = SamplingParams(temperature=0.0, max_tokens=24)  # stops at EOS, as transformers' generate does
     images = [random_image(50 + i) for i in range(6)]
-    outs = llm.generate([_prompt(TEXT, image) for image in images], params, use_tqdm=False)
+    outs = llm.generate([image_prompt(TEXT, image) for image in images], params, use_tqdm=False)
     assert llm.engine.core.scheduler.num_preemptions > 0
     for out, image in zip(outs, images):
         assert list(out.outputs[0].token_ids) == hf_generate(hf, processor, TEXT, [image], 24)
@@ -122,12 +119,12 @@ def test_chat_content_parts_equal_generate(llm) -> None:
                                               {"type": "image_url", "image_url": {"url": png_data_url(image)}},
                                               {"type": "text", "text": "t7 t33 t45"}]}]
     chat = llm.chat(messages, GREEDY, use_tqdm=False)[0]
-    assert list(chat.outputs[0].token_ids) == _tokens(llm, [_prompt(TEXT, image)])[0]
+    assert list(chat.outputs[0].token_ids) == generated_tokens(llm, [image_prompt(TEXT, image)], GREEDY)[0]
 
 
 def test_an_image_larger_than_a_step_is_refused(tiny) -> None:
     llm = LLM(model=tiny[0], dtype="float32", block_size=BLOCK, kv_cache_memory="4MiB", max_model_len=256,
               max_num_batched_tokens=GEMMA3_IMAGE_TOKENS - 1)
     with pytest.raises(ValueError, match=r"image 1 takes 16 tokens, more than one step's budget"):
-        llm.generate(_prompt(TEXT, random_image(1)), GREEDY, use_tqdm=False)
+        llm.generate(image_prompt(TEXT, random_image(1)), GREEDY, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()

@@ -8,7 +8,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 
-from helpers.vlm_helpers import hf_generate, make_tiny_llava_next, random_image
+from helpers.vlm_helpers import generated_tokens, hf_generate, image_prompt, make_tiny_llava_next, random_image
 
 TEXT = "t5 t9 <image> t7 t33 t45"
 MAX_TOKENS = 8
@@ -27,14 +27,6 @@ def llm(tiny) -> LLM:
     return LLM(model=tiny[0], dtype="float32", block_size=4, kv_cache_memory="4MiB", max_model_len=512)
 
 
-def _prompt(text: str, *images) -> dict:
-    return {"prompt": text, "multi_modal_data": {"image": list(images)}}
-
-
-def _tokens(llm: LLM, prompts: list) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-
-
 def test_pictures_of_every_shape_equal_transformers(tiny, llm) -> None:
     _, hf, processor = tiny
     images = [random_image(seed, shape) for seed, shape in enumerate(SHAPES, 1)]
@@ -42,7 +34,7 @@ def test_pictures_of_every_shape_equal_transformers(tiny, llm) -> None:
     assert len(counts) == len(SHAPES)  # each shape has its own grid and token count
     refs = [hf_generate(hf, processor, TEXT, [image], MAX_TOKENS) for image in images]
     assert len({tuple(r) for r in refs}) > 1
-    assert _tokens(llm, [_prompt(TEXT, image) for image in images]) == refs
+    assert generated_tokens(llm, [image_prompt(TEXT, image) for image in images], GREEDY) == refs
 
 
 def test_two_pictures_in_one_prompt_and_batched_requests_equal_transformers(tiny, llm) -> None:
@@ -51,7 +43,8 @@ def test_two_pictures_in_one_prompt_and_batched_requests_equal_transformers(tiny
     pairs = [(random_image(10, SHAPES[1]), random_image(11, SHAPES[2])),
              (random_image(12, SHAPES[0]), random_image(10, SHAPES[1]))]
     refs = [hf_generate(hf, processor, text, list(pair), MAX_TOKENS) for pair in pairs]
-    assert _tokens(llm, [_prompt(text, *pairs[i % 2]) for i in range(6)]) == [refs[i % 2] for i in range(6)]
+    batched = generated_tokens(llm, [image_prompt(text, *pairs[i % 2]) for i in range(6)], GREEDY)
+    assert batched == [refs[i % 2] for i in range(6)]
 
 
 def test_chunked_prefill_through_grids_equals_transformers(tiny) -> None:
@@ -61,5 +54,6 @@ def test_chunked_prefill_through_grids_equals_transformers(tiny) -> None:
               max_num_batched_tokens=80, enable_prefix_caching=False)
     images = [random_image(20, SHAPES[0]), random_image(21, SHAPES[2])]
     text = "t5 <image> t9 <image> t7"
-    assert _tokens(llm, [_prompt(text, *images)]) == [hf_generate(hf, processor, text, images, MAX_TOKENS)]
+    assert generated_tokens(llm, [image_prompt(text, *images)], GREEDY) == [
+        hf_generate(hf, processor, text, images, MAX_TOKENS)]
     assert llm.engine.core.worker.runner.multimodal.num_encoded_images == 2
