@@ -79,3 +79,5 @@ def test_the_triton_kernel_in_the_engine_equals_peft(tmp_path) -> None:
     assert [list(o.outputs[0].token_ids) for o in outs] == [
         peft_greedy(base, None if r is None else r.lora_path, p, 6) for p, r in zip(prompts, requests)]
     assert calls  # the terms came from the Triton kernel
+    base_only = [peft_greedy(base, None, p, 6) for p in prompts[1:]]
+    assert all(list(o.outputs[0].token_ids) != b for o, b in zip(outs[1:], base_only))  # each adapter mattered
