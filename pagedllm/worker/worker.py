@@ -26,11 +26,13 @@ CPU_DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3  # without --kv-cache-memory on a CPU
 
 def kv_format(model: torch.nn.Module, kv_dtype: torch.dtype) -> str:
     """What a KV cache's bytes mean, for the two ends of a transfer to compare: its dtype and, for an 8-bit
-    cache, each layer's k/v scales."""
+    cache, each layer's k/v scales and whether its keys are stored rotated (``Attention.key_rotation``)."""
     name = str(kv_dtype).removeprefix("torch.")
     if not is_fp8(kv_dtype):
         return name
-    return name + ":" + ",".join(f"{k:.8g}/{v:.8g}" for k, v in layer_kv_scales(model))
+    rotated = ["R" if layer.key_rotation is not None else "-" for layer in attention_layers(model)
+               if layer.spec.uses_kv_cache]
+    return name + ":" + ",".join(f"{k:.8g}/{v:.8g}" for k, v in layer_kv_scales(model)) + ":" + "".join(rotated)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -284,6 +286,11 @@ class Worker:
         set them from their first forward (the first real step, a prompt's: the decode graphs captured above read
         the scale tensors at each replay)."""
         models = [self.runner.model, *([d] if (d := getattr(self.runner, "draft_model", None)) is not None else [])]
+        cached = [m for m in attention_layers(self.runner.model) if m.spec.uses_kv_cache]
+        rotated = sum(m.key_rotation is not None for m in cached)
+        logger.info("KV cache: fp8 keys stored in a rotated basis in %d of %d layers%s", rotated, len(cached),
+                    "" if rotated == len(cached) else " (the others' scales are the checkpoint's, calibrated on "
+                    "unrotated keys)")
         if self.config.cache.calculate_kv_scales:
             for model in models:
                 set_calculate_kv_scales(model)

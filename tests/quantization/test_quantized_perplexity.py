@@ -82,9 +82,12 @@ def test_dense_copies_for_many_rows_keep_perplexity(fp32_ppl: float, default_mod
 
 
 def test_fp8_kv_cache_perplexity_close_to_the_bf16_caches(default_model_path: str) -> None:
-    """--kv-cache-dtype fp8 (e4m3, scales 1.0) against bf16, both under the default GGUF kept quantized. Measured
-    8.3045 against 8.1739 (+1.60%; with --calculate-kv-scales 8.3203, +1.79%; fp8_e5m2 +6.8%): e4m3's 3 mantissa
-    bits of every K and V, on a small model (head_dim 64). The bound holds that figure, not the +1% aimed at."""
+    """--kv-cache-dtype fp8 (e4m3, scales 1.0, keys rotated) and fp8_e5m2 against bf16, under the default GGUF kept
+    quantized. Measured: bf16 8.1753, fp8 8.1787 (+0.04%; +1.51% with the keys' rotation off), fp8_e5m2 8.4236
+    (+3.04%; +6.55% without): the rotation spreads the keys' large channels over the head, so e4m3's 3 mantissa
+    bits round many small elements instead of a few large ones."""
     bf16 = _perplexity("gguf", default_model_path, kv_cache_dtype="bfloat16")
     fp8 = _perplexity("gguf", default_model_path, kv_cache_dtype="fp8")
-    assert fp8 < bf16 * 1.025
+    assert fp8 < bf16 * 1.01
+    e5m2 = _perplexity("gguf", default_model_path, kv_cache_dtype="fp8_e5m2")
+    assert e5m2 < bf16 * 1.05

@@ -29,6 +29,7 @@ from collections.abc import Collection
 import torch
 
 from pagedllm.attention.backends.paged_kv import write_kv
+from pagedllm.attention.key_rotation import KeyRotation, rotate_heads_
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.spec import AttentionSpec
 
@@ -60,6 +61,11 @@ class AttentionBackend(ABC):
         """Store K/V computed outside a forward (an encoder's output for cross-attention) by slot.
         key/value: [T, Hkv, D] (token rows may be strided); slot_mapping: [T] int64."""
         write_kv(kv_cache, key, value, slot_mapping, kv_scale)
+
+    def rotate_heads_(self, x: torch.Tensor, rotation: KeyRotation, which: str) -> None:
+        """In place: x [T, H, D] (queries or keys of a layer whose fp8 cache keeps keys rotated; rows and heads
+        may be strided) <- x @ ``rotation``'s ``which`` ("query" / "key") matrix."""
+        rotate_heads_(x, rotation, which)
 
     def takes_kv_from_rotary(self, qkv: torch.Tensor) -> bool:
         """Whether, for tensors like ``qkv``, this backend lets the rotary kernel write the step's K/V into the

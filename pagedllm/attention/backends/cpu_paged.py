@@ -26,6 +26,7 @@ from pagedllm.attention.backends.torch_sdpa import (
     step_plan,
 )
 from pagedllm.attention.backends.torch_sdpa import paged_attention as portable_paged_attention
+from pagedllm.attention.key_rotation import KeyRotation
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.platforms import platform_of
@@ -221,6 +222,14 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
 
     def _kernels(self, tensor: torch.Tensor) -> Any | None:
         return self.kernels
+
+    def rotate_heads_(self, x: torch.Tensor, rotation: KeyRotation, which: str) -> None:
+        """The C++ fast Walsh-Hadamard transform (a recorded kernel: step graphs keep it) for float32 / bf16 heads
+        with contiguous elements; the portable matmul otherwise."""
+        if x.dtype in (torch.float32, torch.bfloat16) and x.stride(2) == 1:
+            self.kernels.hadamard_heads_(x, rotation.block, rotation.scale(which))
+        else:
+            super().rotate_heads_(x, rotation, which)
 
     def _paged_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                          meta: AttentionMetadata, scale: float, kv_scale: torch.Tensor | None) -> torch.Tensor:

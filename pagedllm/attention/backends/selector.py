@@ -10,6 +10,7 @@ import torch
 
 from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.attention.backends.registry import get_attention_backend
+from pagedllm.attention.key_rotation import KeyRotation
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.spec import AttentionSpec
 from pagedllm.platforms import platform_of
@@ -27,6 +28,9 @@ class DeviceAttentionBackend(AttentionBackend):
     def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
         get_attention_backend(platform_of(key)).write_kv(kv_cache, key, value, slot_mapping, kv_scale)
+
+    def rotate_heads_(self, x: torch.Tensor, rotation: KeyRotation, which: str) -> None:
+        get_attention_backend(platform_of(x)).rotate_heads_(x, rotation, which)
 
     def prepare_step(self, meta: AttentionMetadata, specs: Collection[AttentionSpec]) -> None:
         get_attention_backend(platform_of(meta.seq_lens)).prepare_step(meta, specs)

@@ -112,6 +112,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_heads_", step_graph::recorded<-1>("rms_norm_heads_", &rms_norm_heads_),
         "In place: each of num_heads heads (weight.numel() values) from column col of every row of x RMS-normed",
         py::arg("x"), py::arg("weight"), py::arg("col"), py::arg("num_heads"), py::arg("eps"));
+  m.def("hadamard_heads_", step_graph::recorded<-1>("hadamard_heads_", &hadamard_heads_),
+        "In place: each head of x [T, H, D] times the block-diagonal Hadamard matrix of order block, times scale",
+        py::arg("x"), py::arg("block"), py::arg("scale"));
   m.def("rms_norm", step_graph::recorded<3>("rms_norm", &rms_norm), "rms_norm(x) * weight into out (new if none)",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("out") = py::none());
   m.def("layer_norm_", step_graph::recorded<-1>("layer_norm_", &layer_norm_),

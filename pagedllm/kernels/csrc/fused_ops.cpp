@@ -309,6 +309,93 @@ void rms_norm_heads_(torch::Tensor& x, const torch::Tensor& weight, int64_t col,
   });
 }
 
+namespace {
+
+// GCC / Clang vector of 16 floats: one zmm on AVX-512, two ymm on AVX2, whatever the build targets.
+typedef float f32x16 __attribute__((vector_size(64)));
+
+// The rows of the order-16 Sylvester Hadamard matrix, H16[i][j] = (-1)^popcount(i & j) (symmetric).
+struct Hadamard16 {
+  f32x16 row[16];
+  Hadamard16() {
+    for (int i = 0; i < 16; ++i)
+      for (int j = 0; j < 16; ++j) row[i][j] = (__builtin_popcount(i & j) & 1) ? -1.0f : 1.0f;
+  }
+};
+const Hadamard16 kHadamard16;
+
+// v[0:16 C] <- each 16-value chunk @ H16, as 16 broadcast multiply-adds per chunk; C chunks at once keep C
+// independent chains in flight (one chain alone waits on its own latency).
+template <int C>
+void hadamard16_chunks(float* v) {
+  f32x16 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = kHadamard16.row[0] * v[c * 16];
+  for (int j = 1; j < 16; ++j)
+    for (int c = 0; c < C; ++c) acc[c] += kHadamard16.row[j] * v[c * 16 + j];
+  for (int c = 0; c < C; ++c) std::memcpy(v + c * 16, &acc[c], sizeof(f32x16));
+}
+
+// v[0:n] <- v @ blockdiag(H_block): a fast Walsh-Hadamard transform. Its four stages inside each 16 values run as
+// one 16 x 16 sign product (hadamard16_chunks) and the stages across 16-value chunks as whole-vector adds (the
+// stages commute: H_block is a Kronecker product of 2 x 2 factors); blocks under 16 (head sizes like 72) take the
+// plain butterflies.
+void hadamard_blocks(float* v, int64_t n, int64_t block) {
+  if (block < 16) {
+    for (int64_t b0 = 0; b0 < n; b0 += block)
+      for (int64_t len = 1; len < block; len *= 2)
+        for (int64_t j0 = b0; j0 < b0 + block; j0 += 2 * len)
+          for (int64_t j = j0; j < j0 + len; ++j) {
+            const float a = v[j], c = v[j + len];
+            v[j] = a + c;
+            v[j + len] = a - c;
+          }
+    return;
+  }
+  int64_t c0 = 0;
+  for (; c0 + 64 <= n; c0 += 64) hadamard16_chunks<4>(v + c0);
+  for (; c0 < n; c0 += 16) hadamard16_chunks<1>(v + c0);
+  for (int64_t b0 = 0; b0 < n; b0 += block)
+    for (int64_t len = 16; len < block; len *= 2)
+      for (int64_t j0 = b0; j0 < b0 + block; j0 += 2 * len) {
+        float* a = v + j0;
+        float* c = v + j0 + len;
+        for (int64_t j = 0; j < len; ++j) {
+          const float x = a[j], y = c[j];
+          a[j] = x + y;
+          c[j] = x - y;
+        }
+      }
+}
+
+}  // namespace
+
+// In place: each head h of every row t of x [T, H, D] (strided rows and heads, contiguous within a head) ->
+// head @ (blockdiag(H_block) * scale), H_block the Sylvester Hadamard matrix of order block (a power of two dividing
+// D): an fp8 cache's key rotation (attention/key_rotation.py), in float32, rounded to x's dtype once.
+void hadamard_heads_(torch::Tensor& x, int64_t block, double scale) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x must be [T, H, D] with contiguous heads");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+              "x must be float32 or bfloat16");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
+  TORCH_CHECK(block > 0 && (block & (block - 1)) == 0 && D % block == 0 && D <= 1024,
+              "block must be a power of two dividing D (D <= 1024)");
+  const float s = static_cast<float>(scale);
+  with_element_type(x, [&](auto e) {
+    using E = decltype(e);
+    E* base = x.data_ptr<E>();
+    const int64_t st = x.stride(0), sh = x.stride(1);
+    at::parallel_for(0, T * H, 256, [&](int64_t begin, int64_t end) {
+      alignas(64) float v[1024];
+      for (int64_t i = begin; i < end; ++i) {
+        E* head = base + (i / H) * st + (i % H) * sh;
+        for (int64_t d = 0; d < D; ++d) v[d] = static_cast<float>(head[d]);
+        hadamard_blocks(v, D, block);
+        for (int64_t d = 0; d < D; ++d) head[d] = static_cast<E>(v[d] * s);
+      }
+    });
+  });
+}
+
 // x [T, C] -> rms_norm(x) * weight [T, C] in out (allocated when none), x left as it is.
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
                        const std::optional<torch::Tensor>& out) {

@@ -104,6 +104,8 @@ void rotary_(torch::Tensor& qk, const torch::Tensor& positions, const torch::Ten
 void rms_norm_heads_(torch::Tensor& x, const torch::Tensor& weight, int64_t col, int64_t num_heads, double eps);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
                        const std::optional<torch::Tensor>& out);
+// In place: each head of x [T, H, D] -> head @ (blockdiag(Hadamard(block)) * scale) (fp8 caches' key rotation).
+void hadamard_heads_(torch::Tensor& x, int64_t block, double scale);
 void layer_norm_(torch::Tensor& x, const std::optional<torch::Tensor>& residual, const torch::Tensor& weight,
                  const torch::Tensor& bias, double eps);
 torch::Tensor layer_norm(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, double eps,

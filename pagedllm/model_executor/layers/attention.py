@@ -15,6 +15,7 @@ from pagedllm.attention.backends.paged_kv import is_fp8
 from pagedllm.attention.backends.selector import DeviceAttentionBackend
 from pagedllm.attention.backends.torch_sinks import sink_attention
 from pagedllm.attention.forward_context import forward_context, get_attn_metadata
+from pagedllm.attention.key_rotation import KeyRotation
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.spec import AttentionSpec
 from pagedllm.model_executor.layers.direct_call import DirectCall
@@ -32,6 +33,9 @@ class Attention(DirectCall, nn.Module):
     model): such a layer attends through ``torch_sinks`` whatever its backend is.
     ``kv_scale`` ([2] float32: k_scale, v_scale, on the cache's device): what an fp8 cache divides this layer's K/V
     by (1.0 unless the checkpoint ships k_scale / v_scale or --calculate-kv-scales sets them; ``kv_cache_scales``).
+    ``key_rotation`` (``attention.key_rotation``): an fp8 cache whose scales are not the checkpoint's keeps keys
+    turned by it, and queries are turned alike (every score unchanged, the keys' rounding spread over the head);
+    None otherwise (set by ``bind_kv_caches``).
     """
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
@@ -55,6 +59,18 @@ class Attention(DirectCall, nn.Module):
         # Not a parameter (set in place, never trained); on the host until bind_kv_caches moves it to the cache.
         self.kv_scale = torch.ones(2, dtype=torch.float32, device="cpu")
         self.calculate_kv_scales = False  # set by the model runner for its first step (--calculate-kv-scales)
+        self.kv_scales_from_checkpoint = False  # set by kv_cache_scales.load_kv_scale
+        self.key_rotation: KeyRotation | None = None
+
+    def rotate_for_cache(self, query: torch.Tensor, key: torch.Tensor | None) -> None:
+        """In place: query [T, H, D] and key [T, Hkv, D] (or None; rows and heads may be strided, e.g. views of
+        the fused qkv output) turned into the basis this layer's cache keeps keys in (``key_rotation``), when it
+        is set; else left as they are."""
+        if self.key_rotation is None:
+            return
+        self.backend.rotate_heads_(query, self.key_rotation, "query")
+        if key is not None:
+            self.backend.rotate_heads_(key, self.key_rotation, "key")
 
     def maybe_calculate_kv_scales(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """With ``calculate_kv_scales`` set (--calculate-kv-scales, the first step), set ``kv_scale`` from this
@@ -65,25 +81,23 @@ class Attention(DirectCall, nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None) -> torch.Tensor:
         """query: [T, H*D], key/value: [T, Hkv*D] -> [T, H*D]. key = value = None: this step's K/V is in
-        the cache already (``write_kv_with_rotary``)."""
+        the cache already (``write_kv_with_rotary``). With ``key_rotation`` set, query and key are turned in place
+        (the caller's tensors: a model reads neither after its attention)."""
         if self.kv_cache is None and self.spec.uses_kv_cache:
             raise RuntimeError(f"no KV cache bound to attention layer {self.layer_idx}")
         t = query.shape[0]
-        if key is not None:
-            self.maybe_calculate_kv_scales(key, value)
-        if self.sinks is not None:
-            meta = get_attn_metadata(self.kv_group)
-            out = sink_attention(query.view(t, self.num_heads, self.head_size),
-                                 key.view(t, self.num_kv_heads, self.head_size),
-                                 value.view(t, self.num_kv_heads, self.head_size), self.kv_cache, meta, self.scale,
-                                 self.sinks, self.spec.window_for(meta.max_seq_len))
-            return out.view(t, self.num_heads * self.head_size)
-        meta = get_attn_metadata(self.kv_group)
         q = query.view(t, self.num_heads, self.head_size)
-        out = self.backend.forward(
-            q, None if key is None else key.view(t, self.num_kv_heads, self.head_size),
-            None if value is None else value.view(t, self.num_kv_heads, self.head_size),
-            self.kv_cache, meta, self.spec, self.scale, self.kv_scale)
+        k = None if key is None else key.view(t, self.num_kv_heads, self.head_size)
+        self.rotate_for_cache(q, k)
+        v = None if value is None else value.view(t, self.num_kv_heads, self.head_size)
+        if k is not None:
+            self.maybe_calculate_kv_scales(k, v)
+        meta = get_attn_metadata(self.kv_group)
+        if self.sinks is not None:
+            out = sink_attention(q, k, v, self.kv_cache, meta, self.scale, self.sinks,
+                                 self.spec.window_for(meta.max_seq_len))
+            return out.view(t, self.num_heads * self.head_size)
+        out = self.backend.forward(q, k, v, self.kv_cache, meta, self.spec, self.scale, self.kv_scale)
         if meta.bidirectional_runs and self.spec.kind in ("causal", "sliding"):
             attend_bidirectional_runs(q, out, self.kv_cache, meta, self.scale, self.spec.window_for(meta.max_seq_len),
                                       self.kv_scale)
@@ -95,8 +109,12 @@ class Attention(DirectCall, nn.Module):
         if self.kv_cache is None:
             raise RuntimeError(f"no KV cache bound to attention layer {self.layer_idx}")
         t = key.shape[0]
-        self.backend.write_kv(self.kv_cache, key.view(t, self.num_kv_heads, self.head_size),
-                              value.view(t, self.num_kv_heads, self.head_size), slot_mapping, self.kv_scale)
+        k = key.view(t, self.num_kv_heads, self.head_size)
+        if self.key_rotation is not None:
+            k = k.clone()  # the caller's K stays as it is
+            self.backend.rotate_heads_(k, self.key_rotation, "key")
+        self.backend.write_kv(self.kv_cache, k, value.view(t, self.num_kv_heads, self.head_size), slot_mapping,
+                              self.kv_scale)
 
     def write_kv_with_rotary(self, qkv: torch.Tensor, rope: Any) -> bool:
         """Rotate q/k inside ``qkv`` [T, (H + 2*Hkv) * D] and write this step's K/V into the cache in one
@@ -118,7 +136,9 @@ def attention_layers(model: nn.Module) -> list[Attention]:
 
 def bind_kv_caches(model: nn.Module, kv_caches: list[torch.Tensor], groups: list[int] | None = None) -> None:
     """Give each cached Attention layer (by ``layer_idx``) its cache tensor and, when ``groups`` is given,
-    its KV cache group (one entry per cached layer); encoder layers get none."""
+    its KV cache group (one entry per cached layer); encoder layers get none. A layer with an fp8 cache keeps its
+    keys rotated (``Attention.key_rotation``) unless its scales are the checkpoint's: those were calibrated on
+    keys as the model computes them, and rotated keys can reach past them."""
     layers = [m for m in attention_layers(model) if m.spec.uses_kv_cache]
     if len(layers) != len(kv_caches):
         raise ValueError(f"model has {len(layers)} cached attention layers but {len(kv_caches)} KV caches")
@@ -126,6 +146,8 @@ def bind_kv_caches(model: nn.Module, kv_caches: list[torch.Tensor], groups: list
         layer.kv_cache = kv_caches[layer.layer_idx]
         layer.kv_group = groups[i] if groups is not None else 0
         layer.kv_scale = layer.kv_scale.to(layer.kv_cache.device)
+        rotate = is_fp8(layer.kv_cache.dtype) and not layer.kv_scales_from_checkpoint
+        layer.key_rotation = KeyRotation.for_head_size(layer.head_size) if rotate else None
 
 
 #: Who reads a step's metadata: (KV cache group, backend, the specs of that backend's layers there).

@@ -54,6 +54,7 @@ def load_kv_scale(model: nn.Module, name: str, tensor: torch.Tensor) -> bool:
     if not (value > 0 and value != float("inf")):
         raise ValueError(f"checkpoint tensor {name!r}: a KV cache scale must be positive and finite, got {value}")
     layer.kv_scale[which] = value
+    layer.kv_scales_from_checkpoint = True
     return True
 
 

@@ -125,6 +125,7 @@ class PagedLayers:
         q = query[0].transpose(0, 1).contiguous()
         k = key[0].transpose(0, 1).contiguous()
         v = value[0].transpose(0, 1).contiguous()
+        layer.rotate_for_cache(q, k)
         layer.maybe_calculate_kv_scales(k, v)
         out = layer.backend.forward(q, k, v, layer.kv_cache, get_attn_metadata(layer.kv_group), layer.spec,
                                     layer.scale, layer.kv_scale)
