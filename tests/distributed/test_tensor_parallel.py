@@ -118,3 +118,12 @@ def test_rank_dying_before_it_joins_fails_the_start_at_once(tmp_path) -> None:
     with pytest.raises(RankDiedError, match=r"tensor-parallel rank 1 \(pid \d+\) exited with status 7"):
         MultiprocExecutor(config, rank_target=run_rank_dying_before_it_joins)
     assert time.monotonic() - start < 60.0  # the join itself would wait up to RANK_STARTUP_TIMEOUT_S (900 s)
+
+
+@pytest.mark.slow
+def test_fp8_kv_cache_tp2_equals_tp1(tmp_path) -> None:
+    """An fp8 cache (scales 1.0, keys stored rotated per head) splits by KV heads like any other: each rank rotates
+    and rounds its own heads as one rank does."""
+    path = tiny("LlamaForCausalLM", tmp_path)
+    want = greedy(path, 1, kv_cache_dtype="fp8")
+    assert greedy(path, 2, kv_cache_dtype="fp8") == want

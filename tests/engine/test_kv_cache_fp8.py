@@ -142,6 +142,19 @@ def test_batched_equals_solo_under_preemption_and_chunking(model_path: str, fp8_
     assert tight.engine.core.scheduler.kv.usage == 0.0
 
 
+def test_ngram_speculation_equals_no_speculation(model_path: str, fp8_solo: list[list[int]]) -> None:
+    """Verification steps (k + 1 rows a request) over fp8 blocks with rotated keys give the tokens plain decoding
+    gives; prompts that repeat themselves so that drafts are proposed and accepted."""
+    spec = _llm(model_path, "fp8", speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                       "prompt_lookup_max": 3, "prompt_lookup_min": 2})
+    repeating = [[(5 * i) % 7 + 3 for i in range(30)], [9, 8, 7, 6] * 8]
+    plain = _llm(model_path, "fp8")
+    assert _ids(spec, PROMPTS) == fp8_solo
+    assert _ids(spec, repeating) == _ids(plain, repeating)
+    metrics = {m.name: m for m in spec.get_metrics()}
+    assert metrics["vllm:spec_decode_num_draft_tokens"].value > 0
+
+
 def test_prefix_hits_equal_misses(model_path: str, fp8: LLM) -> None:
     shared = [(11 * i) % 250 + 3 for i in range(40)]
     prompts = [shared + [40 + i, 50 + i] for i in range(2)]
