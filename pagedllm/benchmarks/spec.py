@@ -4,7 +4,8 @@ One engine per method (``off``, ``ngram``, ``suffix``, or any JSON speculative c
 conversations (``spec_workloads.py``) through each, rounds alternating between the engines so that a noisy
 moment of the machine does not land on one method. Reports per workload and method the milliseconds per output
 token (all of a turn's time, prompt included, over its output tokens), the speed-up against ``off``, and the mean
-acceptance length. Greedy, so every method gives the same answers (checked).
+acceptance length. Greedy, so every method gives the same answers (checked). The timed rounds run with the
+collector's heap frozen, as a served engine's core process runs (``utils.freeze_gc_heap``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tqdm.auto import tqdm
 
 from pagedllm.benchmarks.spec_workloads import WORKLOADS, conversations
 from pagedllm.engine_args import EngineArgs
+from pagedllm.utils import gc_heap_frozen
 
 METHODS = {
     "off": None,
@@ -105,17 +107,18 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     for llm in llms.values():  # warm-up: the first requests of an engine pay one-time costs
         run_workload(llm, conversations("repeat", 1, seed=99), 1, SamplingParams(temperature=0, max_tokens=16))
     steps = [(r, w, m) for r in range(args.rounds) for w in workloads for m in methods]
-    for _, workload, name in tqdm(steps, desc="Rounds", disable=args.disable_tqdm):
-        llm = llms[name]
-        drafts0, accepted0 = _accepted(llm)
-        seconds, tokens, said = run_workload(llm, convs[workload], args.concurrency, params)
-        drafts1, accepted1 = _accepted(llm)
-        total = totals[workload, name]
-        total[0] += seconds
-        total[1] += tokens
-        total[2] += drafts1 - drafts0
-        total[3] += accepted1 - accepted0
-        answers.setdefault((workload, name), said)
+    with gc_heap_frozen():  # as in a served engine's core process
+        for _, workload, name in tqdm(steps, desc="Rounds", disable=args.disable_tqdm):
+            llm = llms[name]
+            drafts0, accepted0 = _accepted(llm)
+            seconds, tokens, said = run_workload(llm, convs[workload], args.concurrency, params)
+            drafts1, accepted1 = _accepted(llm)
+            total = totals[workload, name]
+            total[0] += seconds
+            total[1] += tokens
+            total[2] += drafts1 - drafts0
+            total[3] += accepted1 - accepted0
+            answers.setdefault((workload, name), said)
     results: dict[str, Any] = {"concurrency": args.concurrency, "num_conversations": args.num_conversations,
                                "output_len": args.output_len, "rounds": args.rounds, "model": engine_args.model,
                                "methods": {n: c for n, c in methods.items()}, "workloads": {}}

@@ -162,6 +162,42 @@ Plan plan_blocks(const int32_t* ranks, const int32_t* row_slots, int64_t T, int6
   return plan;
 }
 
+// The term's two passes over a plan, each on the pool unless the term is tiny (waking the pool costs more than it
+// saves): shrink(bi) for every block (its rows' h = x @ A[s]), then expand(bi, n0, width) for every block and chunk
+// of up to kCols y columns from n0 (y += h @ B[s]).
+template <typename Shrink, typename Expand>
+void run_passes(const Plan& plan, int64_t K, int64_t R, int64_t N, int64_t max_rank, Shrink&& shrink,
+                Expand&& expand) {
+  const int64_t live = static_cast<int64_t>(plan.order.size());
+  const int64_t num_blocks = static_cast<int64_t>(plan.blocks.size());
+  const int64_t col_chunks = (N + kCols - 1) / kCols;
+  const int64_t flops = live * (K + N) * std::min<int64_t>(R, R / max_rank * 16);
+  const int64_t grain = flops < (1 << 15) ? num_blocks * col_chunks : 1;
+  at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t bi = begin; bi < end; ++bi) shrink(bi);
+  });
+  at::parallel_for(0, num_blocks * col_chunks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t n0 = (unit % col_chunks) * kCols;
+      expand(unit / col_chunks, n0, std::min(kCols, N - n0));
+    }
+  });
+}
+
+// M rows of h (row stride R) over every kLanes-column group [g0, g0 + w): zeros where the slot's rank has no
+// column, else tile(g0, w).
+template <int M, typename Tile>
+inline void shrink_groups(float* hb, int64_t R, int64_t max_rank, int64_t rank, Tile&& tile) {
+  for (int64_t g0 = 0; g0 < R; g0 += kLanes) {
+    const int64_t w = std::min(kLanes, R - g0);
+    if (!group_live(g0, w, max_rank, rank)) {
+      for (int64_t j = 0; j < M; ++j) std::fill(hb + j * R + g0, hb + j * R + g0 + w, 0.f);
+    } else {
+      tile(g0, w);
+    }
+  }
+}
+
 #if defined(__x86_64__)
 #define PAGEDLLM_LORA_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
@@ -240,7 +276,7 @@ PAGEDLLM_LORA_BF16 void expand_tile_bf16(const uint16_t* h16, int64_t R, const u
   }
 }
 
-// The whole term with the tiles above (bf16 rows, bf16 slots).
+// The whole term with the tiles above (bf16 rows, bf16 slots): h rounded to bf16 once per block.
 void sgmv_bf16(uint16_t* y, int64_t y_stride, const uint16_t* x, int64_t x_stride, const uint16_t* a,
                const uint16_t* b, const int32_t* ranks, int64_t max_rank, const Plan& plan, int64_t K, int64_t R,
                int64_t N) {
@@ -248,29 +284,17 @@ void sgmv_bf16(uint16_t* y, int64_t y_stride, const uint16_t* x, int64_t x_strid
   const auto& order = plan.order;
   const int64_t live = static_cast<int64_t>(order.size());
   const int64_t bands = R / max_rank;
-  const int64_t num_blocks = static_cast<int64_t>(blocks.size());
-  const int64_t col_chunks = (N + kCols - 1) / kCols;
   std::vector<float> h(static_cast<size_t>(live * R));
   std::vector<uint16_t> h16(static_cast<size_t>(live * R));
-  const int64_t flops = live * (K + N) * std::min<int64_t>(R, bands * 16);
-  const int64_t grain = flops < (1 << 15) ? num_blocks * col_chunks : 1;
-
-  auto shrink = [&](int64_t bi) {  // h = x @ A[s] for block bi, then h in bf16
+  auto shrink = [&](int64_t bi) {
     const Block& blk = blocks[bi];
     const uint16_t* xrows[kRows];
     for (int64_t j = 0; j < blk.count; ++j) xrows[j] = x + order[blk.first + j] * x_stride;
     const uint16_t* as = a + blk.slot * K * R;
-    const int64_t rank = ranks[blk.slot];
     float* hb = h.data() + blk.first * R;
     with_rows(blk.count, [&]<int M>() {
-      for (int64_t g0 = 0; g0 < R; g0 += kLanes) {
-        const int64_t w = std::min(kLanes, R - g0);
-        if (!group_live(g0, w, max_rank, rank)) {
-          for (int64_t j = 0; j < M; ++j) std::fill(hb + j * R + g0, hb + j * R + g0 + w, 0.f);
-        } else {
-          shrink_tile_bf16<M>(xrows, K, as + g0, R, hb + g0, R, w);
-        }
-      }
+      shrink_groups<M>(hb, R, max_rank, ranks[blk.slot],
+                       [&](int64_t g0, int64_t w) { shrink_tile_bf16<M>(xrows, K, as + g0, R, hb + g0, R, w); });
     });
     for (int64_t i = 0; i < blk.count * R; ++i) {
       c10::BFloat16 v;
@@ -278,25 +302,18 @@ void sgmv_bf16(uint16_t* y, int64_t y_stride, const uint16_t* x, int64_t x_strid
       h16[blk.first * R + i] = v.x;
     }
   };
-  auto expand = [&](int64_t bi, int64_t chunk) {  // y += h @ B[s] for block bi, columns of one chunk
+  auto expand = [&](int64_t bi, int64_t n0, int64_t width) {
     const Block& blk = blocks[bi];
-    const int64_t n0 = chunk * kCols, width = std::min(kCols, N - n0);
     const uint16_t* bs = b + blk.slot * R * N;
-    const int64_t rank = ranks[blk.slot];
     uint16_t* yrows[kRows];
     for (int64_t j = 0; j < blk.count; ++j) yrows[j] = y + order[blk.first + j] * y_stride;
     with_rows(blk.count, [&]<int M>() {
       for (int64_t c0 = n0; c0 < n0 + width; c0 += kTile)
-        expand_tile_bf16<M>(h16.data() + blk.first * R, R, bs, N, bands, max_rank, rank, yrows, c0,
+        expand_tile_bf16<M>(h16.data() + blk.first * R, R, bs, N, bands, max_rank, ranks[blk.slot], yrows, c0,
                             std::min(kTile, n0 + width - c0));
     });
   };
-  at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t bi = begin; bi < end; ++bi) shrink(bi);
-  });
-  at::parallel_for(0, num_blocks * col_chunks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t unit = begin; unit < end; ++unit) expand(unit / col_chunks, unit % col_chunks);
-  });
+  run_passes(plan, K, R, N, max_rank, shrink, expand);
 }
 #endif
 
@@ -321,63 +338,42 @@ void sgmv(TY* y, int64_t y_stride, const TX* x, int64_t x_stride, const TW* a, c
   }
 #endif
   const int64_t bands = R / max_rank;
-  const int64_t num_blocks = static_cast<int64_t>(blocks.size());
-  const int64_t col_chunks = (N + kCols - 1) / kCols;
   std::vector<float> h(static_cast<size_t>(live * R));  // h of sorted row i at h[i * R]
-
-  // A tiny term runs on the calling thread: waking the pool costs more than it saves.
-  const int64_t flops = live * (K + N) * std::min<int64_t>(R, bands * 16);
-  const int64_t grain = flops < (1 << 15) ? num_blocks * col_chunks : 1;
-
-  at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {  // shrink: h = x @ A[s]
-    thread_local std::vector<float> xf;  // the block's rows of x, widened to float
+  auto shrink = [&](int64_t bi) {  // the block's rows of x widened to float, then h = x @ A[s]
+    thread_local std::vector<float> xf;
     xf.resize(static_cast<size_t>(kRows * K));
-    for (int64_t bi = begin; bi < end; ++bi) {
-      const Block& blk = blocks[bi];
-      for (int64_t j = 0; j < blk.count; ++j) {
-        const TX* xr = x + order[blk.first + j] * x_stride;
-        float* xj = xf.data() + j * K;
+    const Block& blk = blocks[bi];
+    for (int64_t j = 0; j < blk.count; ++j) {
+      const TX* xr = x + order[blk.first + j] * x_stride;
+      float* xj = xf.data() + j * K;
 #pragma omp simd
-        for (int64_t k = 0; k < K; ++k) xj[k] = widen(xr[k]);
+      for (int64_t k = 0; k < K; ++k) xj[k] = widen(xr[k]);
+    }
+    const TW* as = a + blk.slot * K * R;
+    float* hb = h.data() + blk.first * R;
+    with_rows(blk.count, [&]<int M>() {
+      shrink_groups<M>(hb, R, max_rank, ranks[blk.slot], [&](int64_t g0, int64_t w) {
+        if (w == kLanes) shrink_tile<M, kLanes, TW>(xf.data(), K, as + g0, R, hb + g0, R, kLanes);
+        else shrink_tile<M, 0, TW>(xf.data(), K, as + g0, R, hb + g0, R, w);
+      });
+    });
+  };
+  auto expand = [&](int64_t bi, int64_t n0, int64_t width) {  // y += h @ B[s]
+    const Block& blk = blocks[bi];
+    const TW* bs = b + blk.slot * R * N;
+    const int64_t rank = ranks[blk.slot];
+    const float* hb = h.data() + blk.first * R;
+    TY* yrows[kRows];
+    for (int64_t j = 0; j < blk.count; ++j) yrows[j] = y + order[blk.first + j] * y_stride;
+    with_rows(blk.count, [&]<int M>() {
+      for (int64_t c0 = n0; c0 < n0 + width; c0 += kTile) {
+        const int64_t w = std::min(kTile, n0 + width - c0);
+        if (w == kTile) expand_tile<M, kTile, TW>(hb, R, bs + c0, N, bands, max_rank, rank, yrows, c0, kTile);
+        else expand_tile<M, 0, TW>(hb, R, bs + c0, N, bands, max_rank, rank, yrows, c0, w);
       }
-      const TW* as = a + blk.slot * K * R;
-      const int64_t rank = ranks[blk.slot];
-      float* hb = h.data() + blk.first * R;
-      with_rows(blk.count, [&]<int M>() {
-        for (int64_t g0 = 0; g0 < R; g0 += kLanes) {
-          const int64_t w = std::min(kLanes, R - g0);
-          if (!group_live(g0, w, max_rank, rank)) {
-            for (int64_t j = 0; j < M; ++j) std::fill(hb + j * R + g0, hb + j * R + g0 + w, 0.f);
-          } else if (w == kLanes) {
-            shrink_tile<M, kLanes, TW>(xf.data(), K, as + g0, R, hb + g0, R, kLanes);
-          } else {
-            shrink_tile<M, 0, TW>(xf.data(), K, as + g0, R, hb + g0, R, w);
-          }
-        }
-      });
-    }
-  });
-  at::parallel_for(0, num_blocks * col_chunks, grain, [&](int64_t begin, int64_t end) {  // expand: y += h @ B[s]
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const Block& blk = blocks[unit / col_chunks];
-      const int64_t n0 = (unit % col_chunks) * kCols, width = std::min(kCols, N - n0);
-      const TW* bs = b + blk.slot * R * N;
-      const int64_t rank = ranks[blk.slot];
-      const float* hb = h.data() + blk.first * R;
-      TY* yrows[kRows];
-      for (int64_t j = 0; j < blk.count; ++j) yrows[j] = y + order[blk.first + j] * y_stride;
-      with_rows(blk.count, [&]<int M>() {
-        for (int64_t c0 = n0; c0 < n0 + width; c0 += kTile) {
-          const int64_t w = std::min(kTile, n0 + width - c0);
-          if (w == kTile) {
-            expand_tile<M, kTile, TW>(hb, R, bs + c0, N, bands, max_rank, rank, yrows, c0, kTile);
-          } else {
-            expand_tile<M, 0, TW>(hb, R, bs + c0, N, bands, max_rank, rank, yrows, c0, w);
-          }
-        }
-      });
-    }
-  });
+    });
+  };
+  run_passes(plan, K, R, N, max_rank, shrink, expand);
 }
 
 template <typename F>
