@@ -115,7 +115,11 @@ class AsyncLLM:
                     while not self._commands and not self._stopping and not engine.has_unfinished_requests():
                         self._cond.wait(_IDLE_WAIT_S)
                         if self.stat_logger is not None:
-                            self.stat_logger.maybe_log(engine, time.time())
+                            # An engine in its own process reports an abort's freed blocks after the abort
+                            # command ran here: read its late reports each wake, not only when a log line is due.
+                            now = time.time()
+                            self.stat_logger.record_step(engine, [], now)
+                            self.stat_logger.maybe_log(engine, now)
                     commands, self._commands = self._commands, []
                     stopping = self._stopping
                 for cmd in commands:

@@ -1,7 +1,11 @@
-"""Per-request histograms from the outputs a client consumes: one inter-token gap per token after the first."""
+"""Per-request histograms from the outputs a client consumes: one inter-token gap per token after the first; an
+idle server's gauges follow the engine's late reports."""
 
+import time
 from types import SimpleNamespace
 
+from pagedllm.core.scheduler_stats import SchedulerStats
+from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.output_processor import OutputKind
 from pagedllm.metrics.prometheus import PrometheusMetrics
 from pagedllm.metrics.stats import StatsRecorder
@@ -44,3 +48,41 @@ def test_a_final_only_output_has_no_gaps_to_observe() -> None:
     recorder.record_step(NO_STATS, [_delta([7, 8, 9, 10, 11], finished=True)], 102.0)
     assert _count(metrics, "vllm:inter_token_latency_seconds_count") == 0
     assert _count(metrics, "vllm:generation_tokens_total") == 5
+
+
+class _IdleRemoteEngine:
+    """An engine in its own process that has nothing to run and reports late (as after an abort)."""
+
+    builds_own_snapshots = True
+
+    def __init__(self) -> None:
+        self.reports: list[SchedulerStats] = []
+
+    def set_wakeup(self, wake) -> None:
+        pass
+
+    def has_unfinished_requests(self) -> bool:
+        return False
+
+    def take_stats(self) -> list[SchedulerStats]:
+        reports, self.reports = self.reports, []
+        return reports
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_an_idle_servers_gauges_take_a_late_report_within_a_wake() -> None:
+    """The blocks an abort frees are reported by the engine process after the abort command ran: the idle loop
+    reads that report on its next wake (about a second), not when the next log line is due (ten)."""
+    metrics = PrometheusMetrics("m", 512, 2048)
+    engine = _IdleRemoteEngine()
+    llm = AsyncLLM(engine, StatsRecorder(metrics, log_stats=False))
+    try:
+        engine.reports.append(SchedulerStats(engine_index=0, kv_cache_usage=0.25))
+        deadline = time.monotonic() + 5
+        while _count(metrics, "vllm:kv_cache_usage_perc") != 0.25:
+            assert time.monotonic() < deadline, "the idle loop never read the engine's late report"
+            time.sleep(0.05)
+    finally:
+        llm.shutdown(5.0)
