@@ -42,6 +42,34 @@ def block_k_for(group: int, k: int) -> int:
 if triton is not None:
 
     @triton.jit
+    def dequantized_tile(q_ptr, s_ptr, mn_ptr, offs_n, offs_k, n_ok, k_ok, stride_qn, stride_sn, g,
+                         KIND: tl.constexpr, FP8_NATIVE: tl.constexpr):
+        """The float32 tile W[offs_n, offs_k] [BLOCK_N, BLOCK_K] of a ``KIND_*`` weight, zero outside (n_ok, k_ok);
+        ``g``: the group the whole tile lies in (``block_k_for``)."""
+        w_mask = n_ok[:, None] & k_ok[None, :]
+        if KIND == 1:
+            byte = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_k[None, :] // 2, mask=w_mask, other=0)
+            q = ((byte.to(tl.int32) >> ((offs_k[None, :] % 2) * 4)) & 15).to(tl.float32)
+        elif KIND == 2:
+            raw = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_k[None, :], mask=w_mask, other=0)
+            if FP8_NATIVE:  # sm_89+ converts e4m3 in hardware
+                q = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:  # e4m3fn by hand (A100 and older): sign, 4 exponent bits (bias 7), 3 mantissa bits
+                bits = raw.to(tl.int32)
+                exponent = (bits >> 3) & 15
+                mantissa = (bits & 7).to(tl.float32) * 0.125
+                magnitude = tl.where(exponent == 0, mantissa * 0.015625,
+                                     (1.0 + mantissa) * tl.exp2((exponent - 7).to(tl.float32)))
+                q = tl.where(bits >= 128, -magnitude, magnitude)
+        else:
+            q = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_k[None, :], mask=w_mask, other=0).to(tl.float32)
+        s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_ok, other=0.0)
+        w = q * s[:, None]
+        if KIND == 1:
+            w += tl.load(mn_ptr + offs_n * stride_sn + g, mask=n_ok, other=0.0)[:, None]
+        return tl.where(w_mask, w, 0.0)
+
+    @triton.jit
     def _wo_matmul_kernel(x_ptr, q_ptr, s_ptr, mn_ptr, b_ptr, y_ptr, part_ptr, M, N, K, stride_xm, stride_qn,
                           stride_sn, stride_ym, group, KIND: tl.constexpr, HAS_BIAS: tl.constexpr,
                           DOT_BF16: tl.constexpr, FP8_NATIVE: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -63,29 +91,8 @@ if triton is not None:
             k_ok = offs_k < K
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
                         other=0.0).to(tl.float32)
-            w_mask = n_ok[:, None] & k_ok[None, :]
-            if KIND == 1:
-                byte = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_k[None, :] // 2, mask=w_mask, other=0)
-                q = ((byte.to(tl.int32) >> ((offs_k[None, :] % 2) * 4)) & 15).to(tl.float32)
-            elif KIND == 2:
-                raw = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_k[None, :], mask=w_mask, other=0)
-                if FP8_NATIVE:  # sm_89+ converts e4m3 in hardware
-                    q = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                else:  # e4m3fn by hand (A100 and older): sign, 4 exponent bits (bias 7), 3 mantissa bits
-                    bits = raw.to(tl.int32)
-                    exponent = (bits >> 3) & 15
-                    mantissa = (bits & 7).to(tl.float32) * 0.125
-                    magnitude = tl.where(exponent == 0, mantissa * 0.015625,
-                                         (1.0 + mantissa) * tl.exp2((exponent - 7).to(tl.float32)))
-                    q = tl.where(bits >= 128, -magnitude, magnitude)
-            else:
-                q = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_k[None, :], mask=w_mask, other=0).to(tl.float32)
-            g = k0 // group  # the whole tile lies in one group (block_k_for)
-            s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_ok, other=0.0)
-            w = q * s[:, None]
-            if KIND == 1:
-                w += tl.load(mn_ptr + offs_n * stride_sn + g, mask=n_ok, other=0.0)[:, None]
-            w = tl.where(w_mask, w, 0.0)
+            w = dequantized_tile(q_ptr, s_ptr, mn_ptr, offs_n, offs_k, n_ok, k_ok, stride_qn, stride_sn, k0 // group,
+                                 KIND, FP8_NATIVE)
             if DOT_BF16:  # bf16 / fp16 activations: tensor-core products in their own dtype, float32 sums
                 half = x_ptr.dtype.element_ty  # fp16 keeps its 10-bit mantissa (a bf16 cast would drop 3 bits)
                 acc += tl.dot(x.to(half), tl.trans(w).to(half))

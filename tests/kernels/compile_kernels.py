@@ -10,7 +10,8 @@ architecture (``PAGEDLLM_TRITON_ARCH``, read by ``triton_ops.target_arch``). Eac
 bundled ``cuobjdump``.
 
 Shapes: SmolLM2-135M (the default model: 9 heads over 3 KV heads of 64, hidden 576, MLP 1536), Gemma 3 270M
-(heads of 256, sliding window 512), a Llama-3-8B-sized layer (32 heads over 8 of 128, MLP 14336).
+(heads of 256, sliding window 512), a Llama-3-8B-sized layer (32 heads over 8 of 128, MLP 14336), and a
+Qwen3-30B-A3B-sized MoE layer (128 experts of 768, top-8, hidden 2048) at decode and prefill.
 
     python tests/kernels/compile_kernels.py --arch 90        # a table (default: --arch 90,80)
     python tests/kernels/compile_kernels.py --output-json F  # the rows as JSON (read by its test)
@@ -42,14 +43,14 @@ from triton.runtime.jit import JITFunction, create_function_from_signature  # no
 
 from pagedllm.attention.backends import triton_paged  # noqa: E402
 from pagedllm.attention.metadata import build_attention_metadata  # noqa: E402
-from pagedllm.kernels import triton_ops  # noqa: E402
+from pagedllm.kernels import triton_moe, triton_ops  # noqa: E402
 from pagedllm.kernels import triton_quant_matmul as tqm  # noqa: E402
 from pagedllm.model_executor.layers.quantization.qpanels import quantize_f8, quantize_q4, quantize_q8  # noqa: E402
 from pagedllm.model_executor.layers.quantization.qrows import QRows  # noqa: E402
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_Q", "BLOCK", "DOT_BF16", "DOT_FP32", "WINDOW", "KIND",
-             "NUM_SPLITS", "SPLIT_K")
+TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_Q", "BLOCK", "BLOCK_H", "DOT_BF16", "DOT_FP32", "DOT_HALF",
+             "WINDOW", "KIND", "GATHER", "NUM_SPLITS", "SPLIT_K")
 
 
 @dataclass
@@ -77,7 +78,7 @@ def record(run: Callable[[], None]) -> list[Launch]:
     swapped = [(triton_paged, "_paged_attention_kernel"), (triton_paged, "_combine_splits_kernel"),
                (triton_ops, "_rms_norm_kernel"),
                (triton_ops, "_silu_and_mul_kernel"), (triton_ops, "_rotary_kernel"), (tqm, "_wo_matmul_kernel"),
-               (tqm, "_sum_splits_kernel")]
+               (tqm, "_sum_splits_kernel"), (triton_moe, "_moe_gemm_kernel"), (triton_moe, "_moe_combine_kernel")]
     originals = [getattr(module, name) for module, name in swapped]
     for (module, name), kernel in zip(swapped, originals):
         setattr(module, name, Recorder(kernel, launches))
@@ -156,6 +157,35 @@ def quantized_matmul(dtype: torch.dtype, kind: str, group: int, m: int) -> None:
                            rows.out_features, rows.kind, torch.zeros(96, dtype=dtype))
 
 
+MOE = (128, 8, 2048, 768)  # experts, top-k, hidden, intermediate (Qwen3-30B-A3B)
+
+
+def moe_layer(dtype: torch.dtype, kind: str | None, tokens: int) -> None:
+    """The launches of ``FusedMoE._experts_triton`` for ``tokens`` tokens: both projections (the first gathering x)
+    with float or quantized (group 128) experts, then the combine."""
+    experts, top_k, hidden, inter = MOE
+    ids = torch.arange(tokens * top_k).remainder(experts).reshape(tokens, top_k)
+    from pagedllm.model_executor.layers.fused_moe.grouping import group_by_expert
+
+    groups = group_by_expert(torch.full((tokens, top_k), 1.0 / top_k), ids, experts)
+    tiles = triton_moe.expert_tiles(groups.ends, groups.num_rows, triton_moe.block_m_for(groups.num_rows, experts))
+
+    def weight(n: int, k: int) -> torch.Tensor | triton_moe.StackedRows:
+        if kind is None:  # one expert's zeros seen E times (128 real experts would take gigabytes here)
+            return torch.zeros(1, n, k, dtype=dtype).expand(experts, n, k)
+        quantize, pack = QUANTIZE[kind]
+        one = pack(*quantize(torch.randn(n, k), 128))
+        return triton_moe.StackedRows(one.qweight.expand(experts, *one.qweight.shape), one.scales.expand(
+            experts, *one.scales.shape), None if one.mins is None else one.mins.expand(experts, *one.mins.shape),
+            one.kind, one.group, n, k)
+
+    x = torch.zeros(tokens, hidden, dtype=dtype)
+    gate_up = triton_moe.moe_grouped_matmul(x, weight(2 * inter, hidden), tiles, groups.num_rows,
+                                            token_of=groups.token_of)
+    y = triton_moe.moe_grouped_matmul(gate_up[:, :inter], weight(hidden, inter), tiles, groups.num_rows)
+    triton_moe.moe_combine(y, groups.slot_rows(), groups.weight, tokens, top_k, dtype)
+
+
 def cases() -> list[tuple[str, Callable[[], None]]]:
     out: list[tuple[str, Callable[[], None]]] = []
     for dname, dtype in DTYPES.items():
@@ -171,6 +201,10 @@ def cases() -> list[tuple[str, Callable[[], None]]]:
                 for m in (1, 20, 100):
                     out.append((f"quant {kind} g{group} m{m} {dname}",
                                 lambda d=dtype, k=kind, g=group, mm=m: quantized_matmul(d, k, g, mm)))
+        for kind in (None, *QUANTIZE):
+            for tokens in (1, 64):
+                out.append((f"moe {kind or 'float'} t{tokens} {dname}",
+                            lambda d=dtype, k=kind, t=tokens: moe_layer(d, k, t)))
     return out
 
 

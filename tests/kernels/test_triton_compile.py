@@ -37,7 +37,8 @@ def test_every_launch_compiles(launches: list[dict]) -> None:
     assert not failed, failed
     kernels = {row["kernel"] for row in launches}
     assert kernels == {"_paged_attention_kernel", "_combine_splits_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel",
-                       "_rotary_kernel", "_wo_matmul_kernel", "_sum_splits_kernel"}
+                       "_rotary_kernel", "_wo_matmul_kernel", "_sum_splits_kernel", "_moe_gemm_kernel",
+                       "_moe_combine_kernel"}
     assert any(row.get("SPLIT_K", 1) > 1 for row in launches)  # decode-sized quantized products split K
     assert {row["arch"] for row in launches} == {90, 80} and len(launches) >= 200
 
@@ -55,11 +56,12 @@ def test_half_precision_dots_use_tensor_cores_and_float32_stays_exact(launches: 
     """bf16 / fp16 attention and quantized matmuls compile to mma instructions; float32 dots stay at full
     precision (no tf32), so a float32 engine computes attention like the float32 reference."""
     for row in launches:
-        if row["kernel"] not in ("_paged_attention_kernel", "_wo_matmul_kernel"):
+        if row["kernel"] not in ("_paged_attention_kernel", "_wo_matmul_kernel", "_moe_gemm_kernel"):
             continue
         half = not row["case"].endswith("fp32")
         assert row["mma"] == half, row
         assert row.get("DOT_FP32", not half) == (not half) and row.get("DOT_BF16", half) == half, row
+        assert row.get("DOT_HALF", half) == half, row
 
 
 def test_tiles_follow_the_step(launches: list[dict]) -> None:

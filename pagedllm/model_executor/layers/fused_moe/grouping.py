@@ -15,11 +15,14 @@ class ExpertGroups:
     ``token_of``: [R] int64, the token each sorted row reads and writes back to.
     ``weight``: [R, 1] float32, the router weight of each sorted row.
     ``ends``: [E] int32, the end of each expert's run in the sorted rows (expert e owns ``ends[e-1]:ends[e]``).
+    ``order``: [T * k] int64, the (token * k + slot) each sorted row came from, over all the rows (also those
+    ``first_experts`` leaves out); None where the grouping was made elsewhere (the C++ routing).
     """
 
     token_of: torch.Tensor
     weight: torch.Tensor
     ends: torch.Tensor
+    order: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -28,7 +31,15 @@ class ExpertGroups:
     def first_experts(self, n: int) -> ExpertGroups:
         """The rows of experts [0, n) only (expert parallelism: the bucket past them holds other ranks' experts)."""
         rows = int(self.ends[n - 1]) if n else 0
-        return ExpertGroups(self.token_of[:rows], self.weight[:rows], self.ends[:n])
+        return ExpertGroups(self.token_of[:rows], self.weight[:rows], self.ends[:n], self.order)
+
+    def slot_rows(self) -> torch.Tensor:
+        """[T * k] int64: the sorted row each (token, slot) became (the inverse of ``order``); a row at or past
+        ``num_rows`` belongs to experts ``first_experts`` left out."""
+        assert self.order is not None, "slot_rows needs the grouping's order"
+        rows = torch.empty_like(self.order)
+        rows[self.order] = torch.arange(self.order.numel(), device=self.order.device)
+        return rows
 
 
 def group_by_expert(weights: torch.Tensor, ids: torch.Tensor, num_experts: int) -> ExpertGroups:
@@ -40,4 +51,5 @@ def group_by_expert(weights: torch.Tensor, ids: torch.Tensor, num_experts: int) 
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts)
     ends = torch.cumsum(counts, 0, dtype=torch.int32)
-    return ExpertGroups(token_of=order // ids.shape[1], weight=weights.reshape(-1)[order].unsqueeze(1), ends=ends)
+    return ExpertGroups(token_of=order // ids.shape[1], weight=weights.reshape(-1)[order].unsqueeze(1), ends=ends,
+                        order=order)

@@ -23,7 +23,12 @@ How the experts multiply (``process_weights_after_loading`` picks one, once; ``d
   per projection, routed in C++ as the float32 panels are (``stacked.py``). bf16 on a CPU with AVX-512 BF16:
   ``bf16_gemm``'s panels of every expert stacked [E, P, K/2, 16, 2], one ``moe_bf16_gemm`` call per projection,
   routed in C++ too (bf16 rows gathered and summed back, the sums in float32);
-- other float weights (CUDA, a CPU without the C++ kernels): the grouped matmul over the sorted rows
+- CUDA (where Triton runs): float stacks, or a ``--quantization`` scheme's experts in the weight-only row layout
+  stacked [E, ...] (``stacked.stack_rows``), run by Triton's grouped matmul (``kernels/triton_moe.py``): one launch
+  per projection over the sorted rows, tiles of one expert each, the first reading x through the sort (no gathered
+  copy), the biases added per row; the outputs summed back per token in slot order by a combine kernel, with no
+  host synchronisation, so a CUDA graph records the layer;
+- other float weights (a CPU without the C++ kernels; CUDA without Triton): the grouped matmul over the sorted rows
   (``torch.nn.functional.grouped_mm``: one call per projection, experts with no rows skipped).
 """
 
@@ -37,11 +42,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import all_reduce, divide, get_tp
+from pagedllm.kernels.triton_moe import StackedRows, block_m_for, expert_tiles, moe_combine, moe_grouped_matmul
 from pagedllm.model_executor.layers.activation import gated_activation
 from pagedllm.model_executor.layers.direct_call import DirectCall
 from pagedllm.model_executor.layers.fused_moe.grouping import ExpertGroups, group_by_expert
 from pagedllm.model_executor.layers.fused_moe.routing import RoutingRule, select_experts
-from pagedllm.model_executor.layers.fused_moe.stacked import StackedProjection, stack_projection
+from pagedllm.model_executor.layers.fused_moe.stacked import StackedProjection, stack_projection, stack_rows
 from pagedllm.model_executor.layers.linear import Linear
 from pagedllm.model_executor.layers.parallel_linear import Slice, even_part
 from pagedllm.model_executor.layers.quantization.base import set_weight_loader, to_empty_keeping_loaders
@@ -50,6 +56,13 @@ from pagedllm.platforms import platform_of
 
 GATE, UP = 0, 1  # row shards of gate_up_proj, the ``which`` of a per-expert tensor's (expert, which) shard id
 DOWN = 2  # a kept GGUF expert's down projection (its key among the blocks)
+
+
+def triton_experts_for(weight: torch.Tensor) -> bool:
+    """Whether experts whose weights live where ``weight`` does run Triton's grouped matmul: where the platform's
+    linear kernels are Triton's (quantized weights packed by rows: CUDA) and Triton runs."""
+    platform = platform_of(weight)
+    return platform.packs_quantized_by_rows and platform.runs_triton()
 
 
 def grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -134,6 +147,8 @@ class FusedMoE(DirectCall, nn.Module):
         self._kernels: Any = None  # the C++ kernels module of the panel form
         self._quantized: list[tuple[Linear, Linear]] | None = None  # per expert (gate_up, down) of the scheme
         self._stacked: tuple[StackedProjection, StackedProjection] | None = None  # quantized experts, stacked
+        self._rows: tuple[StackedRows, StackedRows] | None = None  # quantized experts, stacked rows (Triton)
+        self._triton = False  # the experts run Triton's grouped matmul (float stacks or ``_rows``)
         self.register_buffer("gate_up_proj_bf16", None, persistent=False)  # bf16 experts' stacked panels
         self.register_buffer("down_proj_bf16", None, persistent=False)
         self._scheme = ""  # the quantized experts' scheme, for describe()
@@ -236,6 +251,9 @@ class FusedMoE(DirectCall, nn.Module):
             down = [self._bind_blocks([self._gguf_blocks.pop((e, DOWN))], "down_proj") for e in experts]
             self._keep_quantized(gate_up, down)
             return
+        if self.quant_config is None and triton_experts_for(weight):
+            self._triton = True  # the float stacks, as they are
+            return
         on_host = not platform_of(weight).is_accelerator
         if self.quant_config is None and on_host and weight.dtype == torch.bfloat16 and self._stack_bf16():
             return
@@ -283,6 +301,11 @@ class FusedMoE(DirectCall, nn.Module):
         activations on the CPU, every expert in one panel format), else kept as layers called one by one."""
         self._scheme = gate_up[0].quant_method.scheme(gate_up[0])
         weight = self.gate_up_proj
+        if triton_experts_for(weight):
+            rows = (stack_rows(gate_up), stack_rows(down))
+            if rows[0] is not None and rows[1] is not None:
+                self._rows, self._triton = rows, True  # the layers (and their copies) are dropped
+                return
         kernels = None
         if not platform_of(weight).is_accelerator and weight.dtype == torch.float32:
             kernels = platform_of(weight).cpu_kernels(torch.float32)
@@ -304,14 +327,18 @@ class FusedMoE(DirectCall, nn.Module):
     def experts_weight_nbytes(self) -> int:
         """Bytes of the experts held by this module itself (stacks or panels; quantized experts are Linear layers
         of their own, reported as such)."""
-        stacked = sum(s.nbytes() for s in self._stacked) if self._stacked is not None else 0
+        stacked = sum(s.nbytes() for s in self._stacked or self._rows or ())
         return stacked + sum(t.numel() * t.element_size() for t in [*self.parameters(recurse=False),
                                                                     *self.buffers(recurse=False)])
 
     def describe(self) -> str:
         """The experts' weight form ("float32 panels (moe_packed_gemm)", "int8 per-channel per expert",
         "unquantized bfloat16 (oneDNN packed) per expert", "int8 per-channel stacked (moe_quant_gemm)",
-        "float16 grouped_mm")."""
+        "int8 per-channel stacked rows (triton)", "bfloat16 grouped (triton)", "float16 grouped_mm")."""
+        if self._rows is not None:
+            return f"{self._scheme} stacked rows (triton)"
+        if self._triton:
+            return f"{str(self.gate_up_proj.dtype).removeprefix('torch.')} grouped (triton)"
         if self._stacked is not None:
             return f"{self._scheme} stacked (moe_quant_gemm)"
         if self.gate_up_proj_bf16 is not None:
@@ -376,16 +403,19 @@ class FusedMoE(DirectCall, nn.Module):
             groups = group_by_expert(weights, ids, self.num_local_experts + 1).first_experts(self.num_local_experts)
         else:
             groups = group_by_expert(weights, ids, self.rule.num_experts)
-        rows = x.index_select(0, groups.token_of)  # [R, H]: each token once per chosen expert, by expert
-        if self._kernels is not None:
-            y = self._experts_kernels(rows, groups)
-        elif self._quantized is not None:
-            y = self._experts_quantized(rows, groups)
+        if self._triton:
+            out = self._experts_triton(x, groups)
         else:
-            y = self._experts_grouped(rows, groups)
-        out = torch.zeros(x.shape[0], self.hidden_size, dtype=torch.float32, device=x.device)
-        out.index_add_(0, groups.token_of, y.float() * groups.weight)
-        out = out.to(x.dtype)
+            rows = x.index_select(0, groups.token_of)  # [R, H]: each token once per chosen expert, by expert
+            if self._kernels is not None:
+                y = self._experts_kernels(rows, groups)
+            elif self._quantized is not None:
+                y = self._experts_quantized(rows, groups)
+            else:
+                y = self._experts_grouped(rows, groups)
+            out = torch.zeros(x.shape[0], self.hidden_size, dtype=torch.float32, device=x.device)
+            out.index_add_(0, groups.token_of, y.float() * groups.weight)
+            out = out.to(x.dtype)
         out = all_reduce(out) if self.tensor_parallel else out
         return out if shared is None else out + torch.sigmoid(shared[1]) * shared[0]
 
@@ -454,6 +484,17 @@ class FusedMoE(DirectCall, nn.Module):
         if self.down_proj_bias is not None:
             y += self._row_bias(self.down_proj_bias, ends, rows.shape[0])
         return y
+
+    def _experts_triton(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        """Triton's grouped matmul (float stacks or stacked rows): x [T, H] -> the k experts' outputs weighted and
+        summed per token, [T, H] in x's dtype; launches only, no host synchronisation."""
+        num_rows = groups.num_rows
+        tiles = expert_tiles(groups.ends, num_rows, block_m_for(num_rows, groups.ends.numel()))
+        gate_up_w, down_w = self._rows if self._rows is not None else (self.gate_up_proj, self.down_proj)
+        gate_up = moe_grouped_matmul(x, gate_up_w, tiles, num_rows, token_of=groups.token_of,
+                                     bias=self.gate_up_proj_bias)
+        y = moe_grouped_matmul(self.act_and_mul(gate_up), down_w, tiles, num_rows, bias=self.down_proj_bias)
+        return moe_combine(y, groups.slot_rows(), groups.weight, x.shape[0], self.rule.top_k, x.dtype)
 
     def _experts_quantized(self, rows: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         """Per-expert layers: each expert with rows this step multiplies its run of ``rows`` [R, H] -> [R, H]. The
