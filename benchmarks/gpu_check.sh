@@ -41,6 +41,9 @@ step tests 240 env PAGEDLLM_TEST_DEVICE="$DEVICE" TRITON_INTERPRET=$([ "$DEVICE"
   $PY -m pytest -q -x tests/attention/test_triton_paged_attention.py tests/kernels/test_triton_ops.py \
   tests/quantization/test_triton_quant_matmul.py \
   tests/engine/test_device_engine.py tests/worker/test_cuda_graph_runner.py
+# 1b. The MoE kernels (grouped matmul over rows sorted by expert, the combine) and a tiny MoE engine on the device.
+step tests_moe 180 env PAGEDLLM_TEST_DEVICE="$DEVICE" TRITON_INTERPRET=$([ "$DEVICE" = cuda ] && echo 0 || echo 1) \
+  PAGEDLLM_CPU_KERNELS=$([ "$DEVICE" = cuda ] && echo 0 || echo 1) $PY -m pytest -q tests/kernels/test_triton_moe.py
 # 2. Batch-1 latency with and without CUDA graphs.
 ENGINE=(--model "$M" --device "$DEVICE" --dtype "$DTYPE" --disable-log-stats)
 step latency_b1 180 $PY -m pagedllm bench latency "${ENGINE[@]}" --batch-size 1 --input-len $LEN --output-len $LEN \
