@@ -29,18 +29,9 @@ class LlamaDecoderLayer(DirectCall, nn.Module):
     def __init__(self, cfg: Any, layer_idx: int, spec: AttentionSpec, arch: type[LlamaForCausalLM],
                  dtype: torch.dtype, quant_config: Any = None) -> None:
         super().__init__()
-        attention_bias = bool(getattr(cfg, "attention_bias", False))
         eps = cfg.rms_norm_eps
         prefix = f"model.layers.{layer_idx}"
-        self.self_attn = RotaryAttention(
-            cfg.hidden_size, cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None)
-            or cfg.num_attention_heads, head_dim_of(cfg), layer_idx=layer_idx, dtype=dtype, spec=spec,
-            qkv_bias=attention_bias if arch.qkv_bias is None else arch.qkv_bias,
-            o_bias=attention_bias if arch.o_proj_bias is None else arch.o_proj_bias,
-            qk_norm=(lambda d: RMSNorm(d, eps, dtype)) if arch.qk_norm else None,
-            quant_config=quant_config, prefix=f"{prefix}.self_attn", sinks=arch.attention_sinks,
-            scale=arch.attention_scale(cfg), qk_norm_per_head=arch.qk_norm_per_head,
-            clip_qkv=getattr(cfg, "clip_qkv", None))
+        self.self_attn = arch.make_attention(cfg, layer_idx, spec, dtype, quant_config, f"{prefix}.self_attn")
         self.mlp = arch.make_mlp(cfg, layer_idx, dtype, quant_config, prefix=f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
@@ -123,6 +114,23 @@ class LlamaForCausalLM(CausalLM):
         """A factor on the token embeddings (inside the decoder stack, so layer-skip drafts get it too); None:
         none."""
         return None
+
+    @classmethod
+    def make_attention(cls, cfg: Any, layer_idx: int, spec: AttentionSpec, dtype: torch.dtype, quant_config: Any,
+                       prefix: str) -> nn.Module:
+        """Layer ``layer_idx``'s attention ``(x [T, hidden], rope) -> [T, hidden]``: fused q/k/v with rotary (DeepSeek
+        returns its latent attention, ``models/deepseek.py``)."""
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        eps = cfg.rms_norm_eps
+        return RotaryAttention(
+            cfg.hidden_size, cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None)
+            or cfg.num_attention_heads, head_dim_of(cfg), layer_idx=layer_idx, dtype=dtype, spec=spec,
+            qkv_bias=attention_bias if cls.qkv_bias is None else cls.qkv_bias,
+            o_bias=attention_bias if cls.o_proj_bias is None else cls.o_proj_bias,
+            qk_norm=(lambda d: RMSNorm(d, eps, dtype)) if cls.qk_norm else None,
+            quant_config=quant_config, prefix=prefix, sinks=cls.attention_sinks,
+            scale=cls.attention_scale(cfg), qk_norm_per_head=cls.qk_norm_per_head,
+            clip_qkv=getattr(cfg, "clip_qkv", None))
 
     @classmethod
     def make_mlp(cls, cfg: Any, layer_idx: int, dtype: torch.dtype, quant_config: Any, prefix: str) -> nn.Module:

@@ -50,6 +50,13 @@ _ARCHITECTURES = [
     ArchitectureInfo("GptOssForCausalLM", "gpt_oss", "GptOssForCausalLM", "gpt-oss (20b, 120b)", ("hf",),
                      "attention sinks; alternating sliding / full layers; expert biases, clamped SwiGLU; "
                      "bf16 / float32 experts (not MXFP4)"),
+    ArchitectureInfo("DeepseekV2ForCausalLM", "deepseek", "DeepseekV2ForCausalLM", "DeepSeek-V2, V2-Lite, V2.5",
+                     ("hf",), "multi-head latent attention (the latent cached); softmax routing, greedy or "
+                     "group-limited; shared experts; one rank"),
+    ArchitectureInfo("DeepseekV3ForCausalLM", "deepseek", "DeepseekV3ForCausalLM",
+                     "DeepSeek-V3 / R1, Kimi K2, Moonlight", ("hf",),
+                     "multi-head latent attention (the latent cached); sigmoid routing with score correction and "
+                     "group limits; shared experts; multi-token-prediction layers skipped; one rank"),
     ArchitectureInfo("WhisperForConditionalGeneration", "whisper", "WhisperForConditionalGeneration",
                      "Whisper (speech to text)", ("hf", "ct2"),
                      "encoder-decoder: audio_features prompts, a cross-attention KV cache group",
@@ -83,10 +90,7 @@ _ARCHITECTURES = [
 _BY_NAME = {a.name: a for a in _ARCHITECTURES}
 
 # Known architectures refused with the reason (instead of the generic "not supported").
-_REFUSED = {
-    "DeepseekV2ForCausalLM": "DeepSeek's multi-head latent attention and grouped routing are not implemented",
-    "DeepseekV3ForCausalLM": "DeepSeek's multi-head latent attention and grouped routing are not implemented",
-}
+_REFUSED: dict[str, str] = {}
 
 
 def supported_architectures() -> list[str]:

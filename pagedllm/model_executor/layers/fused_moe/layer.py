@@ -386,17 +386,19 @@ class FusedMoE(DirectCall, nn.Module):
         """Whether this call (x [T, H], router_logits [T, E]) runs entirely in the C++ kernels
         (``_forward_kernels``)."""
         kinds = (torch.float32, torch.bfloat16)
-        return (self._routes_in_kernels and router_logits.dtype in kinds and x.dtype in kinds
+        return (self._routes_in_kernels and self.rule.plain and router_logits.dtype in kinds and x.dtype in kinds
                 and x.stride(-1) == 1)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor,
-                shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+                correction_bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H], router_logits [T, E] -> [T, H] in x's dtype. ``shared``: (a shared expert's output [T, H], its
         gate logits [T, 1]) to add as ``sigmoid(gate) * output`` (Qwen2-MoE), after the experts' all-reduce under
-        tensor parallelism (the shared expert all-reduces its own output, so every rank adds the whole of it)."""
-        if self.routes_in_kernels(x, router_logits):
+        tensor parallelism (the shared expert all-reduces its own output, so every rank adds the whole of it).
+        ``correction_bias`` [E]: the router's score correction (``sigmoid_topk``, DeepSeek-V3)."""
+        if correction_bias is None and self.routes_in_kernels(x, router_logits):
             return self._forward_kernels(x, router_logits, shared)
-        weights, ids = select_experts(router_logits, self.rule)
+        weights, ids = select_experts(router_logits, self.rule, correction_bias)
         if self.expert_parallel:  # other ranks' experts go to a bucket past this rank's, which is then left out
             ids = ids - self.first_expert
             ids = ids.masked_fill((ids < 0) | (ids >= self.num_local_experts), self.num_local_experts)

@@ -13,11 +13,12 @@ from pagedllm.model_executor.layers.fused_moe.routing import RoutingRule, select
 
 def reference_moe(x: torch.Tensor, router_logits: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                   rule: RoutingRule, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
-                  act_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+                  act_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  correction_bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H], router_logits [T, E], gate_up_proj [E, 2I, H] (rows [gate | up]), down_proj [E, H, I] -> [T, H]:
     sum over the k chosen experts of weight * down(silu(gate(x)) * up(x)), in float32. Optional biases
     [E, 2I] / [E, H] and another gated activation ([R, 2I] -> [R, I]) as gpt-oss has."""
-    weights, ids = select_experts(router_logits, rule)
+    weights, ids = select_experts(router_logits, rule, correction_bias)
     out = torch.zeros(x.shape[0], down_proj.shape[1], dtype=torch.float32)
     for expert in range(rule.num_experts):
         token, slot = torch.where(ids == expert)

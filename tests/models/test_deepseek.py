@@ -1,0 +1,189 @@
+"""DeepSeek-V2 and V3 (multi-head latent attention with the latent cached; DeepSeek's routers) against transformers
+on tiny random models built from transformers' own configs: whole prompts, chunked prefill + paged decodes, greedy
+tokens through the engine; the routers' rules on their own; the cache holds one latent head per token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.config import ModelConfig
+from pagedllm.model_executor.layers.fused_moe import RoutingRule, select_experts
+from pagedllm.model_executor.loader import load_model, resolve_model_config
+
+from helpers.arch_configs import VOCAB, hf_model, save_word_tokenizer
+from helpers.model_helpers import chunked_prefill_and_decodes, prefill_logits
+
+ATOL = 2e-4
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+               intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3,
+               n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=24, qk_nope_head_dim=16,
+               qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+               pad_token_id=0, tie_word_embeddings=False)
+
+VARIANTS = {
+    # V2-Lite's shape: no q compression, greedy softmax routing.
+    "v2-lite": ("DeepseekV2Config", dict(q_lora_rank=None, topk_method="greedy", routed_scaling_factor=1.0)),
+    # V2's: q through its own latent, group-limited routing, a scaling factor, YaRN with mscale_all_dim.
+    "v2-grouped-yarn": ("DeepseekV2Config", dict(
+        q_lora_rank=20, topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707,
+                         "mscale_all_dim": 0.707, "original_max_position_embeddings": 64, "beta_fast": 32,
+                         "beta_slow": 1})),
+    # V3's: sigmoid scores with a correction bias, groups, renormalised and scaled; interleaved rotary pairs.
+    "v3": ("DeepseekV3Config", dict(q_lora_rank=20, n_group=2, topk_group=1, norm_topk_prob=True,
+                                    routed_scaling_factor=2.5, rope_interleave=True)),
+    "v3-rotate-half": ("DeepseekV3Config", dict(q_lora_rank=None, n_group=1, topk_group=1, norm_topk_prob=False,
+                                                routed_scaling_factor=1.0, rope_interleave=False)),
+}
+
+
+def _save(variant: str, path, seed: int = 0):
+    import transformers as tf
+
+    cls_name, overrides = VARIANTS[variant]
+    cfg = getattr(tf, cls_name)(**{**_COMMON, **overrides})
+    model = hf_model(cfg, seed)
+    with torch.no_grad():  # a correction bias that changes choices (transformers initialises it to zeros)
+        g = torch.Generator().manual_seed(seed + 7)
+        for layer in model.model.layers:
+            bias = getattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias", None)
+            if bias is not None:
+                bias.copy_(torch.rand(bias.shape, generator=g) * 0.5)
+    model.save_pretrained(str(path))
+    save_word_tokenizer(path)
+    return str(path), model
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    path, hf = _save(request.param, tmp_path_factory.mktemp(request.param))
+    model = load_model(resolve_model_config(ModelConfig(model=path, dtype="float32")), torch.device("cpu"))
+    return request.param, path, hf, model
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def test_prefill_matches_transformers(tiny) -> None:
+    _, _, hf, model = tiny
+    ids = _ids(40, seed=1)
+    torch.testing.assert_close(prefill_logits(model, ids, block_size=8), _hf_logits(hf, ids), atol=ATOL, rtol=0)
+
+
+def test_chunked_prefill_and_decodes_match_transformers(tiny) -> None:
+    _, _, hf, model = tiny
+    a, b = _ids(30, seed=2), _ids(21, seed=3)
+    got_a, got_b = chunked_prefill_and_decodes(model, a, b)
+    torch.testing.assert_close(got_a, _hf_logits(hf, a), atol=ATOL, rtol=0)
+    torch.testing.assert_close(got_b, _hf_logits(hf, b), atol=ATOL, rtol=0)
+
+
+def test_the_cache_holds_one_latent_head_per_token(tiny) -> None:
+    from pagedllm.model_executor.layers.attention import attention_layers
+
+    _, _, hf, model = tiny
+    layers = attention_layers(model)
+    cfg = hf.config
+    assert len(layers) == cfg.num_hidden_layers
+    assert {(a.num_heads, a.num_kv_heads, a.head_size) for a in layers} == {
+        (cfg.num_attention_heads, 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim)}
+
+
+def test_greedy_tokens_through_the_engine_equal_transformers(tiny) -> None:
+    from pagedllm import LLM, SamplingParams
+
+    variant, path, hf, _ = tiny
+    prompts = [[1, *range(10, 30)], [1, 7, 99, 3, 42, 8], [1, *range(200, 170, -3)]]
+    llm = LLM(path, dtype="float32", kv_cache_dtype="float32", max_model_len=128, kv_cache_memory="8MiB")
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    for out, prompt in zip(outs, prompts, strict=True):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
+        assert list(out.outputs[0].token_ids) == want[0, len(prompt):].tolist(), variant
+
+
+def test_sigmoid_routing_with_groups_equals_transformers_router() -> None:
+    import transformers as tf
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    cfg = tf.DeepseekV3Config(hidden_size=16, num_attention_heads=4, n_routed_experts=16, num_experts_per_tok=4,
+                              n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
+    router = DeepseekV3TopkRouter(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(16, 16, generator=g))
+        router.e_score_correction_bias.copy_(torch.rand(16, generator=g))
+    x = torch.randn(9, 16, generator=g)
+    logits, want_w, want_ids = router(x)
+    rule = RoutingRule(16, 4, "sigmoid_topk", renormalize=True, num_groups=4, topk_groups=2, scaling=2.5)
+    weights, ids = select_experts(logits, rule, router.e_score_correction_bias)
+    order, want_order = ids.sort(-1).indices, want_ids.sort(-1).indices  # transformers leaves top-k unsorted
+    assert torch.equal(ids.gather(1, order), want_ids.gather(1, want_order))
+    torch.testing.assert_close(weights.gather(1, order), want_w.gather(1, want_order))
+    # the chosen experts lie in 2 groups of 4 per token
+    assert all(len(set((ids[t] // 4).tolist())) <= 2 for t in range(9))
+
+
+def test_group_limited_softmax_routing_equals_transformers_router() -> None:
+    import transformers as tf
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    cfg = tf.DeepseekV2Config(hidden_size=16, num_attention_heads=4, n_routed_experts=12, num_experts_per_tok=3,
+                              n_group=3, topk_group=1, topk_method="group_limited_greedy", routed_scaling_factor=1.5)
+    router = DeepseekV2TopkRouter(cfg)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(12, 16, generator=torch.Generator().manual_seed(1)))
+    x = torch.randn(7, 16, generator=torch.Generator().manual_seed(2))
+    logits, want_w, want_ids = router(x)
+    rule = RoutingRule(12, 3, "softmax_topk", num_groups=3, topk_groups=1, scaling=1.5)
+    weights, ids = select_experts(logits, rule)
+    order, want_order = ids.sort(-1).indices, want_ids.sort(-1).indices
+    assert torch.equal(ids.gather(1, order), want_ids.gather(1, want_order))
+    torch.testing.assert_close(weights.gather(1, order), want_w.gather(1, want_order))
+    assert all(len(set((ids[t] // 4).tolist())) == 1 for t in range(7))  # one group of 4 per token
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(num_groups=3), "n_group"), (dict(num_groups=4, topk_groups=5), "topk_group"),
+    (dict(num_groups=4, topk_groups=1, top_k=3), "exceeds"), (dict(scoring="topk_softmax", num_groups=2), "n_group")])
+def test_bad_grouped_rules_are_refused_naming_the_setting(kwargs: dict, match: str) -> None:
+    args = {"num_experts": 8, "top_k": 2, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        RoutingRule(**args)
+
+
+def test_multi_token_prediction_layers_are_skipped(tmp_path) -> None:
+    """A V3 checkpoint's MTP module (``model.layers.{num_hidden_layers}.*``) is not part of the decoder: left out."""
+    from safetensors.torch import load_file, save_file
+
+    path, hf = _save("v3", tmp_path / "m")
+    tensors = load_file(f"{path}/model.safetensors")
+    n = hf.config.num_hidden_layers
+    tensors[f"model.layers.{n}.eh_proj.weight"] = torch.zeros(64, 128)
+    tensors[f"model.layers.{n}.self_attn.kv_b_proj.weight"] = torch.zeros(4 * 28, 24)
+    save_file(tensors, f"{path}/model.safetensors", metadata={"format": "pt"})
+    model = load_model(resolve_model_config(ModelConfig(model=path, dtype="float32")))
+    ids = _ids(12, seed=4)
+    torch.testing.assert_close(prefill_logits(model, ids), _hf_logits(hf, ids), atol=ATOL, rtol=0)
+
+
+def test_tensor_parallel_is_refused_naming_the_flag() -> None:
+    from unittest import mock
+
+    import transformers as tf
+
+    from pagedllm.model_executor.models.deepseek import DeepseekV3ForCausalLM
+
+    cfg = tf.DeepseekV3Config(**{**_COMMON, **VARIANTS["v3"][1]})
+    with mock.patch("pagedllm.model_executor.models.deepseek.get_tp") as tp:
+        tp.return_value.is_parallel = True
+        with pytest.raises(ValueError, match="tensor-parallel-size 1"):
+            DeepseekV3ForCausalLM(cfg)
