@@ -13,7 +13,7 @@ EXPECTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3
             "LlavaForConditionalGeneration", "Idefics3ForConditionalGeneration", "Qwen2VLForConditionalGeneration",
             "Qwen2_5_VLForConditionalGeneration", "Gemma3ForConditionalGeneration", "LlavaNextForConditionalGeneration",
             "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM",
-            "OlmoeForCausalLM", "GraniteMoeForCausalLM"}
+            "OlmoeForCausalLM", "GraniteMoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}
 
 
 def test_cli_lists_every_architecture(capsys) -> None:
