@@ -1,13 +1,13 @@
 """Tensor and expert parallelism of MoE models through the mp executor. TP: each rank holds a slice of every
-expert's intermediate dimension (and of the shared expert's); EP (``--enable-expert-parallel``): each rank holds half
-the experts whole. Either way the partial sums are all-reduced, and greedy tokens at 2 ranks equal 1 rank, float32
-and int8 experts."""
+expert's intermediate dimension (and of the shared expert's), and DeepSeek's latent attention splits by heads; EP
+(``--enable-expert-parallel``): each rank holds half the experts whole. Either way the partial sums are
+all-reduced, and greedy tokens at 2 ranks equal 1 rank, float32 and int8 experts."""
 
 from __future__ import annotations
 
 import pytest
 
-from helpers.moe_configs import save_tiny_gpt_oss, save_tiny_moe
+from helpers.moe_configs import save_tiny_deepseek, save_tiny_gpt_oss, save_tiny_moe
 from helpers.tp_helpers import greedy
 
 
@@ -44,6 +44,15 @@ def test_gpt_oss_tp2_and_ep2_greedy_equal_tp1(expert_parallel: bool, tmp_path) -
     """gpt-oss: each rank's heads' sinks; the expert biases split with the experts (the down bias added once)."""
     path, _ = save_tiny_gpt_oss(tmp_path / "gpt_oss", seed=3)
     assert greedy(path, 2, enable_expert_parallel=expert_parallel) == greedy(path, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["v2-grouped-yarn", "v3"])
+def test_deepseek_tp2_greedy_equals_tp1(variant: str, tmp_path) -> None:
+    """Multi-head latent attention split by heads (queries, kv_b_proj's blocks, o_proj's columns), the latent the
+    same on both ranks; experts split as for the other families."""
+    path, _ = save_tiny_deepseek(variant, tmp_path / variant, seed=3)
+    assert greedy(path, 2) == greedy(path, 1)
 
 
 def test_moe_sizes_that_do_not_divide_fail_naming_them_and_ep_ranks_hold_their_experts() -> None:

@@ -104,3 +104,47 @@ def bf16_experts_form() -> str:
     kernels = load_cpu_kernels()
     stacked = kernels is not None and hasattr(kernels, "moe_bf16_gemm") and kernels.bf16_gemm_supported()
     return "stacked (moe_bf16_gemm)" if stacked else "per expert"
+
+
+# DeepSeek-V2 / V3: latent attention (latent 24 + rotary 8), 8 experts top-3, one shared, a dense first layer.
+_DEEPSEEK_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+                        num_experts_per_tok=3, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=24,
+                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=256,
+                        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+
+DEEPSEEK_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    # V2-Lite's shape: no q compression, greedy softmax routing.
+    "v2-lite": ("DeepseekV2Config", dict(q_lora_rank=None, topk_method="greedy", routed_scaling_factor=1.0)),
+    # V2's: q through its own latent, group-limited routing, a scaling factor, YaRN with mscale_all_dim.
+    "v2-grouped-yarn": ("DeepseekV2Config", dict(
+        q_lora_rank=20, topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707,
+                         "mscale_all_dim": 0.707, "original_max_position_embeddings": 64, "beta_fast": 32,
+                         "beta_slow": 1})),
+    # V3's: sigmoid scores with a correction bias, groups, renormalised and scaled; interleaved rotary pairs.
+    "v3": ("DeepseekV3Config", dict(q_lora_rank=20, n_group=2, topk_group=1, norm_topk_prob=True,
+                                    routed_scaling_factor=2.5, rope_interleave=True)),
+    "v3-rotate-half": ("DeepseekV3Config", dict(q_lora_rank=None, n_group=1, topk_group=1, norm_topk_prob=False,
+                                                routed_scaling_factor=1.0, rope_interleave=False)),
+}
+
+
+def save_tiny_deepseek(variant: str, path: str | os.PathLike, seed: int = 0) -> tuple[str, Any]:
+    """Save a tiny random DeepSeek of ``variant`` (``DEEPSEEK_VARIANTS``) with a correction bias that changes the
+    routing + tokenizer; returns (path, the transformers model)."""
+    import torch
+    import transformers as tf
+
+    cls_name, overrides = DEEPSEEK_VARIANTS[variant]
+    cfg = getattr(tf, cls_name)(**{**_DEEPSEEK_COMMON, **overrides})
+    model = hf_model(cfg, seed)
+    with torch.no_grad():  # a correction bias that changes choices (transformers initialises it to zeros)
+        g = torch.Generator().manual_seed(seed + 7)
+        for layer in model.model.layers:
+            bias = getattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias", None)
+            if bias is not None:
+                bias.copy_(torch.rand(bias.shape, generator=g) * 0.5)
+    model.save_pretrained(str(path))
+    save_word_tokenizer(path)
+    return str(path), model

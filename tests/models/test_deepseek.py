@@ -11,54 +11,14 @@ from pagedllm.config import ModelConfig
 from pagedllm.model_executor.layers.fused_moe import RoutingRule, select_experts
 from pagedllm.model_executor.loader import load_model, resolve_model_config
 
-from helpers.arch_configs import VOCAB, hf_model, save_word_tokenizer
 from helpers.model_helpers import chunked_prefill_and_decodes, prefill_logits
+from helpers.moe_configs import DEEPSEEK_VARIANTS, save_tiny_deepseek
 
 ATOL = 2e-4
 
-_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
-               intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3,
-               n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=24, qk_nope_head_dim=16,
-               qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
-               pad_token_id=0, tie_word_embeddings=False)
-
-VARIANTS = {
-    # V2-Lite's shape: no q compression, greedy softmax routing.
-    "v2-lite": ("DeepseekV2Config", dict(q_lora_rank=None, topk_method="greedy", routed_scaling_factor=1.0)),
-    # V2's: q through its own latent, group-limited routing, a scaling factor, YaRN with mscale_all_dim.
-    "v2-grouped-yarn": ("DeepseekV2Config", dict(
-        q_lora_rank=20, topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707,
-                         "mscale_all_dim": 0.707, "original_max_position_embeddings": 64, "beta_fast": 32,
-                         "beta_slow": 1})),
-    # V3's: sigmoid scores with a correction bias, groups, renormalised and scaled; interleaved rotary pairs.
-    "v3": ("DeepseekV3Config", dict(q_lora_rank=20, n_group=2, topk_group=1, norm_topk_prob=True,
-                                    routed_scaling_factor=2.5, rope_interleave=True)),
-    "v3-rotate-half": ("DeepseekV3Config", dict(q_lora_rank=None, n_group=1, topk_group=1, norm_topk_prob=False,
-                                                routed_scaling_factor=1.0, rope_interleave=False)),
-}
-
-
-def _save(variant: str, path, seed: int = 0):
-    import transformers as tf
-
-    cls_name, overrides = VARIANTS[variant]
-    cfg = getattr(tf, cls_name)(**{**_COMMON, **overrides})
-    model = hf_model(cfg, seed)
-    with torch.no_grad():  # a correction bias that changes choices (transformers initialises it to zeros)
-        g = torch.Generator().manual_seed(seed + 7)
-        for layer in model.model.layers:
-            bias = getattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias", None)
-            if bias is not None:
-                bias.copy_(torch.rand(bias.shape, generator=g) * 0.5)
-    model.save_pretrained(str(path))
-    save_word_tokenizer(path)
-    return str(path), model
-
-
-@pytest.fixture(scope="module", params=list(VARIANTS))
+@pytest.fixture(scope="module", params=list(DEEPSEEK_VARIANTS))
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    path, hf = _save(request.param, tmp_path_factory.mktemp(request.param))
+    path, hf = save_tiny_deepseek(request.param, tmp_path_factory.mktemp(request.param))
     model = load_model(resolve_model_config(ModelConfig(model=path, dtype="float32")), torch.device("cpu"))
     return request.param, path, hf, model
 
@@ -164,7 +124,7 @@ def test_multi_token_prediction_layers_are_skipped(tmp_path) -> None:
     """A V3 checkpoint's MTP module (``model.layers.{num_hidden_layers}.*``) is not part of the decoder: left out."""
     from safetensors.torch import load_file, save_file
 
-    path, hf = _save("v3", tmp_path / "m")
+    path, hf = save_tiny_deepseek("v3", tmp_path / "m")
     tensors = load_file(f"{path}/model.safetensors")
     n = hf.config.num_hidden_layers
     tensors[f"model.layers.{n}.eh_proj.weight"] = torch.zeros(64, 128)
@@ -173,17 +133,3 @@ def test_multi_token_prediction_layers_are_skipped(tmp_path) -> None:
     model = load_model(resolve_model_config(ModelConfig(model=path, dtype="float32")))
     ids = _ids(12, seed=4)
     torch.testing.assert_close(prefill_logits(model, ids), _hf_logits(hf, ids), atol=ATOL, rtol=0)
-
-
-def test_tensor_parallel_is_refused_naming_the_flag() -> None:
-    from unittest import mock
-
-    import transformers as tf
-
-    from pagedllm.model_executor.models.deepseek import DeepseekV3ForCausalLM
-
-    cfg = tf.DeepseekV3Config(**{**_COMMON, **VARIANTS["v3"][1]})
-    with mock.patch("pagedllm.model_executor.models.deepseek.get_tp") as tp:
-        tp.return_value.is_parallel = True
-        with pytest.raises(ValueError, match="tensor-parallel-size 1"):
-            DeepseekV3ForCausalLM(cfg)

@@ -24,7 +24,9 @@ Feed-forward: layers before ``first_k_dense_replace`` (and off ``moe_layer_freq`
 correction bias and group limits; both scaled by ``routed_scaling_factor``) and add ``n_shared_experts`` ungated
 shared experts (one MLP of their total width). The router runs in float32, as transformers does.
 
-One rank only for now (``--tensor-parallel-size 1``): the latent's heads are not split across ranks.
+Tensor parallelism splits the heads: each rank projects its heads' queries (``q_proj`` / ``q_b_proj`` by rows),
+holds their blocks of ``kv_b_proj`` and its columns of ``o_proj`` (one all-reduce); the latent projections and the
+cached latent are the same on every rank (a rank caches one latent head, as one rank does).
 """
 
 from __future__ import annotations
@@ -38,11 +40,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.spec import AttentionSpec
-from pagedllm.distributed.parallel_state import get_tp
+from pagedllm.distributed.parallel_state import divide, get_tp
 from pagedllm.model_executor.layers.attention import Attention
 from pagedllm.model_executor.layers.direct_call import DirectCall
 from pagedllm.model_executor.layers.fused_moe import FusedMoE, RoutingRule
 from pagedllm.model_executor.layers.layernorm import RMSNorm
+from pagedllm.model_executor.layers.parallel_linear import Slice, column_parallel_linear, row_parallel_linear
+from pagedllm.model_executor.layers.quantization.base import set_weight_loader
 from pagedllm.model_executor.layers.rotary_embedding import RopeStep, rope_settings, rope_type_of
 from pagedllm.model_executor.models.blocks import GatedMLP, make_linear
 from pagedllm.model_executor.models.llama import LlamaForCausalLM
@@ -66,13 +70,23 @@ def yarn_softmax_scale(cfg: Any, head_dim: int) -> float:
 
 
 class LatentUpProjection(nn.Module):
-    """``kv_b_proj`` [H * (qk_nope + v), kv_lora_rank], kept in float and split once loaded into
-    ``w_uk`` [H, qk_nope, r] (keys' up-projection, folded into the queries) and ``w_uv_t`` [H, r, v] (values')."""
+    """``kv_b_proj`` [H * (qk_nope + v), kv_lora_rank] (this rank's heads [first_head, first_head + num_heads)),
+    kept in float and split once loaded into ``w_uk`` [H, qk_nope, r] (keys' up-projection, folded into the
+    queries) and ``w_uv_t`` [H, r, v] (values')."""
 
-    def __init__(self, rank: int, num_heads: int, nope: int, v: int, dtype: torch.dtype) -> None:
+    def __init__(self, rank: int, num_heads: int, nope: int, v: int, dtype: torch.dtype, first_head: int = 0) -> None:
         super().__init__()
         self.num_heads, self.nope, self.v = num_heads, nope, v
         self.weight = nn.Parameter(torch.empty(num_heads * (nope + v), rank, dtype=dtype), requires_grad=False)
+        rows = Slice(first_head * (nope + v), num_heads * (nope + v), 0)
+
+        def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+            part = loaded.narrow(0, rows.start, rows.size) if loaded.shape[0] > rows.size else loaded
+            if part.shape != param.shape:
+                raise ValueError(f"checkpoint {tuple(loaded.shape)}, model {tuple(param.shape)} for this rank's heads")
+            param.data.copy_(part)
+
+        set_weight_loader(self.weight, load)
         self.register_buffer("w_uk", None, persistent=False)
         self.register_buffer("w_uv_t", None, persistent=False)
 
@@ -91,30 +105,41 @@ class MultiHeadLatentAttention(DirectCall, nn.Module):
     def __init__(self, cfg: Any, layer_idx: int, spec: AttentionSpec, dtype: torch.dtype, quant_config: Any,
                  prefix: str) -> None:
         super().__init__()
-        if get_tp().is_parallel:
-            raise ValueError(f"{type(cfg).__name__}: multi-head latent attention runs on one rank only "
-                             "(use --tensor-parallel-size 1)")
-        h, hidden = cfg.num_attention_heads, cfg.hidden_size
+        tp = get_tp()
+        heads, hidden = cfg.num_attention_heads, cfg.hidden_size
+        h = divide(heads, tp.world_size, f"{prefix}: num_attention_heads")  # this rank's heads
+        first = tp.rank * h
         self.num_heads, self.nope, self.rope_dim = h, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         self.rank, self.v_dim = cfg.kv_lora_rank, cfg.v_head_dim
         qk = self.nope + self.rope_dim
         bias = bool(getattr(cfg, "attention_bias", False))
         q_rank = getattr(cfg, "q_lora_rank", None)
+
+        def head_rows(inputs: int, name: str) -> Any:  # the query projection: this rank's heads' rows
+            if not tp.is_parallel:
+                return make_linear(inputs, h * qk, bias=False, dtype=dtype, quant_config=quant_config,
+                                   prefix=f"{prefix}.{name}")
+            return column_parallel_linear(inputs, (Slice(first * qk, h * qk, heads * qk),), bias=False, dtype=dtype,
+                                          quant_config=quant_config, prefix=f"{prefix}.{name}")
+
         if q_rank:
             self.q_a_proj = make_linear(hidden, q_rank, bias=bias, dtype=dtype, quant_config=quant_config,
                                         prefix=f"{prefix}.q_a_proj")
             self.q_a_layernorm = RMSNorm(q_rank, _LATENT_NORM_EPS, dtype)
-            self.q_b_proj = make_linear(q_rank, h * qk, bias=False, dtype=dtype, quant_config=quant_config,
-                                        prefix=f"{prefix}.q_b_proj")
+            self.q_b_proj = head_rows(q_rank, "q_b_proj")
         else:
-            self.q_proj = make_linear(hidden, h * qk, bias=False, dtype=dtype, quant_config=quant_config,
-                                      prefix=f"{prefix}.q_proj")
+            self.q_proj = head_rows(hidden, "q_proj")
         self.kv_a_proj_with_mqa = make_linear(hidden, self.rank + self.rope_dim, bias=bias, dtype=dtype,
                                               quant_config=quant_config, prefix=f"{prefix}.kv_a_proj_with_mqa")
         self.kv_a_layernorm = RMSNorm(self.rank, _LATENT_NORM_EPS, dtype)
-        self.kv_b_proj = LatentUpProjection(self.rank, h, self.nope, self.v_dim, dtype)
-        self.o_proj = make_linear(h * self.v_dim, hidden, bias=bias, dtype=dtype, quant_config=quant_config,
-                                  prefix=f"{prefix}.o_proj")
+        self.kv_b_proj = LatentUpProjection(self.rank, h, self.nope, self.v_dim, dtype, first_head=first)
+        if tp.is_parallel:  # this rank's heads' input columns; the partial sums all-reduced
+            self.o_proj = row_parallel_linear(Slice(first * self.v_dim, h * self.v_dim, heads * self.v_dim), hidden,
+                                              bias=bias, dtype=dtype, quant_config=quant_config,
+                                              prefix=f"{prefix}.o_proj")
+        else:
+            self.o_proj = make_linear(h * self.v_dim, hidden, bias=bias, dtype=dtype, quant_config=quant_config,
+                                      prefix=f"{prefix}.o_proj")
         self.attn = Attention(h, self.rank + self.rope_dim, yarn_softmax_scale(cfg, qk), 1, layer_idx=layer_idx,
                               spec=spec)
 

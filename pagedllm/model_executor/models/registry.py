@@ -52,11 +52,11 @@ _ARCHITECTURES = [
                      "bf16 / float32 experts (not MXFP4)"),
     ArchitectureInfo("DeepseekV2ForCausalLM", "deepseek", "DeepseekV2ForCausalLM", "DeepSeek-V2, V2-Lite, V2.5",
                      ("hf",), "multi-head latent attention (the latent cached); softmax routing, greedy or "
-                     "group-limited; shared experts; one rank"),
+                     "group-limited; shared experts"),
     ArchitectureInfo("DeepseekV3ForCausalLM", "deepseek", "DeepseekV3ForCausalLM",
                      "DeepSeek-V3 / R1, Kimi K2, Moonlight", ("hf",),
                      "multi-head latent attention (the latent cached); sigmoid routing with score correction and "
-                     "group limits; shared experts; multi-token-prediction layers skipped; one rank"),
+                     "group limits; shared experts; multi-token-prediction layers skipped"),
     ArchitectureInfo("WhisperForConditionalGeneration", "whisper", "WhisperForConditionalGeneration",
                      "Whisper (speech to text)", ("hf", "ct2"),
                      "encoder-decoder: audio_features prompts, a cross-attention KV cache group",
