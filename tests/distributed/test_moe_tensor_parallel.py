@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.moe_configs import save_tiny_deepseek, save_tiny_gpt_oss, save_tiny_moe
+from helpers.moe_configs import save_tiny_deepseek, save_tiny_glm4_moe, save_tiny_gpt_oss, save_tiny_moe
 from helpers.tp_helpers import greedy
 
 
@@ -52,6 +52,13 @@ def test_deepseek_tp2_greedy_equals_tp1(variant: str, tmp_path) -> None:
     """Multi-head latent attention split by heads (queries, kv_b_proj's blocks, o_proj's columns), the latent the
     same on both ranks; experts split as for the other families."""
     path, _ = save_tiny_deepseek(variant, tmp_path / variant, seed=3)
+    assert greedy(path, 2) == greedy(path, 1)
+
+
+@pytest.mark.slow
+def test_glm4_moe_tp2_greedy_equals_tp1(tmp_path) -> None:
+    """GLM-4.5: each rank's heads reordered for partial rotary like the whole layer's; q/k norms per head."""
+    path, _ = save_tiny_glm4_moe("qk-norm-grouped", tmp_path / "glm", seed=3)
     assert greedy(path, 2) == greedy(path, 1)
 
 

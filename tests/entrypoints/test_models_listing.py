@@ -13,7 +13,8 @@ EXPECTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3
             "LlavaForConditionalGeneration", "Idefics3ForConditionalGeneration", "Qwen2VLForConditionalGeneration",
             "Qwen2_5_VLForConditionalGeneration", "Gemma3ForConditionalGeneration", "LlavaNextForConditionalGeneration",
             "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM",
-            "OlmoeForCausalLM", "GraniteMoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}
+            "OlmoeForCausalLM", "GraniteMoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+            "Glm4MoeForCausalLM"}
 
 
 def test_cli_lists_every_architecture(capsys) -> None:

@@ -148,3 +148,35 @@ def save_tiny_deepseek(variant: str, path: str | os.PathLike, seed: int = 0) -> 
     model.save_pretrained(str(path))
     save_word_tokenizer(path)
     return str(path), model
+
+
+# GLM-4.5 (Glm4Moe): half of each head rotates, q/k/v bias, DeepSeek-V3's router; with and without q/k norms.
+GLM4_MOE_VARIANTS: dict[str, dict[str, Any]] = {
+    "qk-norm-grouped": dict(use_qk_norm=True, n_group=2, topk_group=1, routed_scaling_factor=2.5),
+    "plain": dict(use_qk_norm=False, n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False),
+}
+
+
+def save_tiny_glm4_moe(variant: str, path: str | os.PathLike, seed: int = 0) -> tuple[str, Any]:
+    """Save a tiny random GLM-4.5 MoE of ``variant`` (head 16, 8 of its dims rotary) with a correction bias that
+    changes the routing + tokenizer; returns (path, the transformers model)."""
+    import torch
+    import transformers as tf
+
+    cfg = tf.Glm4MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3,
+        n_shared_experts=1, first_k_dense_replace=1, attention_bias=True, max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False, **GLM4_MOE_VARIANTS[variant])
+    model = hf_model(cfg, seed)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed + 7)
+        for layer in model.model.layers[cfg.first_k_dense_replace:]:
+            layer.mlp.gate.e_score_correction_bias.copy_(torch.rand(cfg.n_routed_experts, generator=g) * 0.5)
+            for name in ("q_proj", "k_proj", "v_proj"):  # biases drawn wide: the reordered rows must carry them
+                bias = getattr(layer.self_attn, name).bias
+                bias.copy_(torch.randn(bias.shape, generator=g))
+    model.save_pretrained(str(path))
+    save_word_tokenizer(path)
+    return str(path), model

@@ -1,4 +1,11 @@
-"""Rotary position embeddings (rotate-half layout) with a cos/sin table built once per model."""
+"""Rotary position embeddings (rotate-half layout) with a cos/sin table built once per model.
+
+Partial rotary (``partial_rotary_factor`` < 1: only the first ``rotary_dim`` dims of each head turn, pairing i with
+i + rotary_dim / 2, as transformers does) needs no kernel of its own: the table stays ``head_dim`` wide with
+cos 1 / sin 0 past the rotary frequencies, and the model reorders its q/k rows at load (``partial_rotary_order``)
+so that each rotary pair lands on a pair the full-width kernels turn and every other dim on a pair they leave as
+it is. q . k is unchanged by a reordering applied to both.
+"""
 
 from __future__ import annotations
 
@@ -29,6 +36,23 @@ def rope_settings(hf_config: Any) -> tuple[float, dict[str, Any]]:
             raise ValueError(f"rope: both rope_freq_factors and rope_type {rope_type_of(params)!r} are set")
         params = {**params, "rope_type": "freq_factors", "freq_factors": list(factors)}
     return theta, params
+
+
+def partial_rotary_factor(hf_config: Any) -> float:
+    """The share of each head that rotates: ``partial_rotary_factor`` of the config or of its ``rope_parameters``."""
+    value = getattr(hf_config, "partial_rotary_factor", None)
+    if value is None:
+        value = (getattr(hf_config, "rope_parameters", None) or {}).get("partial_rotary_factor")
+    return float(value or 1.0)
+
+
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """[head_dim] int64: the checkpoint dim each of a head's dims takes (new[j] = old[order[j]]) so that rotary pair
+    (i, i + r/2), i < r/2, sits at (i, i + D/2) and the D - r other dims at the pairs the table leaves unturned."""
+    half, r_half = head_dim // 2, rotary_dim // 2
+    rest = (head_dim - rotary_dim) // 2
+    return torch.cat([torch.arange(r_half), torch.arange(rotary_dim, rotary_dim + rest),
+                      torch.arange(r_half, rotary_dim), torch.arange(rotary_dim + rest, head_dim)]).long()[:2 * half]
 
 
 def _default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -125,9 +149,14 @@ class RotaryEmbedding(DirectCall, nn.Module):
     """
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any],
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, rotary_dim: int | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if rotary_dim != head_dim and (rotary_dim % 2 or head_dim % 2 or not 0 < rotary_dim < head_dim
+                                       or rope_type_of(scaling) in ("longrope", "su")):
+            raise ValueError(f"partial rotary: {rotary_dim} rotary dims of a {head_dim}-dim head are not supported "
+                             "(both even, rotary < head; not with longrope)")
         # Built on the CPU explicitly (the model may be constructed on the meta device), kept as a plain
         # attribute so `to_empty()` does not wipe it; moved to the model's device on first use.
         self.long_offset = 0  # LongRoPE: row offset of the long table, 0 otherwise
@@ -140,8 +169,17 @@ class RotaryEmbedding(DirectCall, nn.Module):
             self.long_offset = max_position
             self.original_max_position = int(scaling["original_max_position_embeddings"])
         else:
-            inv_freq, scale = _inv_freq(head_dim, theta, scaling, max_position)
-            self.cos_sin_cache = _cos_sin(max_position, inv_freq, scale).to(dtype)  # [P, D]
+            inv_freq, scale = _inv_freq(rotary_dim, theta, scaling, max_position)
+            if rotary_dim != head_dim:  # cos 1, sin 0 past the rotary frequencies: those pairs stay as they are
+                inv_freq = torch.cat([inv_freq, inv_freq.new_zeros((head_dim - rotary_dim) // 2)])
+                unturned = torch.zeros(head_dim // 2, dtype=torch.bool)
+                unturned[rotary_dim // 2:] = True
+                table = _cos_sin(max_position, inv_freq, scale)
+                table[:, :head_dim // 2][:, unturned] = 1.0
+                table[:, head_dim // 2:][:, unturned] = 0.0
+                self.cos_sin_cache = table.to(dtype)  # [P, D]
+            else:
+                self.cos_sin_cache = _cos_sin(max_position, inv_freq, scale).to(dtype)  # [P, D]
         # The in-place rotary kernel for activations like qkv and this table (its dtype is fixed from here on).
         table_dtype = self.cos_sin_cache.dtype
         self.rotary_kernels = KernelBinding(lambda platform, dtype: platform.rotary_family(dtype, table_dtype))

@@ -198,6 +198,26 @@ class DeepseekMoE(DirectCall, nn.Module):
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
+def beyond_the_decoder(name: str, num_layers: int) -> bool:
+    """Whether checkpoint tensor ``name`` belongs to a multi-token-prediction module stored as decoder layers past
+    the last (DeepSeek-V3's and GLM-4.5's ``num_nextn_predict_layers``), which decoding here does not use."""
+    parts = name.split(".")
+    return len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= num_layers
+
+
+def sigmoid_routing_rule(cfg: Any, arch: str) -> RoutingRule:
+    """DeepSeek-V3's router (``noaux_tc``: sigmoid scores, a correction bias, groups), as GLM-4.5 uses it too."""
+    method = getattr(cfg, "topk_method", None) or "noaux_tc"
+    scoring = getattr(cfg, "scoring_func", None) or "sigmoid"
+    if method != "noaux_tc" or scoring != "sigmoid":
+        raise ValueError(f"{arch}: routing topk_method={method!r} scoring_func={scoring!r} is not supported "
+                         "(noaux_tc with sigmoid)")
+    return RoutingRule(cfg.n_routed_experts, cfg.num_experts_per_tok, "sigmoid_topk",
+                       renormalize=bool(cfg.norm_topk_prob), num_groups=int(cfg.n_group or 1),
+                       topk_groups=int(cfg.topk_group or 1),
+                       scaling=float(getattr(cfg, "routed_scaling_factor", 1.0) or 1.0))
+
+
 def _rope_rows_order(rope_dim: int) -> torch.Tensor:
     """The interleaved pairs' dims as rotate-half wants them: evens, then odds."""
     return torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)])
@@ -251,9 +271,8 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         nope, rope_dim, rank = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
         order = _rope_rows_order(rope_dim)
         for name, tensor in weights:
-            parts = name.split(".")
-            if len(parts) > 2 and parts[:2] == ["model", "layers"] and int(parts[2]) >= num_layers:
-                continue  # a multi-token-prediction module (V3's num_nextn_predict_layers): not used here
+            if beyond_the_decoder(name, num_layers):
+                continue
             if interleaved and name.endswith((".q_proj.weight", ".q_b_proj.weight")):
                 rows = tensor.view(cfg.num_attention_heads, nope + rope_dim, -1)
                 tensor = torch.cat([rows[:, :nope], rows[:, nope:][:, order]], dim=1).reshape(tensor.shape)
@@ -272,12 +291,4 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
 
     @classmethod
     def routing_rule(cls, cfg: Any) -> tuple[RoutingRule, bool]:
-        method = getattr(cfg, "topk_method", None) or "noaux_tc"
-        scoring = getattr(cfg, "scoring_func", None) or "sigmoid"
-        if method != "noaux_tc" or scoring != "sigmoid":
-            raise ValueError(f"{cls.__name__}: routing topk_method={method!r} scoring_func={scoring!r} is not "
-                             "supported (noaux_tc with sigmoid)")
-        return RoutingRule(cfg.n_routed_experts, cfg.num_experts_per_tok, "sigmoid_topk",
-                           renormalize=bool(cfg.norm_topk_prob), num_groups=int(cfg.n_group or 1),
-                           topk_groups=int(cfg.topk_group or 1),
-                           scaling=float(getattr(cfg, "routed_scaling_factor", 1.0) or 1.0)), True
+        return sigmoid_routing_rule(cfg, cls.__name__), True

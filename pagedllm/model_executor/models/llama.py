@@ -19,7 +19,12 @@ from pagedllm.attention.spec import AttentionSpec, layer_attention_specs
 from pagedllm.model_executor.layers.direct_call import DirectCall
 from pagedllm.model_executor.layers.layernorm import RMSNorm
 from pagedllm.model_executor.layers.parallel_linear import make_embedding
-from pagedllm.model_executor.layers.rotary_embedding import RopeStep, RotaryEmbedding, rope_settings
+from pagedllm.model_executor.layers.rotary_embedding import (
+    RopeStep,
+    RotaryEmbedding,
+    partial_rotary_factor,
+    rope_settings,
+)
 from pagedllm.model_executor.models.base import CausalLM
 from pagedllm.model_executor.models.blocks import GatedMLP, RotaryAttention, head_dim_of
 from pagedllm.model_executor.models.weight_loading import STACKED_QKV_GATE_UP, WeightMapping
@@ -52,8 +57,11 @@ class LlamaDecoderLayer(DirectCall, nn.Module):
 class LlamaModel(DirectCall, nn.Module):
     def __init__(self, cfg: Any, arch: type[LlamaForCausalLM], dtype: torch.dtype, quant_config: Any = None) -> None:
         super().__init__()
-        if float(getattr(cfg, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
-            raise ValueError("partial_rotary_factor != 1 is not supported")
+        rotary_dim = head_dim_of(cfg)
+        if partial_rotary_factor(cfg) != 1.0:
+            if not arch.partial_rotary:
+                raise ValueError(f"{arch.__name__}: partial_rotary_factor != 1 is not supported")
+            rotary_dim = int(head_dim_of(cfg) * partial_rotary_factor(cfg))
         specs = layer_attention_specs(cfg)
         self.embed_tokens = make_embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.embedding_scale = arch.embedding_scale(cfg)
@@ -61,7 +69,8 @@ class LlamaModel(DirectCall, nn.Module):
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         theta, scaling = rope_settings(cfg)
-        self.rotary_emb = RotaryEmbedding(head_dim_of(cfg), cfg.max_position_embeddings, theta, scaling, dtype)
+        self.rotary_emb = RotaryEmbedding(head_dim_of(cfg), cfg.max_position_embeddings, theta, scaling, dtype,
+                                          rotary_dim=rotary_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -94,9 +103,12 @@ class LlamaForCausalLM(CausalLM):
 
     qkv_bias: bool | None = None  # None: the config's attention_bias
     o_proj_bias: bool | None = None
-    qk_norm = False
+    qk_norm: bool | None = False  # None: the config's use_qk_norm
     qk_norm_per_head = True  # False: q/k norms over the whole projection (OLMoE)
     attention_sinks = False  # a learned per-head logit in each softmax's denominator (gpt-oss)
+    # Only part of each head rotates (``partial_rotary_factor``); the family reorders its q/k rows at load
+    # (``rotary_embedding.partial_rotary_order``).
+    partial_rotary = False
     weight_mapping = WeightMapping(stacked=STACKED_QKV_GATE_UP, skip=("rotary_emb.inv_freq",))
 
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, quant_config: Any = None) -> None:
@@ -122,12 +134,13 @@ class LlamaForCausalLM(CausalLM):
         returns its latent attention, ``models/deepseek.py``)."""
         attention_bias = bool(getattr(cfg, "attention_bias", False))
         eps = cfg.rms_norm_eps
+        qk_norm = cls.qk_norm if cls.qk_norm is not None else bool(getattr(cfg, "use_qk_norm", False))
         return RotaryAttention(
             cfg.hidden_size, cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None)
             or cfg.num_attention_heads, head_dim_of(cfg), layer_idx=layer_idx, dtype=dtype, spec=spec,
             qkv_bias=attention_bias if cls.qkv_bias is None else cls.qkv_bias,
             o_bias=attention_bias if cls.o_proj_bias is None else cls.o_proj_bias,
-            qk_norm=(lambda d: RMSNorm(d, eps, dtype)) if cls.qk_norm else None,
+            qk_norm=(lambda d: RMSNorm(d, eps, dtype)) if qk_norm else None,
             quant_config=quant_config, prefix=prefix, sinks=cls.attention_sinks,
             scale=cls.attention_scale(cfg), qk_norm_per_head=cls.qk_norm_per_head,
             clip_qkv=getattr(cfg, "clip_qkv", None))

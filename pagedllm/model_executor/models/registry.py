@@ -57,6 +57,9 @@ _ARCHITECTURES = [
                      "DeepSeek-V3 / R1, Kimi K2, Moonlight", ("hf",),
                      "multi-head latent attention (the latent cached); sigmoid routing with score correction and "
                      "group limits; shared experts; multi-token-prediction layers skipped"),
+    ArchitectureInfo("Glm4MoeForCausalLM", "glm4_moe", "Glm4MoeForCausalLM", "GLM-4.5 / 4.6 / 4.7, GLM-4.5-Air",
+                     ("hf",), "partial rotary (half of each head); q/k/v bias, optional q/k norm; DeepSeek-V3's "
+                     "sigmoid routing with score correction; shared experts; multi-token-prediction layer skipped"),
     ArchitectureInfo("WhisperForConditionalGeneration", "whisper", "WhisperForConditionalGeneration",
                      "Whisper (speech to text)", ("hf", "ct2"),
                      "encoder-decoder: audio_features prompts, a cross-attention KV cache group",
