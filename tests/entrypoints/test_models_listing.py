@@ -14,7 +14,8 @@ EXPECTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3
             "Qwen2_5_VLForConditionalGeneration", "Gemma3ForConditionalGeneration", "LlavaNextForConditionalGeneration",
             "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM",
             "OlmoeForCausalLM", "GraniteMoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-            "Glm4MoeForCausalLM"}
+            "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Dots1ForCausalLM",
+            "Glm4MoeLiteForCausalLM"}
 
 
 def test_cli_lists_every_architecture(capsys) -> None:

@@ -127,6 +127,10 @@ DEEPSEEK_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
                                     routed_scaling_factor=2.5, rope_interleave=True)),
     "v3-rotate-half": ("DeepseekV3Config", dict(q_lora_rank=None, n_group=1, topk_group=1, norm_topk_prob=False,
                                                 routed_scaling_factor=1.0, rope_interleave=False)),
+    # GLM-4.7-Flash: V3's architecture, dense / sparse layers listed (the last dense: not first_k_dense_replace's).
+    "glm-4.7-flash": ("Glm4MoeLiteConfig", dict(
+        q_lora_rank=20, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.8,
+        mlp_layer_types=["dense", "sparse", "dense"])),
 }
 
 
@@ -177,6 +181,51 @@ def save_tiny_glm4_moe(variant: str, path: str | os.PathLike, seed: int = 0) -> 
             for name in ("q_proj", "k_proj", "v_proj"):  # biases drawn wide: the reordered rows must carry them
                 bias = getattr(layer.self_attn, name).bias
                 bias.copy_(torch.randn(bias.shape, generator=g))
+    model.save_pretrained(str(path))
+    save_word_tokenizer(path)
+    return str(path), model
+
+
+def save_tiny_minimax_m2(path: str | os.PathLike, seed: int = 0) -> tuple[str, Any]:
+    """Save a tiny random MiniMax-M2 (head 16 with 8 rotary dims, q/k norms over all heads, 8 experts top-2) with a
+    correction bias that changes the routing + tokenizer; returns (path, the transformers model)."""
+    import torch
+    import transformers as tf
+
+    cfg = tf.MiniMaxM2Config(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, rotary_dim=8, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    model = hf_model(cfg, seed)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed + 7)
+        for layer in model.model.layers:
+            layer.mlp.e_score_correction_bias.copy_(torch.rand(cfg.num_local_experts, generator=g) * 0.5)
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):  # weights that differ per dim
+                norm.weight.copy_(1 + 0.5 * torch.randn(norm.weight.shape, generator=g))
+    model.save_pretrained(str(path))
+    save_word_tokenizer(path)
+    return str(path), model
+
+
+def save_tiny_dots1(path: str | os.PathLike, seed: int = 0) -> tuple[str, Any]:
+    """Save a tiny random dots.llm1 (per-head q/k norms, a sliding layer, DeepSeek-V3's router with 2 groups, one
+    shared expert, a dense first layer) + tokenizer; returns (path, the transformers model)."""
+    import torch
+    import transformers as tf
+
+    cfg = tf.Dots1Config(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, norm_topk_prob=True,
+        routed_scaling_factor=2.0, sliding_window=16,
+        layer_types=["full_attention", "sliding_attention", "full_attention"], max_position_embeddings=256,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    model = hf_model(cfg, seed)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed + 7)
+        for layer in model.model.layers[cfg.first_k_dense_replace:]:
+            layer.mlp.gate.e_score_correction_bias.copy_(torch.rand(cfg.n_routed_experts, generator=g) * 0.5)
     model.save_pretrained(str(path))
     save_word_tokenizer(path)
     return str(path), model

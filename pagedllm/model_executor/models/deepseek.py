@@ -251,9 +251,19 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         return MultiHeadLatentAttention(cfg, layer_idx, spec, dtype, quant_config, prefix)
 
     @classmethod
-    def make_mlp(cls, cfg: Any, layer_idx: int, dtype: torch.dtype, quant_config: Any, prefix: str) -> nn.Module:
+    def sparse_layer(cls, cfg: Any, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` routes experts: ``mlp_layer_types`` ("dense" / "sparse") where the config
+        lists them (GLM-4.7-Flash), else from ``first_k_dense_replace`` and ``moe_layer_freq``."""
+        kinds = getattr(cfg, "mlp_layer_types", None)
+        if kinds:
+            return kinds[layer_idx] == "sparse"
         freq = int(getattr(cfg, "moe_layer_freq", 1) or 1)
-        if not cfg.n_routed_experts or layer_idx < cfg.first_k_dense_replace or layer_idx % freq:
+        first_sparse = int(getattr(cfg, "first_k_dense_replace", 0) or 0)
+        return bool(cfg.n_routed_experts) and layer_idx >= first_sparse and layer_idx % freq == 0
+
+    @classmethod
+    def make_mlp(cls, cfg: Any, layer_idx: int, dtype: torch.dtype, quant_config: Any, prefix: str) -> nn.Module:
+        if not cls.sparse_layer(cfg, layer_idx):
             return GatedMLP(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "hidden_act", "silu"), dtype=dtype,
                             quant_config=quant_config, prefix=prefix)
         rule, correction_bias = cls.routing_rule(cfg)
@@ -292,3 +302,8 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     @classmethod
     def routing_rule(cls, cfg: Any) -> tuple[RoutingRule, bool]:
         return sigmoid_routing_rule(cfg, cls.__name__), True
+
+
+class Glm4MoeLiteForCausalLM(DeepseekV3ForCausalLM):
+    """GLM-4.7-Flash: DeepSeek-V3's architecture (latent attention, sigmoid routing with score correction, shared
+    experts); each layer dense or sparse as ``mlp_layer_types`` says."""

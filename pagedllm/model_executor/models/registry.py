@@ -60,6 +60,13 @@ _ARCHITECTURES = [
     ArchitectureInfo("Glm4MoeForCausalLM", "glm4_moe", "Glm4MoeForCausalLM", "GLM-4.5 / 4.6 / 4.7, GLM-4.5-Air",
                      ("hf",), "partial rotary (half of each head); q/k/v bias, optional q/k norm; DeepSeek-V3's "
                      "sigmoid routing with score correction; shared experts; multi-token-prediction layer skipped"),
+    ArchitectureInfo("MiniMaxM2ForCausalLM", "minimax_m2", "MiniMaxM2ForCausalLM", "MiniMax-M2, M2.1", ("hf",),
+                     "q/k norms over all heads, partial rotary; sigmoid routing with score correction, "
+                     "renormalised; no tensor parallelism"),
+    ArchitectureInfo("Dots1ForCausalLM", "dots1", "Dots1ForCausalLM", "dots.llm1", ("hf",),
+                     "Qwen3 attention; DeepSeek-V3's sigmoid routing with score correction; shared experts"),
+    ArchitectureInfo("Glm4MoeLiteForCausalLM", "deepseek", "Glm4MoeLiteForCausalLM", "GLM-4.7-Flash", ("hf",),
+                     "DeepSeek-V3's latent attention and routing; dense or sparse layers from mlp_layer_types"),
     ArchitectureInfo("WhisperForConditionalGeneration", "whisper", "WhisperForConditionalGeneration",
                      "Whisper (speech to text)", ("hf", "ct2"),
                      "encoder-decoder: audio_features prompts, a cross-attention KV cache group",
