@@ -61,7 +61,7 @@ step_vllm() {
   local m="$DIR-bfloat16"
   export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-1} VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4}
   for run in 1 2; do
-    "${VLLM_PY:?set VLLM_PY to the vLLM venv's python}" benchmarks/vllm_cli.py bench throughput --model "$m/moe" \
+    "${VLLM_PY:?set VLLM_PY to the python of the vLLM venv}" benchmarks/vllm_cli.py bench throughput --model "$m/moe" \
       --dtype bfloat16 --dataset-name random --random-input-len 128 --random-output-len 128 --num-prompts 200 \
       --output-json "$OUT/moe_vllm_peer_$run.json"
     "${OURS[@]}" bench throughput --model "$m/moe" --dtype bfloat16 --kv-cache-memory 4GiB --input-len 128 \
