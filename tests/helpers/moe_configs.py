@@ -127,6 +127,9 @@ DEEPSEEK_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
                                     routed_scaling_factor=2.5, rope_interleave=True)),
     "v3-rotate-half": ("DeepseekV3Config", dict(q_lora_rank=None, n_group=1, topk_group=1, norm_topk_prob=False,
                                                 routed_scaling_factor=1.0, rope_interleave=False)),
+    # V3 with every projection a multiple of 16 (the fp8 checkpoint test's 16 x 16 blocks); a 48-wide latent head.
+    "v3-fp8-dims": ("DeepseekV3Config", dict(q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16, n_group=2,
+                                             topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5)),
     # GLM-4.7-Flash: V3's architecture, dense / sparse layers listed (the last dense: not first_k_dense_replace's).
     "glm-4.7-flash": ("Glm4MoeLiteConfig", dict(
         q_lora_rank=20, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.8,

@@ -133,3 +133,28 @@ def test_multi_token_prediction_layers_are_skipped(tmp_path) -> None:
     model = load_model(resolve_model_config(ModelConfig(model=path, dtype="float32")))
     ids = _ids(12, seed=4)
     torch.testing.assert_close(prefill_logits(model, ids), _hf_logits(hf, ids), atol=ATOL, rtol=0)
+
+
+def test_fp8_block_checkpoint_equals_its_dequantized_model(tmp_path) -> None:
+    """DeepSeek-V3's release format: every projection float8 with 16 x 16 ``weight_scale_inv`` blocks (kv_b_proj
+    scaled back to float at load, the experts kept fp8 and stacked, the dense projections fp8 panels), router and
+    norms float; logits equal the dequantized float model's."""
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from helpers.fp8_checkpoints import fp8_checkpoint
+
+    src, _ = save_tiny_deepseek("v3-fp8-dims", tmp_path / "float")
+    names = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    dequantized = fp8_checkpoint(Path(src), tmp_path / "fp8", "block", linear_names=names)
+    assert any(n.endswith("kv_b_proj.weight") for n in dequantized)
+    float_dir = tmp_path / "dequantized"
+    shutil.copytree(src, float_dir)
+    save_file({k: v.contiguous() for k, v in dequantized.items()}, str(float_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    model = load_model(resolve_model_config(ModelConfig(model=str(tmp_path / "fp8"), dtype="float32")))
+    ref = load_model(resolve_model_config(ModelConfig(model=str(float_dir), dtype="float32")))
+    ids = _ids(30, seed=5)
+    torch.testing.assert_close(prefill_logits(model, ids), prefill_logits(ref, ids), atol=2e-4, rtol=1e-4)

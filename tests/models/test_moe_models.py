@@ -236,3 +236,42 @@ def test_old_per_expert_mixtral_gguf_is_refused_naming_why(tmp_path) -> None:
     writer.close()
     with pytest.raises(ValueError, match="without ffn_gate_exps tensors .an older per-expert layout. is not supported"):
         resolve_model_config(ModelConfig(model=str(tmp_path / "old-mixtral.gguf")))
+
+
+@pytest.mark.parametrize("scheme", ["block", "channel"])
+def test_fp8_checkpoint_experts_equal_their_dequantized_model(tmp_path, scheme: str) -> None:
+    """An fp8 release's experts (``experts.{e}.gate_proj.weight`` float8 with ``weight_scale_inv`` blocks or
+    ``weight_scale`` rows) load as the scheme's layers, their bytes unchanged, stacked for one call per projection,
+    and compute what the dequantized float model does."""
+    from pathlib import Path
+
+    from helpers.fp8_checkpoints import fp8_checkpoint
+
+    src, _ = save_tiny_moe("qwen2moe-e8-top4-shared", tmp_path / "float")
+    dequantized = fp8_checkpoint(Path(src), tmp_path / "fp8", scheme)
+    assert any(".experts.3.down_proj." in n for n in dequantized)
+    float_dir = tmp_path / "dequantized"
+    shutil.copytree(src, float_dir)
+    save_file({k: v.contiguous() for k, v in dequantized.items()}, str(float_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    model = load_model(resolve_model_config(ModelConfig(model=str(tmp_path / "fp8"), dtype="float32")))
+    layer = _moe_layers(model)[0]
+    assert layer.describe() == f"fp8 {'block 16x16' if scheme == 'block' else 'per-channel'} stacked (moe_quant_gemm)"
+    ref = load_model(resolve_model_config(ModelConfig(model=str(float_dir), dtype="float32")))
+    ids = _ids(30, seed=7)
+    torch.testing.assert_close(prefill_logits(model, ids), prefill_logits(ref, ids), atol=2e-4, rtol=1e-4)
+
+
+def test_fp8_checkpoint_experts_without_scales_fail_naming_the_parameter(tmp_path) -> None:
+    from pathlib import Path
+
+    from helpers.fp8_checkpoints import LINEAR_NAMES, fp8_checkpoint
+
+    src, _ = save_tiny_moe("mixtral-e4-top2", tmp_path / "float")
+    fp8_checkpoint(Path(src), tmp_path / "fp8", "block", linear_names=(*LINEAR_NAMES, "w1", "w2", "w3"))
+    tensors = load_file(f"{tmp_path}/fp8/model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.2.w3.weight_scale_inv"]
+    save_file(tensors, f"{tmp_path}/fp8/model.safetensors", metadata={"format": "pt"})
+    missing = r"missing from the checkpoint: .*layers\.1\.mlp\.experts\.gate_up_proj_scale_inv"
+    with pytest.raises(ValueError, match=missing):
+        load_model(resolve_model_config(ModelConfig(model=str(tmp_path / "fp8"), dtype="float32")))

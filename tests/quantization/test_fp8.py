@@ -4,26 +4,24 @@ written here with safetensors from a tiny random Llama."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from pagedllm.config import ModelConfig
 from pagedllm.model_executor.layers.linear import Linear
 from pagedllm.model_executor.layers.quantization import get_quantization_config
 from pagedllm.model_executor.layers.quantization.fp8 import Fp8Config
-from pagedllm.model_executor.layers.quantization.qpanels import FP8_MAX
 from pagedllm.model_executor.loader.model_config import resolve_model_config
 from pagedllm.model_executor.loader.model_loader import load_model, weight_bytes_by_scheme
 
+from helpers.fp8_checkpoints import fp8_checkpoint
 from helpers.model_helpers import make_tiny_llama, prefill_logits
 
 IDS = [1, 17, 93, 5, 200, 41, 77, 3, 150, 9, 64]
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def test_fused_fp8_layer_matches_its_dequantized_weight() -> None:
@@ -44,54 +42,10 @@ def test_fused_fp8_layer_matches_its_dequantized_weight() -> None:
         torch.testing.assert_close(layer(x), F.linear(x, w, layer.bias), atol=1e-4, rtol=1e-4)
 
 
-def _fp8_checkpoint(src: Path, dst: Path, scheme: str) -> dict[str, torch.Tensor]:
-    """Copy the float folder ``src`` to ``dst`` with its linear layers in fp8 (per ``scheme``: tensor, channel
-    or block); returns the float weights the fp8 checkpoint stands for (w = scale * fp8), by name."""
-    dst.mkdir()
-    tensors = load_file(str(src / "model.safetensors"))
-    dequantized = {}
-    out = {}
-    for name, t in tensors.items():
-        if not (name.endswith(".weight") and any(f".{n}." in name for n in LINEAR_NAMES)):
-            out[name] = t
-            dequantized[name] = t.float()
-            continue
-        t = t.float()
-        base = name.removesuffix(".weight")
-        if scheme == "tensor":
-            scale = t.abs().max() / FP8_MAX
-            q = (t / scale).to(torch.float8_e4m3fn)
-            out[f"{base}.weight_scale"] = scale.reshape(())
-            out[f"{base}.input_scale"] = torch.tensor(0.1)  # static activation scale: read, not used
-            expanded = scale
-        elif scheme == "channel":
-            scale = t.abs().amax(1, keepdim=True) / FP8_MAX
-            q = (t / scale).to(torch.float8_e4m3fn)
-            out[f"{base}.weight_scale"] = scale
-            expanded = scale
-        else:  # 16 x 16 blocks, transformers' fine-grained fp8 (scale_inv multiplies)
-            n, k = t.shape
-            blocks = t.view(n // 16, 16, k // 16, 16)
-            scale = blocks.abs().amax((1, 3)) / FP8_MAX  # [n/16, k/16]
-            expanded = scale.repeat_interleave(16, 0).repeat_interleave(16, 1)
-            q = (t / expanded).to(torch.float8_e4m3fn)
-            out[f"{base}.weight_scale_inv"] = scale
-        out[name] = q
-        dequantized[name] = q.float() * expanded
-    save_file(out, str(dst / "model.safetensors"))
-    config = json.loads((src / "config.json").read_text())
-    qc = {"quant_method": "fp8", "activation_scheme": "static" if scheme == "tensor" else "dynamic"}
-    if scheme == "block":
-        qc["weight_block_size"] = [16, 16]
-    config["quantization_config"] = qc
-    (dst / "config.json").write_text(json.dumps(config))
-    return dequantized
-
-
 @pytest.mark.parametrize("scheme", ["tensor", "channel", "block"])
 def test_fp8_checkpoint_matches_its_dequantized_float_model(tmp_path: Path, scheme: str) -> None:
     src = Path(make_tiny_llama(tmp_path / "float", seed=5))
-    dequantized = _fp8_checkpoint(src, tmp_path / "fp8", scheme)
+    dequantized = fp8_checkpoint(src, tmp_path / "fp8", scheme)
     float_dir = tmp_path / "dequantized"
     float_dir.mkdir()
     save_file({k: v.contiguous() for k, v in dequantized.items()}, str(float_dir / "model.safetensors"))
@@ -113,7 +67,7 @@ def test_fp8_checkpoint_logits_close_to_transformers(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     src = Path(make_tiny_llama(tmp_path / "float", seed=6))
-    _fp8_checkpoint(src, tmp_path / "fp8", "block")
+    fp8_checkpoint(src, tmp_path / "fp8", "block")
     ours = prefill_logits(load_model(resolve_model_config(ModelConfig(model=str(tmp_path / "fp8")))), IDS)
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "fp8"), dtype=torch.float32).eval()
     with torch.no_grad():

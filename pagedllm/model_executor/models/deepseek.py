@@ -47,6 +47,7 @@ from pagedllm.model_executor.layers.fused_moe import FusedMoE, RoutingRule
 from pagedllm.model_executor.layers.layernorm import RMSNorm
 from pagedllm.model_executor.layers.parallel_linear import Slice, column_parallel_linear, row_parallel_linear
 from pagedllm.model_executor.layers.quantization.base import set_weight_loader
+from pagedllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
 from pagedllm.model_executor.layers.rotary_embedding import RopeStep, rope_settings, rope_type_of
 from pagedllm.model_executor.models.blocks import GatedMLP, make_linear
 from pagedllm.model_executor.models.llama import LlamaForCausalLM
@@ -72,11 +73,13 @@ def yarn_softmax_scale(cfg: Any, head_dim: int) -> float:
 class LatentUpProjection(nn.Module):
     """``kv_b_proj`` [H * (qk_nope + v), kv_lora_rank] (this rank's heads [first_head, first_head + num_heads)),
     kept in float and split once loaded into ``w_uk`` [H, qk_nope, r] (keys' up-projection, folded into the
-    queries) and ``w_uv_t`` [H, r, v] (values')."""
+    queries) and ``w_uv_t`` [H, r, v] (values'). From an fp8 checkpoint (``quant_config`` fp8 with its scales:
+    ``weight_scale_inv`` blocks or ``weight_scale``) the float8 values are scaled back to float once loaded."""
 
-    def __init__(self, rank: int, num_heads: int, nope: int, v: int, dtype: torch.dtype, first_head: int = 0) -> None:
+    def __init__(self, rank: int, num_heads: int, nope: int, v: int, dtype: torch.dtype, first_head: int = 0,
+                 quant_config: Any = None, prefix: str = "") -> None:
         super().__init__()
-        self.num_heads, self.nope, self.v = num_heads, nope, v
+        self.num_heads, self.nope, self.v, self.prefix = num_heads, nope, v, prefix
         self.weight = nn.Parameter(torch.empty(num_heads * (nope + v), rank, dtype=dtype), requires_grad=False)
         rows = Slice(first_head * (nope + v), num_heads * (nope + v), 0)
 
@@ -84,15 +87,41 @@ class LatentUpProjection(nn.Module):
             part = loaded.narrow(0, rows.start, rows.size) if loaded.shape[0] > rows.size else loaded
             if part.shape != param.shape:
                 raise ValueError(f"checkpoint {tuple(loaded.shape)}, model {tuple(param.shape)} for this rank's heads")
-            param.data.copy_(part)
+            param.data.copy_(part.float() if part.dtype == torch.float8_e4m3fn else part)  # fp8 -> float is exact
 
         set_weight_loader(self.weight, load)
+        # An fp8 checkpoint's scale: kept whole until the weight is scaled (the rows of other ranks cut then).
+        self._fp8_block: tuple[int, int] | None = None
+        self._rows, self._scale = rows, None
+        checkpoint_fp8 = (quant_config is not None and quant_config.name == "fp8"
+                          and getattr(quant_config, "checkpoint", False)
+                          and isinstance(quant_config.get_linear_method(self, prefix), Fp8LinearMethod))
+        if checkpoint_fp8:
+            self._fp8_block = quant_config.block
+            name = "weight_scale_inv" if quant_config.block else "weight_scale"
+            setattr(self, name, set_weight_loader(nn.Parameter(torch.empty(0), requires_grad=False),
+                                                  lambda p, w, shard_id=None: setattr(self, "_scale", w.float())))
         self.register_buffer("w_uk", None, persistent=False)
         self.register_buffer("w_uv_t", None, persistent=False)
+
+    def _scaled(self, w: torch.Tensor) -> torch.Tensor:
+        """This rank's rows [R, K] of float8 values times their checkpoint scale."""
+        s = self._scale
+        if s is None:
+            raise ValueError(f"{self.prefix}: float8 weights without their scale in the checkpoint")
+        if self._fp8_block is not None:  # [ceil(N / bn), K / bk] blocks over all heads' rows
+            bn, bk = self._fp8_block
+            s = s.repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+            s = s[self._rows.start:self._rows.start + self._rows.size, :w.shape[1]]
+        elif s.numel() > 1:  # per row
+            s = s.reshape(-1, 1)[self._rows.start:self._rows.start + self._rows.size]
+        return (w.float() * s).to(w.dtype)
 
     def process_weights_after_loading(self) -> None:
         if self.w_uk is not None:
             return
+        if hasattr(self, "weight_scale_inv") or hasattr(self, "weight_scale"):
+            self.weight.data = self._scaled(self.weight.data)
         w = self.weight.detach().view(self.num_heads, self.nope + self.v, -1)
         self.w_uk = w[:, :self.nope].contiguous()
         self.w_uv_t = w[:, self.nope:].transpose(1, 2).contiguous()
@@ -132,7 +161,8 @@ class MultiHeadLatentAttention(DirectCall, nn.Module):
         self.kv_a_proj_with_mqa = make_linear(hidden, self.rank + self.rope_dim, bias=bias, dtype=dtype,
                                               quant_config=quant_config, prefix=f"{prefix}.kv_a_proj_with_mqa")
         self.kv_a_layernorm = RMSNorm(self.rank, _LATENT_NORM_EPS, dtype)
-        self.kv_b_proj = LatentUpProjection(self.rank, h, self.nope, self.v_dim, dtype, first_head=first)
+        self.kv_b_proj = LatentUpProjection(self.rank, h, self.nope, self.v_dim, dtype, first_head=first,
+                                            quant_config=quant_config, prefix=f"{prefix}.kv_b_proj")
         if tp.is_parallel:  # this rank's heads' input columns; the partial sums all-reduced
             self.o_proj = row_parallel_linear(Slice(first * self.v_dim, h * self.v_dim, heads * self.v_dim), hidden,
                                               bias=bias, dtype=dtype, quant_config=quant_config,
@@ -218,6 +248,11 @@ def sigmoid_routing_rule(cfg: Any, arch: str) -> RoutingRule:
                        scaling=float(getattr(cfg, "routed_scaling_factor", 1.0) or 1.0))
 
 
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """float8 tensors as their bytes (torch indexes those), others as they are."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
 def _rope_rows_order(rope_dim: int) -> torch.Tensor:
     """The interleaved pairs' dims as rotate-half wants them: evens, then odds."""
     return torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)])
@@ -283,11 +318,15 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         for name, tensor in weights:
             if beyond_the_decoder(name, num_layers):
                 continue
+            # Weights (and a bias) only: an fp8 checkpoint's scales cover blocks the reordering stays inside.
             if interleaved and name.endswith((".q_proj.weight", ".q_b_proj.weight")):
-                rows = tensor.view(cfg.num_attention_heads, nope + rope_dim, -1)
-                tensor = torch.cat([rows[:, :nope], rows[:, nope:][:, order]], dim=1).reshape(tensor.shape)
-            elif interleaved and ".kv_a_proj_with_mqa." in name:
-                tensor = torch.cat([tensor[:rank], tensor[rank:][order]])
+                raw = _as_bytes(tensor)
+                rows = raw.view(cfg.num_attention_heads, nope + rope_dim, -1)
+                tensor = torch.cat([rows[:, :nope], rows[:, nope:][:, order]], dim=1).reshape(raw.shape).view(
+                    tensor.dtype)
+            elif interleaved and name.endswith((".kv_a_proj_with_mqa.weight", ".kv_a_proj_with_mqa.bias")):
+                raw = _as_bytes(tensor)
+                tensor = torch.cat([raw[:rank], raw[rank:][order]]).view(tensor.dtype)
             yield name, tensor
 
 

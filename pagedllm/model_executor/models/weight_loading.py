@@ -45,7 +45,10 @@ STACKED_QKV_GATE_UP = (("q_proj", "qkv_proj", 0), ("k_proj", "qkv_proj", 1), ("v
 # Per-expert tensors of a MoE checkpoint: Mixtral's w1 / w3 / w2 and everyone else's gate / up / down.
 STACKED_EXPERTS = (("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1), ("down_proj", "down_proj", 0),
                    ("w1", "gate_up_proj", 0), ("w3", "gate_up_proj", 1), ("w2", "down_proj", 0))
-_EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
+_EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.(\w+)\.(weight|weight_scale_inv|weight_scale|input_scale)$")
+# An expert tensor's suffix -> the stacked parameter's (an fp8 checkpoint's scales beside its weights).
+_EXPERT_SUFFIX = {"weight": "", "weight_scale_inv": "_scale_inv", "weight_scale": "_scale",
+                  "input_scale": "_input_scale"}
 
 
 def _expert_target(name: str, mapping: WeightMapping) -> tuple[str, tuple[int, int]] | None:
@@ -55,7 +58,7 @@ def _expert_target(name: str, mapping: WeightMapping) -> tuple[str, tuple[int, i
         return None
     for fragment, param, shard in mapping.experts:
         if m.group(2) == fragment:
-            return f"{name[:m.start()]}.experts.{param}", (int(m.group(1)), shard)
+            return f"{name[:m.start()]}.experts.{param}{_EXPERT_SUFFIX[m.group(3)]}", (int(m.group(1)), shard)
     return None
 
 

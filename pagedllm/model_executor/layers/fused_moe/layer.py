@@ -108,6 +108,15 @@ class FusedMoE(DirectCall, nn.Module):
                 quant_config = None
             else:
                 self._gguf_blocks = {}
+        # An fp8 checkpoint's experts (float8 weights with their scales) are kept per expert too, then bound as the
+        # scheme's layers (the bytes unchanged); a block cannot be cut across ranks by columns.
+        self._fp8_shards: dict[tuple[int, int], torch.Tensor] | None = None
+        self._fp8_scales: dict[tuple[int, int], torch.Tensor] = {}
+        if quant_config is not None and quant_config.name == "fp8" and getattr(quant_config, "checkpoint", False):
+            if tp.is_parallel and not tp.expert_parallel:
+                raise ValueError(f"{prefix}: an fp8 checkpoint's experts cannot be split by columns across ranks; "
+                                 "use --enable-expert-parallel with --tensor-parallel-size")
+            self._fp8_shards = {}
         self.rule, self.prefix, self.quant_config = rule, prefix, quant_config
         self.hidden_size = hidden_size
         self.tensor_parallel = tp.is_parallel
@@ -126,13 +135,22 @@ class FusedMoE(DirectCall, nn.Module):
         # row's, so each rank quantizes as one rank would (the codes of TP=1), then keeps its columns.
         self._down_whole_rows = quant_config is not None and part != self.part.full
         down_width = self.part.full if self._down_whole_rows else part
-        stacks = 0 if self._gguf_blocks is not None else num_experts  # GGUF blocks are kept apart, not stacked
+        kept_apart = self._gguf_blocks is not None or self._fp8_shards is not None
+        stacks = 0 if kept_apart else num_experts  # GGUF blocks and fp8 checkpoint experts are kept apart
         self.gate_up_proj = set_weight_loader(
             nn.Parameter(torch.empty(stacks, 2 * part, hidden_size, dtype=dtype), requires_grad=False),
             self._load_gate_up)
         self.down_proj = set_weight_loader(
             nn.Parameter(torch.empty(stacks, hidden_size, down_width, dtype=dtype), requires_grad=False),
             self._load_down)
+        if self._fp8_shards is not None:  # each expert projection's checkpoint scales (and unused input scales)
+            scale = "_scale_inv" if quant_config.block else "_scale"
+            for proj in ("gate_up_proj", "down_proj"):
+                setattr(self, proj + scale, set_weight_loader(nn.Parameter(torch.empty(0), requires_grad=False),
+                                                              self._load_fp8_scale))
+                if quant_config.static_input_scale:
+                    setattr(self, proj + "_input_scale", set_weight_loader(
+                        nn.Parameter(torch.empty(0), requires_grad=False), lambda p, w, shard_id=None: None))
         self.act_and_mul = gated_activation(act) if isinstance(act, str) else act
         self.gate_up_proj_bias: nn.Parameter | None = None
         self.down_proj_bias: nn.Parameter | None = None
@@ -158,7 +176,23 @@ class FusedMoE(DirectCall, nn.Module):
     # -- loading --------------------------------------------------------------------------------------------------
     def num_loaded_shards(self, param_name: str) -> int:
         """How many (expert, which) shards fill ``param_name`` from per-expert tensors (the loader's check)."""
-        return self.rule.num_experts * (2 if param_name == "gate_up_proj" else 1)
+        return self.rule.num_experts * (2 if param_name.startswith("gate_up_proj") else 1)
+
+    def _kept(self) -> dict[tuple[int, int], Any] | None:
+        """Where per-expert tensors wait for binding (GGUF blocks, an fp8 checkpoint's experts); None: stacked."""
+        return self._gguf_blocks if self._gguf_blocks is not None else self._fp8_shards
+
+    def _load_fp8_scale(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | None) -> None:
+        """One expert projection's fp8 checkpoint scale (``weight_scale_inv`` blocks or ``weight_scale``); shard
+        (expert, GATE | UP) for gate / up, (expert, 0) for down, told apart by the parameter."""
+        if shard_id is None:
+            raise ValueError(f"{self.prefix}: fp8 scales of experts fused in one tensor are not supported")
+        expert, which = shard_id
+        which = DOWN if param is getattr(self, "down_proj_scale_inv", None) or param is getattr(
+            self, "down_proj_scale", None) else which
+        local = self._local(expert)
+        if local is not None:
+            self._fp8_scales[(local, which)] = loaded
 
     def _load_gate_up(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | None) -> None:
         """One expert's gate or up projection [I, H] (shard (expert, GATE | UP)), or all experts fused [E, 2I, H]
@@ -174,8 +208,8 @@ class FusedMoE(DirectCall, nn.Module):
         expert, which = shard_id
         loaded = self._checked(loaded, (full, self.hidden_size), f"{expert}.{('gate', 'up')[which]}_proj")
         local = self._local(expert)
-        if local is not None and self._gguf_blocks is not None:
-            self._gguf_blocks[(local, which)] = loaded
+        if local is not None and self._kept() is not None:
+            self._kept()[(local, which)] = loaded
         elif local is not None:
             param.data[local].narrow(0, which * part.size, part.size).copy_(loaded.narrow(0, part.start, part.size))
 
@@ -191,8 +225,8 @@ class FusedMoE(DirectCall, nn.Module):
         expert = shard_id[0]
         loaded = self._checked(loaded, (self.hidden_size, part.full), f"{expert}.down_proj")
         local = self._local(expert)
-        if local is not None and self._gguf_blocks is not None:
-            self._gguf_blocks[(local, DOWN)] = loaded
+        if local is not None and self._kept() is not None:
+            self._kept()[(local, DOWN)] = loaded
         elif local is not None:
             param.data[local].copy_(loaded.narrow(1, start, size))
 
@@ -249,6 +283,12 @@ class FusedMoE(DirectCall, nn.Module):
             gate_up = [self._bind_blocks([self._gguf_blocks.pop((e, GATE)), self._gguf_blocks.pop((e, UP))],
                                          "gate_up_proj") for e in experts]
             down = [self._bind_blocks([self._gguf_blocks.pop((e, DOWN))], "down_proj") for e in experts]
+            self._keep_quantized(gate_up, down)
+            return
+        if self._fp8_shards is not None:  # an fp8 checkpoint's experts, each projection an fp8 layer of its bytes
+            experts = range(self.num_local_experts)
+            gate_up = [self._bind_fp8([(e, GATE), (e, UP)], "gate_up_proj") for e in experts]
+            down = [self._bind_fp8([(e, DOWN)], "down_proj") for e in experts]
             self._keep_quantized(gate_up, down)
             return
         if self.quant_config is None and triton_experts_for(weight):
@@ -378,6 +418,29 @@ class FusedMoE(DirectCall, nn.Module):
         layer = to_empty_keeping_loaders(layer, self.gate_up_proj.device)
         for shard_id, t in enumerate(shards):
             layer.weight.weight_loader(layer.weight, t, shard_id if len(shards) > 1 else None)
+        layer.process_weights_after_loading()
+        return layer
+
+    def _bind_fp8(self, keys: list[tuple[int, int]], name: str) -> Linear:
+        """An fp8-scheme Linear over one expert's projection from its checkpoint shards (float8 bytes and scales,
+        ``keys`` into the kept tensors), packed as the dense fp8 layers are."""
+        shards = [self._fp8_shards.pop(k) for k in keys]
+        missing = [k for k in keys if k not in self._fp8_scales]
+        if missing:
+            raise ValueError(f"{self.prefix}: expert {missing[0][0] + self.first_expert} {name} has float8 weights "
+                             "but no scale in the checkpoint")
+        scales = [self._fp8_scales.pop(k) for k in keys]
+        sizes = tuple(t.shape[0] for t in shards)
+        with torch.device("meta"):
+            layer = Linear(shards[0].shape[1], sum(sizes), bias=False, dtype=self.gate_up_proj.dtype,
+                           quant_config=self.quant_config, shard_sizes=sizes if len(sizes) > 1 else None,
+                           prefix=f"{self.prefix}.{name}")
+        layer = to_empty_keeping_loaders(layer, self.gate_up_proj.device)
+        scale_param = getattr(layer, "weight_scale_inv" if self.quant_config.block else "weight_scale")
+        for shard_id, (t, s) in enumerate(zip(shards, scales, strict=True)):
+            sid = shard_id if len(shards) > 1 else None
+            layer.weight.weight_loader(layer.weight, t, sid)
+            scale_param.weight_loader(scale_param, s, sid)
         layer.process_weights_after_loading()
         return layer
 
