@@ -131,10 +131,15 @@ def cpu_snapshot() -> tuple[float, float, float]:
     return (total - idle) / ticks, total / ticks, own.user + own.system
 
 
+# /proc/stat counts in clock ticks (10 ms): a window of a few ticks would read one stray tick as a busy machine.
+MIN_LOAD_WINDOW_S = 0.2  # CPU seconds of the whole machine
+
+
 def other_load(before: tuple[float, float, float], after: tuple[float, float, float]) -> float:
-    """The share (0..1) of the machine's CPUs that other processes kept busy between two ``cpu_snapshot``s."""
+    """The share (0..1) of the machine's CPUs that other processes kept busy between two ``cpu_snapshot``s; 0 for
+    a window too short to tell (under ``MIN_LOAD_WINDOW_S``)."""
     elapsed = after[1] - before[1]
-    if elapsed <= 0:
+    if elapsed < MIN_LOAD_WINDOW_S:
         return 0.0
     others = (after[0] - before[0]) - (after[2] - before[2])
     return min(1.0, max(0.0, others / elapsed))

@@ -265,6 +265,8 @@ def test_other_load_subtracts_this_process() -> None:
     # 2 CPUs for 1 s: 2 CPU-seconds elapsed; 1.5 busy, 1.0 of them this process's -> others kept 25% busy.
     assert autotune.other_load((10.0, 100.0, 5.0), (11.5, 102.0, 6.0)) == pytest.approx(0.25)
     assert autotune.other_load((0.0, 0.0, 0.0), (0.0, 0.0, 0.0)) == 0.0
+    # Two 10 ms ticks of someone else's work in a 20 ms window is tick rounding, not a busy machine.
+    assert autotune.other_load((10.0, 100.0, 5.0), (10.02, 100.02, 5.0)) == 0.0
 
 
 def test_bench_kernels_prints_the_table(tmp_path, capsys) -> None:
