@@ -17,6 +17,10 @@ FUSED_SHARDS = {
 }
 # The decoder families whose layers these names describe (models/llama.py and its subclasses).
 LORA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# Mixtures of experts on Llama's attention: adapters on the attention projections (q, k, v, o) only; the experts
+# carry none. (GLM-4.5 and MiniMax-M2 reorder their q/k rows at load, Granite-MoE folds a multiplier into o_proj,
+# DeepSeek's latent attention has other projections: not these.)
+LORA_ATTENTION_ONLY_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "dots1")
 
 
 def layer_target(module: str) -> tuple[str, int | None]:
@@ -34,9 +38,10 @@ def base_module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
     ValueError when the architecture is not one whose layers pagedllm can give adapters.
     """
     model_type = getattr(hf_config, "model_type", "")
-    if model_type not in LORA_MODEL_TYPES:
+    if model_type not in LORA_MODEL_TYPES + LORA_ATTENTION_ONLY_MODEL_TYPES:
         raise ValueError(f"enable_lora: model type {model_type!r} cannot carry LoRA adapters in pagedllm; "
-                         f"supported: {', '.join(LORA_MODEL_TYPES)}")
+                         f"supported: {', '.join(LORA_MODEL_TYPES)} and, on the attention projections only, "
+                         f"{', '.join(LORA_ATTENTION_ONLY_MODEL_TYPES)}")
     hidden = hf_config.hidden_size
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
@@ -46,8 +51,10 @@ def base_module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
     per_layer = {
         "self_attn.q_proj": (q, hidden), "self_attn.k_proj": (kv, hidden), "self_attn.v_proj": (kv, hidden),
         "self_attn.o_proj": (hidden, q),
-        "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden), "mlp.down_proj": (hidden, inter),
     }
+    if model_type in LORA_MODEL_TYPES:
+        per_layer.update({"mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
+                          "mlp.down_proj": (hidden, inter)})
     if model_type == "phi3":  # its checkpoints (and so its adapters) hold the fused matrices
         per_layer = {"self_attn.qkv_proj": (q + 2 * kv, hidden), "self_attn.o_proj": (hidden, q),
                      "mlp.gate_up_proj": (2 * inter, hidden), "mlp.down_proj": (hidden, inter)}
