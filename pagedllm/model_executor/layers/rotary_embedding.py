@@ -49,10 +49,9 @@ def partial_rotary_factor(hf_config: Any) -> float:
 def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
     """[head_dim] int64: the checkpoint dim each of a head's dims takes (new[j] = old[order[j]]) so that rotary pair
     (i, i + r/2), i < r/2, sits at (i, i + D/2) and the D - r other dims at the pairs the table leaves unturned."""
-    half, r_half = head_dim // 2, rotary_dim // 2
-    rest = (head_dim - rotary_dim) // 2
+    r_half, rest = rotary_dim // 2, (head_dim - rotary_dim) // 2
     return torch.cat([torch.arange(r_half), torch.arange(rotary_dim, rotary_dim + rest),
-                      torch.arange(r_half, rotary_dim), torch.arange(rotary_dim + rest, head_dim)]).long()[:2 * half]
+                      torch.arange(r_half, rotary_dim), torch.arange(rotary_dim + rest, head_dim)]).long()
 
 
 def _default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
