@@ -1,6 +1,7 @@
-"""A MoE model with the engine's other features: n-gram speculation (drafts verified in multi-row steps through
-the experts) and prefix caching give the plain greedy tokens; a LoRA adapter on the attention projections equals
-transformers + peft; DeepSeek's latent attention with prefix caching and speculation too."""
+"""A MoE model with the engine's other features: n-gram and dense-draft speculation (drafts verified in
+multi-row steps through the experts) and prefix caching give the plain greedy tokens; a LoRA adapter on the
+attention projections equals transformers + peft; DeepSeek's latent attention with prefix caching and speculation
+too."""
 
 from __future__ import annotations
 
@@ -69,3 +70,18 @@ def test_lora_on_the_attention_of_a_moe_equals_peft(tmp_path) -> None:
         want.append(ids[len(prompt):])
     assert ours == want
     assert ours != plain  # the adapter mattered
+
+
+def test_a_dense_draft_model_keeps_the_moe_greedy_tokens(tmp_path) -> None:
+    """A small dense model of the same vocabulary drafts for a MoE target; verification runs k + 1 rows a request
+    through the experts."""
+    from helpers.arch_configs import save_tiny
+
+    path, _ = save_tiny_moe("qwen3moe-e8-top3", tmp_path / "moe")
+    draft, _ = save_tiny("Qwen2ForCausalLM", tmp_path / "draft", seed=1)
+    plain, _ = _greedy(path, PROMPTS)
+    drafted, llm = _greedy(path, PROMPTS, speculative_config={
+        "method": "draft_model", "model": draft, "num_speculative_tokens": 3, "disable_by_batch_size": None,
+        "auto_disable": False})
+    assert drafted == plain
+    assert llm.engine.core.scheduler.spec_stats.num_drafts > 0
