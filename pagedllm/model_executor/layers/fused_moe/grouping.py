@@ -49,7 +49,8 @@ def group_by_expert(weights: torch.Tensor, ids: torch.Tensor, num_experts: int) 
     other tokens)."""
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # Not bincount: on CUDA it reads the largest id back to the host, which a CUDA graph cannot record.
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
     ends = torch.cumsum(counts, 0, dtype=torch.int32)
     return ExpertGroups(token_of=order // ids.shape[1], weight=weights.reshape(-1)[order].unsqueeze(1), ends=ends,
                         order=order)
