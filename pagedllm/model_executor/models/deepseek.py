@@ -32,7 +32,7 @@ cached latent are the same on every rank (a rank caches one latent head, as one 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -51,7 +51,7 @@ from pagedllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
 from pagedllm.model_executor.layers.rotary_embedding import RopeStep, rope_settings, rope_type_of
 from pagedllm.model_executor.models.blocks import GatedMLP, make_linear
 from pagedllm.model_executor.models.llama import LlamaForCausalLM
-from pagedllm.model_executor.models.weight_loading import STACKED_EXPERTS, WeightMapping
+from pagedllm.model_executor.models.weight_loading import STACKED_EXPERTS, WeightMapping, beyond_the_decoder
 
 # transformers builds the latent norms with RMSNorm's default epsilon, not the config's rms_norm_eps.
 _LATENT_NORM_EPS = 1e-6
@@ -228,13 +228,6 @@ class DeepseekMoE(DirectCall, nn.Module):
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
-def beyond_the_decoder(name: str, num_layers: int) -> bool:
-    """Whether checkpoint tensor ``name`` belongs to a multi-token-prediction module stored as decoder layers past
-    the last (DeepSeek-V3's and GLM-4.5's ``num_nextn_predict_layers``), which decoding here does not use."""
-    parts = name.split(".")
-    return len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= num_layers
-
-
 def sigmoid_routing_rule(cfg: Any, arch: str) -> RoutingRule:
     """DeepSeek-V3's router (``noaux_tc``: sigmoid scores, a correction bias, groups), as GLM-4.5 uses it too."""
     method = getattr(cfg, "topk_method", None) or "noaux_tc"
@@ -246,6 +239,29 @@ def sigmoid_routing_rule(cfg: Any, arch: str) -> RoutingRule:
                        renormalize=bool(cfg.norm_topk_prob), num_groups=int(cfg.n_group or 1),
                        topk_groups=int(cfg.topk_group or 1),
                        scaling=float(getattr(cfg, "routed_scaling_factor", 1.0) or 1.0))
+
+
+def sparse_layer(cfg: Any, layer_idx: int) -> bool:
+    """Whether layer ``layer_idx`` routes experts: ``mlp_layer_types`` ("dense" / "sparse") where the config lists
+    them (GLM-4.7-Flash), else from ``first_k_dense_replace`` and ``moe_layer_freq``."""
+    kinds = getattr(cfg, "mlp_layer_types", None)
+    if kinds:
+        return kinds[layer_idx] == "sparse"
+    freq = int(getattr(cfg, "moe_layer_freq", 1) or 1)
+    first_sparse = int(getattr(cfg, "first_k_dense_replace", 0) or 0)
+    return bool(cfg.n_routed_experts) and layer_idx >= first_sparse and layer_idx % freq == 0
+
+
+def dense_or_moe(cfg: Any, layer_idx: int, dtype: torch.dtype, quant_config: Any, prefix: str,
+                 routing: Callable[[], tuple[RoutingRule, bool]]) -> nn.Module:
+    """Layer ``layer_idx``'s feed-forward block in DeepSeek's arrangement (its V2 / V3 and the families that took
+    it: GLM-4.5, dots.llm1): a dense MLP, or a ``DeepseekMoE`` routed by ``routing()`` -> (rule, whether the
+    router has a score correction bias)."""
+    if not sparse_layer(cfg, layer_idx):
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "hidden_act", "silu"), dtype=dtype,
+                        quant_config=quant_config, prefix=prefix)
+    rule, correction_bias = routing()
+    return DeepseekMoE(cfg, rule, correction_bias, dtype, quant_config, prefix)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -286,23 +302,8 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         return MultiHeadLatentAttention(cfg, layer_idx, spec, dtype, quant_config, prefix)
 
     @classmethod
-    def sparse_layer(cls, cfg: Any, layer_idx: int) -> bool:
-        """Whether layer ``layer_idx`` routes experts: ``mlp_layer_types`` ("dense" / "sparse") where the config
-        lists them (GLM-4.7-Flash), else from ``first_k_dense_replace`` and ``moe_layer_freq``."""
-        kinds = getattr(cfg, "mlp_layer_types", None)
-        if kinds:
-            return kinds[layer_idx] == "sparse"
-        freq = int(getattr(cfg, "moe_layer_freq", 1) or 1)
-        first_sparse = int(getattr(cfg, "first_k_dense_replace", 0) or 0)
-        return bool(cfg.n_routed_experts) and layer_idx >= first_sparse and layer_idx % freq == 0
-
-    @classmethod
     def make_mlp(cls, cfg: Any, layer_idx: int, dtype: torch.dtype, quant_config: Any, prefix: str) -> nn.Module:
-        if not cls.sparse_layer(cfg, layer_idx):
-            return GatedMLP(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "hidden_act", "silu"), dtype=dtype,
-                            quant_config=quant_config, prefix=prefix)
-        rule, correction_bias = cls.routing_rule(cfg)
-        return DeepseekMoE(cfg, rule, correction_bias, dtype, quant_config, prefix)
+        return dense_or_moe(cfg, layer_idx, dtype, quant_config, prefix, lambda: cls.routing_rule(cfg))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(self._deepseek_names(weights))

@@ -10,8 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.model_executor.models.blocks import GatedMLP
-from pagedllm.model_executor.models.deepseek import DeepseekMoE, sigmoid_routing_rule
+from pagedllm.model_executor.models.deepseek import dense_or_moe, sigmoid_routing_rule
 from pagedllm.model_executor.models.llama import LlamaForCausalLM
 from pagedllm.model_executor.models.weight_loading import STACKED_EXPERTS, STACKED_QKV_GATE_UP, WeightMapping
 
@@ -25,7 +24,5 @@ class Dots1ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def make_mlp(cls, cfg: Any, layer_idx: int, dtype: torch.dtype, quant_config: Any, prefix: str) -> nn.Module:
-        if not cfg.n_routed_experts or layer_idx < cfg.first_k_dense_replace:
-            return GatedMLP(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "hidden_act", "silu"), dtype=dtype,
-                            quant_config=quant_config, prefix=prefix)
-        return DeepseekMoE(cfg, sigmoid_routing_rule(cfg, cls.__name__), True, dtype, quant_config, prefix)
+        return dense_or_moe(cfg, layer_idx, dtype, quant_config, prefix,
+                            lambda: (sigmoid_routing_rule(cfg, cls.__name__), True))

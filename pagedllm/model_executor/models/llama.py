@@ -107,7 +107,7 @@ class LlamaForCausalLM(CausalLM):
     qk_norm_per_head = True  # False: q/k norms over the whole projection (OLMoE)
     attention_sinks = False  # a learned per-head logit in each softmax's denominator (gpt-oss)
     # Only part of each head rotates (``partial_rotary_factor``); the family reorders its q/k rows at load
-    # (``rotary_embedding.partial_rotary_order``).
+    # (``weight_loading.partial_rotary_checkpoint``).
     partial_rotary = False
     weight_mapping = WeightMapping(stacked=STACKED_QKV_GATE_UP, skip=("rotary_emb.inv_freq",))
 

@@ -5,13 +5,13 @@ weights the unbiased scores renormalised (``fused_moe/routing.py``'s ``sigmoid_t
 
 Checkpoints name the block ``block_sparse_moe`` with Mixtral's per-expert ``w1`` / ``w3`` / ``w2``. Partial rotary
 runs on the full-width kernels: each head's q/k rows and its slice of the q/k norm weights are reordered at load
-(``rotary_embedding.partial_rotary_order``). The norms span every head, so one rank holds the layer whole (no tensor
+(``weight_loading.partial_rotary_checkpoint``). The norms span every head, so one rank holds the layer whole (no tensor
 parallelism, as OLMoE).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -19,13 +19,14 @@ from torch import nn
 
 from pagedllm.model_executor.layers.direct_call import DirectCall
 from pagedllm.model_executor.layers.fused_moe import FusedMoE, RoutingRule
-from pagedllm.model_executor.layers.rotary_embedding import partial_rotary_factor, partial_rotary_order
-from pagedllm.model_executor.models.blocks import head_dim_of, make_linear
-from pagedllm.model_executor.models.deepseek import beyond_the_decoder
+from pagedllm.model_executor.models.blocks import make_linear
 from pagedllm.model_executor.models.llama import LlamaForCausalLM
-from pagedllm.model_executor.models.weight_loading import STACKED_EXPERTS, STACKED_QKV_GATE_UP, WeightMapping
-
-_HEAD_ROWS = (".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.q_norm.weight", ".self_attn.k_norm.weight")
+from pagedllm.model_executor.models.weight_loading import (
+    STACKED_EXPERTS,
+    STACKED_QKV_GATE_UP,
+    WeightMapping,
+    partial_rotary_checkpoint,
+)
 
 
 class MiniMaxM2MoE(DirectCall, nn.Module):
@@ -60,17 +61,4 @@ class MiniMaxM2ForCausalLM(LlamaForCausalLM):
         return MiniMaxM2MoE(cfg, dtype, quant_config, prefix)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(self._reordered(weights))
-
-    def _reordered(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Each head's q/k dims (rows, and the norms' weights) reordered for the full-width rotary kernels; layers
-        past the decoder's (a multi-token-prediction module) left out."""
-        cfg = self.config
-        head_dim = head_dim_of(cfg)
-        order = partial_rotary_order(head_dim, int(head_dim * partial_rotary_factor(cfg)))
-        for name, tensor in weights:
-            if beyond_the_decoder(name, cfg.num_hidden_layers):
-                continue
-            if any(f in name for f in _HEAD_ROWS):  # [heads * D, ...] rows or [heads * D] norm weights
-                tensor = tensor.reshape(-1, head_dim, *tensor.shape[1:])[:, order].reshape(tensor.shape)
-            yield name, tensor
+        return super().load_weights(partial_rotary_checkpoint(weights, self.config))

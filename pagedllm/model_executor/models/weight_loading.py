@@ -9,13 +9,16 @@ own ``weight_loader(param, tensor, shard_id)`` does the copy when it has one (qu
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from pagedllm.model_executor.layers.kv_cache_scales import load_kv_scale
+from pagedllm.model_executor.layers.rotary_embedding import partial_rotary_factor, partial_rotary_order
+from pagedllm.model_executor.models.blocks import head_dim_of
 
 
 @dataclass(frozen=True)
@@ -131,3 +134,30 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
         more = " ..." if len(missing) > 8 else ""
         raise ValueError(f"weights missing from the checkpoint: {missing[:8]}{more}")
     return loaded
+
+
+def beyond_the_decoder(name: str, num_layers: int) -> bool:
+    """Whether checkpoint tensor ``name`` belongs to a multi-token-prediction module stored as decoder layers past
+    the last (DeepSeek-V3's and GLM-4.5's ``num_nextn_predict_layers``), which decoding here does not use."""
+    parts = name.split(".")
+    return len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= num_layers
+
+
+# A head's dims in a checkpoint: q/k projection rows (and biases) and q/k norm weights.
+_HEAD_DIMS = (".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.q_norm.weight", ".self_attn.k_norm.weight")
+
+
+def partial_rotary_checkpoint(weights: Iterable[tuple[str, torch.Tensor]],
+                              cfg: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """A partial-rotary family's checkpoint as the full-width rotary kernels want it: each head's dims of q_proj /
+    k_proj (weights [heads * D, ...], biases [heads * D]) and of the q/k norm weights (one head's [D], or all heads'
+    [heads * D]) reordered by ``partial_rotary_order``; a multi-token-prediction layer past the decoder's left
+    out."""
+    head_dim = head_dim_of(cfg)
+    order = partial_rotary_order(head_dim, int(head_dim * partial_rotary_factor(cfg)))
+    for name, tensor in weights:
+        if beyond_the_decoder(name, cfg.num_hidden_layers):
+            continue
+        if any(f in name for f in _HEAD_DIMS):
+            tensor = tensor.reshape(-1, head_dim, *tensor.shape[1:])[:, order].reshape(tensor.shape)
+        yield name, tensor
