@@ -135,3 +135,29 @@ def chunked_prefill_and_decodes(model, a: list[int], b: list[int], block_size: i
         got_a.append(out[:1])
         got_b.append(out[1:])
     return torch.cat(got_a), torch.cat(got_b)
+
+
+def random_ids(n: int, seed: int) -> list[int]:
+    """``n`` token ids in 3..255 (a tiny model's vocabulary, no special tokens), reproducible by ``seed``."""
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def hf_logits(hf: Any, ids: list[int]) -> torch.Tensor:
+    """transformers' logits [T, vocab] float32 of one whole sequence."""
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def engine_greedy_equals_hf(path: str, hf: Any, prompts: list[list[int]], new_tokens: int = 8) -> None:
+    """Asserts that a float32 offline engine on ``path`` gives transformers' greedy ``generate`` tokens per prompt
+    (the prompts batched together)."""
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(path, dtype="float32", kv_cache_dtype="float32", max_model_len=128, kv_cache_memory="8MiB")
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True),
+                        use_tqdm=False)
+    for out, prompt in zip(outs, prompts, strict=True):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+                               min_new_tokens=new_tokens)
+        assert list(out.outputs[0].token_ids) == want[0, len(prompt):].tolist()

@@ -11,7 +11,13 @@ from pagedllm.config import ModelConfig
 from pagedllm.model_executor.layers.fused_moe import RoutingRule, select_experts
 from pagedllm.model_executor.loader import load_model, resolve_model_config
 
-from helpers.model_helpers import chunked_prefill_and_decodes, prefill_logits
+from helpers.model_helpers import (
+    chunked_prefill_and_decodes,
+    engine_greedy_equals_hf,
+    hf_logits,
+    prefill_logits,
+    random_ids,
+)
 from helpers.moe_configs import DEEPSEEK_VARIANTS, save_tiny_deepseek
 
 ATOL = 2e-4
@@ -23,27 +29,18 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return request.param, path, hf, model
 
 
-def _ids(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
-
-
 def test_prefill_matches_transformers(tiny) -> None:
     _, _, hf, model = tiny
-    ids = _ids(40, seed=1)
-    torch.testing.assert_close(prefill_logits(model, ids, block_size=8), _hf_logits(hf, ids), atol=ATOL, rtol=0)
+    ids = random_ids(40, seed=1)
+    torch.testing.assert_close(prefill_logits(model, ids, block_size=8), hf_logits(hf, ids), atol=ATOL, rtol=0)
 
 
 def test_chunked_prefill_and_decodes_match_transformers(tiny) -> None:
     _, _, hf, model = tiny
-    a, b = _ids(30, seed=2), _ids(21, seed=3)
+    a, b = random_ids(30, seed=2), random_ids(21, seed=3)
     got_a, got_b = chunked_prefill_and_decodes(model, a, b)
-    torch.testing.assert_close(got_a, _hf_logits(hf, a), atol=ATOL, rtol=0)
-    torch.testing.assert_close(got_b, _hf_logits(hf, b), atol=ATOL, rtol=0)
+    torch.testing.assert_close(got_a, hf_logits(hf, a), atol=ATOL, rtol=0)
+    torch.testing.assert_close(got_b, hf_logits(hf, b), atol=ATOL, rtol=0)
 
 
 def test_the_cache_holds_one_latent_head_per_token(tiny) -> None:
@@ -58,16 +55,8 @@ def test_the_cache_holds_one_latent_head_per_token(tiny) -> None:
 
 
 def test_greedy_tokens_through_the_engine_equal_transformers(tiny) -> None:
-    from pagedllm import LLM, SamplingParams
-
     variant, path, hf, _ = tiny
-    prompts = [[1, *range(10, 30)], [1, 7, 99, 3, 42, 8], [1, *range(200, 170, -3)]]
-    llm = LLM(path, dtype="float32", kv_cache_dtype="float32", max_model_len=128, kv_cache_memory="8MiB")
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    for out, prompt in zip(outs, prompts, strict=True):
-        with torch.no_grad():
-            want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
-        assert list(out.outputs[0].token_ids) == want[0, len(prompt):].tolist(), variant
+    engine_greedy_equals_hf(path, hf, [[1, *range(10, 30)], [1, 7, 99, 3, 42, 8], [1, *range(200, 170, -3)]])
 
 
 def test_sigmoid_routing_with_groups_equals_transformers_router() -> None:
@@ -131,8 +120,8 @@ def test_multi_token_prediction_layers_are_skipped(tmp_path) -> None:
     tensors[f"model.layers.{n}.self_attn.kv_b_proj.weight"] = torch.zeros(4 * 28, 24)
     save_file(tensors, f"{path}/model.safetensors", metadata={"format": "pt"})
     model = load_model(resolve_model_config(ModelConfig(model=path, dtype="float32")))
-    ids = _ids(12, seed=4)
-    torch.testing.assert_close(prefill_logits(model, ids), _hf_logits(hf, ids), atol=ATOL, rtol=0)
+    ids = random_ids(12, seed=4)
+    torch.testing.assert_close(prefill_logits(model, ids), hf_logits(hf, ids), atol=ATOL, rtol=0)
 
 
 def test_fp8_block_checkpoint_equals_its_dequantized_model(tmp_path) -> None:
@@ -156,5 +145,31 @@ def test_fp8_block_checkpoint_equals_its_dequantized_model(tmp_path) -> None:
               metadata={"format": "pt"})
     model = load_model(resolve_model_config(ModelConfig(model=str(tmp_path / "fp8"), dtype="float32")))
     ref = load_model(resolve_model_config(ModelConfig(model=str(float_dir), dtype="float32")))
-    ids = _ids(30, seed=5)
+    ids = random_ids(30, seed=5)
     torch.testing.assert_close(prefill_logits(model, ids), prefill_logits(ref, ids), atol=2e-4, rtol=1e-4)
+
+
+def test_the_correction_bias_and_the_latent_change_the_output(tiny) -> None:
+    """The inputs these paths add are read: zeroing V3's score-correction bias changes the routing and so the
+    logits; perturbing kv_b_proj (the latent's up-projection) changes them too."""
+    from pagedllm.model_executor.models.deepseek import DeepseekRouter, LatentUpProjection
+
+    variant, _, _, model = tiny
+    ids = random_ids(24, seed=9)
+    before = prefill_logits(model, ids)
+    routers = [m for m in model.modules() if isinstance(m, DeepseekRouter) and m.e_score_correction_bias is not None]
+    latents = [m for m in model.modules() if isinstance(m, LatentUpProjection)]
+    saved = [(r.e_score_correction_bias.clone(), None) for r in routers] + [(m.w_uk.clone(), m) for m in latents]
+    try:
+        for r in routers:
+            r.e_score_correction_bias.zero_()
+        if routers:
+            assert not torch.allclose(prefill_logits(model, ids), before, atol=1e-3), variant
+            for r, (bias, _) in zip(routers, saved, strict=False):
+                r.e_score_correction_bias.copy_(bias)
+        latents[0].w_uk.mul_(1.5)
+        assert not torch.allclose(prefill_logits(model, ids), before, atol=1e-3), variant
+    finally:
+        for r, (bias, _) in zip(routers, saved, strict=False):
+            r.e_score_correction_bias.copy_(bias)
+        latents[0].w_uk.copy_(saved[len(routers)][0])
