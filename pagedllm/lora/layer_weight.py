@@ -44,7 +44,7 @@ class LoRAStepContext:
         if self.kernel is not None:  # given for float32 / bf16 models (C++) or on CUDA (Triton): worker.py
             if self.active:
                 self.kernel(y, x, weight.a_slots, weight.b_slots, weight.slot_ranks, weight.max_rank,
-                            self.row_slots[:x.shape[0]])
+                            self.row_slots[:x.shape[0]], weight.band_cols)
             return y
         plan = self.plan
         return y if plan is None else add_lora_term(y, x, weight.a_slots, weight.b_slots, plan)
@@ -77,6 +77,10 @@ class LoRAWeight(BoundWeight):
         # The rank each slot's bands use here (0: the adapter has no module on this layer): the kernel reads
         # only those columns of A and rows of B.
         self.slot_ranks = torch.zeros(self.a_slots.shape[0], dtype=torch.int32, device=self.a_slots.device)
+        # The output columns [lo, hi) each band of a slot writes (lo == hi: no module there): the kernels skip a
+        # band's rows of B outside them (a fused layer's shard) and a band no module fills.
+        self.band_cols = torch.zeros(self.a_slots.shape[0], len(self.shard_sizes), 2, dtype=torch.int32,
+                                     device=self.a_slots.device)
 
     # ---- the adapters in slots -----------------------------------------------------------------------------
     def set_slot(self, slot: int, modules: dict[int | None, LoRAModule]) -> None:
@@ -93,11 +97,13 @@ class LoRAWeight(BoundWeight):
             self.a_slots[slot, :, band:band + rank] = module.a.t()
             self.b_slots[slot, band:band + rank, rows[0]:rows[1]] = module.b.t()
             self.slot_ranks[slot] = max(int(self.slot_ranks[slot]), rank)
+            self.band_cols[slot, 0 if shard is None else shard] = torch.tensor(rows, dtype=torch.int32)
 
     def clear_slot(self, slot: int) -> None:
         self.a_slots[slot].zero_()
         self.b_slots[slot].zero_()
         self.slot_ranks[slot] = 0
+        self.band_cols[slot] = 0
 
     def _shard_rows(self, shard: int) -> tuple[int, int]:
         start = sum(self.shard_sizes[:shard])
@@ -135,5 +141,5 @@ class LoRAWeight(BoundWeight):
             return self
         weight = LoRAWeight(released, self.context, self.a_slots.shape[0], self.max_rank, self.shard_sizes,
                             (self.a_slots, self.b_slots))
-        weight.slot_ranks = self.slot_ranks
+        weight.slot_ranks, weight.band_cols = self.slot_ranks, self.band_cols
         return weight

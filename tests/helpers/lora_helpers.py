@@ -51,18 +51,26 @@ def peft_greedy(base_path: str, adapter_path: str | None, prompt: list[int], max
 
 # ---- slot buffers for the LoRA kernels' tests (tests/lora/test_lora_kernel.py, test_lora_triton.py) ----
 
-def random_slot_buffers(num_slots: int, k: int, n: int, bands: int, max_rank: int, ranks: list[int], seed: int):
-    """A [S, K, bands * max_rank], B [S, bands * max_rank, N] zero past each slot's rank (as LoRAWeight fills
-    them), and the int32 ranks."""
+def random_slot_buffers(num_slots: int, k: int, n: int, bands: int, max_rank: int, ranks: list[int], seed: int,
+                        missing: tuple[tuple[int, int], ...] = (), whole: tuple[int, ...] = ()):
+    """A [S, K, bands * max_rank], B [S, bands * max_rank, N], the int32 ranks and band_cols [S, bands, 2], as
+    LoRAWeight fills them: zero past each slot's rank; band b writes y's columns [n * b // bands, n * (b + 1) //
+    bands) (a fused layer's shard; cuts that fall inside the kernels' tiles), or all of them for the slots in
+    ``whole`` (one module over the fused layer, in band 0); the (slot, band) pairs in ``missing`` hold no module."""
     g = torch.Generator().manual_seed(seed)
     a = torch.zeros(num_slots, k, bands * max_rank)
     b = torch.zeros(num_slots, bands * max_rank, n)
+    band_cols = torch.zeros(num_slots, bands, 2, dtype=torch.int32)
     for s, rank in enumerate(ranks):
-        for band in range(bands):
+        for band in range(1 if s in whole else bands):
+            if rank == 0 or (s, band) in missing:
+                continue
+            cols = (0, n) if s in whole else (n * band // bands, n * (band + 1) // bands)
             lo = band * max_rank
             a[s, :, lo:lo + rank] = torch.randn(k, rank, generator=g) / k ** 0.5
-            b[s, lo:lo + rank] = torch.randn(rank, n, generator=g)
-    return a, b, torch.tensor(ranks, dtype=torch.int32)
+            b[s, lo:lo + rank, cols[0]:cols[1]] = torch.randn(rank, cols[1] - cols[0], generator=g)
+            band_cols[s, band] = torch.tensor(cols, dtype=torch.int32)
+    return a, b, torch.tensor(ranks, dtype=torch.int32), band_cols
 
 
 def random_row_slots(rows: int, num_slots: int, seed: int) -> list[int]:

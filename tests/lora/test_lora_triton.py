@@ -27,9 +27,10 @@ from helpers.lora_helpers import random_slot_buffers as _slots  # noqa: E402
 def test_triton_kernel_equals_the_torch_reference(rows: int, max_rank: int, dtype: torch.dtype) -> None:
     from pagedllm.kernels.triton_lora import lora_sgmv_
 
-    k, n, bands, num_slots = 96, 200, 2, 3
-    ranks = [max_rank, max_rank // 2, 0]
-    a, b, slot_ranks = _slots(num_slots, k, n, bands, max_rank, ranks, seed=rows + max_rank)
+    k, n, bands, num_slots = 96, 200, 2, 4
+    ranks = [max_rank, max_rank // 2, 0, max_rank]  # slot 1: no module on band 1; slot 3: one over both bands
+    a, b, slot_ranks, band_cols = _slots(num_slots, k, n, bands, max_rank, ranks, seed=rows + max_rank,
+                                         missing=((1, 1),), whole=(3,))
     a, b = a.to(dtype), b.to(dtype)  # bf16 rows beside bf16 slot buffers, as a bf16 model keeps them
     row_slots = [0] if rows == 1 else _row_slots(rows, num_slots, seed=rows)
     x = torch.randn(rows, k).to(dtype)
@@ -37,7 +38,7 @@ def test_triton_kernel_equals_the_torch_reference(rows: int, max_rank: int, dtyp
     want = _reference(y0.clone(), x, a.float(), b.float(), row_slots)
     got = y0.to(DEVICE, copy=True)
     lora_sgmv_(got, x.to(DEVICE), a.to(DEVICE), b.to(DEVICE), slot_ranks.to(DEVICE), max_rank,
-               torch.tensor(row_slots, dtype=torch.int32, device=DEVICE))
+               torch.tensor(row_slots, dtype=torch.int32, device=DEVICE), band_cols.to(DEVICE))
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol)
     base = torch.tensor([s < 0 or ranks[s] == 0 for s in row_slots])
@@ -69,7 +70,7 @@ def test_the_triton_kernel_in_the_engine_equals_peft(tmp_path) -> None:
     calls = []
 
     def counted(*args) -> None:
-        calls.append(args[-1].numel())
+        calls.append(args[6].numel())
         lora_sgmv_(*args)
 
     lora.context.kernel, lora._kernel_in_graphs = counted, False  # as choose_lora_kernel sets it on CUDA

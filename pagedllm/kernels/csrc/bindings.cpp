@@ -132,7 +132,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_sgmv_", step_graph::recorded<-1>("lora_sgmv_", &lora_sgmv_),
         "In place: y[t] += (x[t] @ A[s]) @ B[s] for each row t whose slot s = row_slots[t] is >= 0 (multi-LoRA)",
         py::arg("y"), py::arg("x"), py::arg("a_slots"), py::arg("b_slots"), py::arg("slot_ranks"),
-        py::arg("max_rank"), py::arg("row_slots"));
+        py::arg("max_rank"), py::arg("row_slots"), py::arg("band_cols"));
 
   // Step graphs (step_graph.h): record the kernel calls of one forward, replay them in one call.
   py::class_<step_graph::StepGraph, std::shared_ptr<step_graph::StepGraph>>(m, "StepGraph")

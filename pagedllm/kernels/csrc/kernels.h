@@ -117,7 +117,7 @@ torch::Tensor embedding_rows(const torch::Tensor& table, const torch::Tensor& id
 // lora_sgmv.cpp: y[t] += (x[t] @ A[s]) @ B[s] for each row t with slot s = row_slots[t] >= 0, in place.
 // y [T, N], x [T, K] float32 or bf16 (one dtype); A [S, K, R], B [S, R, N] float32 or bf16; R = bands * max_rank,
 // band b of slot s using columns [b * max_rank, b * max_rank + slot_ranks[s]); slot_ranks [S] int32, row_slots [T]
-// int32 (-1: no adapter).
+// int32 (-1: no adapter); band_cols [S, bands, 2] int32: the columns [lo, hi) of y band b of slot s writes.
 void lora_sgmv_(const torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a_slots,
                 const torch::Tensor& b_slots, const torch::Tensor& slot_ranks, int64_t max_rank,
-                const torch::Tensor& row_slots);
+                const torch::Tensor& row_slots, const torch::Tensor& band_cols);

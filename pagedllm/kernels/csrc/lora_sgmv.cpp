@@ -13,7 +13,9 @@
 // A [S, K, R] and B [S, R, N] are slot buffers (float32, or bf16 beside a bf16 model: half the bytes a decode
 // reads), R = bands * max_rank: band b of a fused layer (q/k/v, gate/up) lives in columns
 // [b * max_rank, b * max_rank + slot_ranks[s]) of A and the same rows of B; the columns past an adapter's rank are
-// zero and skipped. The scaling is folded into B. Arithmetic is float32; a bf16 y gets
+// zero and skipped. band_cols [S, bands, 2] gives the y columns [lo, hi) each band of a slot writes (a fused layer's
+// shard: q's band writes q's columns only), so an expand tile reads only the bands that reach it and a band an
+// adapter leaves out (lo == hi) is skipped in both passes. The scaling is folded into B. Arithmetic is float32; a bf16 y gets
 // one rounding. Each row's sums run in a fixed order whatever the batch, so a request's result never depends on
 // the rows beside it.
 //
@@ -62,11 +64,19 @@ struct Block {
 constexpr int64_t kLanes = 16;  // h columns per shrink tile: one AVX-512 register (two AVX2 ones)
 constexpr int64_t kTile = 32;   // y columns per expand tile
 
-// Whether columns [g0, g0 + w) of R hold any live column (column c is live when c % max_rank < rank).
-inline bool group_live(int64_t g0, int64_t w, int64_t max_rank, int64_t rank) {
-  for (int64_t c = g0; c < g0 + w; ++c)
-    if (c % max_rank < rank) return true;
+// Whether columns [g0, g0 + w) of R hold any live column (column c is live when c % max_rank < rank and its band
+// writes some columns of y; cols: the slot's band_cols).
+inline bool group_live(int64_t g0, int64_t w, int64_t max_rank, int64_t rank, const int32_t* cols) {
+  for (int64_t c = g0; c < g0 + w; ++c) {
+    const int64_t band = c / max_rank;
+    if (c % max_rank < rank && cols[2 * band] < cols[2 * band + 1]) return true;
+  }
   return false;
+}
+
+// Whether band b of a slot (cols: its band_cols) writes any of y's columns [c0, c0 + w).
+inline bool band_reaches(const int32_t* cols, int64_t band, int64_t c0, int64_t w) {
+  return cols[2 * band] < c0 + w && cols[2 * band + 1] > c0;
 }
 
 // Calls f.template operator()<M>() with M = count (1..kRows): the tiles' row loops get a constant trip count, so
@@ -106,10 +116,11 @@ inline void shrink_tile(const float* xf, int64_t K, const TW* a, int64_t a_strid
 // y[j][c0 + 0..w) += sum over the live r of h[j][r] * b[r][0..w) for M rows (b: B's column c0 onwards).
 template <int M, int W, typename TW, typename TY>
 inline void expand_tile(const float* h, int64_t R, const TW* b, int64_t N, int64_t bands, int64_t max_rank,
-                        int64_t rank, TY* const* yrows, int64_t c0, int64_t w_runtime) {
+                        int64_t rank, const int32_t* cols, TY* const* yrows, int64_t c0, int64_t w_runtime) {
   const int64_t w = W > 0 ? W : w_runtime;
   float acc[M][kTile] = {};
-  for (int64_t band = 0; band < bands; ++band)
+  for (int64_t band = 0; band < bands; ++band) {
+    if (!band_reaches(cols, band, c0, w)) continue;
     for (int64_t r = band * max_rank; r < band * max_rank + rank; ++r) {
       const TW* br = b + r * N;
       for (int j = 0; j < M; ++j) {
@@ -118,6 +129,7 @@ inline void expand_tile(const float* h, int64_t R, const TW* b, int64_t N, int64
         for (int64_t c = 0; c < (W > 0 ? W : w); ++c) acc[j][c] += hv * widen(br[c]);
       }
     }
+  }
   for (int j = 0; j < M; ++j) {
     TY* yr = yrows[j] + c0;
 #pragma omp simd
@@ -187,10 +199,10 @@ void run_passes(const Plan& plan, int64_t K, int64_t R, int64_t N, int64_t max_r
 // M rows of h (row stride R) over every kLanes-column group [g0, g0 + w): zeros where the slot's rank has no
 // column, else tile(g0, w).
 template <int M, typename Tile>
-inline void shrink_groups(float* hb, int64_t R, int64_t max_rank, int64_t rank, Tile&& tile) {
+inline void shrink_groups(float* hb, int64_t R, int64_t max_rank, int64_t rank, const int32_t* cols, Tile&& tile) {
   for (int64_t g0 = 0; g0 < R; g0 += kLanes) {
     const int64_t w = std::min(kLanes, R - g0);
-    if (!group_live(g0, w, max_rank, rank)) {
+    if (!group_live(g0, w, max_rank, rank, cols)) {
       for (int64_t j = 0; j < M; ++j) std::fill(hb + j * R + g0, hb + j * R + g0 + w, 0.f);
     } else {
       tile(g0, w);
@@ -241,13 +253,14 @@ PAGEDLLM_LORA_BF16 void shrink_tile_bf16(const uint16_t* const* xrows, int64_t K
 // rounded to bf16, row stride R; y rows bf16, rounded once.
 template <int M>
 PAGEDLLM_LORA_BF16 void expand_tile_bf16(const uint16_t* h16, int64_t R, const uint16_t* b, int64_t N,
-                                         int64_t bands, int64_t max_rank, int64_t rank, uint16_t* const* yrows,
-                                         int64_t c0, int64_t w) {
+                                         int64_t bands, int64_t max_rank, int64_t rank, const int32_t* cols,
+                                         uint16_t* const* yrows, int64_t c0, int64_t w) {
   const __mmask16 m0 = static_cast<__mmask16>(w >= 16 ? 0xFFFFu : (1u << w) - 1u);
   const __mmask16 m1 = static_cast<__mmask16>(w <= 16 ? 0u : w >= 32 ? 0xFFFFu : (1u << (w - 16)) - 1u);
   __m512 acc[M][2];
   for (int j = 0; j < M; ++j) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
   for (int64_t band = 0; band < bands; ++band) {
+    if (!band_reaches(cols, band, c0, w)) continue;
     const int64_t end = band * max_rank + rank;
     for (int64_t r = band * max_rank; r < end; r += 2) {
       const bool two = r + 1 < end;
@@ -278,8 +291,8 @@ PAGEDLLM_LORA_BF16 void expand_tile_bf16(const uint16_t* h16, int64_t R, const u
 
 // The whole term with the tiles above (bf16 rows, bf16 slots): h rounded to bf16 once per block.
 void sgmv_bf16(uint16_t* y, int64_t y_stride, const uint16_t* x, int64_t x_stride, const uint16_t* a,
-               const uint16_t* b, const int32_t* ranks, int64_t max_rank, const Plan& plan, int64_t K, int64_t R,
-               int64_t N) {
+               const uint16_t* b, const int32_t* ranks, const int32_t* band_cols, int64_t max_rank, const Plan& plan,
+               int64_t K, int64_t R, int64_t N) {
   const auto& blocks = plan.blocks;
   const auto& order = plan.order;
   const int64_t live = static_cast<int64_t>(order.size());
@@ -293,7 +306,7 @@ void sgmv_bf16(uint16_t* y, int64_t y_stride, const uint16_t* x, int64_t x_strid
     const uint16_t* as = a + blk.slot * K * R;
     float* hb = h.data() + blk.first * R;
     with_rows(blk.count, [&]<int M>() {
-      shrink_groups<M>(hb, R, max_rank, ranks[blk.slot],
+      shrink_groups<M>(hb, R, max_rank, ranks[blk.slot], band_cols + blk.slot * bands * 2,
                        [&](int64_t g0, int64_t w) { shrink_tile_bf16<M>(xrows, K, as + g0, R, hb + g0, R, w); });
     });
     for (int64_t i = 0; i < blk.count * R; ++i) {
@@ -309,8 +322,8 @@ void sgmv_bf16(uint16_t* y, int64_t y_stride, const uint16_t* x, int64_t x_strid
     for (int64_t j = 0; j < blk.count; ++j) yrows[j] = y + order[blk.first + j] * y_stride;
     with_rows(blk.count, [&]<int M>() {
       for (int64_t c0 = n0; c0 < n0 + width; c0 += kTile)
-        expand_tile_bf16<M>(h16.data() + blk.first * R, R, bs, N, bands, max_rank, ranks[blk.slot], yrows, c0,
-                            std::min(kTile, n0 + width - c0));
+        expand_tile_bf16<M>(h16.data() + blk.first * R, R, bs, N, bands, max_rank, ranks[blk.slot],
+                            band_cols + blk.slot * bands * 2, yrows, c0, std::min(kTile, n0 + width - c0));
     });
   };
   run_passes(plan, K, R, N, max_rank, shrink, expand);
@@ -319,8 +332,8 @@ void sgmv_bf16(uint16_t* y, int64_t y_stride, const uint16_t* x, int64_t x_strid
 
 template <typename TX, typename TY, typename TW>
 void sgmv(TY* y, int64_t y_stride, const TX* x, int64_t x_stride, const TW* a, const TW* b,
-          const int32_t* ranks, int64_t max_rank, const int32_t* row_slots, int64_t T, int64_t S, int64_t K,
-          int64_t R, int64_t N) {
+          const int32_t* ranks, const int32_t* band_cols, int64_t max_rank, const int32_t* row_slots, int64_t T,
+          int64_t S, int64_t K, int64_t R, int64_t N) {
   const Plan plan = plan_blocks(ranks, row_slots, T, S);
   const auto& blocks = plan.blocks;
   const auto& order = plan.order;
@@ -331,8 +344,8 @@ void sgmv(TY* y, int64_t y_stride, const TX* x, int64_t x_stride, const TW* a, c
     static const bool dot_bf16 = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
     if (dot_bf16) {
       sgmv_bf16(reinterpret_cast<uint16_t*>(y), y_stride, reinterpret_cast<const uint16_t*>(x), x_stride,
-                reinterpret_cast<const uint16_t*>(a), reinterpret_cast<const uint16_t*>(b), ranks, max_rank, plan,
-                K, R, N);
+                reinterpret_cast<const uint16_t*>(a), reinterpret_cast<const uint16_t*>(b), ranks, band_cols,
+                max_rank, plan, K, R, N);
       return;
     }
   }
@@ -352,7 +365,8 @@ void sgmv(TY* y, int64_t y_stride, const TX* x, int64_t x_stride, const TW* a, c
     const TW* as = a + blk.slot * K * R;
     float* hb = h.data() + blk.first * R;
     with_rows(blk.count, [&]<int M>() {
-      shrink_groups<M>(hb, R, max_rank, ranks[blk.slot], [&](int64_t g0, int64_t w) {
+      shrink_groups<M>(hb, R, max_rank, ranks[blk.slot], band_cols + blk.slot * bands * 2,
+                       [&](int64_t g0, int64_t w) {
         if (w == kLanes) shrink_tile<M, kLanes, TW>(xf.data(), K, as + g0, R, hb + g0, R, kLanes);
         else shrink_tile<M, 0, TW>(xf.data(), K, as + g0, R, hb + g0, R, w);
       });
@@ -362,14 +376,15 @@ void sgmv(TY* y, int64_t y_stride, const TX* x, int64_t x_stride, const TW* a, c
     const Block& blk = blocks[bi];
     const TW* bs = b + blk.slot * R * N;
     const int64_t rank = ranks[blk.slot];
+    const int32_t* cols = band_cols + blk.slot * bands * 2;
     const float* hb = h.data() + blk.first * R;
     TY* yrows[kRows];
     for (int64_t j = 0; j < blk.count; ++j) yrows[j] = y + order[blk.first + j] * y_stride;
     with_rows(blk.count, [&]<int M>() {
       for (int64_t c0 = n0; c0 < n0 + width; c0 += kTile) {
         const int64_t w = std::min(kTile, n0 + width - c0);
-        if (w == kTile) expand_tile<M, kTile, TW>(hb, R, bs + c0, N, bands, max_rank, rank, yrows, c0, kTile);
-        else expand_tile<M, 0, TW>(hb, R, bs + c0, N, bands, max_rank, rank, yrows, c0, w);
+        if (w == kTile) expand_tile<M, kTile, TW>(hb, R, bs + c0, N, bands, max_rank, rank, cols, yrows, c0, kTile);
+        else expand_tile<M, 0, TW>(hb, R, bs + c0, N, bands, max_rank, rank, cols, yrows, c0, w);
       }
     });
   };
@@ -389,7 +404,7 @@ void with_row_type(const torch::Tensor& t, F&& f) {
 
 void lora_sgmv_(const torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a_slots,
                 const torch::Tensor& b_slots, const torch::Tensor& slot_ranks, int64_t max_rank,
-                const torch::Tensor& row_slots) {
+                const torch::Tensor& row_slots, const torch::Tensor& band_cols) {
   for (const auto* t : {&y, &x})
     TORCH_CHECK((t->scalar_type() == torch::kFloat32 || t->scalar_type() == torch::kBFloat16) && t->dim() == 2 &&
                     t->stride(1) == 1,
@@ -410,7 +425,14 @@ void lora_sgmv_(const torch::Tensor& y, const torch::Tensor& x, const torch::Ten
   TORCH_CHECK(row_slots.scalar_type() == torch::kInt32 && row_slots.dim() == 1 && row_slots.size(0) == T &&
                   row_slots.is_contiguous(),
               "lora_sgmv_: row_slots must be int32 [T]");
+  TORCH_CHECK(band_cols.scalar_type() == torch::kInt32 && band_cols.dim() == 3 && band_cols.size(0) == S &&
+                  band_cols.size(1) == R / max_rank && band_cols.size(2) == 2 && band_cols.is_contiguous(),
+              "lora_sgmv_: band_cols must be int32 [S, R / max_rank, 2]");
   const int32_t* ranks = slot_ranks.data_ptr<int32_t>();
+  const int32_t* cols = band_cols.data_ptr<int32_t>();
+  for (int64_t i = 0; i < band_cols.numel(); i += 2)
+    TORCH_CHECK(0 <= cols[i] && cols[i] <= cols[i + 1] && cols[i + 1] <= N, "lora_sgmv_: band_cols entry ", i / 2,
+                " is [", cols[i], ", ", cols[i + 1], "), not a range of 0..", N);
   for (int64_t s = 0; s < S; ++s)
     TORCH_CHECK(ranks[s] >= 0 && ranks[s] <= max_rank, "lora_sgmv_: slot ", s, " has rank ", ranks[s],
                 " outside 0..", max_rank);
@@ -419,7 +441,7 @@ void lora_sgmv_(const torch::Tensor& y, const torch::Tensor& x, const torch::Ten
     with_row_type(a_slots, [&](auto we) {
       using TW = decltype(we);
       sgmv<TX, TX, TW>(y.data_ptr<TX>(), y.stride(0), x.data_ptr<TX>(), x.stride(0), a_slots.data_ptr<TW>(),
-                       b_slots.data_ptr<TW>(), ranks, max_rank, row_slots.data_ptr<int32_t>(), T, S, K, R, N);
+                       b_slots.data_ptr<TW>(), ranks, cols, max_rank, row_slots.data_ptr<int32_t>(), T, S, K, R, N);
     });
   });
 }
