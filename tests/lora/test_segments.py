@@ -68,6 +68,8 @@ def test_fused_layer_bands_keep_shards_apart() -> None:
     q = LoRAModule(torch.randn(3, k), torch.randn(6, 3))
     v = LoRAModule(torch.randn(2, k), torch.randn(4, 2))
     weight.set_slot(1, {0: q, 2: v})
+    # each band's output columns (what the kernels read B's rows for): q's and v's shard, none for k
+    assert weight.band_cols[1].tolist() == [[0, 6], [0, 0], [10, 14]] and not weight.band_cols[0].any()
     x = torch.randn(3, k)
     plain = base.matmul(x)
     torch.testing.assert_close(weight.fast_matmul()(x, None, None), plain)  # no plan: the base alone
@@ -79,3 +81,6 @@ def test_fused_layer_bands_keep_shards_apart() -> None:
     torch.testing.assert_close(y, expected)
     weight.clear_slot(1)
     torch.testing.assert_close(weight.matmul(x), plain)
+    assert not weight.band_cols.any()
+    weight.set_slot(0, {None: LoRAModule(torch.randn(2, k), torch.randn(14, 2))})  # one module over q/k/v whole
+    assert weight.band_cols[0].tolist() == [[0, 14], [0, 0], [0, 0]]
