@@ -13,11 +13,11 @@
 // A [S, K, R] and B [S, R, N] are slot buffers (float32, or bf16 beside a bf16 model: half the bytes a decode
 // reads), R = bands * max_rank: band b of a fused layer (q/k/v, gate/up) lives in columns
 // [b * max_rank, b * max_rank + slot_ranks[s]) of A and the same rows of B; the columns past an adapter's rank are
-// zero and skipped. band_cols [S, bands, 2] gives the y columns [lo, hi) each band of a slot writes (a fused layer's
-// shard: q's band writes q's columns only), so an expand tile reads only the bands that reach it and a band an
-// adapter leaves out (lo == hi) is skipped in both passes. The scaling is folded into B. Arithmetic is float32; a bf16 y gets
-// one rounding. Each row's sums run in a fixed order whatever the batch, so a request's result never depends on
-// the rows beside it.
+// zero and skipped. band_cols [S, bands, 2] gives the y columns [lo, hi) each band of a slot writes (a fused
+// layer's shard: q's band writes q's columns only), so an expand tile reads only the bands that reach it and a band
+// an adapter leaves out (lo == hi) is skipped in both passes. The scaling is folded into B. Arithmetic is float32;
+// a bf16 y gets one rounding. Each row's sums run in a fixed order whatever the batch, so a request's result
+// never depends on the rows beside it.
 //
 // bf16 rows with bf16 slot buffers on a CPU with AVX-512 BF16 take vdpbf16ps tiles instead (32 products per
 // instruction where the float path widens each bf16 value and multiplies 16 at a time): pairs of A's rows (k, k+1)
@@ -383,8 +383,10 @@ void sgmv(TY* y, int64_t y_stride, const TX* x, int64_t x_stride, const TW* a, c
     with_rows(blk.count, [&]<int M>() {
       for (int64_t c0 = n0; c0 < n0 + width; c0 += kTile) {
         const int64_t w = std::min(kTile, n0 + width - c0);
-        if (w == kTile) expand_tile<M, kTile, TW>(hb, R, bs + c0, N, bands, max_rank, rank, cols, yrows, c0, kTile);
-        else expand_tile<M, 0, TW>(hb, R, bs + c0, N, bands, max_rank, rank, cols, yrows, c0, w);
+        if (w == kTile)
+          expand_tile<M, kTile, TW>(hb, R, bs + c0, N, bands, max_rank, rank, cols, yrows, c0, kTile);
+        else
+          expand_tile<M, 0, TW>(hb, R, bs + c0, N, bands, max_rank, rank, cols, yrows, c0, w);
       }
     });
   };
