@@ -55,13 +55,23 @@ def test_an_int8_layer_keeps_its_kernel_and_adds_the_term() -> None:
     assert "LoRA" in layer.packed.describe() and layer.packed.base is base
 
 
-def test_ngram_speculation_with_an_adapter_is_lossless(setup) -> None:
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model", "layer_skip"])
+def test_speculation_with_an_adapter_is_lossless(setup, method: str) -> None:
+    """Every proposer (a separate draft model and the target's first layer propose as they do for the base model)
+    and the target verifying with the adapter: the adapter's greedy tokens, as transformers + peft give them."""
     base, adapter, expected = setup
+    config = {"method": method, "num_speculative_tokens": 3}
+    if method == "ngram":
+        config.update(prompt_lookup_min=1, prompt_lookup_max=3)
+    elif method == "draft_model":
+        config["model"] = base  # the base model drafts, without the adapter
+    elif method == "layer_skip":
+        config["num_draft_layers"] = 1
     llm = LLM(base, enable_lora=True, dtype="float32", kv_cache_dtype="float32", kv_cache_memory="8MiB",
-              max_model_len=128, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                     "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+              max_model_len=128, speculative_config=config)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=LoRARequest("a", 1, adapter))
     assert [list(o.outputs[0].token_ids) for o in outs] == expected
+    assert llm.engine.core.scheduler.spec_stats.num_draft_tokens > 0  # drafts were proposed and verified
 
 
 @pytest.mark.slow  # an engine process start
